@@ -1,0 +1,57 @@
+"""The project's error hierarchy.
+
+Every error a user can cause has a class here, and its message names the parameter, the
+value received and what would be valid, e.g. ``epsilon must be finite and > 0, got -1.0``.
+Servicers map these classes to gRPC status codes in one place (``common.grpc_errors``), and
+the binaries map them to exit codes (``common.exit_codes``).
+"""
+
+from __future__ import annotations
+
+
+class DpfedError(Exception):
+    """Base class of every error raised on purpose by dpfed."""
+
+
+class ConfigError(DpfedError):
+    """A configuration file, flag or certificate path is missing or invalid."""
+
+
+class ValidationError(DpfedError, ValueError):
+    """An argument, schema, request or data value is invalid."""
+
+
+class SchemaError(ValidationError):
+    """A schema file is malformed, or data does not match the schema."""
+
+
+class DataError(ValidationError):
+    """A data file or table cannot be read as the schema declares."""
+
+
+class BudgetExceededError(DpfedError):
+    """A release would exceed a site's privacy budget; nothing was drawn or released."""
+
+
+class ProtocolError(DpfedError):
+    """A peer sent a message that breaks the dpfed wire protocol."""
+
+
+class IdempotencyConflictError(DpfedError):
+    """A task id was reused with a different payload."""
+
+
+class AuthenticationError(DpfedError):
+    """The peer's certificate does not identify an allowed principal."""
+
+
+class PermissionDeniedError(DpfedError):
+    """The authenticated principal may not call this method."""
+
+
+class NotFoundError(DpfedError):
+    """A job, site or result that was asked for does not exist."""
+
+
+class QuorumError(DpfedError):
+    """Fewer sites answered a job than its ``min_sites`` requires."""

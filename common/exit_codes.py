@@ -1,0 +1,29 @@
+"""Exit codes of the dpfed binaries (``dpfed``, ``dpfed-site``, ``dpfed-aggregator``).
+
+Scripts and service managers can tell failures apart by these numbers; each binary prints a
+one-line reason on stderr before exiting with one of them.
+"""
+
+from __future__ import annotations
+
+OK = 0
+#: An unexpected internal error (a bug: please report it with the log).
+INTERNAL_ERROR = 1
+#: Bad command-line usage (argparse's own code).
+USAGE = 2
+#: A configuration file or flag is missing or invalid.
+CONFIG_ERROR = 3
+#: A data file, table or schema cannot be read or does not match.
+DATA_ERROR = 4
+#: A certificate or key is missing, unreadable or does not chain to the federation CA.
+CERTIFICATE_ERROR = 5
+#: The coordinator could not be reached within the connect timeout.
+COORDINATOR_UNREACHABLE = 6
+#: The coordinator refused this site (unknown identity, schema mismatch, ...).
+REJECTED_BY_COORDINATOR = 7
+#: A job failed (quorum not reached, all sites refused, ...).
+JOB_FAILED = 8
+#: The privacy budget does not allow the request.
+BUDGET_EXCEEDED = 9
+#: Interrupted by SIGINT.
+INTERRUPTED = 130
