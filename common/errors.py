@@ -17,6 +17,14 @@ class ConfigError(DpfedError):
     """A configuration file, flag or certificate path is missing or invalid."""
 
 
+class CertificateError(ConfigError):
+    """A certificate or key is missing, unreadable, malformed or does not chain to the CA.
+
+    A ``ConfigError`` (it is found at start-up, from a path in the configuration), kept
+    apart so the binaries can exit with ``exit_codes.CERTIFICATE_ERROR``.
+    """
+
+
 class ValidationError(DpfedError, ValueError):
     """An argument, schema, request or data value is invalid."""
 
