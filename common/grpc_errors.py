@@ -1,0 +1,49 @@
+"""Map dpfed's errors to gRPC status codes, in one place.
+
+Status details never contain data values: error messages in dpfed name parameters, ids and
+counts only.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from common.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    ConfigError,
+    DpfedError,
+    IdempotencyConflictError,
+    NotFoundError,
+    PermissionDeniedError,
+    ProtocolError,
+    QuorumError,
+    ValidationError,
+)
+
+_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
+    (BudgetExceededError, grpc.StatusCode.FAILED_PRECONDITION),
+    (QuorumError, grpc.StatusCode.FAILED_PRECONDITION),
+    (IdempotencyConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code that reports ``exc`` to a caller (INTERNAL for anything unexpected)."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def details_for(exc: BaseException) -> str:
+    """The status message: dpfed's own message, or a generic one for unexpected errors."""
+    if isinstance(exc, DpfedError):
+        return str(exc)
+    return "internal error in the coordinator (see its log)"
