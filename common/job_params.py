@@ -1,0 +1,73 @@
+"""Parameters of each job kind, validated identically by the coordinator and the sites.
+
+The coordinator validates a job's parameters when an analyst submits it (a clear
+INVALID_ARGUMENT instead of a job that fails at every site); each site validates the task it
+receives again, because a site trusts nothing that comes over the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import ValidationError
+from common.mechanisms import CALIBRATIONS, gaussian_sigma
+from common.validation import check_choice, check_int, check_positive
+
+
+def _unknown(params: Mapping[str, Any], known: set[str], kind: str) -> None:
+    extra = sorted(set(params) - known)
+    if extra:
+        raise ValidationError(f"unknown {kind} parameter(s) {extra}; known: {sorted(known)}")
+
+
+@dataclass(frozen=True)
+class PCAParams:
+    """Parameters of a ``pca`` job (DPdisPCA).
+
+    Attributes
+    ----------
+    n_components : int
+        K, the dimension of the subspace returned.
+    rank : int
+        R, the number of eigenpairs each site sends (default 2K, as in DPdisPCA).
+    calibration : {"analytic", "classic"}
+        Gaussian calibration (classic only where it is DP).
+    clip_norm : float or None
+        Public row-norm bound after per-column scaling (``common.features.UnitBallMap``);
+        None means no clipping.
+    """
+
+    n_components: int
+    rank: int
+    calibration: str = "analytic"
+    clip_norm: float | None = None
+
+    @classmethod
+    def from_mapping(cls, params: Mapping[str, Any], *, n_features: int) -> PCAParams:
+        """Validate raw parameters against a schema with ``n_features`` numeric features."""
+        _unknown(params, {"n_components", "rank", "calibration", "clip_norm"}, "pca")
+        if "n_components" not in params:
+            raise ValidationError("pca needs n_components (K)")
+        k = check_int(params["n_components"], "n_components", minimum=1, maximum=n_features)
+        rank = params.get("rank")
+        r = min(2 * k, n_features) if rank is None else check_int(
+            rank, "rank", minimum=k, maximum=n_features)
+        calibration = check_choice(params.get("calibration", "analytic"), "calibration",
+                                   CALIBRATIONS)
+        clip = params.get("clip_norm")
+        clip_norm = None if clip is None else check_positive(clip, "clip_norm")
+        return cls(k, r, calibration, clip_norm)
+
+    def check_privacy(self, epsilon: float, delta: float) -> None:
+        """Raise if (epsilon, delta, calibration) cannot be calibrated (e.g. classic at eps=10)."""
+        gaussian_sigma(epsilon, delta, 1.0, self.calibration)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The canonical form sent to sites."""
+        out: dict[str, Any] = {"n_components": self.n_components, "rank": self.rank,
+                               "calibration": self.calibration}
+        if self.clip_norm is not None:
+            out["clip_norm"] = self.clip_norm
+        return out

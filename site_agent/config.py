@@ -1,0 +1,226 @@
+"""The site agent's configuration (``site.toml``) and its validation.
+
+Example (paths are relative to the file)::
+
+    [coordinator]
+    address = "coordinator.example.org:50051"
+    # server_name = "coordinator.example.org"   # TLS name, when dialling an IP address
+    connect_timeout_s = 120     # give up (exit 6) if never connected within this time
+
+    [tls]
+    ca = "kit/ca.pem"
+    cert = "kit/site.pem"
+    key = "kit/site.key"
+
+    [data]
+    path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
+    schema = "schema.toml"
+    # format = "csv"  table = "patients"  query = "SELECT ..."  delimiter = ","
+    chunk_rows = 65536
+    on_missing = "drop"         # drop | error
+    on_invalid = "drop"         # drop | error
+    on_out_of_range = "clip"    # clip | drop | error
+
+    [ledger]
+    path = "ledger.sqlite"
+
+    [budget]
+    epsilon = 10.0
+    delta = 1e-5
+    accountant = "basic"        # basic | zcdp
+
+    [policy]
+    allowed_jobs = ["pca"]
+    max_epsilon_per_task = 2.0
+
+    [logging]
+    level = "INFO"
+    # file = "site.log"
+
+The site's identity is the id in its certificate; it is deliberately not a config key.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from common.accounting import BudgetPolicy
+from common.encoding import RowPolicy
+from common.errors import ConfigError, ValidationError
+from common.toml_config import Section, read_toml
+
+log = logging.getLogger(__name__)
+
+#: Job kinds a site can run (the task handlers registered in ``site_agent.handlers``).
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca",)
+DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Certificate files (the federation CA, this principal's certificate and key)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the site's table lives and how problem rows are handled."""
+
+    path: Path
+    schema: Path
+    format: str | None = None
+    table: str | None = None
+    query: str | None = None
+    delimiter: str = ","
+    chunk_rows: int = 65536
+    row_policy: RowPolicy = RowPolicy()
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """Everything ``dpfed-site`` needs to run."""
+
+    source: str
+    coordinator_address: str
+    server_name: str | None
+    connect_timeout_s: float
+    tls: TlsConfig | None
+    data: DataConfig
+    ledger_path: Path
+    budget: BudgetPolicy
+    allowed_jobs: tuple[str, ...]
+    log_level: str = "INFO"
+    log_file: Path | None = None
+    #: Test/demo only: derive noise deterministically from this seed and the task id. Never
+    #: reachable from the network; the agent logs a warning when it is set.
+    deterministic_noise_seed: int | None = None
+
+    @property
+    def insecure(self) -> bool:
+        """True when TLS is disabled (development only)."""
+        return self.tls is None
+
+
+def _tls(section: Section, insecure: bool) -> TlsConfig | None:
+    if insecure:
+        return None
+    ca = section.path("ca", required=True)
+    cert = section.path("cert", required=True)
+    key = section.path("key", required=True)
+    assert ca is not None and cert is not None and key is not None
+    return TlsConfig(ca, cert, key)
+
+
+def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SiteConfig:
+    """Read and validate ``site.toml``; ``overrides`` (from flags) win over the file.
+
+    Recognised overrides: ``coordinator``, ``data``, ``ledger``, ``log_level``, ``insecure``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the file and key, for anything missing or invalid.
+    """
+    overrides = overrides or {}
+    p = Path(path)
+    doc = read_toml(p)
+    source = str(p)
+    root = Section(doc, "", source, p.resolve().parent)
+
+    coord = root.section("coordinator")
+    address = overrides.get("coordinator") or coord.str("address")
+    if not address:
+        raise ConfigError(
+            f"{source}: no coordinator address: set [coordinator] address = \"host:port\" "
+            "or pass --coordinator HOST:PORT")
+    if ":" not in address.rsplit("]", 1)[-1]:
+        raise ConfigError(f"{source}: coordinator.address must be host:port, got {address!r}")
+    server_name = coord.str("server_name") or None
+    timeout = coord.number("connect_timeout_s", 120.0, positive=True)
+    coord.check_unknown()
+
+    tls_section = root.section("tls")
+    insecure = bool(overrides.get("insecure")) or tls_section.boolean("insecure", False)
+    tls = _tls(tls_section, insecure)
+    tls_section.check_unknown()
+
+    data = root.section("data", required=True)
+    data_path = Path(overrides["data"]) if overrides.get("data") else data.path("path",
+                                                                                 required=True)
+    schema_path = data.path("schema", required=True)
+    fmt = data.str("format")
+    if fmt is not None and fmt not in DATA_FORMATS:
+        raise ConfigError(f"{source}: data.format must be one of {DATA_FORMATS}, got {fmt!r}")
+    try:
+        row_policy = RowPolicy(
+            missing=data.str("on_missing", "drop") or "drop",
+            invalid=data.str("on_invalid", "drop") or "drop",
+            out_of_range=data.str("on_out_of_range", "clip") or "clip",
+        )
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: [data] {exc}") from None
+    delimiter = data.str("delimiter", ",") or ","
+    if len(delimiter) != 1:
+        raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
+    assert data_path is not None and schema_path is not None
+    data_cfg = DataConfig(
+        path=data_path, schema=schema_path, format=fmt, table=data.str("table") or None,
+        query=data.str("query") or None, delimiter=delimiter,
+        chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
+    )
+    data.check_unknown()
+
+    ledger = root.section("ledger")
+    ledger_path = Path(overrides["ledger"]) if overrides.get("ledger") else ledger.path(
+        "path", "ledger.sqlite")
+    ledger.check_unknown()
+
+    budget = root.section("budget", required=True)
+    policy = root.section("policy")
+    try:
+        budget_policy = BudgetPolicy(
+            epsilon=budget.number("epsilon", required=True) or 0.0,
+            delta=budget.number("delta", required=True) or 0.0,
+            accountant=budget.str("accountant", "basic") or "basic",
+            max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
+        )
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    budget.check_unknown()
+    allowed = policy.str_list("allowed_jobs", list(KNOWN_JOB_KINDS))
+    unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
+    if unknown_kinds:
+        raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "
+                          f"known: {list(KNOWN_JOB_KINDS)}")
+    policy.check_unknown()
+
+    logging_section = root.section("logging")
+    level = overrides.get("log_level") or logging_section.str("level", "INFO") or "INFO"
+    if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"{source}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
+                          f"got {level!r}")
+    log_file = logging_section.path("file")
+    logging_section.check_unknown()
+
+    testing = root.section("testing")
+    seed = testing.integer("deterministic_noise_seed", None, minimum=0)
+    testing.check_unknown()
+    root.check_unknown()
+    assert ledger_path is not None and timeout is not None
+    return SiteConfig(
+        source=source, coordinator_address=address, server_name=server_name,
+        connect_timeout_s=timeout, tls=tls, data=data_cfg, ledger_path=ledger_path,
+        budget=budget_policy, allowed_jobs=tuple(allowed), log_level=level.upper(),
+        log_file=log_file, deterministic_noise_seed=seed,
+    )
+
+
+def with_overrides(config: SiteConfig, **changes: Any) -> SiteConfig:
+    """Return a copy of ``config`` with fields replaced (used by tests and simulate)."""
+    return replace(config, **changes)
