@@ -1,0 +1,876 @@
+"""The site's durable privacy ledger: check-and-charge, store the release, replay retries.
+
+DESIGN.md invariant 4 ("Ledger first, durable, idempotent") lives here. Every value a site
+sends is produced by :meth:`Ledger.charge_and_release`, which in **one** SQLite transaction
+
+1. looks the task id up (a retry gets the stored bytes back and draws no fresh noise),
+2. derives what the site has spent from the stored events and checks the request against the
+   site's :class:`~common.accounting.BudgetPolicy` (over budget: nothing is drawn),
+3. calls the caller's ``release()`` (which draws the noise), and
+4. inserts the event together with the released bytes and commits,
+
+and only then hands the bytes back. So a value can leave the site only after its charge is on
+disk, and a charge is on disk only together with the exact bytes it paid for.
+
+Storage
+-------
+One SQLite file with three tables (see ``_SCHEMA``):
+
+``dpfed_ledger_schema``
+    One row naming the application and the schema version, so that a file which is not a
+    ledger, or was written by a newer dpfed, is refused instead of silently reinterpreted.
+``ledger_events``
+    One row per charged task (task id is the primary key, i.e. UNIQUE): job id, kind,
+    mechanism, epsilon, delta, rho, sensitivity, noise scale, payload digest, the released
+    bytes and their SHA-256, and the UTC time. There is **no running-total column**: totals
+    are always derived from the events (as Google's ``dp_accounting`` and Opacus do, see
+    ``shared/research/reliability.md`` section 3), so the ledger cannot drift from its own
+    history. Triggers make the table append-only.
+``ledger_refusals``
+    Tasks refused for the operator's information (over budget, or a task id reused for a
+    different payload). A refusal charges nothing.
+
+Connections and pragmas
+-----------------------
+Every connection the ledger opens (:meth:`Ledger._connect`) sets:
+
+``PRAGMA busy_timeout``
+    A writer that finds the write lock taken waits (up to ``busy_timeout_s``) instead of
+    failing at once with "database is locked". ``release()`` runs while the lock is held, so
+    the timeout must exceed the longest release of any process sharing the file.
+``PRAGMA foreign_keys=ON``
+    SQLite leaves foreign keys unenforced unless each connection asks; the schema has none
+    today, but any added later is then enforced from the start.
+``PRAGMA journal_mode=WAL``
+    Write-ahead logging: readers (``dpfed-site ledger``, status queries) never block the
+    writer and the writer never blocks them; a crash leaves either the whole transaction or
+    none of it. The mode is persisted in the file; setting it again is a no-op.
+``PRAGMA synchronous=FULL`` (reads back as 2)
+    In WAL mode, FULL fsyncs the WAL on every commit. With NORMAL, a committed transaction
+    "might roll back following a power loss or system crash" (sqlite.org/pragma.html) -- a
+    charge we already acted on could vanish and its budget be spent twice. Unlike the journal
+    mode, ``synchronous`` is per connection, so it is set (and verified) on every connection.
+
+Why one connection per call (not one per thread)
+------------------------------------------------
+Each public method opens its own connection and closes it before returning. Nothing is
+shared between threads (``sqlite3`` connections are not meant to be used from several threads
+at once), no connection ever survives a ``fork()`` (SQLite forbids using a connection inherited
+across fork), and there is no per-thread state to leak when handler threads come and go.
+Opening a connection and setting four pragmas costs well under a millisecond, which is
+nothing next to a DP task. SQLite's own file locks then make the ledger safe across threads
+and processes alike.
+
+Why ``BEGIN IMMEDIATE``
+-----------------------
+Check-then-spend must be atomic across processes: two tasks that each fit the remaining budget
+alone must not both pass the check. ``BEGIN IMMEDIATE`` takes the database's single write lock
+*before* the spent total is read, so no other writer can commit between our check and our
+insert. A plain (deferred) ``BEGIN`` would read first and try to take the lock at the insert;
+in WAL mode the loser then fails with ``SQLITE_BUSY_SNAPSHOT`` *without* waiting for the busy
+timeout, i.e. a spurious error after its noise was already drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import sqlite3
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
+from common.errors import (
+    BudgetExceededError,
+    ConfigError,
+    DpfedError,
+    IdempotencyConflictError,
+    ValidationError,
+)
+from common.validation import check_nonnegative, check_positive
+
+logger = logging.getLogger(__name__)
+
+#: Name stored in the schema table; a file without it is not a dpfed ledger.
+APPLICATION = "dpfed-ledger"
+#: Version of the table layout this module writes and reads.
+SCHEMA_VERSION = 1
+#: Longest task id, job id, kind or mechanism name accepted.
+MAX_ID_LENGTH = 200
+
+REFUSAL_BUDGET = "budget_exceeded"
+REFUSAL_CONFLICT = "idempotency_conflict"
+
+_SCHEMA_TABLE = "dpfed_ledger_schema"
+_EVENTS_TABLE = "ledger_events"
+_REFUSALS_TABLE = "ledger_refusals"
+_DIGEST_RE = re.compile(r"[0-9a-f]{32,128}")
+
+# Column types are enforced with CHECK(typeof(...)) rather than STRICT tables, which would
+# make the file unreadable by SQLite < 3.37 (still shipped by some long-term-support distros).
+_SCHEMA: tuple[str, ...] = (
+    f"""CREATE TABLE {_SCHEMA_TABLE} (
+        id          INTEGER PRIMARY KEY CHECK (id = 1),
+        application TEXT    NOT NULL,
+        version     INTEGER NOT NULL,
+        created_at  TEXT    NOT NULL
+    )""",
+    f"""CREATE TABLE {_EVENTS_TABLE} (
+        task_id        TEXT    PRIMARY KEY NOT NULL
+                               CHECK (length(task_id) BETWEEN 1 AND {MAX_ID_LENGTH}),
+        seq            INTEGER NOT NULL UNIQUE CHECK (seq >= 1),
+        job_id         TEXT    NOT NULL CHECK (length(job_id) >= 1),
+        kind           TEXT    NOT NULL CHECK (length(kind) >= 1),
+        mechanism      TEXT    NOT NULL CHECK (length(mechanism) >= 1),
+        epsilon        REAL    NOT NULL CHECK (typeof(epsilon) = 'real' AND epsilon > 0),
+        delta          REAL    NOT NULL CHECK (typeof(delta) = 'real' AND delta >= 0
+                                               AND delta < 1),
+        rho            REAL    NOT NULL CHECK (typeof(rho) = 'real' AND rho > 0),
+        sensitivity    REAL    NOT NULL CHECK (typeof(sensitivity) = 'real'
+                                               AND sensitivity >= 0),
+        noise_scale    REAL    NOT NULL CHECK (typeof(noise_scale) = 'real'
+                                               AND noise_scale >= 0),
+        payload_digest TEXT    NOT NULL CHECK (length(payload_digest) BETWEEN 32 AND 128),
+        result         BLOB    NOT NULL CHECK (typeof(result) = 'blob'),
+        result_digest  TEXT    NOT NULL CHECK (length(result_digest) = 64),
+        created_at     TEXT    NOT NULL
+    )""",
+    # A charge, once committed, is history: refuse UPDATE and DELETE inside SQLite itself.
+    f"""CREATE TRIGGER ledger_events_no_update BEFORE UPDATE ON {_EVENTS_TABLE}
+        BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+    f"""CREATE TRIGGER ledger_events_no_delete BEFORE DELETE ON {_EVENTS_TABLE}
+        BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+    f"""CREATE TABLE {_REFUSALS_TABLE} (
+        seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+        task_id        TEXT    NOT NULL,
+        job_id         TEXT    NOT NULL,
+        kind           TEXT    NOT NULL,
+        mechanism      TEXT    NOT NULL,
+        epsilon        REAL    NOT NULL,
+        delta          REAL    NOT NULL,
+        rho            REAL    NOT NULL,
+        payload_digest TEXT    NOT NULL,
+        reason         TEXT    NOT NULL
+                               CHECK (reason IN ('{REFUSAL_BUDGET}', '{REFUSAL_CONFLICT}')),
+        message        TEXT    NOT NULL,
+        created_at     TEXT    NOT NULL
+    )""",
+)
+_REQUIRED_TABLES = frozenset({_SCHEMA_TABLE, _EVENTS_TABLE, _REFUSALS_TABLE})
+
+_EVENT_COLUMNS = ("seq, task_id, job_id, kind, mechanism, epsilon, delta, rho, sensitivity, "
+                  "noise_scale, payload_digest, result_digest, length(result), created_at")
+_REFUSAL_COLUMNS = ("seq, task_id, job_id, kind, mechanism, epsilon, delta, rho, "
+                    "payload_digest, reason, message, created_at")
+
+
+class LedgerCorruptionError(DpfedError):
+    """A stored event no longer matches its own digest; the ledger file was damaged."""
+
+
+@dataclass(frozen=True)
+class LedgerEvent:
+    """One charged task, as stored in the ledger.
+
+    Attributes
+    ----------
+    seq : int
+        Position in the ledger (1 = oldest).
+    task_id, job_id, kind : str
+        The task's idempotency key, its job, and the task type (``"pca"``, ``"svt"``, ...).
+    mechanism : str
+        Mechanism name from the charged :class:`~common.accounting.PrivacyCost`.
+    epsilon, delta, rho, sensitivity, noise_scale : float
+        The charged cost and how the noise was calibrated.
+    payload_digest : str
+        Hex digest of the task payload, as given by the caller.
+    result_digest : str
+        SHA-256 (hex) of the released bytes.
+    result_size : int
+        Length of the released bytes.
+    created_at : str
+        UTC time of the charge, ISO-8601 with microseconds (``2026-05-09T07:35:25.123456+00:00``).
+    """
+
+    seq: int
+    task_id: str
+    job_id: str
+    kind: str
+    mechanism: str
+    epsilon: float
+    delta: float
+    rho: float
+    sensitivity: float
+    noise_scale: float
+    payload_digest: str
+    result_digest: str
+    result_size: int
+    created_at: str
+
+    @property
+    def cost(self) -> PrivacyCost:
+        """The charged cost as a :class:`~common.accounting.PrivacyCost`."""
+        return PrivacyCost(self.epsilon, self.delta, self.rho, self.mechanism,
+                           self.sensitivity, self.noise_scale)
+
+
+@dataclass(frozen=True)
+class LedgerOutcome:
+    """What :meth:`Ledger.charge_and_release` returns.
+
+    Attributes
+    ----------
+    result : bytes
+        The released bytes (fresh, or the stored bytes of an earlier identical task).
+    replayed : bool
+        True when the task id was already charged and the stored bytes were returned.
+    event : LedgerEvent
+        The ledger event the bytes belong to.
+    """
+
+    result: bytes = field(repr=False)
+    replayed: bool
+    event: LedgerEvent
+
+
+@dataclass(frozen=True)
+class RefusalRecord:
+    """A task the ledger refused (nothing was charged, drawn or released).
+
+    Attributes
+    ----------
+    seq : int
+        Position among refusals (1 = oldest).
+    task_id, job_id, kind, mechanism : str
+        The refused task.
+    epsilon, delta, rho : float
+        What it asked to spend.
+    payload_digest : str
+        Hex digest of its payload.
+    reason : str
+        ``"budget_exceeded"`` or ``"idempotency_conflict"``.
+    message : str
+        The error message the caller received.
+    created_at : str
+        UTC time, ISO-8601.
+    """
+
+    seq: int
+    task_id: str
+    job_id: str
+    kind: str
+    mechanism: str
+    epsilon: float
+    delta: float
+    rho: float
+    payload_digest: str
+    reason: str
+    message: str
+    created_at: str
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A validated charge request (internal)."""
+
+    task_id: str
+    job_id: str
+    kind: str
+    payload_digest: str
+    cost: PrivacyCost
+
+
+class Ledger:
+    """A site's durable, idempotent privacy ledger in one SQLite file.
+
+    Parameters
+    ----------
+    path : str or Path
+        The ledger file. Created (with its tables) if absent or empty; its directory must exist
+        and be writable (SQLite keeps ``-wal`` and ``-shm`` files beside it). Must be on a local
+        filesystem: WAL mode needs shared memory, which network filesystems do not provide.
+    policy : BudgetPolicy
+        The site's budget and accountant. It is applied to the stored events at every check, so
+        an operator may change it between restarts; past events are never rewritten.
+    busy_timeout_s : float
+        How long a writer waits for another writer's transaction (including that writer's
+        ``release()``) before giving up with ``sqlite3.OperationalError``.
+
+    Raises
+    ------
+    ConfigError
+        The path is not usable, is not an SQLite database, is an SQLite database that is not
+        a dpfed ledger, was written by a newer schema version, or cannot be put in WAL mode.
+
+    Notes
+    -----
+    Thread- and process-safe: see the module docstring for the connection-per-call choice and
+    for why each pragma and ``BEGIN IMMEDIATE`` are used.
+    """
+
+    def __init__(self, path: str | Path, policy: BudgetPolicy, *,
+                 busy_timeout_s: float = 120.0) -> None:
+        if not isinstance(policy, BudgetPolicy):
+            raise ValidationError(
+                f"policy must be a common.accounting.BudgetPolicy, got {type(policy).__name__}")
+        if not isinstance(path, str | os.PathLike) or os.fspath(path) in ("", b""):
+            raise ConfigError(f"ledger path must be a non-empty str or Path, got {path!r}")
+        self._path = Path(os.fsdecode(path))
+        self._policy = policy
+        self._busy_timeout_s = check_positive(busy_timeout_s, "busy_timeout_s")
+        self._closed = False
+        if self._path.is_dir():
+            raise ConfigError(f"ledger path {self._path} is a directory, expected a file")
+        if not self._path.parent.is_dir():
+            raise ConfigError(
+                f"ledger path {self._path}: directory {self._path.parent} does not exist")
+        self._open_or_create()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def path(self) -> Path:
+        """The ledger file."""
+        return self._path
+
+    @property
+    def policy(self) -> BudgetPolicy:
+        """The budget policy checks are made against."""
+        return self._policy
+
+    # ------------------------------------------------------------------ connections
+
+    def _raw_connect(self) -> sqlite3.Connection:
+        """Open a connection with only the busy timeout set (no write happens here)."""
+        try:
+            # isolation_level=None: no implicit BEGIN; this module issues every BEGIN itself.
+            conn = sqlite3.connect(str(self._path), timeout=self._busy_timeout_s,
+                                   isolation_level=None)
+        except sqlite3.Error as exc:
+            raise ConfigError(f"ledger {self._path} cannot be opened: {exc}") from exc
+        conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
+        return conn
+
+    def _configure(self, conn: sqlite3.Connection) -> None:
+        """Set foreign_keys, WAL and synchronous=FULL on ``conn`` and verify them."""
+        conn.execute("PRAGMA foreign_keys = ON")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConfigError(
+                f"ledger {self._path} cannot use write-ahead logging (journal_mode is {mode!r}); "
+                "put the ledger on a local filesystem, not in memory or on a network share")
+        conn.execute("PRAGMA synchronous = FULL")
+        level = conn.execute("PRAGMA synchronous").fetchone()[0]
+        if level != 2:  # 2 == FULL; anything else would not fsync each commit
+            raise ConfigError(f"ledger {self._path}: PRAGMA synchronous reads {level}, not 2")
+
+    def _connect(self) -> sqlite3.Connection:
+        """Open a fully configured connection (one per call; see the module docstring)."""
+        conn = self._raw_connect()
+        try:
+            self._configure(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        if self._closed:
+            raise DpfedError(f"ledger {self._path} is closed")
+        conn = self._connect()
+        try:
+            yield conn
+        finally:
+            _rollback_quietly(conn)  # an exception (e.g. from release()) undoes the charge
+            conn.close()
+
+    def connection_pragmas(self) -> dict[str, Any]:
+        """Return the pragmas of a connection opened the way every ledger call opens one.
+
+        For diagnostics and tests: ``{"journal_mode": "wal", "synchronous": 2,
+        "foreign_keys": 1, "busy_timeout_ms": ...}``.
+        """
+        with self._connection() as conn:
+            return {
+                "journal_mode": str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower(),
+                "synchronous": int(conn.execute("PRAGMA synchronous").fetchone()[0]),
+                "foreign_keys": int(conn.execute("PRAGMA foreign_keys").fetchone()[0]),
+                "busy_timeout_ms": int(conn.execute("PRAGMA busy_timeout").fetchone()[0]),
+            }
+
+    # ------------------------------------------------------------------ schema
+
+    @staticmethod
+    def _table_names(conn: sqlite3.Connection) -> set[str]:
+        rows = conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+        ).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def _check_identity(self, conn: sqlite3.Connection, tables: set[str]) -> None:
+        """Raise ConfigError unless ``tables`` (non-empty) are those of a readable ledger."""
+        if _SCHEMA_TABLE not in tables:
+            shown = ", ".join(sorted(tables)[:5])
+            raise ConfigError(
+                f"{self._path} is an SQLite database but not a dpfed ledger (it has tables "
+                f"{shown} and no {_SCHEMA_TABLE}); refusing to use it as the privacy ledger")
+        row = conn.execute(
+            f"SELECT application, version FROM {_SCHEMA_TABLE} WHERE id = 1").fetchone()
+        if row is None or row[0] != APPLICATION:
+            raise ConfigError(f"{self._path} is not a dpfed ledger (its {_SCHEMA_TABLE} table "
+                              f"does not name {APPLICATION!r})")
+        version = row[1]
+        if not isinstance(version, int) or version < 1:
+            raise ConfigError(f"ledger {self._path} has an invalid schema version {version!r}")
+        if version > SCHEMA_VERSION:
+            raise ConfigError(
+                f"ledger {self._path} has schema version {version}, newer than this dpfed "
+                f"reads ({SCHEMA_VERSION}); upgrade dpfed instead of opening it with this one")
+        missing = _REQUIRED_TABLES - tables
+        if missing:
+            raise ConfigError(f"ledger {self._path} is damaged: missing table(s) "
+                              f"{', '.join(sorted(missing))}")
+
+    def _open_or_create(self) -> None:
+        """Verify the file is ours (or empty) before changing it; create the tables if absent."""
+        conn = self._raw_connect()
+        try:
+            # Identify the file *before* switching it to WAL: a foreign database is left
+            # untouched (setting journal_mode=WAL would rewrite its header).
+            tables = self._table_names(conn)
+            if tables:
+                self._check_identity(conn, tables)
+            self._configure(conn)
+            # Creation is one transaction under the write lock, so processes opening a new
+            # file at the same moment create it exactly once, and a crash mid-way leaves an
+            # empty file (the DDL rolls back), never half a schema.
+            conn.execute("BEGIN IMMEDIATE")
+            tables = self._table_names(conn)
+            if tables:
+                self._check_identity(conn, tables)
+            else:
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute(
+                    f"INSERT INTO {_SCHEMA_TABLE} (id, application, version, created_at) "
+                    "VALUES (1, ?, ?, ?)", (APPLICATION, SCHEMA_VERSION, _utc_now()))
+                logger.info("[Ledger.open] created ledger %s (schema version %d)",
+                            self._path, SCHEMA_VERSION)
+            conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise ConfigError(
+                f"ledger {self._path} cannot be used as an SQLite database: {exc}") from exc
+        finally:
+            _rollback_quietly(conn)
+            conn.close()
+
+    # ------------------------------------------------------------------ charging
+
+    def charge_and_release(self, *, task_id: str, job_id: str, kind: str, payload_digest: str,
+                           cost: PrivacyCost, release: Callable[[], bytes]) -> LedgerOutcome:
+        """Charge ``cost`` for ``task_id`` and release its bytes, at most once per task id.
+
+        Parameters
+        ----------
+        task_id : str
+            Idempotency key chosen by the coordinator, reused on every retry of the task;
+            1 to 200 printable characters.
+        job_id, kind : str
+            The job the task belongs to and its type; part of the task's identity.
+        payload_digest : str
+            Hex digest (32 to 128 lowercase hex characters, e.g. SHA-256) of the task payload.
+            A retry must carry the same digest.
+        cost : PrivacyCost
+            What the release spends. ``epsilon`` and ``rho`` must be > 0 (a zero in either would
+            make the release free under one of the two accountants); all fields finite.
+        release : callable
+            Draws the noise and returns the bytes to send. Called at most once, only after the
+            budget check passed, while the ledger's write lock is held; it must not use this
+            ledger itself (it would wait for its own lock).
+
+        Returns
+        -------
+        LedgerOutcome
+            ``replayed=False`` with the fresh bytes, returned only after the charge and the
+            bytes were committed together; or ``replayed=True`` with the stored bytes of an
+            earlier identical task (``release`` not called, nothing charged).
+
+        Raises
+        ------
+        ValidationError
+            An argument is malformed (nothing is read or written).
+        IdempotencyConflictError
+            ``task_id`` was already charged for a different payload digest, job or kind.
+            Nothing is charged; a refusal row is recorded.
+        BudgetExceededError
+            The cost does not fit the policy beside what was spent. ``release`` is not called
+            (no noise is drawn); a refusal row is recorded, no event.
+        LedgerCorruptionError
+            The stored bytes of a replayed task no longer match their digest.
+        sqlite3.OperationalError
+            The write lock stayed taken longer than ``busy_timeout_s``; nothing was charged.
+        Exception
+            Whatever ``release`` raised, after the transaction was rolled back (no charge).
+
+        Privacy
+        -------
+        This is where invariants 2 and 4 of DESIGN.md are enforced. Composition: the spent
+        total is recomputed from every stored event at each check, under basic sequential
+        composition (Dwork & Roth 2014, Thm. 3.16: epsilons and deltas add) or zCDP (Bun &
+        Steinke 2016, Lemma 2.3: rhos add, converted to (epsilon, delta) only for the cap).
+        A retry returns the identical stored bytes: releasing the same output again is
+        post-processing and costs nothing, whereas redrawing noise would let a caller average
+        fresh noise for free. A refused task draws nothing, so it reveals nothing about the
+        data (only that the budget, which is public to the operator, ran out).
+        """
+        request = _validate_request(task_id, job_id, kind, payload_digest, cost)
+        if not callable(release):
+            raise ValidationError(f"release must be callable, got {type(release).__name__}")
+        with self._connection() as conn:
+            # Fast path for retries of finished tasks, without taking the write lock (events
+            # are append-only, so a committed row seen here is final). This keeps a retry
+            # from waiting behind another task's long release(); the authoritative look-up
+            # is repeated under the lock below.
+            stored = _select_event_with_result(conn, request.task_id)
+            if stored is not None:
+                return self._replay(conn, request, *stored)
+
+            conn.execute("BEGIN IMMEDIATE")  # step 1: write lock before the check
+            stored = _select_event_with_result(conn, request.task_id)
+            if stored is not None:
+                conn.execute("ROLLBACK")
+                return self._replay(conn, request, *stored)
+
+            spent, n_events = _spent_from(conn)  # step 2: derived from events, under the lock
+            try:
+                self._policy.check(spent, request.cost)
+            except BudgetExceededError as exc:
+                conn.execute("ROLLBACK")  # nothing was drawn, nothing is charged
+                self._record_refusal(conn, request, REFUSAL_BUDGET, str(exc))
+                logger.warning("[Ledger.charge_and_release] refused task %s (job %s): %s",
+                               request.task_id, request.job_id, exc)
+                raise
+
+            result = release()  # step 3: the noise is drawn only now
+            if isinstance(result, bytearray | memoryview):
+                result = bytes(result)
+            if not isinstance(result, bytes):
+                raise ValidationError(
+                    f"release() must return bytes, got {type(result).__name__}")
+            event = LedgerEvent(
+                seq=_next_seq(conn), task_id=request.task_id, job_id=request.job_id,
+                kind=request.kind, mechanism=request.cost.mechanism,
+                epsilon=request.cost.epsilon, delta=request.cost.delta, rho=request.cost.rho,
+                sensitivity=request.cost.sensitivity, noise_scale=request.cost.noise_scale,
+                payload_digest=request.payload_digest,
+                result_digest=hashlib.sha256(result).hexdigest(), result_size=len(result),
+                created_at=_utc_now())
+            conn.execute(  # step 4: charge and bytes in the same transaction
+                f"INSERT INTO {_EVENTS_TABLE} (task_id, seq, job_id, kind, mechanism, epsilon, "
+                "delta, rho, sensitivity, noise_scale, payload_digest, result, result_digest, "
+                "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (event.task_id, event.seq, event.job_id, event.kind, event.mechanism,
+                 event.epsilon, event.delta, event.rho, event.sensitivity, event.noise_scale,
+                 event.payload_digest, result, event.result_digest, event.created_at))
+            conn.execute("COMMIT")  # durable (WAL fsync) before the bytes are handed back
+        logger.info("[Ledger.charge_and_release] charged task %s (job %s, %s, %s): epsilon "
+                    "%.6g, delta %.3g, rho %.6g; %d events before it", event.task_id,
+                    event.job_id, event.kind, event.mechanism, event.epsilon, event.delta,
+                    event.rho, n_events)
+        return LedgerOutcome(result, False, event)
+
+    def _replay(self, conn: sqlite3.Connection, request: _Request, event: LedgerEvent,
+                result: bytes) -> LedgerOutcome:
+        """Return the stored bytes of an already-charged task, or refuse a conflicting reuse."""
+        if (event.payload_digest, event.job_id, event.kind) != (
+                request.payload_digest, request.job_id, request.kind):
+            message = (
+                f"task_id {request.task_id!r} was already charged for a different task "
+                f"(stored job {event.job_id!r}, kind {event.kind!r}, payload digest "
+                f"{event.payload_digest[:16]}...; got job {request.job_id!r}, kind "
+                f"{request.kind!r}, digest {request.payload_digest[:16]}...); a retry must "
+                "resend the identical task, a new task needs a new task_id")
+            self._record_refusal(conn, request, REFUSAL_CONFLICT, message)
+            logger.warning("[Ledger.charge_and_release] %s", message)
+            raise IdempotencyConflictError(message)
+        if hashlib.sha256(result).hexdigest() != event.result_digest:
+            raise LedgerCorruptionError(
+                f"ledger {self._path}: stored result of task {event.task_id!r} does not match "
+                "its SHA-256; the file was damaged, refusing to replay it")
+        logger.info("[Ledger.charge_and_release] replayed task %s (job %s), no new charge",
+                    event.task_id, event.job_id)
+        return LedgerOutcome(result, True, event)
+
+    def _record_refusal(self, conn: sqlite3.Connection, request: _Request, reason: str,
+                        message: str) -> None:
+        """Record a refusal in its own small transaction (never a charge).
+
+        A failure to record it is logged, not raised: the caller must still see the refusal
+        itself, and nothing was charged either way.
+        """
+        cost = request.cost
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                f"INSERT INTO {_REFUSALS_TABLE} (task_id, job_id, kind, mechanism, epsilon, "
+                "delta, rho, payload_digest, reason, message, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (request.task_id, request.job_id, request.kind, cost.mechanism, cost.epsilon,
+                 cost.delta, cost.rho, request.payload_digest, reason, message, _utc_now()))
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            _rollback_quietly(conn)
+            logger.exception("[Ledger.charge_and_release] could not record the refusal of "
+                             "task %s", request.task_id)
+
+    # ------------------------------------------------------------------ reading
+
+    def events(self) -> list[LedgerEvent]:
+        """Return every charged event, oldest first."""
+        with self._connection() as conn:
+            return _select_events(conn)
+
+    def spent(self) -> PrivacyCost:
+        """Return the composed cost of all events (derived, never a stored total)."""
+        with self._connection() as conn:
+            return _spent_from(conn)[0]
+
+    def status(self) -> BudgetStatus:
+        """Return spent and remaining budget under the policy's accountant."""
+        with self._connection() as conn:
+            spent, n_events = _spent_from(conn)
+        return self._policy.status(spent, n_events)
+
+    def refusals(self) -> list[RefusalRecord]:
+        """Return the refused tasks, oldest first (none of them was charged)."""
+        with self._connection() as conn:
+            return _select_refusals(conn)
+
+    def snapshot(self) -> tuple[list[LedgerEvent], list[RefusalRecord]]:
+        """Return events and refusals read in one consistent read transaction."""
+        with self._connection() as conn:
+            conn.execute("BEGIN")  # a deferred read transaction: one WAL snapshot for both
+            events = _select_events(conn)
+            refusals = _select_refusals(conn)
+            conn.execute("COMMIT")
+        return events, refusals
+
+    def integrity_ok(self) -> bool:
+        """Return True when ``PRAGMA integrity_check`` reports exactly ``ok``."""
+        with self._connection() as conn:
+            rows = conn.execute("PRAGMA integrity_check").fetchall()
+        return [tuple(r) for r in rows] == [("ok",)]
+
+    def close(self) -> None:
+        """Refuse further calls. No connection is held between calls, so nothing else to do."""
+        self._closed = True
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Ledger({str(self._path)!r}, accountant={self._policy.accountant!r})"
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    """Roll back an open transaction; a failing rollback must not hide the original error."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            # Closing the connection rolls the transaction back anyway.
+            logger.exception("[Ledger] rollback failed; the connection is closed instead")
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def _check_id(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValidationError(f"{name} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_ID_LENGTH or not value.isprintable():
+        raise ValidationError(
+            f"{name} must be 1 to {MAX_ID_LENGTH} printable characters, got "
+            f"{value[:40]!r}{'...' if len(value) > 40 else ''} ({len(value)} characters)")
+    return value
+
+
+def _check_digest(value: object, name: str) -> str:
+    if not isinstance(value, str) or _DIGEST_RE.fullmatch(value) is None:
+        shown = value[:20] + "..." if isinstance(value, str) and len(value) > 20 else value
+        raise ValidationError(
+            f"{name} must be a hex digest of 32 to 128 lowercase hex characters (e.g. "
+            f"hashlib.sha256(payload).hexdigest()), got {shown!r}")
+    return value
+
+
+def _validate_request(task_id: object, job_id: object, kind: object, payload_digest: object,
+                      cost: object) -> _Request:
+    """Check every argument before the ledger is touched."""
+    if not isinstance(cost, PrivacyCost):
+        raise ValidationError(
+            f"cost must be a common.accounting.PrivacyCost, got {type(cost).__name__}")
+    # PrivacyCost already rejects negative or non-finite epsilon/delta/rho; the ledger also
+    # needs the descriptive fields finite and both epsilon and rho strictly positive.
+    for name in ("epsilon", "delta", "rho", "sensitivity", "noise_scale"):
+        check_nonnegative(getattr(cost, name), f"cost.{name}")
+    for name in ("epsilon", "rho"):
+        if not getattr(cost, name) > 0:
+            raise ValidationError(
+                f"cost.{name} must be > 0 for a charged release (0 would make it free under "
+                f"the {'basic' if name == 'epsilon' else 'zcdp'} accountant), got "
+                f"{getattr(cost, name)!r}")
+    _check_id(cost.mechanism, "cost.mechanism")
+    return _Request(_check_id(task_id, "task_id"), _check_id(job_id, "job_id"),
+                    _check_id(kind, "kind"), _check_digest(payload_digest, "payload_digest"),
+                    cost)
+
+
+def _event_from_row(row: tuple[Any, ...]) -> LedgerEvent:
+    return LedgerEvent(int(row[0]), row[1], row[2], row[3], row[4], float(row[5]),
+                       float(row[6]), float(row[7]), float(row[8]), float(row[9]), row[10],
+                       row[11], int(row[12]), row[13])
+
+
+def _select_event_with_result(conn: sqlite3.Connection,
+                              task_id: str) -> tuple[LedgerEvent, bytes] | None:
+    row = conn.execute(f"SELECT {_EVENT_COLUMNS}, result FROM {_EVENTS_TABLE} "
+                       "WHERE task_id = ?", (task_id,)).fetchone()
+    if row is None:
+        return None
+    return _event_from_row(row[:-1]), bytes(row[-1])
+
+
+def _select_events(conn: sqlite3.Connection) -> list[LedgerEvent]:
+    rows = conn.execute(f"SELECT {_EVENT_COLUMNS} FROM {_EVENTS_TABLE} ORDER BY seq").fetchall()
+    return [_event_from_row(r) for r in rows]
+
+
+def _select_refusals(conn: sqlite3.Connection) -> list[RefusalRecord]:
+    rows = conn.execute(
+        f"SELECT {_REFUSAL_COLUMNS} FROM {_REFUSALS_TABLE} ORDER BY seq").fetchall()
+    return [RefusalRecord(int(r[0]), r[1], r[2], r[3], r[4], float(r[5]), float(r[6]),
+                          float(r[7]), r[8], r[9], r[10], r[11]) for r in rows]
+
+
+def _spent_from(conn: sqlite3.Connection) -> tuple[PrivacyCost, int]:
+    """Compose every stored event's cost, oldest first (the one definition of "spent")."""
+    rows = conn.execute(
+        f"SELECT epsilon, delta, rho FROM {_EVENTS_TABLE} ORDER BY seq").fetchall()
+    return PrivacyCost.total(PrivacyCost(e, d, r) for e, d, r in rows), len(rows)
+
+
+def _next_seq(conn: sqlite3.Connection) -> int:
+    row = conn.execute(f"SELECT COALESCE(MAX(seq), 0) + 1 FROM {_EVENTS_TABLE}").fetchone()
+    return int(row[0])
+
+
+# ---------------------------------------------------------------------- operator views
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def format_ledger(ledger: Ledger) -> str:
+    """Return the ledger as a readable table with totals and remaining budget.
+
+    One line per event (time, task id, job id, kind, mechanism, epsilon, delta, rho, noise
+    scale), then the composed totals, the spent and remaining budget under the policy's
+    accountant, and the number of refused tasks. Used by ``dpfed-site ledger``.
+    """
+    events, refusals = ledger.snapshot()
+    policy = ledger.policy
+    spent = PrivacyCost.total(e.cost for e in events)
+    status = policy.status(spent, len(events))
+    header = ("seq", "time (UTC)", "task id", "job id", "kind", "mechanism", "epsilon",
+              "delta", "rho", "noise scale")
+    rows = [(str(e.seq), e.created_at[:19].replace("T", " "), e.task_id, e.job_id, e.kind,
+             e.mechanism, _fmt(e.epsilon), _fmt(e.delta), _fmt(e.rho), _fmt(e.noise_scale))
+            for e in events]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    numeric = {0, 6, 7, 8, 9}
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    cap = f"epsilon {_fmt(policy.epsilon)}, delta {_fmt(policy.delta)}"
+    if policy.max_epsilon_per_task is not None:
+        cap += f", max epsilon per task {_fmt(policy.max_epsilon_per_task)}"
+    out = [f"Privacy ledger {ledger.path}", f"Policy: {policy.accountant} accountant, cap {cap}",
+           ""]
+    if rows:
+        out += [line(header), line(tuple("-" * w for w in widths))]
+        out += [line(r) for r in rows]
+    else:
+        out.append("(no events)")
+    out.append("")
+    out.append(f"Total over {len(events)} events: epsilon {_fmt(spent.epsilon)}, "
+               f"delta {_fmt(spent.delta)}, rho {_fmt(spent.rho)}")
+    if policy.accountant == "zcdp":
+        out.append(f"Spent (zCDP, rho {_fmt(status.rho_spent)} at delta {_fmt(policy.delta)}): "
+                   f"epsilon {_fmt(status.epsilon_spent)}")
+        out.append(f"Remaining: epsilon {_fmt(status.epsilon_remaining)} of "
+                   f"{_fmt(status.epsilon_cap)}")
+    else:
+        out.append(f"Spent (basic composition): epsilon {_fmt(status.epsilon_spent)}, "
+                   f"delta {_fmt(status.delta_spent)}")
+        out.append(f"Remaining: epsilon {_fmt(status.epsilon_remaining)} of "
+                   f"{_fmt(status.epsilon_cap)}, delta {_fmt(status.delta_remaining)} of "
+                   f"{_fmt(status.delta_cap)}")
+    out.append(f"Refused tasks (not charged): {len(refusals)}")
+    return "\n".join(out) + "\n"
+
+
+def ledger_as_json(ledger: Ledger) -> dict[str, Any]:
+    """Return the ledger as a JSON-serialisable dict (for ``dpfed-site ledger --json``).
+
+    Keys: ``path``, ``schema_version``, ``policy``, ``events`` (without the released bytes:
+    their SHA-256 and size instead), ``totals`` (composed sums), ``status`` (spent and
+    remaining under the accountant) and ``refusals``. All numbers are finite.
+    """
+    events, refusals = ledger.snapshot()
+    policy = ledger.policy
+    spent = PrivacyCost.total(e.cost for e in events)
+    status = policy.status(spent, len(events))
+    return {
+        "path": str(ledger.path),
+        "schema_version": SCHEMA_VERSION,
+        "policy": {"accountant": policy.accountant, "epsilon": policy.epsilon,
+                   "delta": policy.delta, "max_epsilon_per_task": policy.max_epsilon_per_task},
+        "events": [
+            {"seq": e.seq, "created_at": e.created_at, "task_id": e.task_id, "job_id": e.job_id,
+             "kind": e.kind, "mechanism": e.mechanism, "epsilon": e.epsilon, "delta": e.delta,
+             "rho": e.rho, "sensitivity": e.sensitivity, "noise_scale": e.noise_scale,
+             "payload_digest": e.payload_digest, "result_digest": e.result_digest,
+             "result_size": e.result_size}
+            for e in events],
+        "totals": {"events": len(events), "epsilon": spent.epsilon, "delta": spent.delta,
+                   "rho": spent.rho},
+        "status": {"accountant": status.accountant, "epsilon_cap": status.epsilon_cap,
+                   "delta_cap": status.delta_cap, "epsilon_spent": status.epsilon_spent,
+                   "delta_spent": status.delta_spent, "rho_spent": status.rho_spent,
+                   "epsilon_remaining": status.epsilon_remaining,
+                   "delta_remaining": status.delta_remaining},
+        "refusals": [
+            {"seq": r.seq, "created_at": r.created_at, "task_id": r.task_id, "job_id": r.job_id,
+             "kind": r.kind, "mechanism": r.mechanism, "epsilon": r.epsilon, "delta": r.delta,
+             "rho": r.rho, "payload_digest": r.payload_digest, "reason": r.reason,
+             "message": r.message}
+            for r in refusals],
+    }
