@@ -92,7 +92,7 @@ def pca_mechanism(n_rows: int, epsilon: float, delta: float,
 
 def site_cost(n_rows: int, epsilon: float, delta: float,
               calibration: str = "analytic") -> PrivacyCost:
-    """The privacy cost of :func:`site_release` (computable before any noise is drawn)."""
+    """Return the cost of :func:`site_release` (computable before any noise is drawn)."""
     return pca_mechanism(n_rows, epsilon, delta, calibration).cost()
 
 
@@ -156,7 +156,7 @@ def _flip_signs(components: np.ndarray) -> np.ndarray:
     idx = np.argmax(np.abs(components), axis=1)
     signs = np.sign(components[np.arange(components.shape[0]), idx])
     signs[signs == 0] = 1.0
-    return components * signs[:, None]
+    return np.asarray(components * signs[:, None])
 
 
 def combine(factors: list[np.ndarray], n_components: int) -> PCAEstimate:

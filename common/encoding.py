@@ -104,7 +104,7 @@ class EncodedTable:
     n_rows: int
 
     def to_frame(self) -> pd.DataFrame:
-        """Decode to a DataFrame with the schema's types (floats, ordered/unordered categoricals)."""
+        """Decode to a DataFrame with the schema's types (floats, ordered or plain categoricals)."""
         data: dict[str, Any] = {}
         for col in self.schema.columns:
             values = self.columns[col.name]
@@ -113,7 +113,7 @@ class EncodedTable:
             else:
                 labels = col.levels if col.type == "ordinal" else col.categories
                 data[col.name] = pd.Categorical.from_codes(
-                    values, categories=list(labels), ordered=col.type == "ordinal"
+                    values, categories=pd.Index(list(labels)), ordered=col.type == "ordinal"
                 )
         return pd.DataFrame(data)
 

@@ -63,3 +63,11 @@ class NotFoundError(DpfedError):
 
 class QuorumError(DpfedError):
     """Fewer sites answered a job than its ``min_sites`` requires."""
+
+
+class CoordinatorUnavailableError(DpfedError):
+    """The coordinator could not be reached (down, wrong address, or TLS handshake failure)."""
+
+
+class JobFailedError(DpfedError):
+    """A job ended in the failed state; the message carries the coordinator's reason."""

@@ -40,7 +40,7 @@ def feature_names(schema: Schema) -> tuple[str, ...]:
 
 
 def max_feature_norm(schema: Schema) -> float:
-    """The largest L2 norm a row can have after step 1 (one per column)."""
+    """Return the largest L2 norm a row can have after step 1 (one per column)."""
     return math.sqrt(len(schema.columns))
 
 

@@ -35,7 +35,7 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The status code that reports ``exc`` to a caller (INTERNAL for anything unexpected)."""
+    """Return the status code reporting ``exc`` (INTERNAL for anything unexpected)."""
     for cls, code in _STATUS:
         if isinstance(exc, cls):
             return code
@@ -43,7 +43,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def details_for(exc: BaseException) -> str:
-    """The status message: dpfed's own message, or a generic one for unexpected errors."""
+    """Return the status message: dpfed's own, or a generic one for unexpected errors."""
     if isinstance(exc, DpfedError):
         return str(exc)
     return "internal error in the coordinator (see its log)"

@@ -65,7 +65,7 @@ class PCAParams:
         gaussian_sigma(epsilon, delta, 1.0, self.calibration)
 
     def to_mapping(self) -> dict[str, Any]:
-        """The canonical form sent to sites."""
+        """Return the canonical form sent to sites."""
         out: dict[str, Any] = {"n_components": self.n_components, "rank": self.rank,
                                "calibration": self.calibration}
         if self.clip_norm is not None:

@@ -120,7 +120,8 @@ def _parse_column(index: int, table: Any, source: str) -> Column:
     where = f"{source}: columns[{index}] ({name!r})"
     ctype = table.get("type")
     if ctype not in COLUMN_TYPES:
-        raise SchemaError(f"{where}: 'type' must be one of {', '.join(COLUMN_TYPES)}, got {ctype!r}")
+        raise SchemaError(
+            f"{where}: 'type' must be one of {', '.join(COLUMN_TYPES)}, got {ctype!r}")
     unknown = set(table) - _ALLOWED_KEYS[ctype]
     if unknown:
         raise SchemaError(
@@ -254,7 +255,7 @@ class Schema:
         return "\n".join(lines) + "\n"
 
     def digest(self) -> str:
-        """Return a SHA-256 hex digest of the canonical schema (sites and coordinator compare it)."""
+        """Return the SHA-256 hex digest of the canonical schema (compared at connect time)."""
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import math
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """Certificate files: the federation CA, this principal's certificate and its key."""
+
+    ca: Path
+    cert: Path
+    key: Path
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -84,8 +94,9 @@ class Section:
             return default
         return self.data[key]
 
-    def str(self, key: str, default: str | None = None, *, required: bool = False) -> str | None:
-        """A string value."""
+    def string(self, key: str, default: str | None = None, *,
+               required: bool = False) -> str | None:
+        """Return a string value."""
         v = self.get(key, default, required=required)
         if v is not None and not isinstance(v, str):
             raise self._fail(key, "a string", v)
@@ -93,7 +104,7 @@ class Section:
 
     def number(self, key: str, default: float | None = None, *, required: bool = False,
                positive: bool = False) -> float | None:
-        """A finite number (optionally > 0)."""
+        """Return a finite number (optionally > 0)."""
         v = self.get(key, default, required=required)
         if v is None:
             return None
@@ -105,7 +116,7 @@ class Section:
 
     def integer(self, key: str, default: int | None = None, *, required: bool = False,
                 minimum: int | None = None) -> int | None:
-        """An integer value (optionally >= ``minimum``)."""
+        """Return an integer value (optionally >= ``minimum``)."""
         v = self.get(key, default, required=required)
         if v is None:
             return None
@@ -116,22 +127,22 @@ class Section:
         return v
 
     def boolean(self, key: str, default: bool = False) -> bool:
-        """A boolean value."""
+        """Return a boolean value."""
         v = self.get(key, default)
         if not isinstance(v, bool):
             raise self._fail(key, "true or false", v)
         return v
 
     def str_list(self, key: str, default: list[str] | None = None) -> list[str]:
-        """A list of strings."""
+        """Return a list of strings."""
         v = self.get(key, default if default is not None else [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise self._fail(key, "a list of strings", v)
         return list(v)
 
     def path(self, key: str, default: str | None = None, *, required: bool = False) -> Path | None:
-        """A path, resolved against the config file's directory when relative."""
-        v = self.str(key, default, required=required)
+        """Return a path, resolved against the config file's directory when relative."""
+        v = self.string(key, default, required=required)
         if v is None or v == "":
             if required:
                 raise ConfigError(f"{self.source}: {self._key(key)} must be a non-empty path")

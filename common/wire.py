@@ -49,7 +49,8 @@ def array_to_proto(array: np.ndarray) -> ProtoNDArray:
         a = a.astype(a.dtype.newbyteorder("<"))
     a = np.ascontiguousarray(a)
     if a.dtype.str not in ALLOWED_DTYPES:
-        raise ProtocolError(f"dtype {a.dtype.str} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(
+            f"dtype {a.dtype.str} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
     return ProtoNDArray(dtype=a.dtype.str, shape=list(a.shape), data=a.tobytes())
 
 
@@ -234,7 +235,8 @@ class Reassembler:
         if chunk.total_size > self.max_bytes:
             self._parts.pop(tid, None)
             raise ProtocolError(
-                f"transfer {tid!r} declares {chunk.total_size} bytes; the limit is {self.max_bytes}")
+                f"transfer {tid!r} declares {chunk.total_size} bytes; "
+                f"the limit is {self.max_bytes}")
         parts = self._parts.setdefault(tid, [])
         if chunk.index != len(parts):
             self.discard(tid)

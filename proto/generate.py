@@ -27,10 +27,10 @@ def generate(out: Path) -> list[Path]:
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     # mypy-protobuf's plugins live next to this interpreter (a venv's bin/ may not be on PATH).
     bindir = Path(sys.executable).parent
-    plugins = [
-        f"--plugin=protoc-gen-{name}={shutil.which('protoc-gen-' + name) or bindir / ('protoc-gen-' + name)}"
-        for name in ("mypy", "mypy_grpc")
-    ]
+    plugins = []
+    for name in ("mypy", "mypy_grpc"):
+        exe = shutil.which(f"protoc-gen-{name}") or str(bindir / f"protoc-gen-{name}")
+        plugins.append(f"--plugin=protoc-gen-{name}={exe}")
     args = [
         "protoc",
         *plugins,

@@ -50,22 +50,13 @@ from typing import Any
 from common.accounting import BudgetPolicy
 from common.encoding import RowPolicy
 from common.errors import ConfigError, ValidationError
-from common.toml_config import Section, read_toml
+from common.toml_config import Section, TlsConfig, read_toml
 
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``site_agent.handlers``).
 KNOWN_JOB_KINDS: tuple[str, ...] = ("pca",)
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """Certificate files (the federation CA, this principal's certificate and key)."""
-
-    ca: Path
-    cert: Path
-    key: Path
 
 
 @dataclass(frozen=True)
@@ -134,14 +125,14 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     root = Section(doc, "", source, p.resolve().parent)
 
     coord = root.section("coordinator")
-    address = overrides.get("coordinator") or coord.str("address")
+    address = overrides.get("coordinator") or coord.string("address")
     if not address:
         raise ConfigError(
             f"{source}: no coordinator address: set [coordinator] address = \"host:port\" "
             "or pass --coordinator HOST:PORT")
     if ":" not in address.rsplit("]", 1)[-1]:
         raise ConfigError(f"{source}: coordinator.address must be host:port, got {address!r}")
-    server_name = coord.str("server_name") or None
+    server_name = coord.string("server_name") or None
     timeout = coord.number("connect_timeout_s", 120.0, positive=True)
     coord.check_unknown()
 
@@ -154,24 +145,24 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data_path = Path(overrides["data"]) if overrides.get("data") else data.path("path",
                                                                                  required=True)
     schema_path = data.path("schema", required=True)
-    fmt = data.str("format")
+    fmt = data.string("format")
     if fmt is not None and fmt not in DATA_FORMATS:
         raise ConfigError(f"{source}: data.format must be one of {DATA_FORMATS}, got {fmt!r}")
     try:
         row_policy = RowPolicy(
-            missing=data.str("on_missing", "drop") or "drop",
-            invalid=data.str("on_invalid", "drop") or "drop",
-            out_of_range=data.str("on_out_of_range", "clip") or "clip",
+            missing=data.string("on_missing", "drop") or "drop",
+            invalid=data.string("on_invalid", "drop") or "drop",
+            out_of_range=data.string("on_out_of_range", "clip") or "clip",
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [data] {exc}") from None
-    delimiter = data.str("delimiter", ",") or ","
+    delimiter = data.string("delimiter", ",") or ","
     if len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
     assert data_path is not None and schema_path is not None
     data_cfg = DataConfig(
-        path=data_path, schema=schema_path, format=fmt, table=data.str("table") or None,
-        query=data.str("query") or None, delimiter=delimiter,
+        path=data_path, schema=schema_path, format=fmt, table=data.string("table") or None,
+        query=data.string("query") or None, delimiter=delimiter,
         chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
     )
     data.check_unknown()
@@ -187,7 +178,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         budget_policy = BudgetPolicy(
             epsilon=budget.number("epsilon", required=True) or 0.0,
             delta=budget.number("delta", required=True) or 0.0,
-            accountant=budget.str("accountant", "basic") or "basic",
+            accountant=budget.string("accountant", "basic") or "basic",
             max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
         )
     except ValidationError as exc:
@@ -201,7 +192,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     policy.check_unknown()
 
     logging_section = root.section("logging")
-    level = overrides.get("log_level") or logging_section.str("level", "INFO") or "INFO"
+    level = overrides.get("log_level") or logging_section.string("level", "INFO") or "INFO"
     if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"{source}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")

@@ -1,0 +1,284 @@
+"""``dpfed``: the analyst's command line, certificate tool and local simulation.
+
+    dpfed simulate [--sites N --rows R --features P --k K --epsilon E --delta D --seed S --out DIR]
+    dpfed certs init|issue|show ...
+    dpfed sites [--all]                  connected sites, rows and remaining budgets
+    dpfed budgets                        every known site's budget
+    dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
+              [--min-sites M] [--clip-norm C] --out pca.npz
+    dpfed jobs                           recent jobs
+    dpfed job ID [--watch]               one job (follow its progress with --watch)
+    dpfed fetch ID --out FILE            download a finished job's result file
+
+Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
+the environment variables DPFED_COORDINATOR, DPFED_CA, DPFED_CERT, DPFED_KEY,
+DPFED_SERVER_NAME).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from aggregator.client import Coordinator
+from common import exit_codes
+from common.certs_cli import register as register_certs
+from common.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    CertificateError,
+    ConfigError,
+    CoordinatorUnavailableError,
+    DataError,
+    DpfedError,
+    JobFailedError,
+    NotFoundError,
+    PermissionDeniedError,
+    QuorumError,
+    SchemaError,
+    ValidationError,
+)
+from common.protocol import JobEvent, JobInfo
+
+ENV = {"coordinator": "DPFED_COORDINATOR", "ca": "DPFED_CA", "cert": "DPFED_CERT",
+       "key": "DPFED_KEY", "server_name": "DPFED_SERVER_NAME"}
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection (or environment variables DPFED_*)")
+    g.add_argument("--coordinator", help="coordinator HOST:PORT [$DPFED_COORDINATOR]")
+    g.add_argument("--ca", help="federation CA certificate [$DPFED_CA]")
+    g.add_argument("--cert", help="analyst certificate [$DPFED_CERT]")
+    g.add_argument("--key", help="analyst private key [$DPFED_KEY]")
+    g.add_argument("--server-name", help="TLS name of the coordinator, when the address is not "
+                   "in its certificate [$DPFED_SERVER_NAME]")
+    g.add_argument("--timeout", type=float, default=30.0, help="per-call timeout, seconds")
+
+
+def connect(args: argparse.Namespace) -> Coordinator:
+    """Open a connection from flags or environment; ConfigError names what is missing."""
+    values = {k: getattr(args, k, None) or os.environ.get(env) for k, env in ENV.items()}
+    if not values["coordinator"]:
+        raise ConfigError("no coordinator address: pass --coordinator HOST:PORT or set "
+                          "DPFED_COORDINATOR")
+    missing = [f"--{k}" for k in ("ca", "cert", "key") if not values[k]]
+    if missing:
+        raise ConfigError(f"missing {', '.join(missing)} (an analyst certificate from "
+                          "`dpfed certs init --analysts NAME`; or set DPFED_CA/CERT/KEY)")
+    return Coordinator(values["coordinator"] or "", ca=values["ca"], cert=values["cert"],
+                       key=values["key"], server_name=values["server_name"],
+                       timeout=args.timeout)
+
+
+def print_event(event: JobEvent) -> None:
+    """One progress line per event."""
+    print(f"[{event.progress * 100:5.1f}%] {event.stage:<9} {event.message}", flush=True)
+
+
+def describe_job(job: JobInfo) -> str:
+    """Describe a job in a few readable lines."""
+    lines = [f"job {job.job_id}: {job.spec.kind} {job.state}",
+             f"  submitted by {job.submitted_by or '?'} at {job.created}, updated {job.updated}",
+             f"  epsilon={job.spec.epsilon:g} delta={job.spec.delta:g} "
+             f"params={dict(job.spec.params)}"]
+    if job.error:
+        lines.append(f"  error: {job.error}")
+    for s in job.sites:
+        spent = "" if s.spend is None else f" spent eps={s.spend.epsilon:g} delta={s.spend.delta:g}"
+        reason = f" ({s.reason})" if s.reason else ""
+        lines.append(f"  site {s.site_id}: {s.status}{reason} rows={s.row_count}{spent}")
+    if job.summary:
+        lines.append(f"  summary: {dict(job.summary)}")
+    if job.result_size:
+        lines.append(f"  result: {job.result_size} bytes (dpfed fetch {job.job_id} --out FILE)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_sites(args: argparse.Namespace) -> int:
+    """List sites."""
+    with connect(args) as coord:
+        sites = coord.sites(include_disconnected=args.all)
+    if not sites:
+        print("no sites connected")
+        return exit_codes.OK
+    print(f"{'site':<16} {'state':<12} {'rows':>10} {'eps spent':>10} {'eps left':>10} "
+          f"{'delta left':>10}  jobs")
+    for s in sites:
+        b = s.budget
+        spent = f"{b.epsilon_spent:.4g}" if b else "?"
+        left = f"{b.epsilon_remaining:.4g}" if b else "?"
+        dleft = f"{b.delta_remaining:.3g}" if b else "?"
+        state = "connected" if s.connected else "offline"
+        print(f"{s.site_id:<16} {state:<12} {s.row_count:>10} {spent:>10} {left:>10} "
+              f"{dleft:>10}  {','.join(s.allowed_kinds)}")
+    return exit_codes.OK
+
+
+def cmd_budgets(args: argparse.Namespace) -> int:
+    """List every known site's budget."""
+    with connect(args) as coord:
+        rows = coord.budgets()
+    for site_id, connected, b in rows:
+        if b is None:
+            print(f"{site_id}: no budget reported")
+            continue
+        print(f"{site_id} ({'connected' if connected else 'offline'}): {b.accountant} accountant, "
+              f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
+              f"{b.delta_spent:.3g}/{b.delta_cap:g}, rho {b.rho_spent:.6g}, {b.events} release(s)")
+    return exit_codes.OK
+
+
+def cmd_pca(args: argparse.Namespace) -> int:
+    """Run a DP-PCA job."""
+    with connect(args) as coord:
+        result = coord.pca(args.k, epsilon=args.epsilon, delta=args.delta, rank=args.rank,
+                           calibration=args.calibration, clip_norm=args.clip_norm,
+                           min_sites=args.min_sites, deadline_seconds=args.deadline,
+                           on_event=print_event)
+    path = result.save(args.out)
+    meta = result.metadata
+    print(f"wrote {path}: {result.n_components_} components over {len(result.feature_names_in_)} "
+          f"features from {len(meta.get('sites', []))} site(s), "
+          f"{meta.get('n_rows_total', '?')} rows; explained variance ratio (top 5): "
+          + ", ".join(f"{v:.3f}" for v in result.explained_variance_ratio_[:5]))
+    return exit_codes.OK
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """List recent jobs."""
+    with connect(args) as coord:
+        jobs = coord.jobs(args.limit)
+    if not jobs:
+        print("no jobs")
+    for j in jobs:
+        ok = sum(1 for s in j.sites if s.status == "ok")
+        print(f"{j.job_id}  {j.spec.kind:<6} {j.state:<10} eps={j.spec.epsilon:<6g} "
+              f"sites ok={ok}/{len(j.sites)}  {j.created}  {j.error[:60]}")
+    return exit_codes.OK
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    """Show (or follow) one job."""
+    with connect(args) as coord:
+        job = coord.watch(args.job_id, on_event=print_event) if args.watch else coord.job(
+            args.job_id)
+    print(describe_job(job))
+    return exit_codes.OK if job.state != "failed" else exit_codes.JOB_FAILED
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download a result file."""
+    with connect(args) as coord:
+        data = coord.fetch_result(args.job_id)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    print(f"wrote {out} ({len(data)} bytes)")
+    return exit_codes.OK
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the local simulation."""
+    from aggregator.simulate import run_simulation, simulation_options_from_args
+
+    return run_simulation(simulation_options_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the command-line interface."""
+    parser = argparse.ArgumentParser(
+        prog="dpfed", description="Federated differential privacy for hospital consortia.",
+        epilog="Run `dpfed COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    from aggregator.simulate import add_simulate_arguments
+
+    sim = sub.add_parser("simulate", help="coordinator + N hospitals as local processes over "
+                         "real mTLS gRPC, generated (or your) data, every job end to end")
+    add_simulate_arguments(sim)
+    sim.set_defaults(func=cmd_simulate)
+
+    register_certs(sub)
+
+    p = sub.add_parser("sites", help="connected sites, rows and remaining budgets")
+    p.add_argument("--all", action="store_true", help="include sites seen before but offline")
+    _connection_args(p)
+    p.set_defaults(func=cmd_sites)
+
+    p = sub.add_parser("budgets", help="every known site's privacy budget")
+    _connection_args(p)
+    p.set_defaults(func=cmd_budgets)
+
+    p = sub.add_parser("pca", help="run a DP-PCA job (DPdisPCA) and save pca.npz")
+    p.add_argument("--k", type=int, required=True, help="number of components K")
+    p.add_argument("--rank", type=int, help="eigenpairs each site sends (default 2K)")
+    p.add_argument("--epsilon", type=float, required=True, help="epsilon spent at each site")
+    p.add_argument("--delta", type=float, required=True, help="delta spent at each site")
+    p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
+    p.add_argument("--clip-norm", type=float, help="public row-norm bound (default: no clipping)")
+    p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
+    p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
+    p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")
+    _connection_args(p)
+    p.set_defaults(func=cmd_pca)
+
+    p = sub.add_parser("jobs", help="recent jobs")
+    p.add_argument("--limit", type=int, default=20)
+    _connection_args(p)
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("job", help="one job's state (--watch follows its progress)")
+    p.add_argument("job_id")
+    p.add_argument("--watch", action="store_true")
+    _connection_args(p)
+    p.set_defaults(func=cmd_job)
+
+    p = sub.add_parser("fetch", help="download a finished job's result file")
+    p.add_argument("job_id")
+    p.add_argument("--out", required=True)
+    _connection_args(p)
+    p.set_defaults(func=cmd_fetch)
+    return parser
+
+
+_EXIT: list[tuple[type[Exception], int]] = [
+    (CertificateError, exit_codes.CERTIFICATE_ERROR),
+    (ConfigError, exit_codes.CONFIG_ERROR),
+    (SchemaError, exit_codes.DATA_ERROR),
+    (DataError, exit_codes.DATA_ERROR),
+    (CoordinatorUnavailableError, exit_codes.COORDINATOR_UNREACHABLE),
+    (JobFailedError, exit_codes.JOB_FAILED),
+    (QuorumError, exit_codes.JOB_FAILED),
+    (BudgetExceededError, exit_codes.BUDGET_EXCEEDED),
+    (AuthenticationError, exit_codes.CERTIFICATE_ERROR),
+    (PermissionDeniedError, exit_codes.CERTIFICATE_ERROR),
+    (NotFoundError, exit_codes.USAGE),
+    (ValidationError, exit_codes.USAGE),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except DpfedError as exc:
+        for cls, code in _EXIT:
+            if isinstance(exc, cls):
+                print(f"dpfed {args.command}: {exc}", file=sys.stderr)
+                return code
+        print(f"dpfed {args.command}: {exc}", file=sys.stderr)
+        return exit_codes.INTERNAL_ERROR
+    except KeyboardInterrupt:
+        return exit_codes.INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The analyst's Python API to the coordinator.
+
+    from aggregator.client import Coordinator
+
+    with Coordinator("coord.example.org:50051", ca="ca.pem", cert="analyst.pem",
+                     key="analyst.key") as coord:
+        for site in coord.sites():
+            print(site.site_id, site.row_count, site.budget.epsilon_remaining)
+        result = coord.pca(5, epsilon=1.0, delta=1e-5, on_event=print)
+        scores = result.transform(new_rows_dataframe)
+
+Every call has a timeout; only UNAVAILABLE and DEADLINE_EXCEEDED are retried, with
+exponential backoff and jitter. Job submission carries a client-chosen request id, so a
+retried submission returns the same job instead of starting (and paying for) a second one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from aggregator.pca_result import PCAResult
+from common.accounting import BudgetStatus
+from common.errors import (
+    AuthenticationError,
+    BudgetExceededError,
+    CoordinatorUnavailableError,
+    DpfedError,
+    JobFailedError,
+    NotFoundError,
+    PermissionDeniedError,
+    QuorumError,
+    ValidationError,
+)
+from common.grpc_options import DEFAULT_RPC_TIMEOUT_S, MAX_TRANSFER_BYTES, channel_options
+from common.pb.v1 import analyst_pb2, analyst_pb2_grpc
+from common.protocol import JobEvent, JobInfo, JobSpec, SiteInfo
+from common.tls import load_channel_credentials
+from common.wire import (
+    Reassembler,
+    budget_from_proto,
+    job_event_from_proto,
+    job_info_from_proto,
+    job_spec_to_proto,
+    site_info_from_proto,
+)
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: How long a submitted job's progress stream may last before the client gives up waiting
+#: (the job keeps running on the coordinator; ``watch`` re-attaches).
+DEFAULT_WAIT_S = 6 * 3600.0
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str) -> DpfedError:
+    """Translate a gRPC failure into the project's error classes."""
+    code = exc.code()
+    details = exc.details() or code.name
+    if code == grpc.StatusCode.UNAVAILABLE:
+        hint = ""
+        if any(w in details.lower() for w in ("handshake", "ssl", "certificate")):
+            hint = (" (TLS handshake failed: is the CA the federation's, and is the address a "
+                    "name in the coordinator's certificate?)")
+        return CoordinatorUnavailableError(f"coordinator at {address} unavailable: {details}{hint}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CoordinatorUnavailableError(f"coordinator at {address} did not answer in time")
+    cls: type[DpfedError] = {
+        grpc.StatusCode.INVALID_ARGUMENT: ValidationError,
+        grpc.StatusCode.NOT_FOUND: NotFoundError,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+        grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+        grpc.StatusCode.FAILED_PRECONDITION: QuorumError,
+    }.get(code, DpfedError)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and "budget" in details.lower():
+        cls = BudgetExceededError
+    return cls(details)
+
+
+class Coordinator:
+    """A connection to the coordinator, authenticated with an analyst certificate.
+
+    Parameters
+    ----------
+    address : str
+        ``host:port`` of the coordinator.
+    ca, cert, key : path
+        Federation CA, analyst certificate and key (``dpfed certs init --analysts``).
+    server_name : str, optional
+        TLS name to check when ``address`` is not named in the coordinator's certificate.
+    timeout : float
+        Timeout of each unary call, seconds.
+    retries : int
+        Attempts for calls that fail with UNAVAILABLE / DEADLINE_EXCEEDED.
+    insecure_principal : str, optional
+        Development only: connect without TLS as ``analyst/<name>``.
+    """
+
+    def __init__(self, address: str, *, ca: str | Path | None = None,
+                 cert: str | Path | None = None, key: str | Path | None = None,
+                 server_name: str | None = None, timeout: float = DEFAULT_RPC_TIMEOUT_S,
+                 retries: int = 3, insecure_principal: str | None = None) -> None:
+        if not address:
+            raise ValidationError("coordinator address is required (host:port)")
+        self.address = address
+        self.timeout = timeout
+        self.retries = max(1, retries)
+        options = channel_options(server_name)
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+        if insecure_principal is not None:
+            self._channel = grpc.insecure_channel(address, options=options)
+            self._metadata = (("x-dpfed-insecure-principal", insecure_principal),)
+        else:
+            if ca is None or cert is None or key is None:
+                raise ValidationError("ca, cert and key are required (an analyst certificate "
+                                      "from `dpfed certs init --analysts NAME`)")
+            creds = load_channel_credentials(ca, cert, key, role="analyst")
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._stub = analyst_pb2_grpc.AnalystStub(self._channel)
+        self._random = random.Random()
+
+    # ------------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[..., T], request: Any) -> T:
+        delay = 0.25
+        for attempt in range(self.retries):
+            try:
+                return fn(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or attempt == self.retries - 1:
+                    raise error_from_rpc(exc, self.address) from None
+                time.sleep(self._random.uniform(0, delay))
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ sites
+    def sites(self, include_disconnected: bool = False) -> list[SiteInfo]:
+        """Return the connected sites (and previously seen ones on request)."""
+        resp = self._call(self._stub.ListSites,
+                          analyst_pb2.ListSitesRequest(include_disconnected=include_disconnected))
+        return [site_info_from_proto(s) for s in resp.sites]
+
+    def budgets(self) -> list[tuple[str, bool, BudgetStatus | None]]:
+        """(site id, connected, last reported budget) for every known site."""
+        resp = self._call(self._stub.GetBudgets, analyst_pb2.GetBudgetsRequest())
+        return [(b.site_id, b.connected, budget_from_proto(b.budget)) for b in resp.budgets]
+
+    def wait_for_sites(self, n: int, timeout: float = 60.0) -> list[SiteInfo]:
+        """Poll until at least ``n`` sites are connected (raises on timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sites = self.sites()
+            if len(sites) >= n:
+                return sites
+            if time.monotonic() > deadline:
+                raise CoordinatorUnavailableError(
+                    f"only {len(sites)} of {n} site(s) connected after {timeout:g}s")
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------ jobs
+    def _follow(self, stream: Iterator[analyst_pb2.JobEvent],
+                on_event: Callable[[JobEvent], None] | None) -> JobInfo:
+        final: JobInfo | None = None
+        try:
+            for msg in stream:
+                event = job_event_from_proto(msg)
+                if on_event is not None:
+                    on_event(event)
+                if event.job is not None:
+                    final = event.job
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.address) from None
+        if final is None:
+            raise CoordinatorUnavailableError("the job's progress stream ended without a result")
+        return final
+
+    def submit(self, spec: JobSpec, *, on_event: Callable[[JobEvent], None] | None = None,
+               request_id: str | None = None, wait_timeout: float = DEFAULT_WAIT_S) -> JobInfo:
+        """Submit a job and follow it to the end; return its final state (may be failed)."""
+        request = analyst_pb2.SubmitJobRequest(spec=job_spec_to_proto(spec),
+                                               request_id=request_id or uuid.uuid4().hex)
+        delay = 0.25
+        for attempt in range(self.retries):
+            stream = self._stub.SubmitJob(request, timeout=wait_timeout, metadata=self._metadata)
+            try:
+                return self._follow(stream, on_event)
+            except CoordinatorUnavailableError:
+                # Safe to resubmit: the request id makes the coordinator return the same job.
+                if attempt == self.retries - 1:
+                    raise
+                time.sleep(self._random.uniform(0, delay))
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def watch(self, job_id: str, *, on_event: Callable[[JobEvent], None] | None = None,
+              wait_timeout: float = DEFAULT_WAIT_S) -> JobInfo:
+        """Replay and follow a job's progress until it finishes."""
+        stream = self._stub.WatchJob(analyst_pb2.WatchJobRequest(job_id=job_id),
+                                     timeout=wait_timeout, metadata=self._metadata)
+        return self._follow(stream, on_event)
+
+    def job(self, job_id: str) -> JobInfo:
+        """One job's state."""
+        return job_info_from_proto(self._call(self._stub.GetJob,
+                                              analyst_pb2.GetJobRequest(job_id=job_id)))
+
+    def jobs(self, limit: int = 50) -> list[JobInfo]:
+        """Recent jobs, newest first."""
+        resp = self._call(self._stub.ListJobs, analyst_pb2.ListJobsRequest(limit=limit))
+        return [job_info_from_proto(j) for j in resp.jobs]
+
+    def fetch_result(self, job_id: str) -> bytes:
+        """Download a finished job's result file (``.npz`` bytes)."""
+        reassembler = Reassembler(MAX_TRANSFER_BYTES)
+        try:
+            for chunk in self._stub.FetchResult(analyst_pb2.FetchResultRequest(job_id=job_id),
+                                                timeout=max(self.timeout, 300.0),
+                                                metadata=self._metadata):
+                data = reassembler.add(chunk)
+                if data is not None:
+                    return data
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.address) from None
+        raise CoordinatorUnavailableError(f"the result of job {job_id} arrived incomplete")
+
+    def pca(self, n_components: int, *, epsilon: float, delta: float, rank: int | None = None,
+            calibration: str = "analytic", clip_norm: float | None = None, min_sites: int = 0,
+            deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+            on_event: Callable[[JobEvent], None] | None = None) -> PCAResult:
+        """Run a DP-PCA job and return its result.
+
+        Raises
+        ------
+        JobFailedError
+            If the job failed (e.g. quorum not reached); the message says why.
+        """
+        params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
+        if rank is not None:
+            params["rank"] = rank
+        if clip_norm is not None:
+            params["clip_norm"] = clip_norm
+        job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
+                                  tuple(sites)), on_event=on_event)
+        return self.pca_result(job)
+
+    def pca_result(self, job: JobInfo | str) -> PCAResult:
+        """Fetch a finished pca job's result (raises JobFailedError if it failed)."""
+        info = self.job(job) if isinstance(job, str) else job
+        if info.state != "succeeded":
+            raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+        return PCAResult.from_bytes(self.fetch_result(info.job_id))

@@ -1,0 +1,110 @@
+"""The coordinator's configuration (``aggregator.toml``).
+
+Example (paths relative to the file)::
+
+    [server]
+    listen = "0.0.0.0:50051"
+
+    [tls]
+    ca = "certs/ca.pem"
+    cert = "certs/coordinator/coordinator.pem"
+    key = "certs/coordinator/coordinator.key"
+
+    [federation]
+    schema = "schema.toml"
+    allowed_sites = []          # empty: any site with a certificate from the federation CA
+
+    [jobs]
+    min_sites = 2               # default quorum
+    task_deadline_s = 600       # default per-task deadline
+    resume_wait_s = 60          # after a restart, how long resumed jobs wait for their sites
+
+    [store]
+    path = "store"
+
+    [logging]
+    level = "INFO"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError
+from common.toml_config import Section, TlsConfig, read_toml
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    """Everything ``dpfed-aggregator`` needs."""
+
+    source: str
+    listen: str
+    tls: TlsConfig | None
+    schema_path: Path
+    allowed_sites: tuple[str, ...]
+    min_sites: int
+    task_deadline_s: float
+    resume_wait_s: float
+    store_path: Path
+    log_level: str = "INFO"
+    log_file: Path | None = None
+    port_file: Path | None = None
+
+
+def load_aggregator_config(path: str | Path,
+                           overrides: dict[str, Any] | None = None) -> AggregatorConfig:
+    """Read and validate ``aggregator.toml``; ``overrides`` from flags win.
+
+    Recognised overrides: ``listen``, ``store``, ``port_file``, ``log_level``, ``insecure``.
+    """
+    overrides = overrides or {}
+    p = Path(path)
+    root = Section(read_toml(p), "", str(p), p.resolve().parent)
+    server = root.section("server")
+    listen = overrides.get("listen") or server.string("listen", "0.0.0.0:50051")
+    assert listen is not None
+    if ":" not in listen.rsplit("]", 1)[-1]:
+        raise ConfigError(f"{p}: server.listen must be host:port, got {listen!r}")
+    port_file = Path(overrides["port_file"]) if overrides.get("port_file") else server.path(
+        "port_file")
+    server.check_unknown()
+
+    tls_s = root.section("tls")
+    insecure = bool(overrides.get("insecure")) or tls_s.boolean("insecure", False)
+    tls = None
+    if not insecure:
+        ca, cert, key = (tls_s.path(k, required=True) for k in ("ca", "cert", "key"))
+        assert ca is not None and cert is not None and key is not None
+        tls = TlsConfig(ca, cert, key)
+    tls_s.check_unknown()
+
+    fed = root.section("federation", required=True)
+    schema_path = fed.path("schema", required=True)
+    allowed = tuple(fed.str_list("allowed_sites", []))
+    fed.check_unknown()
+
+    jobs = root.section("jobs")
+    min_sites = jobs.integer("min_sites", 1, minimum=1)
+    deadline = jobs.number("task_deadline_s", 600.0, positive=True)
+    resume_wait = jobs.number("resume_wait_s", 60.0)
+    jobs.check_unknown()
+
+    store = root.section("store")
+    store_path = Path(overrides["store"]) if overrides.get("store") else store.path("path", "store")
+    store.check_unknown()
+
+    lg = root.section("logging")
+    level = (overrides.get("log_level") or lg.string("level", "INFO") or "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"{p}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
+                          f"got {level!r}")
+    log_file = lg.path("file")
+    lg.check_unknown()
+    root.check_unknown()
+    assert schema_path is not None and store_path is not None
+    assert min_sites is not None and deadline is not None and resume_wait is not None
+    return AggregatorConfig(str(p), listen, tls, schema_path, allowed, min_sites, deadline,
+                            max(resume_wait, 0.0), store_path, level, log_file, port_file)

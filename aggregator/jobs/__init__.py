@@ -1,0 +1,11 @@
+"""Job kinds the coordinator can run (coordinator side of each plug-in)."""
+
+from __future__ import annotations
+
+from aggregator.jobs.base import JobContext, JobOutput, JobType
+from aggregator.jobs.pca import PCAJob
+
+#: kind -> job type; adding a job kind means adding it here and a handler at the sites.
+JOB_TYPES: dict[str, JobType] = {j.kind: j for j in (PCAJob(),)}
+
+__all__ = ["JOB_TYPES", "JobContext", "JobOutput", "JobType"]

@@ -1,0 +1,190 @@
+"""The coordinator side of a job kind, and the context a job runs in.
+
+A job kind is a plug-in: a :class:`JobType` validates an analyst's parameters and runs one or
+more rounds through :meth:`JobContext.dispatch`, which sends the same task (same task id) to
+every eligible site, enforces deadlines, resends to a site that reconnects within the
+deadline (its ledger replays instead of charging twice), records each site's outcome, and
+enforces the quorum. The job then combines the releases -- post-processing only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from aggregator.federation import Federation
+from aggregator.registry import SiteDisconnected, SiteRegistry
+from common.errors import ProtocolError, QuorumError
+from common.protocol import JobSpec, Refusal, SiteOutcome, Task, TaskResult
+from common.wire import task_to_bytes
+
+log = logging.getLogger(__name__)
+
+#: Extra seconds the coordinator waits past a task's deadline for a result in flight.
+DEADLINE_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class JobOutput:
+    """What a job produces: arrays and metadata for the result file, and a short summary."""
+
+    arrays: Mapping[str, np.ndarray]
+    metadata: Mapping[str, Any]
+    summary: Mapping[str, Any] = field(default_factory=dict)
+
+
+class JobContext:
+    """Everything a running job may use; created by the job manager."""
+
+    def __init__(self, *, job_id: str, spec: JobSpec, params: Mapping[str, Any],
+                 federation: Federation, registry: SiteRegistry,
+                 emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.params = params
+        self.federation = federation
+        self.registry = registry
+        self.emit = emit
+        self.outcomes: dict[str, SiteOutcome] = {}
+        self.wait_for_quorum_s = wait_for_quorum_s
+
+    @property
+    def min_sites(self) -> int:
+        """The job's quorum."""
+        return self.spec.min_sites or self.federation.min_sites
+
+    @property
+    def deadline_s(self) -> float:
+        """Per-task deadline in seconds."""
+        return self.spec.deadline_seconds or self.federation.task_deadline_s
+
+    def _targets(self, kind: str) -> list[str]:
+        sessions = self.registry.connected()
+        wanted = set(self.spec.sites)
+        targets = []
+        for s in sessions:
+            if wanted and s.site_id not in wanted:
+                continue
+            if kind not in s.hello.allowed_kinds:
+                self.outcomes[s.site_id] = SiteOutcome(
+                    s.site_id, "refused", f"the site's policy does not allow {kind!r} jobs",
+                    row_count=s.hello.row_count)
+                continue
+            targets.append(s.site_id)
+        return targets
+
+    async def dispatch(self, kind: str, params: Mapping[str, Any], *, round_name: str,
+                       arrays: Mapping[str, np.ndarray] | None = None,
+                       check_result: Callable[[TaskResult], None] | None = None,
+                       progress: tuple[float, float] = (0.0, 0.9)) -> dict[str, TaskResult]:
+        """Run one round: the same task at every eligible site; return the ok results.
+
+        Raises
+        ------
+        QuorumError
+            When fewer than ``min_sites`` sites are eligible, or answered successfully.
+        """
+        if self.wait_for_quorum_s > 0:
+            await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
+        targets = self._targets(kind)
+        if len(targets) < self.min_sites:
+            raise QuorumError(
+                f"{len(targets)} eligible site(s) connected ({', '.join(targets) or 'none'}); "
+                f"this job needs min_sites={self.min_sites}")
+        task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, self.spec.epsilon,
+                    self.spec.delta, dict(params), dict(arrays or {}))
+        payload = task_to_bytes(task)
+        deadline = time.time() + self.deadline_s
+        lo, hi = progress
+        self.emit("dispatch", f"round {round_name!r}: task sent to {len(targets)} site(s) "
+                  f"({', '.join(targets)}); deadline {self.deadline_s:g}s", lo)
+        done = 0
+        results: dict[str, TaskResult] = {}
+
+        async def one(site_id: str) -> None:
+            nonlocal done
+            outcome = await self._run_at_site(site_id, task.task_id, payload, deadline,
+                                              check_result)
+            self.outcomes[site_id] = outcome[0]
+            if outcome[1] is not None:
+                results[site_id] = outcome[1]
+            done += 1
+            o = outcome[0]
+            detail = "result received" if o.status == "ok" else f"{o.status}: {o.reason}"
+            self.emit("site", f"site {site_id}: {detail} ({done}/{len(targets)})",
+                      lo + (hi - lo) * done / len(targets))
+
+        await asyncio.gather(*(one(s) for s in targets))
+        if len(results) < self.min_sites:
+            failed = "; ".join(f"{o.site_id}: {o.status} ({o.reason})"
+                               for o in self.outcomes.values() if o.status != "ok")
+            raise QuorumError(f"only {len(results)} site(s) answered round {round_name!r}; "
+                              f"this job needs min_sites={self.min_sites}. {failed}")
+        return results
+
+    async def _run_at_site(self, site_id: str, task_id: str, payload: bytes, deadline: float,
+                           check_result: Callable[[TaskResult], None] | None,
+                           ) -> tuple[SiteOutcome, TaskResult | None]:
+        rows = 0
+        while True:
+            remaining = deadline + DEADLINE_GRACE_S - time.time()
+            if remaining <= 0:
+                return SiteOutcome(site_id, "timeout", "no answer before the deadline",
+                                   row_count=rows), None
+            session = self.registry.get(site_id)
+            if session is None:
+                session = await self.registry.wait_for_site(site_id, remaining)
+                if session is None:
+                    return SiteOutcome(site_id, "disconnected",
+                                       "the site disconnected and did not come back before the "
+                                       "deadline", row_count=rows), None
+            rows = session.hello.row_count
+            try:
+                answer = await asyncio.wait_for(session.submit(task_id, payload, deadline),
+                                                remaining)
+            except TimeoutError:
+                return SiteOutcome(site_id, "timeout", "no answer before the deadline",
+                                   row_count=rows), None
+            except SiteDisconnected:
+                log.info("[JobContext] site=%s disconnected during %s; will resend if it returns",
+                         site_id, task_id)
+                continue
+            if isinstance(answer, Refusal):
+                return SiteOutcome(site_id, "refused", f"{answer.code}: {answer.reason}",
+                                   row_count=rows), None
+            try:
+                if answer.task_id != task_id:
+                    raise ProtocolError(f"answer for task {answer.task_id!r}, expected {task_id!r}")
+                if answer.spend.epsilon > self.spec.epsilon * (1 + 1e-9) or (
+                        answer.spend.delta > self.spec.delta * (1 + 1e-9)):
+                    raise ProtocolError("the site reports spending more than the job asked for")
+                if check_result is not None:
+                    check_result(answer)
+            except ProtocolError as exc:
+                log.warning("[JobContext] site=%s sent an invalid result: %s", site_id, exc)
+                return SiteOutcome(site_id, "error", f"invalid result: {exc}",
+                                   answer.spend, rows), None
+            n = answer.metadata.get("n_rows", rows)
+            return SiteOutcome(site_id, "ok", "", answer.spend,
+                               int(n) if isinstance(n, int) else rows), answer
+
+
+class JobType(ABC):
+    """One job kind's coordinator side."""
+
+    kind: ClassVar[str]
+
+    @abstractmethod
+    def validate(self, spec: JobSpec, federation: Federation) -> dict[str, Any]:
+        """Check an analyst's spec; return the canonical parameters (raises ValidationError)."""
+
+    @abstractmethod
+    async def run(self, ctx: JobContext) -> JobOutput:
+        """Run the job's rounds and combine the releases (post-processing only)."""

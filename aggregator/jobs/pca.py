@@ -1,0 +1,77 @@
+"""Coordinator side of the ``pca`` job: DPdisPCA's aggregation of the sites' P_s."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from aggregator.federation import Federation
+from aggregator.jobs.base import JobContext, JobOutput, JobType
+from common import __version__
+from common.dppca import combine
+from common.errors import ProtocolError
+from common.job_params import PCAParams
+from common.protocol import JobSpec, TaskResult
+from common.validation import check_delta, check_epsilon
+
+
+class PCAJob(JobType):
+    """One round: every site sends P_s (p x R); the coordinator returns the top-K subspace."""
+
+    kind = "pca"
+
+    def validate(self, spec: JobSpec, federation: Federation) -> dict[str, Any]:
+        """Validate K, R, calibration and clip_norm against the federation schema."""
+        epsilon = check_epsilon(spec.epsilon)
+        delta = check_delta(spec.delta)
+        params = PCAParams.from_mapping(spec.params, n_features=len(federation.feature_names))
+        params.check_privacy(epsilon, delta)
+        return params.to_mapping()
+
+    async def run(self, ctx: JobContext) -> JobOutput:
+        """Dispatch, validate each P_s, combine."""
+        names = ctx.federation.feature_names
+        params = PCAParams.from_mapping(ctx.params, n_features=len(names))
+        p = len(names)
+
+        def check(result: TaskResult) -> None:
+            factor = result.arrays.get("factor")
+            if factor is None or factor.shape != (p, params.rank) or factor.dtype != np.float64:
+                shape = None if factor is None else factor.shape
+                raise ProtocolError(f"expected a float64 factor of shape ({p}, {params.rank}), "
+                                    f"got {shape}")
+            n = result.metadata.get("n_rows")
+            if not isinstance(n, int) or n <= 0:
+                raise ProtocolError("result lacks a positive n_rows")
+
+        results = await ctx.dispatch("pca", params.to_mapping(), round_name="pca",
+                                     check_result=check)
+        ctx.emit("combine", f"combining {len(results)} site factor(s) (p={p}, "
+                 f"R={params.rank}) into K={params.n_components} components", 0.92)
+        site_ids = sorted(results)
+        factors = [results[s].arrays["factor"] for s in site_ids]
+        estimate = await asyncio.to_thread(combine, factors, params.n_components)
+        sites: list[dict[str, Any]] = [
+            {"site_id": s, "n_rows": int(results[s].metadata["n_rows"]),
+             "epsilon": results[s].spend.epsilon, "delta": results[s].spend.delta,
+             "noise_sigma": results[s].spend.noise_scale} for s in site_ids]
+        n_rows_total = sum(int(s["n_rows"]) for s in sites)
+        metadata: dict[str, Any] = {
+            "job_id": ctx.job_id, "kind": self.kind, "epsilon": ctx.spec.epsilon,
+            "delta": ctx.spec.delta, **params.to_mapping(),
+            "total_variance": estimate.total_variance, "sites": sites,
+            "n_rows_total": n_rows_total,
+            "schema_toml": ctx.federation.schema.to_toml(),
+            "software_version": __version__,
+        }
+        ratio = estimate.explained_variance_ratio
+        summary = {"n_components": params.n_components, "rank": params.rank,
+                   "sites": len(site_ids), "n_rows_total": n_rows_total,
+                   "top_eigenvalues": [float(v) for v in estimate.eigenvalues[:5]],
+                   "explained_variance_ratio_sum": float(np.sum(ratio))}
+        arrays = {"components": estimate.components, "eigenvalues": estimate.eigenvalues,
+                  "explained_variance_ratio": ratio,
+                  "feature_names": np.array(names, dtype=np.str_)}
+        return JobOutput(arrays, metadata, summary)

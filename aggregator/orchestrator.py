@@ -1,0 +1,167 @@
+"""Run jobs: validate, persist, execute the job type, stream progress, store results.
+
+Progress events are written to the store and pushed to live subscribers in one synchronous
+step on the event loop, so a subscriber that replays the stored events and then follows live
+ones never misses or duplicates an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aggregator.federation import Federation
+from aggregator.jobs import JOB_TYPES, JobContext, JobType
+from aggregator.registry import SiteRegistry
+from aggregator.result_file import encode_result
+from aggregator.store import JobStore, utc_now
+from common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
+from common.protocol import JobEvent, JobInfo, JobSpec
+from common.validation import check_delta, check_epsilon, check_int, check_nonnegative
+
+log = logging.getLogger(__name__)
+
+TERMINAL_STATES = ("succeeded", "failed")
+
+
+class JobManager:
+    """Owns running jobs and their subscribers."""
+
+    def __init__(self, store: JobStore, registry: SiteRegistry, federation: Federation) -> None:
+        self.store = store
+        self.registry = registry
+        self.federation = federation
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+
+    # ------------------------------------------------------------------ submission
+    def _job_type(self, kind: str) -> JobType:
+        try:
+            return JOB_TYPES[kind]
+        except KeyError:
+            known = sorted(JOB_TYPES)
+            raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
+
+    def validate(self, spec: JobSpec) -> JobSpec:
+        """Return the spec with canonical parameters (raises ValidationError)."""
+        job_type = self._job_type(spec.kind)
+        check_epsilon(spec.epsilon)
+        check_delta(spec.delta)
+        check_int(spec.min_sites, "min_sites", minimum=0)
+        check_nonnegative(spec.deadline_seconds, "deadline_seconds")
+        params = job_type.validate(spec, self.federation)
+        return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
+                       spec.deadline_seconds, spec.sites)
+
+    def submit(self, spec: JobSpec, *, submitted_by: str, request_id: str = "") -> JobInfo:
+        """Validate, persist and start a job (an already-seen request id returns its job)."""
+        canonical = self.validate(spec)
+        job, created = self.store.create_job(canonical, submitted_by=submitted_by,
+                                             request_id=request_id)
+        if created:
+            log.info("[JobManager.submit] job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
+                     spec.kind, submitted_by, spec.epsilon, spec.delta)
+            self._emit(job.job_id, "submitted", f"{spec.kind} job submitted by {submitted_by}",
+                       0.0, "pending")
+            self._start(job, resumed=False)
+        return job
+
+    def _start(self, job: JobInfo, *, resumed: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(job, resumed))
+        self._running[job.job_id] = task
+        task.add_done_callback(lambda _t: self._running.pop(job.job_id, None))
+
+    async def resume_unfinished(self) -> int:
+        """Restart jobs a previous coordinator process left unfinished; return how many."""
+        jobs = self.store.unfinished_jobs()
+        for job in jobs:
+            log.info("[JobManager.resume] resuming job=%s (same task ids: sites replay)",
+                     job.job_id)
+            self._emit(job.job_id, "resumed", "coordinator restarted; resuming the job", 0.0,
+                       "pending")
+            self._start(job, resumed=True)
+        return len(jobs)
+
+    async def shutdown(self) -> None:
+        """Cancel running jobs; they stay 'running' in the store and resume at next start."""
+        tasks = list(self._running.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ execution
+    async def _run(self, job: JobInfo, resumed: bool) -> None:
+        job_id = job.job_id
+        self.store.update_job(job_id, state="running")
+        self._emit(job_id, "running", "job started", 0.01, "running")
+        ctx = JobContext(job_id=job_id, spec=job.spec, params=job.spec.params,
+                         federation=self.federation, registry=self.registry,
+                         emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
+                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0)
+        try:
+            output = await self._job_type(job.spec.kind).run(ctx)
+            data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)
+            await asyncio.to_thread(self.store.save_result, job_id, data)
+            self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),
+                                  summary=dict(output.summary))
+            self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
+                       "succeeded")
+        except asyncio.CancelledError:
+            self.store.update_job(job_id, sites=self._outcomes(ctx))
+            raise
+        except (QuorumError, ValidationError, ProtocolError, DpfedError) as exc:
+            self._fail(job_id, ctx, str(exc))
+        except Exception:
+            log.exception("[JobManager._run] job=%s crashed", job_id)
+            self._fail(job_id, ctx, "internal error in the coordinator (see its log)")
+
+    def _outcomes(self, ctx: JobContext) -> tuple[Any, ...]:
+        return tuple(ctx.outcomes[s] for s in sorted(ctx.outcomes))
+
+    def _fail(self, job_id: str, ctx: JobContext, reason: str) -> None:
+        log.warning("[JobManager] job=%s failed: %s", job_id, reason)
+        self.store.update_job(job_id, state="failed", error=reason, sites=self._outcomes(ctx))
+        self._emit(job_id, "failed", reason, 1.0, "failed")
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, job_id: str, stage: str, message: str, progress: float, state: str) -> None:
+        event = JobEvent(job_id, utc_now(), stage, message, max(0.0, min(1.0, progress)), state)
+        self.store.add_event(event)
+        if state in TERMINAL_STATES:
+            event = JobEvent(event.job_id, event.time, event.stage, event.message,
+                             event.progress, event.state, self.store.get_job(job_id))
+        for q in self._subscribers.get(job_id, ()):
+            q.put_nowait(event)
+
+    async def follow(self, job_id: str) -> AsyncIterator[JobEvent]:
+        """Replay a job's events so far, then follow live ones until it finishes.
+
+        The last event always carries the final :class:`JobInfo`.
+        """
+        job = self.store.get_job(job_id)  # NotFoundError for unknown ids
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        # Register and replay without awaiting in between: no event can slip through.
+        self._subscribers.setdefault(job_id, set()).add(queue)
+        past = self.store.events(job_id)
+        try:
+            for event in past:
+                if event.state in TERMINAL_STATES:
+                    yield JobEvent(event.job_id, event.time, event.stage, event.message,
+                                   event.progress, event.state, self.store.get_job(job_id))
+                    return
+                yield event
+            if job.state in TERMINAL_STATES:
+                return
+            while True:
+                event = await queue.get()
+                yield event
+                if event.state in TERMINAL_STATES:
+                    return
+        finally:
+            subs = self._subscribers.get(job_id)
+            if subs is not None:
+                subs.discard(queue)
+                if not subs:
+                    self._subscribers.pop(job_id, None)

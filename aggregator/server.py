@@ -1,0 +1,119 @@
+"""Assemble and run the coordinator's gRPC server.
+
+``grpc.aio`` server with mutual TLS (client certificates required), the SiteLink and Analyst
+services, the standard ``grpc.health.v1`` health service (SERVING only once the store is open
+and unfinished jobs are resumed) and server reflection (so ``grpcurl`` can explore it).
+SIGTERM/SIGINT stop it gracefully: health goes NOT_SERVING, running jobs are cancelled (they
+stay 'running' in the store and resume at the next start), streams close so sites reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from aggregator.config import AggregatorConfig
+from aggregator.federation import Federation
+from aggregator.orchestrator import JobManager
+from aggregator.registry import SiteRegistry
+from aggregator.servicers import AnalystServicer, Authenticator, SiteLinkServicer
+from aggregator.store import JobStore
+from common.grpc_options import server_options
+from common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
+from common.schema import Schema
+from common.tls import load_server_credentials
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class RunningCoordinator:
+    """Handles to a started coordinator (used by the binary and by tests)."""
+
+    server: grpc.aio.Server
+    port: int
+    store: JobStore
+    registry: SiteRegistry
+    jobs: JobManager
+    health: health.aio.HealthServicer
+
+    async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
+        """Graceful stop: NOT_SERVING, cancel jobs, close streams, stop the server."""
+        await self.health.enter_graceful_shutdown()
+        await self.jobs.shutdown()
+        self.registry.close_all("coordinator shutting down")
+        await self.server.stop(grace)
+        self.store.close()
+
+
+async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
+    """Open the store, bind the port, start serving, resume unfinished jobs."""
+    schema = Schema.load(config.schema_path)
+    federation = Federation(schema, min_sites=config.min_sites,
+                            task_deadline_s=config.task_deadline_s,
+                            allowed_sites=frozenset(config.allowed_sites),
+                            resume_wait_s=config.resume_wait_s)
+    store = JobStore(config.store_path)
+    registry = SiteRegistry()
+    jobs = JobManager(store, registry, federation)
+    auth = Authenticator(insecure=config.tls is None)
+
+    server = grpc.aio.server(options=server_options())
+    site_link_pb2_grpc.add_SiteLinkServicer_to_server(
+        SiteLinkServicer(registry, store, federation, auth), server)
+    analyst_pb2_grpc.add_AnalystServicer_to_server(
+        AnalystServicer(registry, store, jobs, federation, auth), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = (
+        site_link_pb2.DESCRIPTOR.services_by_name["SiteLink"].full_name,
+        analyst_pb2.DESCRIPTOR.services_by_name["Analyst"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(service_names, server)
+    for name in ("", *service_names[:2]):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    if config.tls is None:
+        log.warning("[Coordinator.start] --insecure: no TLS, identities are NOT verified; "
+                    "never use this outside a development machine")
+        port = server.add_insecure_port(config.listen)
+    else:
+        creds = load_server_credentials(config.tls.ca, config.tls.cert, config.tls.key)
+        port = server.add_secure_port(config.listen, creds)
+    if port == 0:
+        store.close()
+        raise OSError(f"cannot listen on {config.listen}")
+    await server.start()
+    resumed = await jobs.resume_unfinished()
+    for name in ("", *service_names[:2]):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("[Coordinator.start] listening on %s (port %d), schema %s..., store %s, "
+             "%d job(s) resumed", config.listen, port, schema.digest()[:12], config.store_path,
+             resumed)
+    return RunningCoordinator(server, port, store, registry, jobs, health_servicer)
+
+
+async def serve(config: AggregatorConfig) -> None:
+    """Run until SIGTERM/SIGINT."""
+    running = await start_coordinator(config)
+    if config.port_file is not None:
+        tmp = config.port_file.with_suffix(".tmp")
+        tmp.write_text(f"{running.port}\n")
+        tmp.replace(config.port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("[Coordinator.serve] stopping")
+    await running.stop()

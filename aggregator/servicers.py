@@ -1,0 +1,288 @@
+"""gRPC servicers of the coordinator: thin -- authenticate, decode, call, encode.
+
+Identity comes only from the verified client certificate (``context.auth_context()``); a
+site certificate cannot call analyst methods and vice versa. Errors are mapped to status
+codes in one place (``common.grpc_errors``) and status messages never carry data values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from aggregator.federation import Federation
+from aggregator.orchestrator import JobManager
+from aggregator.registry import SiteRegistry, SiteSession
+from aggregator.store import JobStore
+from common import __version__
+from common.certs import Principal
+from common.errors import (
+    AuthenticationError,
+    DpfedError,
+    PermissionDeniedError,
+    ProtocolError,
+)
+from common.grpc_errors import details_for, status_for
+from common.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES
+from common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
+from common.protocol import PROTOCOL_VERSION, SiteInfo
+from common.tls import principal_from_auth_context, require_role
+from common.wire import (
+    Reassembler,
+    budget_from_proto,
+    budget_to_proto,
+    hello_from_proto,
+    iter_chunks,
+    job_event_to_proto,
+    job_info_to_proto,
+    job_spec_from_proto,
+    refusal_from_proto,
+    result_from_bytes,
+    site_info_to_proto,
+)
+
+log = logging.getLogger(__name__)
+
+#: How long a newly connected site has to send its Hello.
+HELLO_TIMEOUT_S = 30.0
+#: Metadata key naming the caller in --insecure mode only (development; never with TLS).
+INSECURE_PRINCIPAL_KEY = "x-dpfed-insecure-principal"
+
+
+class Authenticator:
+    """Turns a call's context into a :class:`Principal` (certificate only, unless insecure)."""
+
+    def __init__(self, *, insecure: bool = False) -> None:
+        self.insecure = insecure
+
+    def principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Return the authenticated caller (raises AuthenticationError)."""
+        if self.insecure:
+            for key, value in context.invocation_metadata() or ():
+                if key == INSECURE_PRINCIPAL_KEY:
+                    role, _, name = str(value).partition("/")
+                    return Principal(role, name)  # type: ignore[arg-type]
+            raise AuthenticationError(f"insecure mode: send metadata {INSECURE_PRINCIPAL_KEY}")
+        return principal_from_auth_context(context.auth_context())
+
+    async def require(self, context: grpc.aio.ServicerContext, role: str) -> Principal:
+        """Authenticate and check the role, aborting the call with the right status if not."""
+        try:
+            return require_role(self.principal(context), role)  # type: ignore[arg-type]
+        except (AuthenticationError, PermissionDeniedError) as exc:
+            log.warning("[Auth] %s: %s (peer %s)", type(exc).__name__, exc, context.peer())
+            await context.abort(status_for(exc), details_for(exc))
+            raise AssertionError("unreachable") from None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if not isinstance(exc, DpfedError):
+        log.exception("[Servicer] unexpected error", exc_info=exc)
+    await context.abort(status_for(exc), details_for(exc))
+
+
+class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
+    """The long-lived stream each site dials (``SiteLink.Connect``)."""
+
+    def __init__(self, registry: SiteRegistry, store: JobStore, federation: Federation,
+                 auth: Authenticator) -> None:
+        self.registry = registry
+        self.store = store
+        self.federation = federation
+        self.auth = auth
+
+    # grpc.aio allows a stream-stream handler to use context.read()/write() and return None;
+    # the generated stub types only the iterator style, hence the override ignore.
+    async def Connect(self, request_iterator: Any,  # type: ignore[override]  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        """Authenticate the site, check its Hello, then pump tasks down and results up."""
+        principal = await self.auth.require(context, "site")
+        site_id = principal.name
+        if not self.federation.admits(site_id):
+            log.warning("[SiteLink.Connect] site=%s is not in allowed_sites", site_id)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"site {site_id!r} is not admitted to this federation "
+                                "(coordinator's federation.allowed_sites)")
+        try:
+            first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no Hello within {HELLO_TIMEOUT_S:g}s")
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Hello")
+        try:
+            hello = hello_from_proto(first.hello)
+        except ProtocolError as exc:
+            await _abort(context, exc)
+        if hello.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"protocol version {hello.protocol_version} is not supported; "
+                                f"the coordinator speaks {PROTOCOL_VERSION}")
+        if hello.schema_digest != self.federation.schema_digest:
+            log.warning("[SiteLink.Connect] site=%s schema mismatch", site_id)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"schema mismatch: the site's schema digest is "
+                                f"{hello.schema_digest[:12]}..., the federation's is "
+                                f"{self.federation.schema_digest[:12]}...; "
+                                "every site must use the federation's schema.toml")
+        session = await self.registry.attach(site_id, hello)
+        self.store.record_site(site_id, hello)
+        await context.write(site_link_pb2.CoordinatorMessage(
+            welcome=site_link_pb2.Welcome(coordinator_version=__version__,
+                                          protocol_version=PROTOCOL_VERSION, site_id=site_id)))
+        reader = asyncio.create_task(self._read_loop(context, session))
+        reason = "stream ended"
+        try:
+            while not session.closed.is_set():
+                get = asyncio.ensure_future(session.outbox.get())
+                closed = asyncio.ensure_future(session.closed.wait())
+                done, _ = await asyncio.wait({get, closed, reader},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    closed.cancel()
+                    await context.write(get.result())
+                    continue
+                get.cancel()
+                closed.cancel()
+                if reader in done:
+                    err = reader.exception()
+                    reason = f"read error: {err}" if err else "the site closed the stream"
+                break
+        finally:
+            reader.cancel()
+            await self.registry.detach(session, reason)
+
+    async def _read_loop(self, context: grpc.aio.ServicerContext, session: SiteSession) -> None:
+        reassembler = Reassembler(MAX_TRANSFER_BYTES)
+        while True:
+            msg = await context.read()
+            if msg is grpc.aio.EOF:
+                return
+            which = msg.WhichOneof("body")
+            if which == "result_chunk":
+                payload = reassembler.add(msg.result_chunk)
+                if payload is not None:
+                    result = result_from_bytes(payload)
+                    if not session.resolve(result.task_id, result):
+                        log.info("[SiteLink] site=%s late or unknown result %s ignored",
+                                 session.site_id, result.task_id)
+            elif which == "refusal":
+                refusal = refusal_from_proto(msg.refusal)
+                reassembler.discard(refusal.task_id)
+                session.resolve(refusal.task_id, refusal)
+            elif which == "budget":
+                budget = budget_from_proto(msg.budget)
+                if budget is not None:
+                    session.update_budget(budget)
+                    self.store.touch_site(session.site_id, session.hello)
+            else:
+                raise ProtocolError(f"unexpected message {which!r} after Hello")
+
+
+class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
+    """Sites, budgets, jobs and results for authenticated analysts."""
+
+    def __init__(self, registry: SiteRegistry, store: JobStore, jobs: JobManager,
+                 federation: Federation, auth: Authenticator) -> None:
+        self.registry = registry
+        self.store = store
+        self.jobs = jobs
+        self.federation = federation
+        self.auth = auth
+
+    def _site_infos(self, include_disconnected: bool) -> list[SiteInfo]:
+        live = {s.site_id: s for s in self.registry.connected()}
+        infos = []
+        for site_id, first, last, hello in self.store.known_sites():
+            session = live.get(site_id)
+            if session is None and not include_disconnected:
+                continue
+            h = session.hello if session is not None else hello
+            infos.append(SiteInfo(site_id, session is not None, h.row_count, h.schema_digest,
+                                  h.software_version, h.allowed_kinds, h.max_epsilon_per_task,
+                                  h.budget, first, last))
+        return infos
+
+    async def ListSites(self, request: analyst_pb2.ListSitesRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> analyst_pb2.ListSitesResponse:
+        """List connected sites (and, on request, the ones seen before)."""
+        await self.auth.require(context, "analyst")
+        infos = self._site_infos(request.include_disconnected)
+        return analyst_pb2.ListSitesResponse(sites=[site_info_to_proto(i) for i in infos],
+                                             schema_digest=self.federation.schema_digest)
+
+    async def GetBudgets(self, request: analyst_pb2.GetBudgetsRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> analyst_pb2.GetBudgetsResponse:
+        """Every known site's last reported budget."""
+        await self.auth.require(context, "analyst")
+        out = []
+        for info in self._site_infos(include_disconnected=True):
+            b = analyst_pb2.SiteBudget(site_id=info.site_id, connected=info.connected)
+            if info.budget is not None:
+                b.budget.CopyFrom(budget_to_proto(info.budget))
+            out.append(b)
+        return analyst_pb2.GetBudgetsResponse(budgets=out)
+
+    async def _stream_job(self, job_id: str) -> AsyncIterator[analyst_pb2.JobEvent]:
+        async for event in self.jobs.follow(job_id):
+            yield job_event_to_proto(event)
+
+    async def SubmitJob(self, request: analyst_pb2.SubmitJobRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
+        """Validate and start a job; stream its progress until it finishes."""
+        principal = await self.auth.require(context, "analyst")
+        try:
+            spec = job_spec_from_proto(request.spec)
+            job = self.jobs.submit(spec, submitted_by=str(principal),
+                                   request_id=request.request_id)
+        except Exception as exc:  # noqa: BLE001 -- mapped to a status code
+            await _abort(context, exc)
+            return
+        async for event in self._stream_job(job.job_id):
+            yield event
+
+    async def WatchJob(self, request: analyst_pb2.WatchJobRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
+        """Replay and follow a job's progress."""
+        await self.auth.require(context, "analyst")
+        try:
+            self.store.get_job(request.job_id)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+            return
+        async for event in self._stream_job(request.job_id):
+            yield event
+
+    async def GetJob(self, request: analyst_pb2.GetJobRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> analyst_pb2.JobInfo:
+        """One job's state."""
+        await self.auth.require(context, "analyst")
+        try:
+            return job_info_to_proto(self.store.get_job(request.job_id))
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+            raise
+
+    async def ListJobs(self, request: analyst_pb2.ListJobsRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> analyst_pb2.ListJobsResponse:
+        """Most recent jobs first."""
+        await self.auth.require(context, "analyst")
+        jobs = self.store.list_jobs(request.limit or 50)
+        return analyst_pb2.ListJobsResponse(jobs=[job_info_to_proto(j) for j in jobs])
+
+    async def FetchResult(self, request: analyst_pb2.FetchResultRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Stream a finished job's result file in chunks."""
+        await self.auth.require(context, "analyst")
+        try:
+            path = self.store.result_path(request.job_id)
+            data = await asyncio.to_thread(path.read_bytes)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+            return
+        for chunk in iter_chunks(request.job_id, data, CHUNK_BYTES):
+            yield chunk

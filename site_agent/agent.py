@@ -1,0 +1,253 @@
+"""The site agent's connection to the coordinator: dial out, serve tasks, reconnect.
+
+The hospital opens no inbound port: the agent dials the coordinator and keeps one
+``SiteLink.Connect`` stream open. It sends ``Hello`` (version, schema digest, row count,
+policy, budget), then receives task chunks, runs each task on a worker thread (so the stream
+keeps flowing while a large Gram matrix is computed), and streams back the released bytes or
+a refusal, followed by its updated budget.
+
+Connection failures:
+
+* never connected within ``connect_timeout_s`` -> exit ``COORDINATOR_UNREACHABLE`` with the
+  last error (a wrong address or CA is not retried silently forever);
+* after a first successful connection, any drop (coordinator restart, network) is retried
+  for ever with exponential backoff (0.5 s doubling to 30 s) and full jitter;
+* the coordinator refusing the site (unknown identity, schema mismatch, protocol version) ->
+  exit ``REJECTED_BY_COORDINATOR`` with its message.
+
+The long-lived stream has no deadline by design; liveness is checked by HTTP/2 keepalive
+pings (``common.grpc_options``), and every task carries its own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from common import exit_codes
+from common.errors import ProtocolError
+from common.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES, channel_options
+from common.pb.v1 import site_link_pb2, site_link_pb2_grpc
+from common.protocol import Refusal, SiteHello
+from common.wire import (
+    Reassembler,
+    budget_to_proto,
+    hello_to_proto,
+    iter_chunks,
+    refusal_to_proto,
+    task_from_bytes,
+)
+from site_agent.runner import TaskRunner
+
+log = logging.getLogger(__name__)
+
+WELCOME_TIMEOUT_S = 30.0
+BACKOFF_INITIAL_S = 0.5
+BACKOFF_MAX_S = 30.0
+_FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.UNIMPLEMENTED)
+
+
+class _Rejected(Exception):
+    """The coordinator refused this site."""
+
+
+def describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
+    """Explain a connection failure in one line, with a hint for TLS problems."""
+    details = exc.details() or ""
+    text = f"{exc.code().name}: {details}"
+    lowered = details.lower()
+    if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
+        text += (" -- TLS handshake failed: check that the coordinator's certificate is from "
+                 "the same federation CA as [tls] ca, and that the address (or "
+                 "[coordinator] server_name) is a name in it")
+    return text
+
+
+class SiteAgent:
+    """Dial the coordinator and serve tasks until stopped.
+
+    Parameters
+    ----------
+    address : str
+        Coordinator ``host:port``.
+    credentials : grpc.ChannelCredentials or None
+        mTLS credentials (None only in --insecure development mode).
+    runner : TaskRunner
+        Executes tasks against the site's data and ledger.
+    hello : callable
+        Returns the current Hello (called at each connection: budget may have changed).
+    connect_timeout_s : float
+        Give up if the first connection does not succeed within this many seconds.
+    server_name : str, optional
+        TLS name to verify when the address is not in the coordinator's certificate.
+    insecure_principal : str, optional
+        ``site/<id>`` sent as metadata in --insecure mode only.
+    """
+
+    def __init__(self, *, address: str, credentials: grpc.ChannelCredentials | None,
+                 runner: TaskRunner, hello: Callable[[], SiteHello], connect_timeout_s: float,
+                 server_name: str | None = None, insecure_principal: str | None = None) -> None:
+        self.address = address
+        self.credentials = credentials
+        self.runner = runner
+        self.hello = hello
+        self.connect_timeout_s = connect_timeout_s
+        self.server_name = server_name
+        self.insecure_principal = insecure_principal
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
+        self._stop = asyncio.Event()
+        self._random = random.Random()
+        self.connected_once = False
+        self.site_id: str | None = None
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (after the current stream closes)."""
+        self._stop.set()
+
+    def _channel(self) -> grpc.aio.Channel:
+        options = channel_options(self.server_name)
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(self.address, options=options)
+        return grpc.aio.secure_channel(self.address, self.credentials, options=options)
+
+    async def run(self) -> int:
+        """Serve until stopped; return an exit code from :mod:`common.exit_codes`."""
+        started = time.monotonic()
+        attempt = 0
+        last_error = "no attempt yet"
+        try:
+            while not self._stop.is_set():
+                try:
+                    await self._session()
+                    last_error = "the coordinator closed the stream"
+                    attempt = 0
+                except _Rejected as exc:
+                    log.error("[SiteAgent.run] the coordinator refused this site: %s", exc)
+                    return exit_codes.REJECTED_BY_COORDINATOR
+                except grpc.aio.AioRpcError as exc:
+                    last_error = describe_rpc_error(exc)
+                    if exc.code() in _FATAL_CODES:
+                        log.error("[SiteAgent.run] the coordinator refused this site: %s",
+                                  last_error)
+                        return exit_codes.REJECTED_BY_COORDINATOR
+                    log.warning("[SiteAgent.run] connection to %s failed: %s", self.address,
+                                last_error)
+                except (ProtocolError, TimeoutError) as exc:
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("[SiteAgent.run] session with %s ended: %s", self.address,
+                                last_error)
+                if self._stop.is_set():
+                    break
+                if not self.connected_once and (
+                        time.monotonic() - started > self.connect_timeout_s):
+                    log.error("[SiteAgent.run] could not connect to the coordinator at %s "
+                              "within %gs; last error: %s", self.address,
+                              self.connect_timeout_s, last_error)
+                    return exit_codes.COORDINATOR_UNREACHABLE
+                delay = self._random.uniform(0, min(BACKOFF_MAX_S,
+                                                    BACKOFF_INITIAL_S * 2 ** attempt))
+                attempt += 1
+                log.info("[SiteAgent.run] reconnecting in %.1fs (attempt %d)", delay, attempt)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                except TimeoutError:
+                    pass
+            return exit_codes.OK
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _session(self) -> None:
+        metadata = None
+        if self.credentials is None and self.insecure_principal:
+            metadata = (("x-dpfed-insecure-principal", self.insecure_principal),)
+        async with self._channel() as channel:
+            stub = site_link_pb2_grpc.SiteLinkStub(channel)
+            call = stub.Connect(metadata=metadata)
+            write_lock = asyncio.Lock()
+            await call.write(site_link_pb2.SiteMessage(hello=hello_to_proto(self.hello())))
+            first = await asyncio.wait_for(call.read(), WELCOME_TIMEOUT_S)
+            if first is grpc.aio.EOF:
+                # The server closed without a message: surface its status if it gave one.
+                await call.wait_for_connection()
+                code = await call.code()
+                if code in _FATAL_CODES:
+                    raise _Rejected(f"{code.name}: {await call.details()}")
+                raise ProtocolError(f"the coordinator closed the stream ({code.name})")
+            if first.WhichOneof("body") != "welcome":
+                raise ProtocolError("the coordinator's first message was not Welcome")
+            self.site_id = first.welcome.site_id
+            self.connected_once = True
+            log.info("[SiteAgent.session] connected to %s as site %s (coordinator %s)",
+                     self.address, self.site_id, first.welcome.coordinator_version)
+            reassembler = Reassembler(MAX_TRANSFER_BYTES)
+            running: set[asyncio.Task[None]] = set()
+            stop_wait = asyncio.ensure_future(self._stop.wait())
+            try:
+                while True:
+                    read = asyncio.ensure_future(call.read())
+                    done, _ = await asyncio.wait({read, stop_wait},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if stop_wait in done:
+                        read.cancel()
+                        call.cancel()
+                        return
+                    msg = read.result()
+                    if msg is grpc.aio.EOF:
+                        code = await call.code()
+                        if code in _FATAL_CODES:
+                            raise _Rejected(f"{code.name}: {await call.details()}")
+                        log.warning("[SiteAgent.session] stream closed by the coordinator (%s)",
+                                    code.name)
+                        return
+                    which = msg.WhichOneof("body")
+                    if which == "task":
+                        payload = reassembler.add(msg.task.chunk)
+                        if payload is None:
+                            continue
+                        deadline = msg.task.deadline_unix_ms / 1000.0 or None
+                        t = asyncio.ensure_future(
+                            self._serve_task(call, write_lock, payload, deadline))
+                        running.add(t)
+                        t.add_done_callback(running.discard)
+                    elif which == "cancel":
+                        log.info("[SiteAgent.session] coordinator cancelled task %s: %s",
+                                 msg.cancel.task_id, msg.cancel.reason)
+            finally:
+                stop_wait.cancel()
+                for t in running:
+                    t.cancel()
+
+    async def _serve_task(self, call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,
+                          payload: bytes, deadline: float | None) -> None:
+        try:
+            task = task_from_bytes(payload)
+        except ProtocolError as exc:
+            log.warning("[SiteAgent.task] undecodable task: %s", exc)
+            return
+        loop = asyncio.get_running_loop()
+        outcome = await loop.run_in_executor(self._executor, self.runner.run, task, deadline)
+        messages: list[site_link_pb2.SiteMessage] = []
+        if isinstance(outcome, Refusal):
+            messages.append(site_link_pb2.SiteMessage(refusal=refusal_to_proto(outcome)))
+        else:
+            messages.extend(site_link_pb2.SiteMessage(result_chunk=c)
+                            for c in iter_chunks(task.task_id, outcome, CHUNK_BYTES))
+        budget = await loop.run_in_executor(self._executor, self.runner.ledger.status)
+        messages.append(site_link_pb2.SiteMessage(budget=budget_to_proto(budget)))
+        try:
+            async with write_lock:
+                for m in messages:
+                    await call.write(m)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            # The stream dropped after the ledger committed: the charge and bytes are stored,
+            # so the coordinator's resend of the same task id is answered by replay.
+            log.warning("[SiteAgent.task] could not send the answer to %s (stored in the "
+                        "ledger, will be replayed on resend): %s", task.task_id, exc)

@@ -1,0 +1,199 @@
+"""``dpfed-site``: the hospital's site agent.
+
+    dpfed-site --config site.toml [--coordinator HOST:PORT] [--data FILE] [--ledger FILE]
+               [--log-level LEVEL] [--insecure]        run the agent (dials out)
+    dpfed-site check --config site.toml                check config, certificates, schema, data
+    dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
+
+Exit codes (``common.exit_codes``): 3 bad config, 4 data/schema problem, 5 certificate problem,
+6 coordinator unreachable, 7 rejected by the coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+from common import __version__, exit_codes
+from common.data_sources import DataSource, DataSourceSpec, open_data_source, scan, spec_from_path
+from common.errors import CertificateError, ConfigError, DataError, SchemaError
+from common.logs import configure_logging
+from common.protocol import PROTOCOL_VERSION, SiteHello
+from common.schema import Schema
+from common.tls import check_tls_files, load_channel_credentials
+from site_agent.agent import SiteAgent
+from site_agent.config import SiteConfig, load_site_config
+from site_agent.ledger import Ledger, format_ledger, ledger_as_json
+from site_agent.runner import TaskRunner
+
+log = logging.getLogger("dpfed.site")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="path to site.toml")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the command-line interface."""
+    p = argparse.ArgumentParser(prog="dpfed-site", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run the agent (the default command)")
+    for target in (p, run):
+        target.add_argument("--config", help="path to site.toml")
+        target.add_argument("--coordinator", help="coordinator HOST:PORT (overrides the file)")
+        target.add_argument("--data", help="data file (overrides data.path)")
+        target.add_argument("--ledger", help="ledger file (overrides ledger.path)")
+        target.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        target.add_argument("--insecure", action="store_true",
+                            help="connect without TLS (development only)")
+    check = sub.add_parser("check", help="validate config, certificates, schema and data")
+    _add_common(check)
+    ledger = sub.add_parser("ledger", help="list the privacy ledger's events and totals")
+    _add_common(ledger)
+    ledger.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def data_spec(config: SiteConfig) -> DataSourceSpec:
+    """Return the data source spec described by the config."""
+    d = config.data
+    if d.format is None:
+        return spec_from_path(d.path, table=d.table, query=d.query,
+                              delimiter=d.delimiter if d.delimiter != "," else None,
+                              chunk_rows=d.chunk_rows, policy=d.row_policy)
+    return DataSourceSpec(d.format, d.path, table=d.table, query=d.query,
+                          delimiter=d.delimiter, chunk_rows=d.chunk_rows, policy=d.row_policy)
+
+
+@dataclass
+class _Prepared:
+    config: SiteConfig
+    schema: Schema
+    source: DataSource
+    row_count: int
+
+
+def _prepare(config: SiteConfig) -> _Prepared:
+    """Everything that must be right before connecting; raises the project's errors."""
+    schema = Schema.load(config.data.schema)
+    source = open_data_source(data_spec(config), schema)
+    report = scan(source)
+    log.info("[Site.start] data %s: %s", source.describe(), report.summary())
+    if report.rows_kept == 0:
+        log.warning("[Site.start] no valid rows: every task will be refused until the data "
+                    "is fixed")
+    return _Prepared(config, schema, source, report.rows_kept)
+
+
+def _run(config: SiteConfig) -> int:
+    if config.deterministic_noise_seed is not None:
+        log.warning("[Site.start] testing.deterministic_noise_seed is set: noise is "
+                    "reproducible from the seed and NOT private. Use only for demos and tests.")
+    credentials = None
+    if config.tls is None:
+        log.warning("[Site.start] --insecure: no TLS; never use this outside development")
+    else:
+        credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
+                                               role="site")
+    prepared = _prepare(config)
+    ledger = Ledger(config.ledger_path, config.budget)
+    runner = TaskRunner(prepared.source, ledger, config.allowed_jobs,
+                        deterministic_noise_seed=config.deterministic_noise_seed)
+
+    def hello() -> SiteHello:
+        return SiteHello(__version__, PROTOCOL_VERSION, prepared.schema.digest(),
+                         prepared.row_count, config.allowed_jobs,
+                         config.budget.max_epsilon_per_task, ledger.status())
+
+    status = ledger.status()
+    log.info("[Site.start] ledger %s: %d event(s), epsilon spent %.6g of %g", config.ledger_path,
+             status.events, status.epsilon_spent, status.epsilon_cap)
+    agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
+                      hello=hello, connect_timeout_s=config.connect_timeout_s,
+                      server_name=config.server_name)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stop)
+        return await agent.run()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        ledger.close()
+
+
+def _check(config: SiteConfig) -> int:
+    if config.tls is not None:
+        material = check_tls_files(config.tls.ca, config.tls.cert, config.tls.key, use="client",
+                                   roles=("site",))
+        print(f"certificate: {material.principal}, valid until {material.not_after:%Y-%m-%d}")
+    prepared = _prepare(config)
+    print(f"schema: {len(prepared.schema.columns)} columns, digest "
+          f"{prepared.schema.digest()[:12]}...")
+    print(f"data: {prepared.source.describe()}: {prepared.row_count} valid rows")
+    ledger = Ledger(config.ledger_path, config.budget)
+    try:
+        s = ledger.status()
+        print(f"ledger: {config.ledger_path}: {s.events} event(s); epsilon spent "
+              f"{s.epsilon_spent:.6g} of {s.epsilon_cap:g} ({s.accountant})")
+    finally:
+        ledger.close()
+    print(f"coordinator: {config.coordinator_address}")
+    print("ok")
+    return exit_codes.OK
+
+
+def _ledger(config: SiteConfig, as_json: bool) -> int:
+    ledger = Ledger(config.ledger_path, config.budget)
+    try:
+        if as_json:
+            print(json.dumps(ledger_as_json(ledger), indent=2))
+        else:
+            print(format_ledger(ledger))
+    finally:
+        ledger.close()
+    return exit_codes.OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    command = args.command or "run"
+    if not args.config:
+        print("dpfed-site: --config is required (path to site.toml)", file=sys.stderr)
+        return exit_codes.USAGE
+    overrides = {}
+    if command == "run":
+        overrides = {"coordinator": args.coordinator, "data": args.data, "ledger": args.ledger,
+                     "log_level": args.log_level, "insecure": args.insecure}
+    try:
+        config = load_site_config(args.config, overrides)
+        configure_logging(config.log_level if command == "run" else "WARNING", config.log_file
+                          if command == "run" else None)
+        if command == "check":
+            return _check(config)
+        if command == "ledger":
+            return _ledger(config, args.json)
+        return _run(config)
+    except CertificateError as exc:
+        print(f"dpfed-site: certificate problem: {exc}", file=sys.stderr)
+        return exit_codes.CERTIFICATE_ERROR
+    except (DataError, SchemaError) as exc:
+        print(f"dpfed-site: data problem: {exc}", file=sys.stderr)
+        return exit_codes.DATA_ERROR
+    except ConfigError as exc:
+        print(f"dpfed-site: configuration problem: {exc}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+    except KeyboardInterrupt:
+        return exit_codes.INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Run one task at the site: policy, idempotent replay, handler, ledger, release.
+
+Order of operations (DESIGN.md invariants 2 and 4):
+
+1. Refuse at once what local policy does not allow (job kind, deadline already passed).
+2. A task id the ledger already holds returns the stored bytes (same payload digest) or is
+   refused as a conflict (different digest) -- no recomputation, no fresh noise.
+3. The handler validates the parameters and computes the exact statistic (nothing drawn).
+4. ``Ledger.charge_and_release`` checks the budget and, only if it fits, calls the release
+   function (which draws the noise) inside the transaction that stores charge and bytes.
+5. Only the committed bytes leave the site.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import numpy as np
+
+from common.errors import (
+    BudgetExceededError,
+    IdempotencyConflictError,
+    ValidationError,
+)
+from common.protocol import Refusal, Task
+from common.rng import production_rng
+from common.wire import result_to_bytes
+from site_agent.handlers import HANDLERS, DataAccess, TaskHandler
+from site_agent.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+
+class TaskRunner:
+    """Execute tasks against the site's data under its ledger and policy.
+
+    Parameters
+    ----------
+    data : DataAccess
+        The site's table.
+    ledger : Ledger
+        The durable privacy ledger (budget policy included).
+    allowed_kinds : tuple of str
+        Job kinds the site operator allows.
+    handlers : dict, optional
+        kind -> handler (default: every registered handler).
+    deterministic_noise_seed : int, optional
+        Demo/test only (a local config key, never settable over the network): derive each
+        release's generator from this seed and the task id so a simulation is reproducible.
+    """
+
+    def __init__(self, data: DataAccess, ledger: Ledger, allowed_kinds: tuple[str, ...], *,
+                 handlers: dict[str, TaskHandler] | None = None,
+                 deterministic_noise_seed: int | None = None) -> None:
+        self.data = data
+        self.ledger = ledger
+        self.allowed_kinds = allowed_kinds
+        self.handlers = handlers if handlers is not None else HANDLERS
+        self.noise_seed = deterministic_noise_seed
+
+    def _rng(self, task_id: str) -> np.random.Generator:
+        if self.noise_seed is None:
+            return production_rng()
+        tag = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:16], "little")
+        return np.random.Generator(
+            np.random.PCG64DXSM(np.random.SeedSequence([self.noise_seed, tag])))
+
+    def run(self, task: Task, deadline_unix: float | None = None) -> bytes | Refusal:
+        """Return the released bytes (a serialized TaskResult) or a Refusal."""
+        tag = f"task={task.task_id} job={task.job_id} kind={task.kind}"
+        if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
+            log.warning("[TaskRunner.run] %s refused: kind not allowed by local policy", tag)
+            return Refusal(task.task_id, "not_allowed",
+                           f"this site does not run {task.kind!r} jobs "
+                           f"(allowed: {', '.join(self.allowed_kinds)})")
+        digest = task.digest()
+        stored = self.ledger.lookup(task.task_id)
+        if stored is not None:
+            if stored.payload_digest == digest:
+                log.info("[TaskRunner.run] %s replayed from the ledger (no new charge)", tag)
+                return self.ledger.stored_result(task.task_id)
+            log.warning("[TaskRunner.run] %s refused: task id reused with a different payload", tag)
+            return Refusal(task.task_id, "conflict",
+                           "this task id was already used for a different request")
+        if deadline_unix is not None and time.time() > deadline_unix:
+            return Refusal(task.task_id, "deadline", "the task's deadline passed before it started")
+        try:
+            prepared = self.handlers[task.kind].prepare(task, self.data)
+            outcome = self.ledger.charge_and_release(
+                task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
+                cost=prepared.cost,
+                release=lambda: result_to_bytes(prepared.release(self._rng(task.task_id))),
+            )
+        except BudgetExceededError as exc:
+            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            return Refusal(task.task_id, "budget_exceeded", str(exc))
+        except IdempotencyConflictError as exc:
+            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            return Refusal(task.task_id, "conflict", str(exc))
+        except ValidationError as exc:
+            log.warning("[TaskRunner.run] %s refused as invalid: %s", tag, exc)
+            return Refusal(task.task_id, "invalid", str(exc))
+        except Exception:
+            log.exception("[TaskRunner.run] %s failed", tag)
+            return Refusal(task.task_id, "internal",
+                           "the site failed to run the task (see its log)")
+        state = "replayed" if outcome.replayed else "charged"
+        log.info("[TaskRunner.run] %s %s epsilon=%g delta=%g, %d bytes released", tag, state,
+                 prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
+        return outcome.result
