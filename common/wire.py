@@ -47,7 +47,7 @@ def array_to_proto(array: np.ndarray) -> ProtoNDArray:
     a = np.asarray(array)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    a = np.ascontiguousarray(a)
+    a = np.require(a, requirements="C")  # (ascontiguousarray would turn 0-d into 1-d)
     if a.dtype.str not in ALLOWED_DTYPES:
         raise ProtocolError(
             f"dtype {a.dtype.str} cannot be sent; allowed: {sorted(ALLOWED_DTYPES)}")
