@@ -12,10 +12,12 @@ printed before the process died. Modes:
     Print ``READY``, wait for a line on stdin, then charge N tasks ``PREFIX-i`` with random
     epsilon in [0.05, 0.25); print ``CHARGED <task> <epsilon>`` or ``REFUSED <task> <epsilon>``.
 ``loop DB PREFIX SEED [--retry TASK_ID]``
-    Print ``READY``; first retry TASK_ID if given, then charge ``PREFIX-0``, ``PREFIX-1``, ...
-    forever. ``release()`` prints ``RELEASE <task>`` and then sleeps or computes for a random
-    while before drawing its noise; ``ACK <task> <sha256 of result> <replayed 0|1>`` is printed
-    only after ``charge_and_release`` returned (i.e. after the commit).
+    Print ``STARTING``, open the ledger, print ``READY``; first retry TASK_ID if given, then
+    charge ``PREFIX-0``, ``PREFIX-1``, ... forever. ``release()`` prints ``RELEASE <task>`` and
+    then sleeps or computes for a random while before drawing its noise; ``ACK <task> <sha256
+    of result> <replayed 0|1>`` is printed only after ``charge_and_release`` returned (i.e.
+    after the commit). :func:`loop_child` runs the same loop in a process forked by
+    multiprocessing, sending the lines over a pipe instead of stdout.
 
 The payload digest of a task is the SHA-256 of its id, so a retry resends the same payload.
 """
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from common.accounting import BudgetPolicy, PrivacyCost
@@ -105,12 +108,18 @@ def run_spend(ledger: Ledger, prefix: str, n: int, seed: int) -> None:
             emit(f"CHARGED {task_id} {epsilon!r}")
 
 
-def run_loop(ledger: Ledger, prefix: str, seed: int, retry: str | None) -> None:
+LOOP_POLICY = BudgetPolicy(1e6, 1e-5)  # the kill tests never hit the cap
+LOOP_COST = 0.01  # epsilon charged per task in loop mode
+
+
+def run_loop(db: str, prefix: str, seed: int, retry: str | None,
+             say: Callable[[str], None]) -> None:
+    """Open the ledger and charge tasks forever, reporting progress through ``say``."""
     rnd = random.Random(seed)
 
     def make_release(task_id: str) -> Callable[[], bytes]:
         def release() -> bytes:
-            emit(f"RELEASE {task_id}")
+            say(f"RELEASE {task_id}")
             if rnd.random() < 0.5:
                 time.sleep(rnd.uniform(0.0, 0.02))  # "waiting on I/O"
             else:
@@ -118,7 +127,9 @@ def run_loop(ledger: Ledger, prefix: str, seed: int, retry: str | None) -> None:
             return production_rng().normal(size=16).tobytes()  # the noise draw
         return release
 
-    emit("READY")
+    say("STARTING")  # imports done; the ledger is opened (maybe created, or recovered) next
+    ledger = Ledger(db, LOOP_POLICY, busy_timeout_s=60.0)
+    say("READY")
     tasks: list[str] = [retry] if retry else []
     i = 0
     while True:
@@ -126,8 +137,18 @@ def run_loop(ledger: Ledger, prefix: str, seed: int, retry: str | None) -> None:
             tasks.append(f"{prefix}-{i}")
             i += 1
         task_id = tasks.pop()
-        result, replayed = charge(ledger, task_id, 0.01, make_release(task_id))
-        emit(f"ACK {task_id} {hashlib.sha256(result).hexdigest()} {int(replayed)}")
+        result, replayed = charge(ledger, task_id, LOOP_COST, make_release(task_id))
+        # Acknowledge only now: charge_and_release has returned, so the charge is committed.
+        say(f"ACK {task_id} {hashlib.sha256(result).hexdigest()} {int(replayed)}")
+
+
+def loop_child(db: str, prefix: str, seed: int, retry: str | None, out: Connection) -> None:
+    """Entry point of a forked child (multiprocessing): ``loop`` mode, lines sent over a pipe.
+
+    ``Connection.send_bytes`` writes each short line to the pipe in one ``write(2)`` before it
+    returns, so, as with a flushed stdout, a line the parent can read was sent before the kill.
+    """
+    run_loop(db, prefix, seed, retry, lambda line: out.send_bytes(line.encode()))
 
 
 def main() -> None:
@@ -139,13 +160,14 @@ def main() -> None:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--retry", default=None)
     ns = parser.parse_args()
+    if ns.mode == "loop":
+        run_loop(ns.db, ns.args[0], int(ns.args[1]), ns.retry, emit)
+        return
     ledger = Ledger(ns.db, BudgetPolicy(ns.epsilon, ns.delta), busy_timeout_s=60.0)
     if ns.mode == "same":
         run_same(ledger, ns.args[0], int(ns.args[1]))
-    elif ns.mode == "spend":
-        run_spend(ledger, ns.args[0], int(ns.args[1]), int(ns.args[2]))
     else:
-        run_loop(ledger, ns.args[0], int(ns.args[1]), ns.retry)
+        run_spend(ledger, ns.args[0], int(ns.args[1]), int(ns.args[2]))
 
 
 if __name__ == "__main__":

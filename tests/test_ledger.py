@@ -29,6 +29,7 @@ from common.errors import (
     IdempotencyConflictError,
     ValidationError,
 )
+from common.mechanisms import gaussian_sigma
 from site_agent import ledger as ledger_module
 from site_agent.ledger import (
     SCHEMA_VERSION,
@@ -261,7 +262,7 @@ def test_zcdp_total_rho_equals_the_sum_of_event_rhos(db: Path) -> None:
     ledger = Ledger(db, policy)
     rnd = random.Random(7)
     costs = []
-    for i in range(200):
+    for i in range(80):
         if rnd.random() < 0.5:
             cost = PrivacyCost.gaussian(rnd.uniform(0.01, 0.5), 1e-8,
                                         sigma=rnd.uniform(1.0, 40.0),
@@ -274,25 +275,27 @@ def test_zcdp_total_rho_equals_the_sum_of_event_rhos(db: Path) -> None:
     assert abs(ledger.spent().rho - expected_rho) <= 1e-12
     assert abs(sum(e.rho for e in ledger.events()) - expected_rho) <= 1e-12
     status = ledger.status()
-    assert status.events == 200
+    assert status.events == 80
     assert status.epsilon_spent == pytest.approx(zcdp_to_epsilon(expected_rho, 1e-6), rel=1e-9)
 
 
 def test_zcdp_accountant_admits_what_basic_composition_would_refuse(tmp_path: Path) -> None:
-    # 100 Gaussian releases at epsilon 0.1 each: basic composition spends 10 > cap 5, while
-    # their summed rho converts to far less than 5 at delta 1e-6.
-    gaussian = PrivacyCost.gaussian(0.1, 1e-9, sigma=60.0, sensitivity=1.0)
+    # 40 Gaussian releases at epsilon 0.25 each: basic composition spends 10 > cap 5, while
+    # their summed rho converts to about 1.5 at delta 1e-6.
+    epsilon, delta = 0.25, 1e-9
+    gaussian = PrivacyCost.gaussian(epsilon, delta, sigma=gaussian_sigma(epsilon, delta),
+                                    sensitivity=1.0)
     basic = Ledger(tmp_path / "basic.sqlite", BudgetPolicy(5.0, 1e-6))
     zcdp = Ledger(tmp_path / "zcdp.sqlite", BudgetPolicy(5.0, 1e-6, accountant="zcdp"))
     refused_basic = 0
-    for i in range(100):
+    for i in range(40):
         try:
             charge(basic, f"t{i}", gaussian)
         except BudgetExceededError:
             refused_basic += 1
         charge(zcdp, f"t{i}", gaussian)
-    assert refused_basic == 50
-    assert zcdp.status().epsilon_spent < 5.0
+    assert refused_basic == 20
+    assert zcdp.status().epsilon_spent < 2.0
     # ... and the zcdp ledger still refuses once the converted epsilon would pass the cap.
     with pytest.raises(BudgetExceededError, match="zCDP budget exceeded"):
         charge(zcdp, "big", PrivacyCost.pure(3.0))
