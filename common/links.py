@@ -434,7 +434,8 @@ class LatentLinks:
         object.__setattr__(self, "dim", offsets[-1])
 
     @classmethod
-    def from_proportions(cls, schema: Schema, proportions: Mapping[str, np.ndarray],
+    def from_proportions(cls, schema: Schema,
+                         proportions: Mapping[str, np.ndarray | Sequence[float]],
                          moments: Mapping[str, tuple[float, float]] | None = None
                          ) -> LatentLinks:
         """Build links from proportions per categorical column (+ optional continuous moments).
