@@ -1,1 +1,4 @@
-"""The coordinator: gRPC server, site registry, job orchestration and store, analyst CLI and API."""
+"""The coordinator.
+
+gRPC server, site registry, job orchestration and store, the analyst CLI and Python API.
+"""

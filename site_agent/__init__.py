@@ -1,1 +1,4 @@
-"""The hospital-side process: configuration, policy, durable privacy ledger, task handlers, dial-out client."""
+"""The hospital-side process.
+
+Configuration, policy, the durable privacy ledger, task handlers and the dial-out client.
+"""

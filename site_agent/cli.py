@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from common import __version__, exit_codes
+from common.certs import Role
 from common.data_sources import DataSource, DataSourceSpec, open_data_source, scan, spec_from_path
 from common.errors import CertificateError, ConfigError, DataError, SchemaError
 from common.logs import configure_logging
@@ -131,8 +132,9 @@ def _run(config: SiteConfig) -> int:
 
 def _check(config: SiteConfig) -> int:
     if config.tls is not None:
+        site_role: tuple[Role, ...] = ("site",)
         material = check_tls_files(config.tls.ca, config.tls.cert, config.tls.key, use="client",
-                                   roles=("site",))
+                                   roles=site_role)
         print(f"certificate: {material.principal}, valid until {material.not_after:%Y-%m-%d}")
     prepared = _prepare(config)
     print(f"schema: {len(prepared.schema.columns)} columns, digest "

@@ -98,6 +98,7 @@ from common.errors import (
     ConfigError,
     DpfedError,
     IdempotencyConflictError,
+    NotFoundError,
     ValidationError,
 )
 from common.validation import check_nonnegative, check_positive
@@ -654,6 +655,40 @@ class Ledger:
         with self._connection() as conn:
             spent, n_events = _spent_from(conn)
         return self._policy.status(spent, n_events)
+
+    def lookup(self, task_id: str) -> LedgerEvent | None:
+        """Return the event charged for ``task_id``, or None if it was never charged.
+
+        No lock is taken: events are append-only, so a committed row seen here is final. The
+        task runner uses this to answer a retried task from the ledger before recomputing
+        anything; :meth:`charge_and_release` still makes the authoritative check.
+        """
+        tid = _check_id(task_id, "task_id")
+        with self._connection() as conn:
+            stored = _select_event_with_result(conn, tid)
+        return None if stored is None else stored[0]
+
+    def stored_result(self, task_id: str) -> bytes:
+        """Return the released bytes of a charged task, verified against their digest.
+
+        Raises
+        ------
+        NotFoundError
+            The task id was never charged.
+        LedgerCorruptionError
+            The stored bytes no longer match the digest recorded with them.
+        """
+        tid = _check_id(task_id, "task_id")
+        with self._connection() as conn:
+            stored = _select_event_with_result(conn, tid)
+        if stored is None:
+            raise NotFoundError(f"task {tid!r} is not in the ledger")
+        event, result = stored
+        if hashlib.sha256(result).hexdigest() != event.result_digest:
+            raise LedgerCorruptionError(
+                f"stored result of task {tid!r} does not match its digest; the ledger file "
+                f"{self._path} is damaged")
+        return result
 
     def refusals(self) -> list[RefusalRecord]:
         """Return the refused tasks, oldest first (none of them was charged)."""

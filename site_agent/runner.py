@@ -78,10 +78,12 @@ class TaskRunner:
         digest = task.digest()
         stored = self.ledger.lookup(task.task_id)
         if stored is not None:
-            if stored.payload_digest == digest:
+            if (stored.payload_digest, stored.job_id, stored.kind) == (digest, task.job_id,
+                                                                      task.kind):
                 log.info("[TaskRunner.run] %s replayed from the ledger (no new charge)", tag)
                 return self.ledger.stored_result(task.task_id)
-            log.warning("[TaskRunner.run] %s refused: task id reused with a different payload", tag)
+            log.warning("[TaskRunner.run] %s refused: task id reused with a different payload",
+                        tag)
             return Refusal(task.task_id, "conflict",
                            "this task id was already used for a different request")
         if deadline_unix is not None and time.time() > deadline_unix:
