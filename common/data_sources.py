@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
@@ -367,13 +368,16 @@ class CsvSource(DataSource):
         # _MAX_BLOCK_BYTES (larger blocks parse no faster; _rebatch joins blocks into chunks),
         # at least _MIN_BLOCK_BYTES and room for several of the sample's longest lines (Arrow
         # fails on a row longer than a block).
-        lines = rest.split("\n")
-        if len(sample) == _HEADER_SAMPLE_BYTES and len(lines) > 1:
-            lines = lines[:-1]  # the last line of a truncated sample is partial
-        lengths = [len(line.encode("utf-8")) + 1 for line in lines if line.strip()] or [1]
-        mean = sum(lengths) / len(lengths)
+        body = sample[sample.find(b"\n") + 1:]
+        ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == ord("\n"))
+        lengths = np.diff(ends, prepend=-1)  # bytes per line, newline included
+        if len(sample) < _HEADER_SAMPLE_BYTES and not body.endswith(b"\n"):
+            # A last line without a line break (a truncated sample's last line is partial).
+            lengths = np.append(lengths, len(body) - (int(ends[-1]) + 1 if ends.size else 0))
+        mean = float(lengths.mean()) if lengths.size else 1.0
+        longest = int(lengths.max()) if lengths.size else 1
         block = min(int(self.spec.chunk_rows * mean * 1.1), _MAX_BLOCK_BYTES)
-        return header, max(block, 4 * max(lengths), _MIN_BLOCK_BYTES)
+        return header, max(block, 4 * longest, _MIN_BLOCK_BYTES)
 
     def _decode(self, data: bytes) -> str:
         try:
