@@ -64,12 +64,13 @@ def load_aggregator_config(path: str | Path,
     p = Path(path)
     root = Section(read_toml(p), "", str(p), p.resolve().parent)
     server = root.section("server")
-    listen = overrides.get("listen") or server.string("listen", "0.0.0.0:50051")
+    file_listen = server.string("listen", "0.0.0.0:50051")  # read even when overridden
+    listen = overrides.get("listen") or file_listen
     assert listen is not None
     if ":" not in listen.rsplit("]", 1)[-1]:
         raise ConfigError(f"{p}: server.listen must be host:port, got {listen!r}")
-    port_file = Path(overrides["port_file"]) if overrides.get("port_file") else server.path(
-        "port_file")
+    file_port_file = server.path("port_file")
+    port_file = Path(overrides["port_file"]) if overrides.get("port_file") else file_port_file
     server.check_unknown()
 
     tls_s = root.section("tls")
@@ -93,11 +94,13 @@ def load_aggregator_config(path: str | Path,
     jobs.check_unknown()
 
     store = root.section("store")
-    store_path = Path(overrides["store"]) if overrides.get("store") else store.path("path", "store")
+    file_store = store.path("path", "store")
+    store_path = Path(overrides["store"]) if overrides.get("store") else file_store
     store.check_unknown()
 
     lg = root.section("logging")
-    level = (overrides.get("log_level") or lg.string("level", "INFO") or "INFO").upper()
+    file_level = lg.string("level", "INFO") or "INFO"
+    level = (overrides.get("log_level") or file_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"{p}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")

@@ -33,6 +33,8 @@ class PCAResult:
     explained_variance_ratio_: np.ndarray
     feature_names_in_: tuple[str, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: All eigenvalues of the aggregated noisy matrix A_c (up to min(p, S R)), largest first.
+    spectrum_: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def n_components_(self) -> int:
@@ -68,6 +70,7 @@ class PCAResult:
         return encode_result({"components": self.components_,
                               "eigenvalues": self.explained_variance_,
                               "explained_variance_ratio": self.explained_variance_ratio_,
+                              "spectrum": self.spectrum_,
                               "feature_names": np.array(self.feature_names_in_, dtype=np.str_)},
                              self.metadata)
 
@@ -85,7 +88,8 @@ class PCAResult:
         try:
             return cls(arrays["components"], arrays["eigenvalues"],
                        arrays["explained_variance_ratio"],
-                       tuple(str(n) for n in arrays["feature_names"]), meta)
+                       tuple(str(n) for n in arrays["feature_names"]), meta,
+                       arrays.get("spectrum", arrays["eigenvalues"]))
         except KeyError as exc:
             raise ValidationError(f"not a pca result file: missing {exc}") from None
 

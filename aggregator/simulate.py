@@ -15,10 +15,7 @@ store, logs, ``pca.npz`` and ``report.html``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,22 +23,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-from common.demo_data import write_demo
 
-from aggregator.client import Coordinator
+from aggregator.local_federation import LocalFederation, SiteSettings
 from aggregator.pca_result import PCAResult
 from aggregator.report import Report, captured_energy_plot, scree_plot
 from common import exit_codes
-from common.certs import init_federation
+from common.accounting import BudgetStatus
 from common.data_sources import open_data_source, spec_from_path
 from common.dppca import GramAccumulator, captured_energy, top_components
 from common.errors import ConfigError, DpfedError, JobFailedError
 from common.features import UnitBallMap
-from common.protocol import JobEvent
+from common.protocol import JobEvent, JobInfo
 from common.schema import Schema
-
-ANALYST = "analyst"
-STARTUP_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -122,99 +115,6 @@ def _say(step: str, text: str) -> None:
     print(f"[simulate] {step:<12} {text}", flush=True)
 
 
-def _toml_str(p: Path) -> str:
-    return json.dumps(str(p.resolve()))
-
-
-class Processes:
-    """Child processes of the simulation, stopped (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self) -> None:
-        self.procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
-
-    def start(self, name: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-        """Start ``python -m ...`` with stdout/stderr to ``log``."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(log, "ab")  # noqa: SIM115 -- owned by the child for its lifetime
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-        fh.close()
-        self.procs[name] = (proc, log)
-        return proc
-
-    def check_alive(self) -> None:
-        """Raise with the log tail of any child that exited."""
-        for name, (proc, log) in self.procs.items():
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                raise DpfedError(f"{name} exited with code {proc.returncode}; last log lines:\n  "
-                                 + "\n  ".join(tail))
-
-    def stop_all(self, timeout: float = 10.0) -> None:
-        """SIGTERM every child, wait, SIGKILL stragglers."""
-        for proc, _ in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc, _ in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _write_configs(opts: SimulationOptions, out: Path, schema_path: Path, data: list[Path],
-                   site_ids: list[str]) -> tuple[Path, list[Path]]:
-    certs = out / "certs"
-    coord_dir = out / "coordinator"
-    coord_dir.mkdir(parents=True, exist_ok=True)
-    agg = coord_dir / "aggregator.toml"
-    min_sites = opts.min_sites or len(site_ids)
-    agg.write_text(
-        "[server]\nlisten = \"127.0.0.1:0\"\n\n"
-        f"[tls]\nca = {_toml_str(certs / 'ca.pem')}\n"
-        f"cert = {_toml_str(certs / 'coordinator' / 'coordinator.pem')}\n"
-        f"key = {_toml_str(certs / 'coordinator' / 'coordinator.key')}\n\n"
-        f"[federation]\nschema = {_toml_str(schema_path)}\n\n"
-        f"[jobs]\nmin_sites = {min_sites}\ntask_deadline_s = {opts.deadline}\n\n"
-        f"[store]\npath = {_toml_str(coord_dir / 'store')}\n")
-    budget_eps = opts.budget_epsilon or max(10.0, 2 * opts.epsilon)
-    budget_delta = opts.budget_delta or min(0.5, 10 * opts.delta)
-    site_configs = []
-    for i, (site_id, path) in enumerate(zip(site_ids, data, strict=True)):
-        d = out / "sites" / site_id
-        d.mkdir(parents=True, exist_ok=True)
-        kit = certs / "sites" / site_id
-        testing = ""
-        if opts.seed is not None:
-            testing = f"\n[testing]\ndeterministic_noise_seed = {opts.seed * 1000 + i}\n"
-        cfg = d / "site.toml"
-        cfg.write_text(
-            "[coordinator]\naddress = \"127.0.0.1:0\"\nconnect_timeout_s = 60\n\n"
-            f"[tls]\nca = {_toml_str(kit / 'ca.pem')}\ncert = {_toml_str(kit / 'site.pem')}\n"
-            f"key = {_toml_str(kit / 'site.key')}\n\n"
-            f"[data]\npath = {_toml_str(path)}\nschema = {_toml_str(schema_path)}\n\n"
-            f"[ledger]\npath = {_toml_str(d / 'ledger.sqlite')}\n\n"
-            f"[budget]\nepsilon = {budget_eps}\ndelta = {budget_delta}\naccountant = \"basic\"\n\n"
-            f"[policy]\nallowed_jobs = [\"pca\"]\n{testing}")
-        site_configs.append(cfg)
-    return agg, site_configs
-
-
-def _wait_for_port(port_file: Path, procs: Processes) -> int:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        if port_file.exists():
-            text = port_file.read_text().strip()
-            if text:
-                return int(text)
-        time.sleep(0.05)
-    raise DpfedError(f"the coordinator did not start within {STARTUP_TIMEOUT_S:g}s")
-
-
 def pooled_second_moment(schema: Schema, paths: list[Path],
                          clip_norm: float | None) -> tuple[np.ndarray, list[int]]:
     """Non-private reference: the average of the sites' G_s/N_s, as DPdisPCA's A_c estimates."""
@@ -233,52 +133,32 @@ def pooled_second_moment(schema: Schema, paths: list[Path],
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code."""
     out = opts.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    site_ids = [f"hospital-{i + 1}" for i in range(opts.sites)]
-    _say("certs", f"federation CA + coordinator + {len(site_ids)} site + 1 analyst "
-         f"certificate(s) -> {out / 'certs'}")
-    init_federation(out / "certs", coordinator_hosts=["localhost"], sites=site_ids,
-                    analysts=[ANALYST], force=True)
+    seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if opts.data:
-        assert opts.schema is not None
-        schema_path, data = opts.schema.resolve(), [p.resolve() for p in opts.data]
-        _say("data", f"using {len(data)} file(s) with schema {schema_path}")
+        _say("data", f"using {len(opts.data)} file(s) with schema {opts.schema}")
     else:
-        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
         _say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} columns "
              f"(latent factor structure, seed {seed}) -> {out / 'data'}")
-        schema_path, data = write_demo(out / "data", opts.sites, opts.rows, opts.features,
-                                       seed=seed, fmt=opts.data_format)
-    schema = Schema.load(schema_path)
-    agg_cfg, site_cfgs = _write_configs(opts, out, Path(schema_path), list(data), site_ids)
-    logs = out / "logs"
-    procs = Processes()
+    settings = SiteSettings(
+        budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
+        budget_delta=opts.budget_delta or min(0.5, 10 * opts.delta),
+        noise_seed=opts.seed)
+    fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows,
+                                 features=opts.features, seed=seed, fmt=opts.data_format,
+                                 data=opts.data or None, schema=opts.schema,
+                                 min_sites=opts.min_sites or None,
+                                 task_deadline_s=opts.deadline, settings=settings)
+    _say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
+         f"certificate(s) -> {fed.certs}")
+    schema = Schema.load(fed.schema_path)
     try:
-        port_file = out / "coordinator" / "port"
-        port_file.unlink(missing_ok=True)
-        procs.start("coordinator", ["-m", "aggregator", "--config", str(agg_cfg),
-                                    "--port-file", str(port_file)], logs / "coordinator.log")
-        port = _wait_for_port(port_file, procs)
-        address = f"127.0.0.1:{port}"
-        _say("coordinator", f"serving on {address} (mTLS), store {out / 'coordinator' / 'store'}")
-        for site_id, cfg in zip(site_ids, site_cfgs, strict=True):
-            procs.start(site_id, ["-m", "site_agent", "--config", str(cfg), "--coordinator",
-                                  address], logs / f"{site_id}.log")
-        kit = out / "certs" / "analysts" / ANALYST
-        with Coordinator(address, ca=kit / "ca.pem", cert=kit / "analyst.pem",
-                         key=kit / "analyst.key") as coord:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                procs.check_alive()
-                sites = coord.sites()
-                if len(sites) >= len(site_ids):
-                    break
-                if time.monotonic() > deadline:
-                    raise DpfedError(f"only {len(sites)} of {len(site_ids)} sites connected "
-                                     f"within {STARTUP_TIMEOUT_S:g}s (see {logs})")
-                time.sleep(0.1)
-            _say("sites", ", ".join(f"{s.site_id} ({s.row_count} rows)" for s in sites))
+        fed.start_coordinator()
+        _say("coordinator", f"serving on {fed.address} (mTLS), store {fed.store}")
+        fed.start_sites()
+        fed.wait_for_sites()
+        with fed.analyst() as coord:
+            _say("sites", ", ".join(f"{s.site_id} ({s.row_count} rows)" for s in coord.sites()))
 
             def progress(event: JobEvent) -> None:
                 _say("pca", f"[{event.progress * 100:5.1f}%] {event.message}")
@@ -300,14 +180,15 @@ def run_simulation(opts: SimulationOptions) -> int:
         print(f"[simulate] error: {exc}", file=sys.stderr)
         return exit_codes.INTERNAL_ERROR
     finally:
-        procs.stop_all()
+        fed.stop_all()
 
     _say("evaluate", "non-private pooled PCA on the same (unit-ball) features, for comparison")
-    reference, counts = pooled_second_moment(schema, list(data), opts.clip_norm)
-    energy = _write_report(out, opts, result, reference, counts, budgets, jobs[0] if jobs else None,
-                           job_seconds)
+    paths = [fed.data_paths[s] for s in fed.site_ids]
+    reference, counts = pooled_second_moment(schema, paths, opts.clip_norm)
+    energy = _write_report(out, opts, result, reference, counts, budgets,
+                           jobs[0] if jobs else None, job_seconds)
     print()
-    print(f"dpfed simulate: {len(site_ids)} sites, {sum(counts)} rows, "
+    print(f"dpfed simulate: {len(fed.site_ids)} sites, {sum(counts)} rows, "
           f"{len(result.feature_names_in_)} features, K={result.n_components_}")
     for site_id, _connected, b in budgets:
         if b is not None:
@@ -322,7 +203,8 @@ def run_simulation(opts: SimulationOptions) -> int:
 
 
 def _write_report(out: Path, opts: SimulationOptions, result: PCAResult, reference: np.ndarray,
-                  counts: list[int], budgets: list, job, job_seconds: float) -> float:  # type: ignore[type-arg]
+                  counts: list[int], budgets: list[tuple[str, bool, BudgetStatus | None]],
+                  job: JobInfo | None, job_seconds: float) -> float:
     k = result.n_components_
     p = reference.shape[0]
     exact_vectors = top_components(reference, min(p, max(k, 10)))
@@ -350,7 +232,8 @@ def _write_report(out: Path, opts: SimulationOptions, result: PCAResult, referen
         "seeded (reproducible, not private)": opts.seed is not None,
     })
     rep.heading("Scree plot")
-    rep.image(scree_plot(result.explained_variance_, exact_eigs[:max(2 * k, 10)],
+    shown = max(2 * k, 10)
+    rep.image(scree_plot(result.spectrum_[:shown], exact_eigs[:shown],
                          title=f"Eigenvalues, epsilon={opts.epsilon:g} per site"), "scree plot")
     rep.heading("Captured energy")
     rep.image(captured_energy_plot(ks, dp_cum, np_cum), "captured energy")

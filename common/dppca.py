@@ -18,7 +18,7 @@ eigenvalues of the noisy matrix are clipped to 0 before taking square roots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import linalg
@@ -142,6 +142,8 @@ class PCAEstimate:
     components: np.ndarray
     eigenvalues: np.ndarray
     total_variance: float
+    #: Every nonzero eigenvalue of A_c (up to min(p, S R)), for scree plots; post-processing.
+    spectrum: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def explained_variance_ratio(self) -> np.ndarray:
@@ -177,7 +179,8 @@ def combine(factors: list[np.ndarray], n_components: int) -> PCAEstimate:
     n_sites = len(factors)
     eigenvalues = (s[:k] ** 2) / n_sites
     total = float(np.sum(s ** 2) / n_sites)  # trace(A_c) = ||M||_F^2 / S
-    return PCAEstimate(_flip_signs(np.ascontiguousarray(u[:, :k].T)), eigenvalues, total)
+    return PCAEstimate(_flip_signs(np.ascontiguousarray(u[:, :k].T)), eigenvalues, total,
+                       (s ** 2) / n_sites)
 
 
 def captured_energy(components: np.ndarray, second_moment: np.ndarray) -> float:

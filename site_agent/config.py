@@ -125,7 +125,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     root = Section(doc, "", source, p.resolve().parent)
 
     coord = root.section("coordinator")
-    address = overrides.get("coordinator") or coord.string("address")
+    file_address = coord.string("address")  # always read: the strict key check needs it
+    address = overrides.get("coordinator") or file_address
     if not address:
         raise ConfigError(
             f"{source}: no coordinator address: set [coordinator] address = \"host:port\" "
@@ -142,8 +143,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     tls_section.check_unknown()
 
     data = root.section("data", required=True)
-    data_path = Path(overrides["data"]) if overrides.get("data") else data.path("path",
-                                                                                 required=True)
+    file_data = data.path("path", required=not overrides.get("data"))
+    data_path = Path(overrides["data"]) if overrides.get("data") else file_data
     schema_path = data.path("schema", required=True)
     fmt = data.string("format")
     if fmt is not None and fmt not in DATA_FORMATS:
@@ -168,8 +169,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data.check_unknown()
 
     ledger = root.section("ledger")
-    ledger_path = Path(overrides["ledger"]) if overrides.get("ledger") else ledger.path(
-        "path", "ledger.sqlite")
+    file_ledger = ledger.path("path", "ledger.sqlite")
+    ledger_path = Path(overrides["ledger"]) if overrides.get("ledger") else file_ledger
     ledger.check_unknown()
 
     budget = root.section("budget", required=True)
@@ -192,7 +193,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     policy.check_unknown()
 
     logging_section = root.section("logging")
-    level = overrides.get("log_level") or logging_section.string("level", "INFO") or "INFO"
+    file_level = logging_section.string("level", "INFO") or "INFO"
+    level = overrides.get("log_level") or file_level
     if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(f"{source}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")

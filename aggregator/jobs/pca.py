@@ -47,7 +47,7 @@ class PCAJob(JobType):
                 raise ProtocolError("result lacks a positive n_rows")
 
         results = await ctx.dispatch("pca", params.to_mapping(), round_name="pca",
-                                     check_result=check)
+                                     check_result=check, progress=(0.05, 0.9))
         ctx.emit("combine", f"combining {len(results)} site factor(s) (p={p}, "
                  f"R={params.rank}) into K={params.n_components} components", 0.92)
         site_ids = sorted(results)
@@ -72,6 +72,6 @@ class PCAJob(JobType):
                    "top_eigenvalues": [float(v) for v in estimate.eigenvalues[:5]],
                    "explained_variance_ratio_sum": float(np.sum(ratio))}
         arrays = {"components": estimate.components, "eigenvalues": estimate.eigenvalues,
-                  "explained_variance_ratio": ratio,
+                  "explained_variance_ratio": ratio, "spectrum": estimate.spectrum,
                   "feature_names": np.array(names, dtype=np.str_)}
         return JobOutput(arrays, metadata, summary)
