@@ -643,7 +643,8 @@ def reconstruct(y: Any, strategy_matrix: Any, *, nonnegative: str | None = None)
         ``argmin_{x >= 0} ||y - A x||_2`` (scipy ``nnls``). When ``A`` has full column rank
         this is the projection of ``A^+ y`` onto ``x >= 0`` in the norm ``||A .||_2``, so it
         never moves further from the true (non-negative) ``x`` in that norm. ``"l1"``: the
-        seed's ``argmin_{x >= 0} ||y - A x||_1`` (HiGHS linear programme).
+        seed's ``argmin_{x >= 0} ||y - A x||_1`` (HiGHS linear programme), the
+        non-negative maximum-likelihood estimate under iid Laplace noise.
 
     Notes
     -----
