@@ -3,18 +3,18 @@
 Given a stream of queries q_1, q_2, ... (each of sensitivity Delta) and a public threshold T,
 SVT reports which queries are above T while paying for at most ``c`` positive answers:
 
-1. Draw the threshold noise once: rho ~ Lap(Delta / epsilon_1).            (Alg. 1, line 1)
-2. For each query i: draw nu_i ~ Lap(2 c Delta / epsilon_2)              (Alg. 1, line 3)
-   -- Lap(c Delta / epsilon_2) for monotonic queries --
-   and answer "above" (top) iff q_i + nu_i >= T + rho, else "below" (bot). (Alg. 1, line 4)
-3. Stop after the c-th "above" answer (the cut-off).                     (Alg. 1, line 6)
+1. Draw the threshold noise once: rho ~ Lap(Delta / epsilon_1).
+2. For each query i: draw nu_i ~ Lap(2 c Delta / epsilon_2) -- Lap(c Delta / epsilon_2) for
+   monotonic queries -- and answer "above" (top) iff q_i + nu_i >= T + rho, else "below".
+3. Stop after the c-th "above" answer (the cut-off).
 
 The whole transcript costs epsilon = epsilon_1 + epsilon_2, however many queries are asked
-(Lyu et al., Thm. 2). A noisy numeric value for each positive query costs a further
-epsilon_3 and uses *fresh* noise Lap(c Delta / epsilon_3), never the comparison noise nu_i
-(releasing q_i + nu_i is Lyu's Alg. 3, which is not epsilon-DP for any finite epsilon).
-The default split is epsilon_1 : epsilon_2 = 1 : (2c)^(2/3), or 1 : c^(2/3) for monotonic
-queries (Lyu et al., Sec. 4.2), which minimises the variance of nu_i - rho.
+(the privacy proof of Alg. 1 in Lyu et al.). A noisy numeric value for each positive query
+costs a further epsilon_3 and uses *fresh* noise Lap(c Delta / epsilon_3), never the
+comparison noise nu_i (releasing q_i + nu_i is Lyu's Alg. 3, which is not epsilon-DP for any
+finite epsilon). The default split is epsilon_1 : epsilon_2 = 1 : (2c)^(2/3), or
+1 : c^(2/3) for monotonic queries (Lyu et al.'s budget-allocation analysis), which minimises
+the variance of nu_i - rho. Comments in the code cite these steps as "Alg. 1 step k".
 
 Where seed 001 is wrong (DESIGN.md "SVT (001)")
 ----------------------------------------------
@@ -24,13 +24,13 @@ Where seed 001 is wrong (DESIGN.md "SVT (001)")
   the Yes/No transcript is not private at all. The Yes/No transcript costs epsilon_1 +
   epsilon_2; numeric answers cost epsilon_3 on top.
 * "Multi-SVT with at most c positives costs c*epsilon_1 + epsilon_2": wrong. With rho drawn
-  once, what grows with c is the query-noise part: every positive answer moves the
-  privacy loss through nu_i, so with query noise Lap(2 Delta/epsilon_2) c positives cost
-  epsilon_1 + c*epsilon_2 (the seed's own proof sketch in section 6 says so, contradicting
-  section 5). Re-drawing rho after each positive (Dwork & Roth's variant) costs
-  c*(epsilon_1 + epsilon_2). Either way c*epsilon_1 + epsilon_2 under-charges by
-  (c-1)*epsilon_2. Alg. 1 instead scales the query noise with c so that the total stays
-  epsilon_1 + epsilon_2.
+  once, rho is paid for once and what grows with c is the query-noise part: every positive
+  answer costs privacy through its nu_i, so with query noise Lap(2 Delta/epsilon_2) c
+  positives cost epsilon_1 + c*epsilon_2 (the seed's own proof sketch in section 6 says so,
+  contradicting section 5). Re-drawing rho after each positive (c independent AboveThreshold
+  runs) costs c*(epsilon_1 + epsilon_2), which c*epsilon_1 + epsilon_2 under-charges by
+  (c-1)*epsilon_2. The seed's formula matches neither algorithm. Alg. 1 instead scales the
+  query noise with c so that the total stays epsilon_1 + epsilon_2.
 * Its worked example releases "noisy count = 105" for the positive query, i.e. the
   comparison-noised value -- Alg. 3's bug. We release fresh noise under epsilon_3.
 * It writes the threshold noise as Lap(Delta_T / epsilon_1) with a "threshold sensitivity".
@@ -96,7 +96,7 @@ def svt_budget_split(epsilon: float, cutoff: int, *,
                      monotonic: bool = False) -> tuple[float, float]:
     """Return (epsilon_1, epsilon_2) with epsilon_1 : epsilon_2 = 1 : (2c)^(2/3).
 
-    For monotonic queries the ratio is 1 : c^(2/3) (Lyu, Su & Li 2017, Sec. 4.2: the split
+    For monotonic queries the ratio is 1 : c^(2/3) (Lyu, Su & Li 2017, budget allocation: the split
     that minimises Var(nu - rho) for Laplace noise of scales Delta/epsilon_1 and
     2c Delta/epsilon_2, resp. c Delta/epsilon_2).
     """
@@ -135,7 +135,7 @@ class SVTCalibration:
     -------
     Neighbouring relation: add/remove one record (DESIGN.md invariant 1); the caller
     guarantees every query has sensitivity ``sensitivity`` under it. The transcript is
-    (epsilon_1 + epsilon_2)-DP (Lyu et al., Thm. 2): shifting rho by Delta (cost epsilon_1)
+    (epsilon_1 + epsilon_2)-DP (Lyu et al., proof of Alg. 1): shifting rho by Delta (cost epsilon_1)
     keeps every "below" answer, and each of the at most c "above" answers needs nu_i moved
     by at most 2 Delta, costing 2 Delta / (2 c Delta / epsilon_2) = epsilon_2 / c each
     (Delta for monotonic queries, with half the noise). Numeric values: at most c Laplace
@@ -170,8 +170,8 @@ class SVTCalibration:
         set_(self, "numeric_epsilon", eps3)
         set_(self, "threshold_epsilon", eps1)
         set_(self, "query_epsilon", eps2)
-        set_(self, "threshold_scale", sens / eps1)  # Alg. 1 line 1: rho ~ Lap(Delta/eps1)
-        # Alg. 1 line 3: nu ~ Lap(2c Delta/eps2); Lyu Sec. 4.1: c Delta/eps2 if monotonic.
+        set_(self, "threshold_scale", sens / eps1)  # Alg. 1 step 1: rho ~ Lap(Delta/eps1)
+        # Alg. 1 step 2: nu ~ Lap(2c Delta/eps2); Lyu et al.: c Delta/eps2 if monotonic.
         set_(self, "query_scale", (1 if mono else 2) * c * sens / eps2)
         set_(self, "numeric_scale", None if eps3 is None else c * sens / eps3)
 
@@ -275,11 +275,11 @@ def sparse_vector_runs(answers: Any, n_runs: int, *, threshold: float, epsilon: 
     cal = SVTCalibration(epsilon, cutoff, sensitivity, monotonic, numeric_epsilon)
     gen = resolve_rng(rng)
     k = a.size
-    rho = gen.laplace(0.0, cal.threshold_scale, size=(n, 1))  # Alg. 1 line 1: drawn once
-    nu = gen.laplace(0.0, cal.query_scale, size=(n, k))  # Alg. 1 line 3: one per query
-    above = (a + nu) >= (t + rho)  # Alg. 1 line 4 ("above" on >=)
+    rho = gen.laplace(0.0, cal.threshold_scale, size=(n, 1))  # Alg. 1 step 1: drawn once
+    nu = gen.laplace(0.0, cal.query_scale, size=(n, k))  # Alg. 1 step 2: one per query
+    above = (a + nu) >= (t + rho)  # Alg. 1 step 2 ("above" on >=)
     seen_before = np.cumsum(above, axis=1, dtype=np.int64) - above
-    examined = seen_before < cal.cutoff  # Alg. 1 line 6: stop after the c-th "above"
+    examined = seen_before < cal.cutoff  # Alg. 1 step 3: stop after the c-th "above"
     positive = above & examined
     values = None
     if cal.numeric_scale is not None:
@@ -337,13 +337,14 @@ def sparse_vector(answers: Any, *, threshold: float, epsilon: float, cutoff: int
     (the caller's guarantee; counts have Delta = 1). The answers are never released, only
     whether q_i + nu_i >= T + rho. Cost: (epsilon_1 + epsilon_2)-DP for the transcript,
     whatever the number of queries (Lyu, Su & Li, "Understanding the Sparse Vector
-    Technique for Differential Privacy", PVLDB 10(6), 2017, Alg. 1 and Thm. 2), plus
-    epsilon_3 for numeric values with fresh Lap(c Delta/epsilon_3) noise (Sec. 4.3 there).
+    Technique for Differential Privacy", PVLDB 10(6), 2017, Alg. 1 and its proof), plus
+    epsilon_3 for numeric values with fresh Lap(c Delta/epsilon_3) noise (as there).
     Seed 001 is wrong twice here: a Yes/No-only run does *not* cost only epsilon_1 (the
     comparisons are what epsilon_2 pays for; without query noise SVT is not private, Lyu
-    Alg. 5), and "c*epsilon_1 + epsilon_2" for c positives under-charges by
-    (c-1)*epsilon_2 (with rho drawn once, the cost per positive sits in the query noise;
-    Alg. 1 scales that noise with c instead). See the module docstring for details.
+    Alg. 5), and "c*epsilon_1 + epsilon_2" is the cost of no SVT with c positives (with rho
+    drawn once the per-positive cost sits in the query noise, giving epsilon_1 +
+    c*epsilon_2 at Lap(2 Delta/epsilon_2); Alg. 1 scales that noise with c instead). See the
+    module docstring for details.
     """
     runs = sparse_vector_runs(answers, 1, threshold=threshold, epsilon=epsilon, cutoff=cutoff,
                               sensitivity=sensitivity, monotonic=monotonic,
@@ -386,7 +387,7 @@ class SparseVector:
         self._calibration = SVTCalibration(epsilon, cutoff, sensitivity, monotonic,
                                            numeric_epsilon)
         self._rng = resolve_rng(rng)
-        # Alg. 1 line 1: rho ~ Lap(Delta/epsilon_1), drawn once for the whole stream.
+        # Alg. 1 step 1: rho ~ Lap(Delta/epsilon_1), drawn once for the whole stream.
         rho = float(self._rng.laplace(0.0, self._calibration.threshold_scale))
         self._noisy_threshold = self._threshold + rho
         self._n_examined = 0
@@ -446,14 +447,14 @@ class SparseVector:
             )
         q = _check_real(answer, "answer")
         cal = self._calibration
-        nu = float(self._rng.laplace(0.0, cal.query_scale))  # Alg. 1 line 3
+        nu = float(self._rng.laplace(0.0, cal.query_scale))  # Alg. 1 step 2: fresh query noise
         index = self._n_examined
         self._n_examined += 1
-        if q + nu < self._noisy_threshold:  # Alg. 1 line 4: "below"
+        if q + nu < self._noisy_threshold:  # Alg. 1 step 2: "below"
             return False
         self._positives.append(index)
         if cal.numeric_scale is not None:
-            # Fresh noise for the released value (Lyu Sec. 4.3), never q + nu (Alg. 3 bug).
+            # Fresh noise for the released value (Lyu et al.), never q + nu (Alg. 3 bug).
             self._values.append(q + float(self._rng.laplace(0.0, cal.numeric_scale)))
         return True
 
