@@ -6,8 +6,10 @@ wrong path or a missing column stops the agent at start-up with a message that n
 source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_rows`` rows
 (:meth:`DataSource.iter_chunks`), each chunk validated by :func:`common.encoding.encode_table`
 under the spec's :class:`~common.encoding.RowPolicy`. Memory is bounded by
-``chunk_rows x columns`` whatever the size of the file (Parquet: by the larger of that and one
-row group, which the file's writer chose).
+``chunk_rows x columns`` whatever the size of the file, plus (CSV) Arrow's read-ahead of a
+fixed number of 1 MiB blocks, or (Parquet) one row group, whose size the file's writer chose.
+``bench/site_memory.py`` measured the peak RSS of a site's DP-PCA pass over 2M rows at 1.1x
+that over 200k rows.
 
 Errors never echo data values: they name the source, the column and the row.
 
@@ -19,8 +21,8 @@ Row numbers
 
 CSV fast path
     Reading every column as text lets ``encode_table`` apply the row policy to bad values
-    instead of failing a whole block, but costs ~1.7x end to end on a numeric table
-    (``bench/site_memory.py`` measures it). So continuous columns are first read as float64
+    instead of failing a whole block, but costs ~2x end to end (read + encode) on a numeric
+    table (``bench/site_memory.py`` measures it). So continuous columns are first read as float64
     by Arrow; as soon as a block fails to convert (a value that is not a plain number or a
     declared missing value, stray whitespace, ...) the rest of the file is read as text. The
     text reader re-parses the rows already delivered and discards them, so results do not
@@ -64,8 +66,7 @@ DEFAULT_CHUNK_ROWS = 65536
 MALFORMED_ROWS_KEY = "(rows with a wrong number of fields)"
 
 _HEADER_SAMPLE_BYTES = 1 << 20
-_MIN_BLOCK_BYTES = 1 << 20
-_MAX_BLOCK_BYTES = 1 << 24
+_BLOCK_BYTES = 1 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SQL_COMMENT = re.compile(r"\A\s*(?:--[^\n]*(?:\n|\Z)|/\*.*?\*/)", re.DOTALL)
 
@@ -364,20 +365,15 @@ class CsvSource(DataSource):
         except (csv.Error, StopIteration):
             raise DataError(f"{self.describe()}: the header row is not valid CSV") from None
         header = [name.strip() for name in header]
-        # Block size: ~chunk_rows rows from the sample's mean line length, at most
-        # _MAX_BLOCK_BYTES (larger blocks parse no faster; _rebatch joins blocks into chunks),
-        # at least _MIN_BLOCK_BYTES and room for several of the sample's longest lines (Arrow
-        # fails on a row longer than a block).
+        # Block size: Arrow reads raw blocks ahead of the parser in a background thread,
+        # a fixed number of blocks deep (with 16 MiB blocks a 506 MiB file was buffered
+        # whole, bench/site_memory.py), so blocks stay small -- _BLOCK_BYTES, or room for
+        # several of the sample's longest lines (Arrow fails on a row longer than a block) --
+        # and _rebatch joins them into chunks of chunk_rows rows.
         body = sample[sample.find(b"\n") + 1:]
         ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == ord("\n"))
-        lengths = np.diff(ends, prepend=-1)  # bytes per line, newline included
-        if len(sample) < _HEADER_SAMPLE_BYTES and not body.endswith(b"\n"):
-            # A last line without a line break (a truncated sample's last line is partial).
-            lengths = np.append(lengths, len(body) - (int(ends[-1]) + 1 if ends.size else 0))
-        mean = float(lengths.mean()) if lengths.size else 1.0
-        longest = int(lengths.max()) if lengths.size else 1
-        block = min(int(self.spec.chunk_rows * mean * 1.1), _MAX_BLOCK_BYTES)
-        return header, max(block, 4 * longest, _MIN_BLOCK_BYTES)
+        longest = int(np.diff(ends, prepend=-1).max()) if ends.size else len(body)
+        return header, max(_BLOCK_BYTES, 4 * longest)
 
     def _decode(self, data: bytes) -> str:
         try:
@@ -397,10 +393,12 @@ class CsvSource(DataSource):
             col.name: pa.float64() if typed and isinstance(col, ContinuousColumn) else pa.string()
             for col in self.schema.columns
         }
-        # Row numbers reach the invalid-row handler only when Arrow parses serially.
         encoding = self.spec.encoding
         if codecs.lookup(encoding).name == "utf-8":
             encoding = "utf8"  # Arrow's no-transcoding fast path
+        # use_threads=False: row numbers reach the invalid-row handler only when Arrow parses
+        # serially (and serial parsing measured as fast here). The header was parsed by
+        # _read_header, so Arrow skips it and takes the stripped names.
         read = pcsv.ReadOptions(block_size=self.block_size, use_threads=False, skip_rows=1,
                                 column_names=self.header, encoding=encoding)
         parse = pcsv.ParseOptions(delimiter=self.spec.delimiter, quote_char='"',

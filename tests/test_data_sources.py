@@ -360,6 +360,16 @@ def test_missing_file_directory_and_unreadable_file(tmp_path: Path) -> None:
         locked.chmod(0o600)
 
 
+def test_row_longer_than_a_read_block_is_a_clear_error(tmp_path: Path) -> None:
+    path = write_text(tmp_path / "long.csv", "a,b\n1,2\n3," + "4" * 300 + "\n5,6\n")
+    source = csv_source(path, NUMERIC)
+    source.block_size = 64  # normally >= 1 MiB and 4x the longest sampled line
+    with pytest.raises(DataError, match=r"a row after data row 1 is longer than the read "
+                                        r"block \(64 bytes\)") as err:
+        read_all(source)
+    assert "4" * 10 not in str(err.value)
+
+
 def test_compressed_csv_is_streamed(tmp_path: Path) -> None:
     path = tmp_path / "z.csv.gz"
     with gzip.open(path, "wt") as f:
