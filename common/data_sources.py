@@ -8,8 +8,8 @@ source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_
 under the spec's :class:`~common.encoding.RowPolicy`. Memory is bounded by
 ``chunk_rows x columns`` whatever the size of the file, plus (CSV) Arrow's read-ahead of a
 fixed number of 1 MiB blocks, or (Parquet) one row group, whose size the file's writer chose.
-``bench/site_memory.py`` measured the peak RSS of a site's DP-PCA pass over 2M rows at 1.1x
-that over 200k rows.
+``bench/site_memory.py`` measures the peak RSS of a site's DP-PCA pass over 2M rows against
+200k rows.
 
 Errors never echo data values: they name the source, the column and the row.
 
@@ -582,7 +582,11 @@ class ParquetSource(DataSource):
 
     def _open(self) -> Any:
         try:
-            return pq.ParquetFile(str(self.spec.path))
+            # pre_buffer=False: with pre-buffering (pyarrow's default) the reader kept the
+            # buffered column chunks of every row group read so far, so allocation grew with
+            # the file (67 -> 195 MiB over a 2M-row file; cf. apache/arrow#39808). Without
+            # it, it stays at ~one row group.
+            return pq.ParquetFile(str(self.spec.path), pre_buffer=False)
         except (pa.ArrowException, OSError) as exc:
             raise DataError(f"{self.describe()}: not a readable Parquet file "
                             f"({type(exc).__name__})") from None
