@@ -47,14 +47,21 @@ memory traffic, about 2× faster than float64); the k winners' distances are the
 exactly in float64 from the row differences, so exact copies give distance 0.0 exactly. float32
 can only mis-order neighbours whose squared distances differ by less than about ``1e-6 ‖r‖²``.
 For few columns (``p ≤ 6`` by default) a ``scipy.spatial.cKDTree`` is faster and exact;
-``bench/metrics_speed.py`` measures the choice.
+``bench/metrics_speed.py`` measures the choice. During a blocked search OpenBLAS runs on one
+thread (its threads only add synchronisation to these small products, and stalled badly on a
+shared machine); ``n_jobs`` worker threads over query rows parallelise instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import math
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -133,6 +140,10 @@ def _same_width(a: np.ndarray, b: np.ndarray, name_a: str, name_b: str) -> None:
 
 def _block_bytes(value: Any) -> int:
     return check_int(value, "max_block_bytes", minimum=64, maximum=MAX_BLOCK_BYTES_LIMIT)
+
+
+def _n_jobs(value: Any) -> int:
+    return check_int(value, "n_jobs", minimum=1, maximum=256)
 
 
 def _theta(theta: Any) -> float:
@@ -309,33 +320,97 @@ def _block_shape(n_query: int, n_ref: int, itemsize: int, max_block_bytes: int) 
 BlockHook = Callable[[np.ndarray, int, int], None]
 
 
-def _blocked_topk(query_aug: np.ndarray, ref_aug: np.ndarray, k: int, *, exclude_self: bool,
-                  max_block_bytes: int, hook: BlockHook | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Keep the running top-k (smallest) of ``S = query_aug @ ref_augᵀ`` per query row.
+class _BlasThreadLimit:
+    """Run OpenBLAS single-threaded while any blocked search is active (restored afterwards).
 
-    ``hook(block, i0, j0)`` may read and modify each block in place before the reduction (used to
-    accumulate row sums). Memory: one block of at most ``max_block_bytes`` plus O((n + m) k).
-    Returns (scores n×k in the working dtype, reference indices n×k), sorted ascending.
+    Each block product is small (a few hundred query rows × ≤ 2048 reference rows × p + 1), so
+    OpenBLAS's own threads only add synchronisation; on a shared machine their spin-waits made
+    the search 4-5× slower (bench/metrics_speed.py). Parallelism comes instead from ``n_jobs``
+    worker threads over query rows (numpy releases the GIL in BLAS calls and reductions).
+    The thread count is process-wide in OpenBLAS's pthreads build, so a depth counter restores
+    it only when the last concurrent search ends. The functions are found the way threadpoolctl
+    finds them: every loaded ``*openblas*.so`` (Linux ``/proc/self/maps``), symbol
+    ``[scipy_]openblas_{get,set}_num_threads[64_]``. Elsewhere, or with another BLAS, this is a
+    no-op and the BLAS keeps its own setting.
     """
-    n, m = query_aug.shape[0], ref_aug.shape[0]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: list[int] = []
+        self._controls: list[tuple[Any, Any]] | None = None
+
+    def _find(self) -> list[tuple[Any, Any]]:
+        if self._controls is not None:
+            return self._controls
+        controls: list[tuple[Any, Any]] = []
+        try:
+            with open("/proc/self/maps", encoding="utf-8") as maps:
+                paths = sorted({line.split()[-1] for line in maps
+                                if "openblas" in line.rsplit("/", 1)[-1] and ".so" in line})
+        except OSError:
+            paths = []
+        for path in paths:
+            try:
+                lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LOCAL)
+            except OSError:
+                continue
+            for prefix, suffix in (("", ""), ("scipy_", "64_"), ("scipy_", ""), ("", "64_")):
+                get = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
+                put = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    get.restype, get.argtypes = ctypes.c_int, []
+                    put.restype, put.argtypes = None, [ctypes.c_int]
+                    controls.append((get, put))
+                    break
+        self._controls = controls
+        return controls
+
+    def threads(self) -> list[int]:
+        """Return the thread counts of the OpenBLAS libraries found (empty if none)."""
+        with self._lock:
+            return [int(get()) for get, _ in self._find()]
+
+    @contextlib.contextmanager
+    def single(self) -> Iterator[None]:
+        """Context in which every OpenBLAS found runs on one thread."""
+        with self._lock:
+            controls = self._find()
+            if self._depth == 0:
+                self._saved = [int(get()) for get, _ in controls]
+                for _, put in controls:
+                    put(1)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    for (_, put), n in zip(controls, self._saved, strict=True):
+                        put(n)
+
+
+_BLAS_THREADS = _BlasThreadLimit()
+
+
+def _topk_rows(query_aug: np.ndarray, ref_t: list[np.ndarray], k: int, start: int, stop: int,
+               best_val: np.ndarray, best_idx: np.ndarray, *, exclude_self: bool, rows: int,
+               cols: int, hook: BlockHook | None) -> None:
+    """Fill ``best_val/best_idx[start:stop]`` with the top-k of query rows start..stop-1."""
     dtype = query_aug.dtype
-    rows, cols = _block_shape(n, m, dtype.itemsize, max_block_bytes)
-    buf = np.empty(rows * cols, dtype=dtype)
-    best_val = np.full((n, k), np.inf, dtype=dtype)
-    best_idx = np.zeros((n, k), dtype=np.int64)
+    buf = np.empty(rows * cols, dtype=dtype)  # the only block-sized allocation of this worker
     cand_val = np.empty((rows, 2 * k), dtype=dtype)
     cand_idx = np.empty((rows, 2 * k), dtype=np.int64)
-    ref_t = [np.ascontiguousarray(ref_aug[j0:j0 + cols].T) for j0 in range(0, m, cols)]
-    for i0 in range(0, n, rows):
-        q = query_aug[i0:i0 + rows]
+    for i0 in range(start, stop, rows):
+        q = query_aug[i0:min(i0 + rows, stop)]
         nb = q.shape[0]
         r = np.arange(nb)
         cv, ci = cand_val[:nb], cand_idx[:nb]
-        cv[:, :k] = best_val[i0:i0 + nb]
-        ci[:, :k] = best_idx[i0:i0 + nb]
-        for jb, j0 in enumerate(range(0, m, cols)):
-            rt = ref_t[jb]
+        cv[:, :k] = np.inf
+        ci[:, :k] = 0
+        j0 = 0
+        for rt in ref_t:
             mb = rt.shape[1]
             block = buf[:nb * mb].reshape(nb, mb)
             np.matmul(q, rt, out=block)  # one BLAS call: the scores of nb × mb pairs
@@ -356,8 +431,41 @@ def _blocked_topk(query_aug: np.ndarray, ref_aug: np.ndarray, k: int, *, exclude
             order = np.argsort(cv, axis=1, kind="stable")[:, :k]
             cv[:, :k] = np.take_along_axis(cv, order, axis=1)
             ci[:, :k] = np.take_along_axis(ci, order, axis=1)
+            j0 += mb
         best_val[i0:i0 + nb] = cv[:, :k]
         best_idx[i0:i0 + nb] = ci[:, :k]
+
+
+def _blocked_topk(query_aug: np.ndarray, ref_aug: np.ndarray, k: int, *, exclude_self: bool,
+                  max_block_bytes: int, n_jobs: int = 1, hook: BlockHook | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the running top-k (smallest) of ``S = query_aug @ ref_augᵀ`` per query row.
+
+    ``hook(block, i0, j0)`` may read and modify each block in place before the reduction (used to
+    accumulate row sums; with ``n_jobs > 1`` it runs in several threads on disjoint rows).
+    Memory: ``n_jobs`` blocks of at most ``max_block_bytes`` each plus O((n + m)(p + k)).
+    Returns (scores n×k in the working dtype, reference indices n×k), sorted ascending.
+    """
+    n, m = query_aug.shape[0], ref_aug.shape[0]
+    rows, cols = _block_shape(n, m, query_aug.dtype.itemsize, max_block_bytes)
+    best_val = np.empty((n, k), dtype=query_aug.dtype)
+    best_idx = np.empty((n, k), dtype=np.int64)
+    ref_t = [np.ascontiguousarray(ref_aug[j0:j0 + cols].T) for j0 in range(0, m, cols)]
+    # Contiguous query ranges, one per worker, aligned to whole blocks.
+    n_blocks = -(-n // rows)
+    per_worker = -(-n_blocks // max(1, min(n_jobs, n_blocks))) * rows
+    ranges = [(a, min(a + per_worker, n)) for a in range(0, n, per_worker)]
+    with _BLAS_THREADS.single():
+        if len(ranges) == 1:
+            _topk_rows(query_aug, ref_t, k, 0, n, best_val, best_idx, exclude_self=exclude_self,
+                       rows=rows, cols=cols, hook=hook)
+        else:
+            with ThreadPoolExecutor(max_workers=len(ranges)) as pool:
+                futures = [pool.submit(_topk_rows, query_aug, ref_t, k, a, b, best_val,
+                                       best_idx, exclude_self=exclude_self, rows=rows,
+                                       cols=cols, hook=hook) for a, b in ranges]
+                for future in futures:
+                    future.result()
     return best_val, best_idx
 
 
@@ -400,7 +508,8 @@ class Neighbours:
 
 def nearest_neighbours(query: Any, reference: Any, *, k: int = 2, exclude_self: bool = False,
                        method: str = "auto", precision: str = "float32",
-                       max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> Neighbours:
+                       max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+                       n_jobs: int = 1) -> Neighbours:
     """Find the ``k`` nearest reference rows of every query row without an n×m matrix.
 
     Parameters
@@ -421,6 +530,9 @@ def nearest_neighbours(query: Any, reference: Any, *, k: int = 2, exclude_self: 
         in float64 from the row differences.
     max_block_bytes : int
         Memory bound of one score block (64 B .. 256 MiB; default 4 MiB).
+    n_jobs : int
+        Worker threads of the blocked search (each holds one block; OpenBLAS runs
+        single-threaded meanwhile, see :class:`_BlasThreadLimit`). The kd-tree uses them too.
 
     Returns
     -------
@@ -433,6 +545,7 @@ def nearest_neighbours(query: Any, reference: Any, *, k: int = 2, exclude_self: 
     check_choice(method, "method", _METHOD_CHOICES)
     check_choice(precision, "precision", _PRECISION_CHOICES)
     block_bytes = _block_bytes(max_block_bytes)
+    jobs = _n_jobs(n_jobs)
     need = k + 1 if exclude_self else k
     if ref.shape[0] < need:
         raise ValidationError(
@@ -448,7 +561,7 @@ def nearest_neighbours(query: Any, reference: Any, *, k: int = 2, exclude_self: 
                  q.shape, ref.shape, k, method)
     if method == "kdtree":
         tree = cKDTree(ref)
-        dist, idx = tree.query(q, k=need)
+        dist, idx = tree.query(q, k=need, workers=jobs)
         dist = np.asarray(dist, dtype=np.float64).reshape(q.shape[0], need)
         idx = np.asarray(idx, dtype=np.int64).reshape(q.shape[0], need)
         if exclude_self:
@@ -471,7 +584,7 @@ def nearest_neighbours(query: Any, reference: Any, *, k: int = 2, exclude_self: 
     ref_aug[:, :-1] = rc
     ref_aug[:, -1] = np.einsum("ij,ij->i", rc, rc)
     _, idx = _blocked_topk(query_aug, ref_aug, k, exclude_self=exclude_self,
-                           max_block_bytes=block_bytes)
+                           max_block_bytes=block_bytes, n_jobs=jobs)
     # Refinement: exact float64 distances of the winners, re-sorted.
     sq = _exact_sq_distances(q, ref, idx)
     order = np.argsort(sq, axis=1, kind="stable")
@@ -716,7 +829,8 @@ def _unit_rows(centred: np.ndarray) -> np.ndarray:
 
 def correlation_match(original: Any, masked: Any, *, absolute: bool = False,
                       precision: str = "float32",
-                      max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> CorrelationMatch:
+                      max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+                      n_jobs: int = 1) -> CorrelationMatch:
     """Compute the seed's re-identification probability ``P(j | a_i¹)`` for every masked row.
 
     ``C_ij = (a_j − ā)ᵀ(a_i¹ − ā¹) / (‖a_j − ā‖ ‖a_i¹ − ā¹‖)`` -- eq. (10) with the product of
@@ -736,7 +850,7 @@ def correlation_match(original: Any, masked: Any, *, absolute: bool = False,
     absolute : bool
         Use ``|C_ij|`` as the authors' code does (see the module docstring for why the signed
         cosine is the default).
-    precision, max_block_bytes
+    precision, max_block_bytes, n_jobs
         As in :func:`nearest_neighbours`.
     """
     a = _matrix(original, "original", min_rows=2)
@@ -744,6 +858,7 @@ def correlation_match(original: Any, masked: Any, *, absolute: bool = False,
     _same_width(a, b, "original", "masked")
     check_choice(precision, "precision", _PRECISION_CHOICES)
     block_bytes = _block_bytes(max_block_bytes)
+    jobs = _n_jobs(n_jobs)
     u = _unit_rows(a - a.mean(axis=0))
     v = _unit_rows(b - b.mean(axis=0))
     dtype = np.float32 if precision == "float32" else np.float64
@@ -762,7 +877,8 @@ def correlation_match(original: Any, masked: Any, *, absolute: bool = False,
 
     # Search the smallest −C_ij (or −|C_ij|), i.e. the largest cosine.
     _, idx = _blocked_topk(np.asarray(-v, dtype=dtype), np.asarray(u, dtype=dtype), 1,
-                           exclude_self=False, max_block_bytes=block_bytes, hook=hook)
+                           exclude_self=False, max_block_bytes=block_bytes, n_jobs=jobs,
+                           hook=hook)
     best = idx[:, 0]
     max_cos = np.einsum("ij,ij->i", v, u[best])  # exact float64 refinement
     if absolute:
@@ -808,7 +924,7 @@ class DisclosureRisk:
 def disclosure_risk(original: Any, masked: Any, *, distance: str = "d1", theta: float = 0.5,
                     absolute: bool = False, singular: str = "pinv",
                     precision: str = "float32",
-                    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+                    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES, n_jobs: int = 1,
                     match: CorrelationMatch | None = None) -> DisclosureRisk:
     """Compute the seed's ``M(A, A¹)`` and ``M_best(A, A¹)`` (eqs. 8 and 13).
 
@@ -822,7 +938,7 @@ def disclosure_risk(original: Any, masked: Any, *, distance: str = "d1", theta: 
         Distance used in ``M`` (``M_best`` always uses d1).
     theta : float
         θ in (0, 1) for d3.
-    absolute, precision, max_block_bytes
+    absolute, precision, max_block_bytes, n_jobs
         See :func:`correlation_match`.
     singular : {"pinv", "ridge"}
         See :meth:`MeanDistance.fit`.
@@ -839,7 +955,7 @@ def disclosure_risk(original: Any, masked: Any, *, distance: str = "d1", theta: 
     center = b.mean(axis=0)  # ā¹
     if match is None:
         match = correlation_match(a, b, absolute=absolute, precision=precision,
-                                  max_block_bytes=max_block_bytes)
+                                  max_block_bytes=max_block_bytes, n_jobs=n_jobs)
     elif match.probability.shape != (b.shape[0],):
         raise ValidationError(
             f"match must have one probability per masked row ({b.shape[0]}), "
@@ -862,8 +978,8 @@ def disclosure_m(original: Any, masked: Any, *, distance: str = "d1", theta: flo
                  **options: Any) -> float:
     """Return the seed's ``M(A, A¹) = Σ_i d(a_i¹, ā¹)² (1 − P(j | a_i¹))`` (eq. 8).
 
-    ``options``: ``absolute``, ``singular``, ``precision``, ``max_block_bytes`` as in
-    :func:`disclosure_risk`.
+    ``options``: ``absolute``, ``singular``, ``precision``, ``max_block_bytes``, ``n_jobs`` as
+    in :func:`disclosure_risk`.
     """
     return disclosure_risk(original, masked, distance=distance, theta=theta, **options).m
 

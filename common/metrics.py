@@ -187,7 +187,8 @@ def evaluate_synthetic(real_train: pd.DataFrame | EncodedTable,
                        synthetic: pd.DataFrame | EncodedTable, schema: Schema, *,
                        holdout: pd.DataFrame | EncodedTable | None = None,
                        row_aligned: bool = False,
-                       max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES) -> SyntheticReport:
+                       max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
+                       n_jobs: int = 1) -> SyntheticReport:
     """Evaluate ``synthetic`` against the training rows (and a holdout): risk and utility.
 
     Parameters
@@ -206,6 +207,8 @@ def evaluate_synthetic(real_train: pd.DataFrame | EncodedTable,
         row-aligned mode); adds the direct re-identification rates. Needs equal row counts.
     max_block_bytes : int
         Memory bound of one block of the pairwise searches (see :mod:`common.disclosure`).
+    n_jobs : int
+        Worker threads of the pairwise searches (default 1).
 
     Returns
     -------
@@ -241,7 +244,7 @@ def evaluate_synthetic(real_train: pd.DataFrame | EncodedTable,
     parts = [train_x, syn_x] if hold_enc is None else [train_x, syn_x, fmap.scaled(hold_enc)]
     z = standardize(*parts)
     train_z, syn_z = z[0], z[1]
-    options: dict[str, Any] = {"max_block_bytes": max_block_bytes}
+    options: dict[str, Any] = {"max_block_bytes": max_block_bytes, "n_jobs": n_jobs}
 
     # DCR and NNDR from one top-2 search of synthetic rows among training rows.
     nb = nearest_neighbours(syn_z, train_z, k=2, **options)

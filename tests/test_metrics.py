@@ -13,7 +13,7 @@ import pytest
 from scipy.spatial.distance import mahalanobis
 from scipy.stats import ks_2samp
 
-from common.disclosure import _block_shape
+from common.disclosure import _BLAS_THREADS, _block_shape
 from common.encoding import encode_table
 from common.errors import ValidationError
 from common.metrics import (
@@ -367,6 +367,32 @@ class TestNearestNeighbours:
         np.testing.assert_array_equal(nb.indices, idx)
         np.testing.assert_allclose(nb.distances, dist, rtol=1e-12)
 
+    @pytest.mark.parametrize("exclude_self", [False, True])
+    def test_worker_threads_equal_brute_force(self, exclude_self: bool) -> None:
+        x = np.random.default_rng(29).standard_normal((101, 8))
+        dist, idx = brute_force_knn(x, x, 2, exclude_self=exclude_self)
+        for jobs in (2, 3, 200):
+            nb = nearest_neighbours(x, x, k=2, exclude_self=exclude_self, method="blocked",
+                                    max_block_bytes=512, n_jobs=jobs)
+            np.testing.assert_array_equal(nb.indices, idx)
+            np.testing.assert_allclose(nb.distances, dist, rtol=1e-12)
+        one = correlation_match(x, x[:50] + 0.1, absolute=True, max_block_bytes=512)
+        many = correlation_match(x, x[:50] + 0.1, absolute=True, max_block_bytes=512, n_jobs=3)
+        np.testing.assert_array_equal(one.best_match, many.best_match)
+        np.testing.assert_allclose(one.probability, many.probability, rtol=1e-12)
+
+    def test_blas_threads_restored_after_search(self) -> None:
+        before = _BLAS_THREADS.threads()
+        with _BLAS_THREADS.single():
+            assert all(n == 1 for n in _BLAS_THREADS.threads())
+            with _BLAS_THREADS.single():  # nested / concurrent searches
+                pass
+            assert all(n == 1 for n in _BLAS_THREADS.threads())
+        assert _BLAS_THREADS.threads() == before
+        x = np.ones((3, 2))
+        nearest_neighbours(x, x, method="blocked")
+        assert _BLAS_THREADS.threads() == before
+
     def test_exclude_self_keeps_duplicates(self) -> None:
         x = np.array([[0.0, 0.0], [0.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
         for method in ("blocked", "kdtree"):
@@ -425,6 +451,8 @@ class TestNearestNeighbours:
             nearest_neighbours(x, x, k=0)
         with pytest.raises(ValidationError, match="method"):
             nearest_neighbours(x, x, method="ball_tree")
+        with pytest.raises(ValidationError, match="n_jobs"):
+            nearest_neighbours(x, x, n_jobs=0)
         with pytest.raises(ValidationError, match="max_block_bytes"):
             nearest_neighbours(x, x, max_block_bytes=8)
         with pytest.raises(ValidationError, match="query must not be empty"):
