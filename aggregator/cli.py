@@ -2,10 +2,11 @@
 
     dpfed simulate [--sites N --rows R --features P --k K --epsilon E --delta D --seed S --out DIR]
     dpfed certs init|issue|show ...
+    dpfed demo-data --out DIR [--sites N --rows R --features P --seed S]
     dpfed sites [--all]                  connected sites, rows and remaining budgets
     dpfed budgets                        every known site's budget
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
-              [--min-sites M] [--clip-norm C] --out pca.npz
+              [--min-sites M] [--clip-norm C] [--wait-sites N] --out pca.npz
     dpfed jobs                           recent jobs
     dpfed job ID [--watch]               one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
@@ -137,6 +138,9 @@ def cmd_budgets(args: argparse.Namespace) -> int:
 def cmd_pca(args: argparse.Namespace) -> int:
     """Run a DP-PCA job."""
     with connect(args) as coord:
+        if args.wait_sites:
+            print(f"waiting for {args.wait_sites} site(s) to connect...", flush=True)
+            coord.wait_for_sites(args.wait_sites, timeout=args.wait_timeout)
         result = coord.pca(args.k, epsilon=args.epsilon, delta=args.delta, rank=args.rank,
                            calibration=args.calibration, clip_norm=args.clip_norm,
                            min_sites=args.min_sites, deadline_seconds=args.deadline,
@@ -183,6 +187,18 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
+def cmd_demo_data(args: argparse.Namespace) -> int:
+    """Write a demo schema and one data file per site."""
+    from common.demo_data import write_demo
+
+    schema, paths = write_demo(args.out, args.sites, args.rows, args.features, seed=args.seed,
+                               mixed=args.mixed, fmt=args.format)
+    print(f"wrote {schema}")
+    for p in paths:
+        print(f"wrote {p}")
+    return exit_codes.OK
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the local simulation."""
     from aggregator.simulate import run_simulation, simulation_options_from_args
@@ -206,6 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_certs(sub)
 
+    p = sub.add_parser("demo-data", help="generate demo hospital tables with a latent factor "
+                       "structure and their schema.toml")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--rows", type=int, default=20_000, help="rows per site")
+    p.add_argument("--features", type=int, default=20, help="number of columns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed", action="store_true", help="add ordinal and nominal columns")
+    p.add_argument("--format", choices=["csv", "parquet"], default="csv")
+    p.set_defaults(func=cmd_demo_data)
+
     p = sub.add_parser("sites", help="connected sites, rows and remaining budgets")
     p.add_argument("--all", action="store_true", help="include sites seen before but offline")
     _connection_args(p)
@@ -225,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")
+    p.add_argument("--wait-sites", type=int, default=0, metavar="N",
+                   help="first wait until N sites are connected")
+    p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds for --wait-sites")
     _connection_args(p)
     p.set_defaults(func=cmd_pca)
 

@@ -21,12 +21,12 @@ import pytest
 from aggregator.local_federation import LocalFederation, SiteSettings
 from aggregator.pca_result import PCAResult
 from aggregator.simulate import pooled_second_moment
+from common.accounting import BudgetPolicy
 from common.dppca import captured_energy, top_components
 from common.errors import JobFailedError
 from common.protocol import JobSpec
 from common.schema import Schema
 from site_agent.ledger import Ledger
-from common.accounting import BudgetPolicy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -24,11 +24,10 @@ from common.certs import init_federation
 from common.data_sources import open_data_source, scan, spec_from_path
 from common.grpc_options import channel_options
 from common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
-from common.protocol import PROTOCOL_VERSION, SiteHello
+from common.protocol import PROTOCOL_VERSION, JobSpec, SiteHello
 from common.schema import Schema
 from common.tls import load_channel_credentials
 from common.wire import hello_to_proto, job_spec_to_proto
-from common.protocol import JobSpec
 from site_agent.agent import SiteAgent
 from site_agent.config import load_site_config
 from site_agent.ledger import Ledger
