@@ -92,7 +92,8 @@ def test_classic_underestimates_noise_at_large_epsilon() -> None:
     # The regression case from reliability.md: classic sigma at eps=10, delta=1e-5 is 2.3e-5-DP.
     true_delta = gaussian_delta(classic_gaussian_sigma(10.0, 1e-5), 10.0)
     assert true_delta == pytest.approx(2.27e-5, rel=0.01)
-    with pytest.raises(ValidationError, match=r"not differentially private.*true delta of 2.27e-05"):
+    with pytest.raises(ValidationError,
+                       match=r"not differentially private.*true delta of 2.27e-05"):
         gaussian_sigma(10.0, 1e-5, calibration="classic")
 
 

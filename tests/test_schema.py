@@ -61,7 +61,8 @@ def test_parse_mixed_schema_and_round_trip(tmp_path: Path) -> None:
     ("[[columns]]\nname='x'\ntype='text'", "'type' must be one of continuous, ordinal, nominal"),
     ("[[columns]]\nname='x'\ntype='ordinal'\nlevels=['a']", "at least 2"),
     ("[[columns]]\nname='x'\ntype='nominal'\ncategories=['a','a']", "duplicates"),
-    ("[[columns]]\nname='x'\ntype='continuous'\nmin=0\nmax=1\nmean=3", r"unknown key\(s\) \['mean'\]"),
+    ("[[columns]]\nname='x'\ntype='continuous'\nmin=0\nmax=1\nmean=3",
+     r"unknown key\(s\) \['mean'\]"),
     ("[[columns]]\nname='x'\ntype='continuous'\nmin=0\nmax=1\n[[columns]]\nname='x'\n"
      "type='continuous'\nmin=0\nmax=1", "unique"),
     ("colums = 1", "unknown top-level"),
