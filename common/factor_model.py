@@ -36,6 +36,10 @@ Corrections to the seed (DESIGN.md, research/papers.md section 2)
 * Generative mode (not in the seed): new factors from the DP eigenvalues, plus an isotropic
   residual with the probabilistic-PCA variance (Tipping & Bishop 1999) so the latent
   covariance keeps its total variance; no row-aligned release at all.
+* Correlation correction (generative mode, post-processing, not in the seed): the links
+  draw each row's latent values independently of its other columns, which attenuates the
+  latent correlations involving categorical columns; :func:`latent_correlation` undoes that
+  by simulated method of moments before the factor model is built.
 * Latent rescaling (post-processing, not in the seed): the links make every ordinal, nominal
   and DP-standardised continuous coordinate N(0, 1) marginally; clipping and factor noise
   change that variance, which shifts decoded category proportions. :func:`latent_rescaling`
@@ -202,6 +206,14 @@ def orthonormalize(matrix: np.ndarray) -> np.ndarray:
     signs = np.sign(np.diag(r))
     signs[signs == 0] = 1.0
     return np.asarray(q * signs[None, :])
+
+
+def _flip_columns(vectors: np.ndarray) -> np.ndarray:
+    """Make the largest-magnitude entry of each column positive (deterministic signs)."""
+    idx = np.argmax(np.abs(vectors), axis=0)
+    signs = np.sign(vectors[idx, np.arange(vectors.shape[1])])
+    signs[signs == 0] = 1.0
+    return np.asarray(vectors * signs[None, :])
 
 
 def perturb_loadings(loadings: np.ndarray, *, epsilon: float, rng: np.random.Generator,
@@ -421,6 +433,114 @@ def sample_generative(n_rows: int, loadings: np.ndarray, eigenvalues: np.ndarray
     return EncodedTable.concatenate(parts)
 
 
+# --------------------------------------------------------------------------- correction
+
+
+def dp_second_moment(estimate: PCAEstimate, n_features: int) -> np.ndarray:
+    """Rebuild the DP second-moment matrix (unit-ball units) from a DP-PCA estimate.
+
+    ``V diag(lambda) V^T`` over the released components, plus the residual energy
+    ``(total - sum lambda) / (p - K)`` spread over the complement of their span (nothing when
+    all p components were released). Post-processing.
+    """
+    p = check_int(n_features, "n_features", minimum=1)
+    v = check_finite_array(estimate.components, "components", ndim=2).T  # p x K
+    if v.shape[0] != p:
+        raise ValidationError(f"components have {v.shape[0]} columns, expected {p}")
+    lam = np.clip(np.asarray(estimate.eigenvalues, dtype=np.float64), 0.0, None)
+    moment = (v * lam[None, :]) @ v.T
+    k = v.shape[1]
+    if k < p:
+        rest = max(estimate.total_variance - float(lam.sum()), 0.0) / (p - k)
+        moment += rest * (np.eye(p) - v @ v.T)
+    return np.asarray(0.5 * (moment + moment.T))
+
+
+def _nearest_correlation(matrix: np.ndarray, floor: float = 1e-6) -> np.ndarray:
+    """Clip eigenvalues at ``floor`` and rescale to unit diagonal (a PSD correlation matrix)."""
+    values, vectors = np.linalg.eigh(0.5 * (matrix + matrix.T))
+    psd = (vectors * np.clip(values, floor, None)[None, :]) @ vectors.T
+    d = np.sqrt(np.diag(psd))
+    return np.asarray(psd / d[:, None] / d[None, :])
+
+
+def _correlation_of(moment: np.ndarray) -> np.ndarray:
+    d = np.sqrt(np.clip(np.diag(moment), 1e-300, None))
+    return np.asarray(moment / d[:, None] / d[None, :])
+
+
+def latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, clip_norm: float,
+                       rng: np.random.Generator, n_simulations: int = 50_000,
+                       iterations: int = 8) -> np.ndarray:
+    """Correct the latent correlation for the links' independent draws (post-processing).
+
+    The forward links draw each row's latent value *independently* of its other columns
+    given its codes (the truncated normals of :mod:`common.links`), so the correlation of the
+    latent rows -- what DP-PCA sees -- is attenuated wherever an ordinal or nominal column is
+    involved (for a binary column by about 2/pi). A Gaussian latent sampled with that
+    correlation and decoded attenuates it a second time. This finds the correlation matrix
+    ``R`` of the link model ``z ~ N(0, R)`` whose whole pipeline -- decode, forward links,
+    clip into the unit ball -- reproduces the correlations of the DP ``second_moment``:
+    simulated method of moments, with a fixed-point update
+    ``R <- R + (target - simulated) / slope`` on the off-diagonal (slope = the attenuation
+    measured at the first step), common random numbers across iterations, and a projection
+    onto PSD unit-diagonal matrices after each step.
+
+    Parameters
+    ----------
+    second_moment : ndarray (p, p)
+        DP second moment of the unit-ball latent rows (:func:`dp_second_moment`).
+    links : LatentLinks
+        Every latent coordinate must be standard normal under the link model (ordinal,
+        nominal, DP-standardised continuous).
+    clip_norm : float
+        The public norm bound the rows were clipped to.
+    rng : numpy.random.Generator
+        Source of the simulation (no data is touched).
+    n_simulations, iterations : int
+        Simulated rows per step (Monte-Carlo error about ``1/sqrt(n_simulations)`` per
+        correlation) and number of steps.
+
+    Privacy
+    -------
+    Pure post-processing of DP releases (the DP second moment and the DP link statistics);
+    the simulation draws only from the model. Not in the seed: a deviation that keeps the
+    generative mode's correlations between categorical columns (the seed's row-aligned mode
+    reuses each real row's own latent draw and does not need it).
+    """
+    s = check_finite_array(second_moment, "second_moment", ndim=2)
+    p = links.dim
+    if s.shape != (p, p):
+        raise ValidationError(f"second_moment must be {p} x {p}, got {s.shape}")
+    if not bool(np.all(links.standard_normal)):
+        raise ValidationError(
+            "latent_correlation needs every latent coordinate standard normal "
+            "(continuous_scaling='dp')")
+    c = check_positive(clip_norm, "clip_norm")
+    n_sim = check_int(n_simulations, "n_simulations", minimum=100)
+    steps = check_int(iterations, "iterations", minimum=1)
+    target = _correlation_of(s)
+    r = _nearest_correlation(target)
+    base = rng.standard_normal((n_sim, p))  # common random numbers for every step
+    draw_seed = int(rng.integers(0, 2 ** 63))
+    slope: np.ndarray | None = None
+    off = ~np.eye(p, dtype=bool)
+    for _ in range(steps):
+        values, vectors = np.linalg.eigh(r)
+        z = base @ (vectors * np.sqrt(np.clip(values, 0.0, None))[None, :]).T
+        latent = links.to_latent(links.from_latent(z), np.random.default_rng(draw_seed))
+        unit, _ = clip_to_unit_ball(latent, c)
+        simulated = _correlation_of(unit.T @ unit)
+        if slope is None:
+            slope = np.ones((p, p))
+            strong = off & (np.abs(r) > 0.05)
+            slope[strong] = np.clip(simulated[strong] / r[strong], 0.3, 1.2)
+        step = (target - simulated) / slope
+        np.fill_diagonal(step, 0.0)
+        r = _nearest_correlation(r + step)
+    return r
+
+
 # --------------------------------------------------------------------------- synthesizer
 
 
@@ -470,6 +590,12 @@ class FactorModelSynthesizer:
         Apply :func:`latent_rescaling` before the inverse links (default True).
     residual : bool
         Generative mode: add the PPCA residual outside the top-r subspace (default True).
+    correct_correlation : bool
+        Generative mode: build the factor model from the latent correlation corrected for
+        the links' independent draws (:func:`latent_correlation`; default True). False gives
+        the plain DP-PCA eigenpairs.
+    n_simulations : int
+        Simulated rows per step of that correction (default 50 000).
     subspace : PCAEstimate, optional
         A DP subspace computed elsewhere (e.g. the federated PCA job) on the same latent
         layout; then no PCA budget is spent here.
@@ -488,6 +614,10 @@ class FactorModelSynthesizer:
     components_ : ndarray (r, p)
         The loadings (sklearn orientation).
     eigenvalues_ : ndarray (r,)
+        Factor variances in unit-ball units: the noisy DP-PCA eigenvalues, or (generative
+        mode with ``correct_correlation``) those of the corrected latent correlation / C^2.
+    latent_correlation_ : ndarray (p, p) or None
+        The corrected latent correlation (generative mode with ``correct_correlation``).
     rank_ : int
     residual_variance_ : float
     clip_norm_ : float
@@ -518,7 +648,8 @@ class FactorModelSynthesizer:
                  budget_split: Mapping[str, float] | None = None,
                  continuous_scaling: str = "dp", clip_norm: float | None = None,
                  min_proportion: float = 1e-4, rescale_latent: bool = True,
-                 residual: bool = True, subspace: PCAEstimate | None = None,
+                 residual: bool = True, correct_correlation: bool = True,
+                 n_simulations: int = 50_000, subspace: PCAEstimate | None = None,
                  loading_noise_epsilon: float | None = None,
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
                  rng: np.random.Generator | None = None) -> None:
@@ -541,6 +672,8 @@ class FactorModelSynthesizer:
         self.min_proportion = check_nonnegative(min_proportion, "min_proportion")
         self.rescale_latent = bool(rescale_latent)
         self.residual = bool(residual)
+        self.correct_correlation = bool(correct_correlation)
+        self.n_simulations = check_int(n_simulations, "n_simulations", minimum=100)
         self.loading_noise_epsilon = (None if loading_noise_epsilon is None
                                       else check_epsilon(loading_noise_epsilon,
                                                          "loading_noise_epsilon"))
@@ -627,6 +760,23 @@ class FactorModelSynthesizer:
                             total=estimate.total_variance, max_rank=self.max_rank)
         loadings = np.ascontiguousarray(estimate.components[:r].T)
         eigenvalues = np.clip(np.asarray(estimate.eigenvalues[:r], dtype=np.float64), 0.0, None)
+        residual = residual_variance(estimate, r, links.dim) if self.residual else 0.0
+        corr: np.ndarray | None = None
+        if self.mode == "generative" and self.correct_correlation:
+            # Deviation (post-processing): the factor model of the corrected latent
+            # correlation R (see latent_correlation), in the same unit-ball units: the
+            # eigenvalues of R / C^2, and the PPCA residual of R's remaining trace.
+            corr = latent_correlation(dp_second_moment(estimate, links.dim), links,
+                                      clip_norm=self.clip_norm, rng=rng,
+                                      n_simulations=self.n_simulations)
+            values, vectors = np.linalg.eigh(corr)
+            values, vectors = values[::-1], vectors[:, ::-1]
+            loadings = np.ascontiguousarray(_flip_columns(vectors[:, :r]))
+            c2 = self.clip_norm ** 2
+            eigenvalues = np.clip(values[:r], 0.0, None) / c2
+            left = max(float(np.trace(corr)) - float(np.clip(values[:r], 0.0, None).sum()), 0.0)
+            residual = (left / (links.dim - r) / c2
+                        if self.residual and r < links.dim else 0.0)
         if self.loading_noise_epsilon is not None:
             # Alg. 1 step 2 on DP loadings: post-processing, no budget (see perturb_loadings).
             loadings = perturb_loadings(loadings, epsilon=self.loading_noise_epsilon, rng=rng,
@@ -640,8 +790,8 @@ class FactorModelSynthesizer:
         self.components_ = np.ascontiguousarray(loadings.T)
         self.eigenvalues_ = eigenvalues
         self.rank_ = r
-        self.residual_variance_ = (residual_variance(estimate, r, links.dim)
-                                   if self.residual else 0.0)
+        self.residual_variance_ = residual
+        self.latent_correlation_ = corr
         self.clip_norm_ = self.clip_norm
         self.n_rows_ = table.n_rows
         self.n_clipped_ = n_clipped

@@ -422,3 +422,92 @@ def test_output_has_the_schema_types(mode: str) -> None:
         assert not synth.sample(50).equals(synth.sample(50))
     else:
         assert synth.sample().equals(out)  # no fresh randomness after fit
+
+
+# --------------------------------------------------------------------------- correlation fix
+
+
+def test_dp_second_moment_rebuilds_the_matrix() -> None:
+    rng = np.random.default_rng(11)
+    v = fm.orthonormalize(rng.standard_normal((5, 5)))
+    lam = np.array([0.4, 0.2, 0.1, 0.05, 0.0])
+    full = fm.dp_second_moment(PCAEstimate(v.T, lam, float(lam.sum())), 5)
+    np.testing.assert_allclose(full, v @ np.diag(lam) @ v.T, atol=1e-12)
+    top = fm.dp_second_moment(PCAEstimate(v[:, :2].T, lam[:2], 0.9), 5)
+    assert np.trace(top) == pytest.approx(0.9)
+    np.testing.assert_allclose(top @ v[:, 0], 0.4 * v[:, 0], atol=1e-12)
+    with pytest.raises(ValidationError, match="expected 4"):
+        fm.dp_second_moment(PCAEstimate(v.T, lam, 1.0), 4)
+
+
+def correlated_setup(n: int, seed: int) -> tuple[lk.LatentLinks, np.ndarray, np.ndarray]:
+    """Data drawn from the link model with a known latent correlation R."""
+    schema = Schema.from_dict({"columns": [
+        {"name": "x", "type": "continuous", "min": -50, "max": 50},
+        {"name": "b1", "type": "ordinal", "levels": ["0", "1"]},
+        {"name": "b2", "type": "ordinal", "levels": ["0", "1"]},
+        {"name": "g", "type": "nominal", "categories": ["a", "b", "c"]},
+    ]})
+    links = lk.LatentLinks.from_proportions(
+        schema, {"b1": [0.5, 0.5], "b2": [0.3, 0.7], "g": [0.3, 0.3, 0.4]},
+        {"x": (0.0, 0.02)})
+    r = np.array([[1.0, 0.6, 0.5, 0.3, 0.0],
+                  [0.6, 1.0, 0.7, 0.0, 0.3],
+                  [0.5, 0.7, 1.0, 0.2, 0.2],
+                  [0.3, 0.0, 0.2, 1.0, 0.0],
+                  [0.0, 0.3, 0.2, 0.0, 1.0]])
+    rng = np.random.default_rng(seed)
+    z = rng.multivariate_normal(np.zeros(5), r, size=n)
+    unit, _ = lk.clip_to_unit_ball(links.to_latent(links.from_latent(z), rng), 3.0)
+    return links, r, unit.T @ unit / n
+
+
+def test_latent_correlation_undoes_the_attenuation() -> None:
+    links, r, moment = correlated_setup(40_000, 12)
+    attenuated = moment / np.sqrt(np.outer(np.diag(moment), np.diag(moment)))
+    # The independent draws attenuate the binary-binary correlation by about 2/pi.
+    assert attenuated[1, 2] < r[1, 2] - 0.15
+    fixed = fm.latent_correlation(moment, links, clip_norm=3.0, rng=np.random.default_rng(13),
+                                  n_simulations=40_000)
+    np.testing.assert_allclose(np.diag(fixed), 1.0, atol=1e-12)
+    assert np.all(np.linalg.eigvalsh(fixed) > 0)
+    np.testing.assert_allclose(fixed, r, atol=0.04)
+
+
+def test_latent_correlation_validation() -> None:
+    links, _, moment = correlated_setup(500, 14)
+    with pytest.raises(ValidationError, match="5 x 5"):
+        fm.latent_correlation(moment[:4, :4], links, clip_norm=3.0,
+                              rng=np.random.default_rng(0))
+    bounds = lk.LatentLinks.from_proportions(links.schema, {"b1": [0.5, 0.5], "b2": [0.3, 0.7],
+                                                           "g": [0.3, 0.3, 0.4]})
+    with pytest.raises(ValidationError, match="standard normal"):
+        fm.latent_correlation(moment, bounds, clip_norm=3.0, rng=np.random.default_rng(0))
+    with pytest.raises(ValidationError, match="n_simulations"):
+        fm.latent_correlation(moment, links, clip_norm=3.0, rng=np.random.default_rng(0),
+                              n_simulations=10)
+
+
+def numeric_view(frame: pd.DataFrame) -> np.ndarray:
+    cols = [frame[c].to_numpy(dtype=float) for c in ("age", "bmi", "sbp")]
+    cols += [frame[c].cat.codes.to_numpy(dtype=float) for c in ("severity", "stage", "sex")]
+    return np.column_stack(cols)
+
+
+def test_generative_mode_keeps_categorical_correlations() -> None:
+    frame = make_frame(20_000, 15)
+    real = np.corrcoef(numeric_view(frame).T)
+    involves_categorical = np.zeros((6, 6), dtype=bool)
+    involves_categorical[3:, :] = involves_categorical[:, 3:] = True
+    np.fill_diagonal(involves_categorical, False)
+    errors = {}
+    for correct in (True, False):
+        synth = fm.FactorModelSynthesizer(make_schema(), epsilon=1e4, rank=9,
+                                          correct_correlation=correct,
+                                          rng=np.random.default_rng(15)).fit(frame)
+        assert (synth.latent_correlation_ is not None) == correct
+        fake = np.corrcoef(numeric_view(synth.sample(20_000)).T)
+        errors[correct] = float(np.abs(real - fake)[involves_categorical].mean())
+    # Without the correction the categorical correlations are attenuated twice.
+    assert errors[True] < 0.03
+    assert errors[False] > 2 * errors[True]
