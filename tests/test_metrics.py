@@ -299,6 +299,15 @@ class TestSeedScore:
         assert all(x < y for x, y in zip(m_best, m_best[1:], strict=False)), m_best
         assert all(x < y for x, y in zip(m_d2, m_d2[1:], strict=False)), m_d2
 
+    def test_probability_saturates_in_low_dimension(self) -> None:
+        # Documented weakness of P: in 3 columns an unrelated row still finds an original row
+        # pointing the same way, so P ≈ 1 for independent data, while DCR tells them apart.
+        rng = np.random.default_rng(30)
+        a, fresh = rng.standard_normal((2000, 3)), rng.standard_normal((2000, 3))
+        assert correlation_match(a, fresh).probability.mean() > 0.95
+        assert dcr_summary(fresh, a).exact_copy_share == 0.0
+        assert dcr_summary(a, a).exact_copy_share == 1.0
+
     def test_formula_against_direct_computation(self) -> None:
         rng = np.random.default_rng(14)
         a = rng.standard_normal((60, 5))
