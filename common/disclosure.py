@@ -25,7 +25,8 @@ Where this deviates from the seed (each is repeated where it is implemented)
   product of norms ``‖a_j − ā‖ ‖a_i¹ − ā¹‖`` is meant: ``C_ij`` is a cosine.
 * The authors' code takes ``|C_ij|``. We default to the signed cosine, which is what makes the
   seed's own sanity properties hold: for an exact copy the maximum is 1 and the other cosines
-  average about 0 (the centred rows sum to zero), so ``P ≈ 1``. With ``|C_ij|`` the others average
+  average about 0 (the centred rows sum to zero, so their directions largely cancel), so
+  ``P ≈ 1`` (measured: mean P 0.99997 for 300 rows × 20 columns). With ``|C_ij|`` the others average
   ``E|cos| ≈ sqrt(2/(π N))`` for N columns -- negligible for the authors' thousands of mRNA
   columns, but 0.18 at N = 20, so ``M(A, A)`` would not be ≈ 0. ``absolute=True`` reproduces the
   authors. The signed ``P`` can exceed 1 slightly (an exact copy whose others average below 0);
