@@ -321,20 +321,30 @@ def proportions_from_counts(counts: np.ndarray, *, min_proportion: float = 1e-4)
 
 
 def mean_variance_from_moments(moments: np.ndarray, n_rows: int, *,
-                               min_variance: float = 1e-4) -> tuple[float, float]:
+                               min_variance: float = 1e-4,
+                               noise_scale: float = 0.0) -> tuple[float, float]:
     """Turn noisy ``[sum v, sum v^2]`` into ``(mean, variance)`` of ``v in [-1, 1]``.
 
     Post-processing: ``mean = S1/N`` clipped to [-1, 1]; ``variance = S2/N - mean^2``
-    clipped to ``[min_variance, 1]`` (a noisy variance can come out negative).
+    clipped to ``[floor, 1]`` with ``floor = max(min_variance, 2 noise_scale / N)``.
+
+    The noise-aware floor matters: ``S2/N`` carries Laplace noise of scale ``b/N``, and when
+    that is comparable to the variance the difference can come out tiny or negative. An
+    underestimated variance inflates the standardised latent coordinate without bound (one
+    column then dominates the DP-PCA and the clipped rows), whereas an overestimate only
+    shrinks it; so the estimate is never allowed below about 1.4 noise standard deviations.
+    ``noise_scale`` is the Laplace scale of each sum (public: epsilon and the schema fix it;
+    for a sum over S sites pass ``b sqrt(S)``).
     """
     m = np.asarray(moments, dtype=np.float64)
     if m.shape != (2,) or not np.all(np.isfinite(m)):
         raise ValidationError(f"moments must be a finite array of shape (2,), got {m.shape}")
     n = check_int(n_rows, "n_rows", minimum=1)
-    floor = check_probability(min_variance, "min_variance")
+    floor = max(check_probability(min_variance, "min_variance"),
+                2.0 * check_nonnegative(noise_scale, "noise_scale") / n)
     mean = min(max(float(m[0]) / n, -1.0), 1.0)
     var = float(m[1]) / n - mean * mean
-    return mean, min(max(var, floor), 1.0)
+    return mean, min(max(var, min(floor, 1.0)), 1.0)
 
 
 def dp_histogram(codes: np.ndarray, n_levels: int, *, epsilon: float,
@@ -380,5 +390,6 @@ def dp_mean_variance(values: np.ndarray, lower: float, upper: float, *, epsilon:
     v = _scaled(col, np.clip(y, lower, upper))
     mech = LaplaceMechanism(epsilon, MOMENTS_SENSITIVITY)
     noisy = mech.release(np.array([v.sum(), np.dot(v, v)]), rng)
-    mean_v, var_v = mean_variance_from_moments(noisy, y.size, min_variance=min_variance)
+    mean_v, var_v = mean_variance_from_moments(noisy, y.size, min_variance=min_variance,
+                                               noise_scale=mech.scale)
     return (col.center + col.half_range * mean_v, col.half_range ** 2 * var_v, mech.cost())

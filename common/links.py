@@ -606,7 +606,8 @@ def combine_link_statistics(schema: Schema,
     Proportions come from :func:`common.dp_marginals.proportions_from_counts` (negative noisy
     counts to 0, floor ``min_proportion``), thresholds ``Phi^{-1}`` of their cumulative
     sums, nominal locations from :func:`nominal_locations`; continuous means and variances
-    from :func:`common.dp_marginals.mean_variance_from_moments`. ``releases`` may be None
+    from :func:`common.dp_marginals.mean_variance_from_moments` (with its noise-aware
+    variance floor). ``releases`` may be None
     only when the schema needs no statistics (continuous columns with "bounds" scaling).
     """
     check_choice(continuous_scaling, "continuous_scaling", CONTINUOUS_SCALINGS)
@@ -625,7 +626,8 @@ def combine_link_statistics(schema: Schema,
                 if col.name not in total.moments:
                     raise ValidationError(f"no DP moments released for column {col.name!r}")
                 mean, var = dp_marginals.mean_variance_from_moments(
-                    total.moments[col.name], total.n_rows, min_variance=min_variance)
+                    total.moments[col.name], total.n_rows, min_variance=min_variance,
+                    noise_scale=total.noise_scale * math.sqrt(total.n_sites))
                 moments[col.name] = (mean, math.sqrt(var))
         else:
             if col.name not in total.counts:

@@ -176,7 +176,7 @@ def test_budget_split_defaults_and_total() -> None:
     frame = make_frame(300)
     gen = fm.FactorModelSynthesizer(make_schema(), epsilon=2.0, delta=1e-6,
                                     rng=np.random.default_rng(0)).fit(frame)
-    assert gen.budget_ == pytest.approx({"marginals": 0.4, "pca": 1.6})
+    assert gen.budget_ == pytest.approx({"marginals": 0.8, "pca": 1.2})
     assert gen.privacy_cost_.epsilon == pytest.approx(2.0)
     assert gen.privacy_cost_.delta == pytest.approx(1e-6)
     assert set(gen.privacy_costs_) == {"marginals", "pca"}
@@ -187,12 +187,12 @@ def test_budget_split_defaults_and_total() -> None:
     aligned = fm.FactorModelSynthesizer(make_schema(), epsilon=2.0, delta=1e-6,
                                         mode="row_aligned", rng=np.random.default_rng(0)
                                         ).fit(frame)
-    assert aligned.budget_ == pytest.approx({"marginals": 0.2, "pca": 0.4, "factors": 1.4})
+    assert aligned.budget_ == pytest.approx({"marginals": 0.4, "pca": 0.4, "factors": 1.2})
     assert aligned.privacy_cost_.epsilon == pytest.approx(2.0)
     factor = aligned.privacy_costs_["factors"]
-    assert factor.noise_scale == pytest.approx(2 * math.sqrt(aligned.rank_) / 1.4)
+    assert factor.noise_scale == pytest.approx(2 * math.sqrt(aligned.rank_) / 1.2)
     replace = aligned.privacy_cost_replace_one_
-    assert replace.epsilon == pytest.approx(2 * 0.2 + 2 * 0.4 + 1.4)
+    assert replace.epsilon == pytest.approx(2 * 0.4 + 2 * 0.4 + 1.2)
     assert replace.delta == pytest.approx((1 + math.exp(0.4)) * 1e-6)
 
 
@@ -204,7 +204,7 @@ def test_budget_is_renormalised_over_needed_releases() -> None:
     frame = pd.DataFrame({"x": rng.uniform(size=100), "y": rng.uniform(size=100)})
     synth = fm.FactorModelSynthesizer(schema, epsilon=1.0, mode="row_aligned",
                                       continuous_scaling="bounds", rng=rng).fit(frame)
-    assert synth.budget_ == pytest.approx({"pca": 0.2 / 0.9, "factors": 0.7 / 0.9})
+    assert synth.budget_ == pytest.approx({"pca": 0.25, "factors": 0.75})
     subspace = PCAEstimate(np.eye(2), np.array([0.3, 0.2]), 0.5)
     given = fm.FactorModelSynthesizer(schema, epsilon=1.0, subspace=subspace, rank=1,
                                       rng=rng).fit(frame)
@@ -471,7 +471,13 @@ def test_latent_correlation_undoes_the_attenuation() -> None:
                                   n_simulations=40_000)
     np.testing.assert_allclose(np.diag(fixed), 1.0, atol=1e-12)
     assert np.all(np.linalg.eigvalsh(fixed) > 0)
-    np.testing.assert_allclose(fixed, r, atol=0.04)
+    assert fixed[3, 4] == pytest.approx(0.0, abs=1e-6)  # one nominal column: uncorrelated
+    # Monte-Carlo error of a simulated correlation is ~0.005 (40k rows, twice); inverting the
+    # attenuation divides it by the slope: ~0.6 between continuous/binary coordinates, ~0.25
+    # for a binary against a nominal coordinate. Tolerances follow.
+    tolerance = np.full((5, 5), 0.04)
+    tolerance[1:3, 3:] = tolerance[3:, 1:3] = 0.08
+    assert np.all(np.abs(fixed - r) <= tolerance), np.round(fixed - r, 3)
 
 
 def test_latent_correlation_validation() -> None:

@@ -121,6 +121,9 @@ def test_mean_variance_post_processing_clips() -> None:
     assert mean == pytest.approx(0.5) and var == pytest.approx(0.15)
     mean, var = dm.mean_variance_from_moments(np.array([500.0, -3.0]), 100, min_variance=1e-3)
     assert mean == 1.0 and var == 1e-3
+    # Noise-aware floor: never below 2 b / N.
+    mean, var = dm.mean_variance_from_moments(np.array([0.0, 0.5]), 100, noise_scale=5.0)
+    assert var == pytest.approx(0.1)
     with pytest.raises(ValidationError, match="n_rows"):
         dm.mean_variance_from_moments(np.array([1.0, 1.0]), 0)
 
