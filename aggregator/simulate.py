@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -130,9 +131,28 @@ def pooled_second_moment(schema: Schema, paths: list[Path],
     return total / len(paths), counts
 
 
+MARKER = ".dpfed-simulation"
+
+
+def prepare_output(out: Path) -> None:
+    """Create ``out``, or empty it if it holds an earlier simulation (never anything else).
+
+    A fresh directory each run keeps a demo from inheriting the previous run's spent budget.
+    """
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise ConfigError(f"--out {out} exists and is not an earlier dpfed simulation; "
+                              "choose an empty or new directory")
+        _say("output", f"replacing the earlier simulation in {out}")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by dpfed simulate; the directory is replaced on re-run\n")
+
+
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code."""
     out = opts.out.resolve()
+    prepare_output(out)
     t0 = time.monotonic()
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if opts.data:
