@@ -18,8 +18,9 @@ Site (holds rows, spends budget)
     the only row-aligned DP release), :func:`reconstruct_rows` (post-processing).
 Coordinator (sees only DP releases)
     :func:`common.links.combine_link_statistics`, :func:`common.dppca.combine`,
-    :func:`choose_rank`, :func:`residual_variance`, :func:`latent_rescaling`,
-    :func:`sample_generative` (pure post-processing: any number of rows, no extra budget).
+    :func:`choose_rank`, :func:`residual_variance`, :func:`dp_second_moment`,
+    :func:`latent_correlation`, :func:`latent_rescaling`, :func:`sample_generative` (all
+    pure post-processing: any number of rows, no extra budget).
 
 :class:`FactorModelSynthesizer` runs everything centrally in a few lines.
 
