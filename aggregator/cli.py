@@ -28,19 +28,8 @@ from aggregator.client import Coordinator
 from common import exit_codes
 from common.certs_cli import register as register_certs
 from common.errors import (
-    AuthenticationError,
-    BudgetExceededError,
-    CertificateError,
     ConfigError,
-    CoordinatorUnavailableError,
-    DataError,
     DpfedError,
-    JobFailedError,
-    NotFoundError,
-    PermissionDeniedError,
-    QuorumError,
-    SchemaError,
-    ValidationError,
 )
 from common.protocol import JobEvent, JobInfo
 
@@ -277,37 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EXIT: list[tuple[type[Exception], int]] = [
-    (CertificateError, exit_codes.CERTIFICATE_ERROR),
-    (ConfigError, exit_codes.CONFIG_ERROR),
-    (SchemaError, exit_codes.DATA_ERROR),
-    (DataError, exit_codes.DATA_ERROR),
-    (CoordinatorUnavailableError, exit_codes.COORDINATOR_UNREACHABLE),
-    (JobFailedError, exit_codes.JOB_FAILED),
-    (QuorumError, exit_codes.JOB_FAILED),
-    (BudgetExceededError, exit_codes.BUDGET_EXCEEDED),
-    (AuthenticationError, exit_codes.CERTIFICATE_ERROR),
-    (PermissionDeniedError, exit_codes.CERTIFICATE_ERROR),
-    (NotFoundError, exit_codes.USAGE),
-    (ValidationError, exit_codes.USAGE),
-]
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except DpfedError as exc:
-        for cls, code in _EXIT:
-            if isinstance(exc, cls):
-                print(f"dpfed {args.command}: {exc}", file=sys.stderr)
-                return code
-        print(f"dpfed {args.command}: {exc}", file=sys.stderr)
-        return exit_codes.INTERNAL_ERROR
-    except KeyboardInterrupt:
-        return exit_codes.INTERRUPTED
+    except (DpfedError, KeyboardInterrupt) as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            print(f"dpfed {args.command}: {exc}", file=sys.stderr)
+        return exit_codes.for_error(exc)
 
 
 if __name__ == "__main__":

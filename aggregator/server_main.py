@@ -13,7 +13,7 @@ import sys
 
 from aggregator.config import load_aggregator_config
 from common import exit_codes
-from common.errors import CertificateError, ConfigError, DataError, SchemaError
+from common.errors import DpfedError
 from common.logs import configure_logging
 
 log = logging.getLogger("dpfed.aggregator")
@@ -41,30 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         config = load_aggregator_config(args.config, {
             "listen": args.listen, "store": args.store, "port_file": args.port_file,
             "log_level": args.log_level, "insecure": args.insecure})
-    except ConfigError as exc:
-        print(f"dpfed-aggregator: {exc}", file=sys.stderr)
-        return exit_codes.CONFIG_ERROR
-    configure_logging(config.log_level, config.log_file)
-    from aggregator.server import serve
+        configure_logging(config.log_level, config.log_file)
+        from aggregator.server import serve
 
-    try:
         asyncio.run(serve(config))
-    except CertificateError as exc:
-        print(f"dpfed-aggregator: {exc}", file=sys.stderr)
-        return exit_codes.CERTIFICATE_ERROR
-    except (SchemaError, DataError) as exc:
-        print(f"dpfed-aggregator: {exc}", file=sys.stderr)
-        return exit_codes.DATA_ERROR
-    except ConfigError as exc:
-        print(f"dpfed-aggregator: {exc}", file=sys.stderr)
-        return exit_codes.CONFIG_ERROR
-    except OSError as exc:
-        print(f"dpfed-aggregator: {exc}", file=sys.stderr)
-        return exit_codes.CONFIG_ERROR
-    except KeyboardInterrupt:
-        return exit_codes.INTERRUPTED
+    except (DpfedError, OSError, KeyboardInterrupt) as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            print(f"dpfed-aggregator: {exc}", file=sys.stderr)
+        return exit_codes.for_error(exc)
     return exit_codes.OK
-
 
 if __name__ == "__main__":
     sys.exit(main())

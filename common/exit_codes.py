@@ -27,3 +27,29 @@ JOB_FAILED = 8
 BUDGET_EXCEEDED = 9
 #: Interrupted by SIGINT.
 INTERRUPTED = 130
+
+
+def for_error(exc: BaseException) -> int:
+    """Return the exit code that reports ``exc`` (most specific class first)."""
+    from common import errors  # local import: errors is a leaf module, keep this one a leaf too
+
+    table: list[tuple[type[BaseException], int]] = [
+        (errors.CertificateError, CERTIFICATE_ERROR),
+        (errors.AuthenticationError, CERTIFICATE_ERROR),
+        (errors.PermissionDeniedError, CERTIFICATE_ERROR),
+        (errors.SchemaError, DATA_ERROR),
+        (errors.DataError, DATA_ERROR),
+        (errors.ConfigError, CONFIG_ERROR),
+        (errors.CoordinatorUnavailableError, COORDINATOR_UNREACHABLE),
+        (errors.JobFailedError, JOB_FAILED),
+        (errors.QuorumError, JOB_FAILED),
+        (errors.BudgetExceededError, BUDGET_EXCEEDED),
+        (errors.NotFoundError, USAGE),
+        (errors.ValidationError, USAGE),
+        (KeyboardInterrupt, INTERRUPTED),
+        (OSError, CONFIG_ERROR),
+    ]
+    for cls, code in table:
+        if isinstance(exc, cls):
+            return code
+    return INTERNAL_ERROR

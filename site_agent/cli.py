@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from common import __version__, exit_codes
 from common.certs import Role
 from common.data_sources import DataSource, DataSourceSpec, open_data_source, scan, spec_from_path
-from common.errors import CertificateError, ConfigError, DataError, SchemaError
+from common.errors import DpfedError
 from common.logs import configure_logging
 from common.protocol import PROTOCOL_VERSION, SiteHello
 from common.schema import Schema
@@ -184,17 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         if command == "ledger":
             return _ledger(config, args.json)
         return _run(config)
-    except CertificateError as exc:
-        print(f"dpfed-site: certificate problem: {exc}", file=sys.stderr)
-        return exit_codes.CERTIFICATE_ERROR
-    except (DataError, SchemaError) as exc:
-        print(f"dpfed-site: data problem: {exc}", file=sys.stderr)
-        return exit_codes.DATA_ERROR
-    except ConfigError as exc:
-        print(f"dpfed-site: configuration problem: {exc}", file=sys.stderr)
-        return exit_codes.CONFIG_ERROR
-    except KeyboardInterrupt:
-        return exit_codes.INTERRUPTED
+    except (DpfedError, KeyboardInterrupt) as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            print(f"dpfed-site: {exc}", file=sys.stderr)
+        return exit_codes.for_error(exc)
 
 
 if __name__ == "__main__":
