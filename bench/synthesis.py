@@ -29,7 +29,7 @@ reconstruction), in rows/s, with and without building the pandas DataFrame.
 
 Timings on a shared machine vary with its load; run it on an idle one for the figures.
 
-Usage: ``python bench/synthesis.py [--quick] [--reps R]``
+Usage: ``python bench/synthesis.py [--quick] [--reps R] [--plot marginals.png]``
 """
 
 from __future__ import annotations
@@ -240,13 +240,58 @@ def throughput(n: int) -> None:
                       f"{'-':>13}")
 
 
+def plot_marginals(path: str, n: int, epsilon: float) -> None:
+    """Real vs synthetic marginals (generative and row-aligned) for six columns, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model = MixedModel()
+    rng = np.random.default_rng(7)
+    real = model.sample(n, rng)
+    synth = {mode: FactorModelSynthesizer(model.schema, epsilon=epsilon, mode=mode,
+                                          rng=np.random.default_rng(8)).fit(real).sample()
+             for mode in ("generative", "row_aligned")}
+    names = ["lab_1", "lab_7", "grade_2", "grade_6", "site_1", "site_6"]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    for ax, name in zip(axes.ravel(), names, strict=True):
+        col = model.schema.column(name)
+        if isinstance(col, ContinuousColumn):
+            bins = np.linspace(float(real[name].quantile(0.001)),
+                               float(real[name].quantile(0.999)), 40)
+            ax.hist(real[name], bins=bins, density=True, alpha=0.45, label="real")
+            for mode, frame in synth.items():
+                ax.hist(frame[name], bins=bins, density=True, histtype="step", lw=1.6,
+                        label=mode)
+        else:
+            labels = list(real[name].cat.categories)
+            x = np.arange(len(labels))
+            width = 0.27
+            for i, (label, frame) in enumerate([("real", real), *synth.items()]):
+                share = frame[name].value_counts(normalize=True).reindex(labels).fillna(0)
+                ax.bar(x + (i - 1) * width, share.to_numpy(), width, label=label)
+            ax.set_xticks(x, labels)
+        ax.set_title(f"{name} ({col.type})")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"Marginals, real vs DP synthetic (epsilon = {epsilon:g}, n = {n})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="5k rows, epsilon in {1, 10}, 200k-row throughput")
     parser.add_argument("--reps", type=int, default=None,
                         help="synthesizer runs averaged per point (default 2; quick 1)")
+    parser.add_argument("--plot", help="save real-vs-synthetic marginals (epsilon = 1) as "
+                        "this PNG and exit")
     args = parser.parse_args()
+    if args.plot:
+        plot_marginals(args.plot, 5000 if args.quick else 20_000, 1.0)
+        return
     reps = args.reps or (1 if args.quick else 2)
     if args.quick:
         utility(5000, (1.0, 10.0), reps)
