@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from common.toml_config import Section, TlsConfig, read_toml
+from common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,7 @@ def load_aggregator_config(path: str | Path,
 
     tls_s = root.section("tls")
     insecure = bool(overrides.get("insecure")) or tls_s.boolean("insecure", False)
-    tls = None
-    if not insecure:
-        ca, cert, key = (tls_s.path(k, required=True) for k in ("ca", "cert", "key"))
-        assert ca is not None and cert is not None and key is not None
-        tls = TlsConfig(ca, cert, key)
+    tls = tls_from_section(tls_s, insecure)
     tls_s.check_unknown()
 
     fed = root.section("federation", required=True)

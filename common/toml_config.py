@@ -158,3 +158,16 @@ class Section:
             where = f"[{self.name}]" if self.name else "the top level"
             raise ConfigError(
                 f"{self.source}: unknown key(s) {unknown} in {where}; known keys: {known}")
+
+
+def tls_from_section(section: Section, insecure: bool) -> TlsConfig | None:
+    """Read ``[tls]`` ca/cert/key: required unless ``insecure``.
+
+    The keys are read either way, so a file with certificates still passes the strict key
+    check when ``--insecure`` overrides it.
+    """
+    ca, cert, key = (section.path(k, required=not insecure) for k in ("ca", "cert", "key"))
+    if insecure:
+        return None
+    assert ca is not None and cert is not None and key is not None
+    return TlsConfig(ca, cert, key)

@@ -50,7 +50,7 @@ from typing import Any
 from common.accounting import BudgetPolicy
 from common.encoding import RowPolicy
 from common.errors import ConfigError, ValidationError
-from common.toml_config import Section, TlsConfig, read_toml
+from common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +98,6 @@ class SiteConfig:
         return self.tls is None
 
 
-def _tls(section: Section, insecure: bool) -> TlsConfig | None:
-    if insecure:
-        return None
-    ca = section.path("ca", required=True)
-    cert = section.path("cert", required=True)
-    key = section.path("key", required=True)
-    assert ca is not None and cert is not None and key is not None
-    return TlsConfig(ca, cert, key)
-
-
 def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SiteConfig:
     """Read and validate ``site.toml``; ``overrides`` (from flags) win over the file.
 
@@ -139,7 +129,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
 
     tls_section = root.section("tls")
     insecure = bool(overrides.get("insecure")) or tls_section.boolean("insecure", False)
-    tls = _tls(tls_section, insecure)
+    tls = tls_from_section(tls_section, insecure)
     tls_section.check_unknown()
 
     data = root.section("data", required=True)

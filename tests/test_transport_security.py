@@ -215,3 +215,39 @@ async def test_sites_not_in_the_allow_list_are_refused(tmp_path: Path) -> None:
             assert "not admitted" in (info.value.details() or "")
     finally:
         await coordinator.stop(grace=0.5)
+
+
+async def test_insecure_mode_only_when_asked_and_still_needs_a_principal(tmp_path: Path) -> None:
+    fed = LocalFederation.create(tmp_path / "fed", n_sites=1, rows=50, features=3, seed=1)
+    config = dataclasses.replace(load_aggregator_config(fed.aggregator_config, {"insecure": True}),
+                                 listen="127.0.0.1:0")
+    assert config.tls is None
+    coordinator = await start_coordinator(config)
+    address = f"127.0.0.1:{coordinator.port}"
+    try:
+        async with grpc.aio.insecure_channel(address, options=channel_options()) as ch:
+            stub = analyst_pb2_grpc.AnalystStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            ok = await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT,
+                                      metadata=(("x-dpfed-insecure-principal", "analyst/dev"),))
+            assert list(ok.sites) == []
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT,
+                                     metadata=(("x-dpfed-insecure-principal", "site/dev"),))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await coordinator.stop(grace=0.5)
+
+
+async def test_secure_server_ignores_the_insecure_principal_header(running) -> None:  # type: ignore[no-untyped-def]
+    fed, _, _ = running
+    kit = fed.certs / "sites" / "hospital-1"
+    async with grpc.aio.secure_channel(fed.address, creds(kit, "site"),
+                                       options=channel_options()) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await analyst_pb2_grpc.AnalystStub(ch).ListSites(
+                analyst_pb2.ListSitesRequest(), timeout=TIMEOUT,
+                metadata=(("x-dpfed-insecure-principal", "analyst/evil"),))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # still the site cert
