@@ -21,6 +21,7 @@ import numpy as np
 
 from common.errors import (
     BudgetExceededError,
+    DataError,
     IdempotencyConflictError,
     ValidationError,
 )
@@ -106,7 +107,15 @@ class TaskRunner:
         except IdempotencyConflictError as exc:
             log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
             return Refusal(task.task_id, "conflict", str(exc))
+        except DataError as exc:
+            # Data problems (a bad row under on_invalid="error", no valid rows, ...) are facts
+            # about the site's data: the details stay in the local log, never in the refusal.
+            log.error("[TaskRunner.run] %s refused: the data cannot be read: %s", tag, exc)
+            return Refusal(task.task_id, "invalid",
+                           "the site's data cannot be read under its row policy (details are "
+                           "in the site's log)")
         except ValidationError as exc:
+            # Problems with the task's own parameters: safe to explain to the coordinator.
             log.warning("[TaskRunner.run] %s refused as invalid: %s", tag, exc)
             return Refusal(task.task_id, "invalid", str(exc))
         except Exception:
