@@ -217,7 +217,8 @@ def run_simulation(opts: SimulationOptions) -> int:
     print(f"  captured energy of the DP subspace relative to non-private PCA: {energy:.3f} "
           f"(epsilon={opts.epsilon:g}, delta={opts.delta:g}, {opts.calibration})")
     print(f"  job time {job_seconds:.1f}s, total {time.monotonic() - t0:.1f}s")
-    print(f"  results in {out}: pca.npz, report.html, certs/, data/, sites/*/ledger.sqlite, "
+    data_dir = "" if opts.data else "data/, "
+    print(f"  results in {out}: pca.npz, report.html, certs/, {data_dir}sites/*/ledger.sqlite, "
           "coordinator/store/, logs/")
     return exit_codes.OK
 
