@@ -38,6 +38,7 @@ from common.errors import (
     QuorumError,
     ValidationError,
 )
+from common.grpc_errors import tls_hint
 from common.grpc_options import DEFAULT_RPC_TIMEOUT_S, MAX_TRANSFER_BYTES, channel_options
 from common.pb.v1 import analyst_pb2, analyst_pb2_grpc
 from common.protocol import JobEvent, JobInfo, JobSpec, SiteInfo
@@ -63,11 +64,8 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> DpfedError:
     code = exc.code()
     details = exc.details() or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
-        hint = ""
-        if any(w in details.lower() for w in ("handshake", "ssl", "certificate")):
-            hint = (" (TLS handshake failed: is the CA the federation's, and is the address a "
-                    "name in the coordinator's certificate?)")
-        return CoordinatorUnavailableError(f"coordinator at {address} unavailable: {details}{hint}")
+        return CoordinatorUnavailableError(
+            f"coordinator at {address} unavailable: {details}{tls_hint(details)}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return CoordinatorUnavailableError(f"coordinator at {address} did not answer in time")
     cls: type[DpfedError] = {

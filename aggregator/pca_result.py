@@ -65,14 +65,16 @@ class PCAResult:
         return np.asarray(features @ self.components_.T)
 
     # ------------------------------------------------------------------ files
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Return the arrays of ``pca.npz`` by name (the one definition of the file layout)."""
+        return {"components": self.components_, "eigenvalues": self.explained_variance_,
+                "explained_variance_ratio": self.explained_variance_ratio_,
+                "spectrum": self.spectrum_,
+                "feature_names": np.array(self.feature_names_in_, dtype=np.str_)}
+
     def to_bytes(self) -> bytes:
         """Return the ``pca.npz`` bytes."""
-        return encode_result({"components": self.components_,
-                              "eigenvalues": self.explained_variance_,
-                              "explained_variance_ratio": self.explained_variance_ratio_,
-                              "spectrum": self.spectrum_,
-                              "feature_names": np.array(self.feature_names_in_, dtype=np.str_)},
-                             self.metadata)
+        return encode_result(self.arrays(), self.metadata)
 
     def save(self, path: str | Path) -> Path:
         """Write ``pca.npz``: components (K x p), eigenvalues (K), feature_names, metadata."""

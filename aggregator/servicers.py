@@ -178,7 +178,7 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                 budget = budget_from_proto(msg.budget)
                 if budget is not None:
                     session.update_budget(budget)
-                    self.store.touch_site(session.site_id, session.hello)
+                    self.store.record_site(session.site_id, session.hello)
             else:
                 raise ProtocolError(f"unexpected message {which!r} after Hello")
 

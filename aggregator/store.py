@@ -278,10 +278,6 @@ class JobStore:
                        "last_seen=excluded.last_seen, hello_json=excluded.hello_json",
                        (site_id, now, now, data))
 
-    def touch_site(self, site_id: str, hello: SiteHello) -> None:
-        """Update a known site's last-seen time and Hello (e.g. after a budget update)."""
-        self.record_site(site_id, hello)
-
     def known_sites(self) -> list[tuple[str, str, str, SiteHello]]:
         """(site_id, first_seen, last_seen, last Hello) of every site ever seen."""
         from common.accounting import BudgetStatus

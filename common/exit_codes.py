@@ -6,6 +6,8 @@ one-line reason on stderr before exiting with one of them.
 
 from __future__ import annotations
 
+from common import errors
+
 OK = 0
 #: An unexpected internal error (a bug: please report it with the log).
 INTERNAL_ERROR = 1
@@ -31,8 +33,6 @@ INTERRUPTED = 130
 
 def for_error(exc: BaseException) -> int:
     """Return the exit code that reports ``exc`` (most specific class first)."""
-    from common import errors  # local import: errors is a leaf module, keep this one a leaf too
-
     table: list[tuple[type[BaseException], int]] = [
         (errors.CertificateError, CERTIFICATE_ERROR),
         (errors.AuthenticationError, CERTIFICATE_ERROR),

@@ -42,6 +42,16 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def tls_hint(details: str) -> str:
+    """Return a hint for a failed connection whose gRPC details point at the TLS handshake."""
+    lowered = details.lower()
+    if any(w in lowered for w in ("handshake", "certificate", "ssl")):
+        return (" -- TLS handshake failed: check that the coordinator's certificate is from the "
+                "federation CA you were given, and that the address (or the TLS server name) "
+                "is a name in it")
+    return ""
+
+
 def details_for(exc: BaseException) -> str:
     """Return the status message: dpfed's own, or a generic one for unexpected errors."""
     if isinstance(exc, DpfedError):

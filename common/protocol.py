@@ -19,10 +19,6 @@ from common.accounting import BudgetStatus, PrivacyCost
 PROTOCOL_VERSION = 1
 
 JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed")
-SITE_OUTCOMES: tuple[str, ...] = ("ok", "refused", "timeout", "disconnected", "error")
-REFUSAL_CODES: tuple[str, ...] = (
-    "budget_exceeded", "not_allowed", "invalid", "conflict", "deadline", "internal",
-)
 
 
 def _canonical(value: Any) -> Any:

@@ -32,6 +32,7 @@ import grpc
 
 from common import exit_codes
 from common.errors import ProtocolError
+from common.grpc_errors import tls_hint
 from common.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES, channel_options
 from common.pb.v1 import site_link_pb2, site_link_pb2_grpc
 from common.protocol import Refusal, SiteHello
@@ -62,13 +63,7 @@ class _Rejected(Exception):
 def describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
     """Explain a connection failure in one line, with a hint for TLS problems."""
     details = exc.details() or ""
-    text = f"{exc.code().name}: {details}"
-    lowered = details.lower()
-    if "handshake" in lowered or "certificate" in lowered or "ssl" in lowered:
-        text += (" -- TLS handshake failed: check that the coordinator's certificate is from "
-                 "the same federation CA as [tls] ca, and that the address (or "
-                 "[coordinator] server_name) is a name in it")
-    return text
+    return f"{exc.code().name}: {details}{tls_hint(details)}"
 
 
 class SiteAgent:

@@ -64,11 +64,11 @@ def data_spec(config: SiteConfig) -> DataSourceSpec:
     """Return the data source spec described by the config."""
     d = config.data
     if d.format is None:
-        return spec_from_path(d.path, table=d.table, query=d.query,
-                              delimiter=d.delimiter if d.delimiter != "," else None,
+        return spec_from_path(d.path, table=d.table, query=d.query, delimiter=d.delimiter,
                               chunk_rows=d.chunk_rows, policy=d.row_policy)
     return DataSourceSpec(d.format, d.path, table=d.table, query=d.query,
-                          delimiter=d.delimiter, chunk_rows=d.chunk_rows, policy=d.row_policy)
+                          delimiter=d.delimiter or ",", chunk_rows=d.chunk_rows,
+                          policy=d.row_policy)
 
 
 @dataclass

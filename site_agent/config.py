@@ -43,7 +43,7 @@ The site's identity is the id in its certificate; it is deliberately not a confi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ class DataConfig:
     format: str | None = None
     table: str | None = None
     query: str | None = None
-    delimiter: str = ","
+    delimiter: str | None = None  # None: from the file extension (tab for .tsv, else ",")
     chunk_rows: int = 65536
     row_policy: RowPolicy = RowPolicy()
 
@@ -147,8 +147,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [data] {exc}") from None
-    delimiter = data.string("delimiter", ",") or ","
-    if len(delimiter) != 1:
+    delimiter = data.string("delimiter")
+    if delimiter is not None and len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
     assert data_path is not None and schema_path is not None
     data_cfg = DataConfig(
@@ -202,8 +202,3 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         budget=budget_policy, allowed_jobs=tuple(allowed), log_level=level.upper(),
         log_file=log_file, deterministic_noise_seed=seed,
     )
-
-
-def with_overrides(config: SiteConfig, **changes: Any) -> SiteConfig:
-    """Return a copy of ``config`` with fields replaced (used by tests and simulate)."""
-    return replace(config, **changes)

@@ -78,6 +78,17 @@ async def running(tmp_path: Path) -> AsyncIterator[tuple[LocalFederation, Runnin
         ledger.close()
 
 
+async def submit_error(stub: analyst_pb2_grpc.AnalystStub,
+                       spec: JobSpec) -> grpc.aio.AioRpcError:
+    """Submit a job whose progress stream must end in an error; return that error."""
+    call = stub.SubmitJob(analyst_pb2.SubmitJobRequest(spec=job_spec_to_proto(spec)),
+                          timeout=TIMEOUT)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    return info.value
+
+
 def nothing_charged(ledger: Ledger) -> bool:
     return ledger.events() == [] and ledger.refusals() == []
 
@@ -92,12 +103,8 @@ async def test_site_certificate_cannot_call_analyst_methods(running) -> None:  #
             await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "site/hospital-1 may not call this method" in (info.value.details() or "")
-        spec = job_spec_to_proto(JobSpec("pca", 1.0, 1e-5, {"n_components": 2}))
-        call = stub.SubmitJob(analyst_pb2.SubmitJobRequest(spec=spec), timeout=TIMEOUT)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in call:
-                pass
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        error = await submit_error(stub, JobSpec("pca", 1.0, 1e-5, {"n_components": 2}))
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
     assert nothing_charged(ledger)
 
 
@@ -143,13 +150,9 @@ async def test_oversized_message_is_refused_not_hung(running) -> None:  # type: 
     big = {"n_components": 2, "padding": "x" * (20 << 20)}
     async with grpc.aio.secure_channel(fed.address, creds(kit, "analyst"),
                                        options=channel_options()) as ch:
-        spec = job_spec_to_proto(JobSpec("pca", 1.0, 1e-5, big))
-        call = analyst_pb2_grpc.AnalystStub(ch).SubmitJob(
-            analyst_pb2.SubmitJobRequest(spec=spec), timeout=TIMEOUT)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in call:
-                pass
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        error = await submit_error(analyst_pb2_grpc.AnalystStub(ch),
+                                   JobSpec("pca", 1.0, 1e-5, big))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert nothing_charged(ledger)
 
 
@@ -165,13 +168,9 @@ async def test_invalid_job_is_rejected_with_invalid_argument(running) -> None:  
                                                          "calibration": "classic"}),
                              "not differentially private"),
                             (JobSpec("kmeans", 1.0, 1e-5, {}), "unknown job kind")]:
-            call = stub.SubmitJob(analyst_pb2.SubmitJobRequest(spec=job_spec_to_proto(spec)),
-                                  timeout=TIMEOUT)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in call:
-                    pass
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert match in (info.value.details() or "")
+            error = await submit_error(stub, spec)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert match in (error.details() or "")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.GetJob(analyst_pb2.GetJobRequest(job_id="nope"), timeout=TIMEOUT)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -9,6 +9,7 @@ import numpy as np
 
 from aggregator.federation import Federation
 from aggregator.jobs.base import JobContext, JobOutput, JobType
+from aggregator.pca_result import PCAResult
 from common import __version__
 from common.dppca import combine
 from common.errors import ProtocolError
@@ -71,7 +72,6 @@ class PCAJob(JobType):
                    "sites": len(site_ids), "n_rows_total": n_rows_total,
                    "top_eigenvalues": [float(v) for v in estimate.eigenvalues[:5]],
                    "explained_variance_ratio_sum": float(np.sum(ratio))}
-        arrays = {"components": estimate.components, "eigenvalues": estimate.eigenvalues,
-                  "explained_variance_ratio": ratio, "spectrum": estimate.spectrum,
-                  "feature_names": np.array(names, dtype=np.str_)}
-        return JobOutput(arrays, metadata, summary)
+        result = PCAResult(estimate.components, estimate.eigenvalues, ratio, tuple(names),
+                           metadata, estimate.spectrum)
+        return JobOutput(result.arrays(), metadata, summary)

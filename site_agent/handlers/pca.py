@@ -9,7 +9,7 @@ import numpy as np
 from common import __version__
 from common.dppca import GramAccumulator, site_cost, site_release
 from common.errors import DataError
-from common.features import UnitBallMap
+from common.features import UnitBallMap, feature_names
 from common.job_params import PCAParams
 from common.protocol import Task, TaskResult
 from site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
@@ -33,8 +33,8 @@ class PCAHandler(TaskHandler):
 
     def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
         """Validate, stream the rows into G_s, and price the release."""
-        unit_ball = UnitBallMap(data.schema, clip_norm=None)
-        params = PCAParams.from_mapping(task.params, n_features=unit_ball.n_features)
+        params = PCAParams.from_mapping(task.params,
+                                        n_features=len(feature_names(data.schema)))
         params.check_privacy(task.epsilon, task.delta)
         unit_ball = UnitBallMap(data.schema, clip_norm=params.clip_norm)
         gram = GramAccumulator(unit_ball.n_features)
