@@ -1,7 +1,7 @@
-"""``python -m aggregator`` runs the coordinator (same as ``dpfed-aggregator``)."""
+"""``python -m dpfed.aggregator`` runs the coordinator (same as ``dpfed-aggregator``)."""
 
 import sys
 
-from aggregator.server_main import main
+from dpfed.aggregator.server_main import main
 
 sys.exit(main())

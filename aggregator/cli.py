@@ -24,14 +24,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from aggregator.client import Coordinator
-from common import exit_codes
-from common.certs_cli import register as register_certs
-from common.errors import (
+from dpfed.aggregator.certs_cli import register as register_certs
+from dpfed.aggregator.client import Coordinator
+from dpfed.aggregator.describe import describe_job
+from dpfed.common import exit_codes
+from dpfed.common.errors import (
     ConfigError,
     DpfedError,
 )
-from common.protocol import JobEvent, JobInfo
+from dpfed.common.transport.protocol import JobEvent
 
 ENV = {"coordinator": "DPFED_COORDINATOR", "ca": "DPFED_CA", "cert": "DPFED_CERT",
        "key": "DPFED_KEY", "server_name": "DPFED_SERVER_NAME"}
@@ -66,25 +67,6 @@ def connect(args: argparse.Namespace) -> Coordinator:
 def print_event(event: JobEvent) -> None:
     """One progress line per event."""
     print(f"[{event.progress * 100:5.1f}%] {event.stage:<9} {event.message}", flush=True)
-
-
-def describe_job(job: JobInfo) -> str:
-    """Describe a job in a few readable lines."""
-    lines = [f"job {job.job_id}: {job.spec.kind} {job.state}",
-             f"  submitted by {job.submitted_by or '?'} at {job.created}, updated {job.updated}",
-             f"  epsilon={job.spec.epsilon:g} delta={job.spec.delta:g} "
-             f"params={dict(job.spec.params)}"]
-    if job.error:
-        lines.append(f"  error: {job.error}")
-    for s in job.sites:
-        spent = "" if s.spend is None else f" spent eps={s.spend.epsilon:g} delta={s.spend.delta:g}"
-        reason = f" ({s.reason})" if s.reason else ""
-        lines.append(f"  site {s.site_id}: {s.status}{reason} rows={s.row_count}{spent}")
-    if job.summary:
-        lines.append(f"  summary: {dict(job.summary)}")
-    if job.result_size:
-        lines.append(f"  result: {job.result_size} bytes (dpfed fetch {job.job_id} --out FILE)")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- commands
@@ -178,7 +160,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_demo_data(args: argparse.Namespace) -> int:
     """Write a demo schema and one data file per site."""
-    from common.demo_data import write_demo
+    from dpfed.common.data.demo_data import write_demo
 
     schema, paths = write_demo(args.out, args.sites, args.rows, args.features, seed=args.seed,
                                mixed=args.mixed, fmt=args.format)
@@ -190,7 +172,7 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run the local simulation."""
-    from aggregator.simulate import run_simulation, simulation_options_from_args
+    from dpfed.aggregator.simulate import run_simulation, simulation_options_from_args
 
     return run_simulation(simulation_options_from_args(args))
 
@@ -202,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `dpfed COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from aggregator.simulate import add_simulate_arguments
+    from dpfed.aggregator.simulate import add_simulate_arguments
 
     sim = sub.add_parser("simulate", help="coordinator + N hospitals as local processes over "
                          "real mTLS gRPC, generated (or your) data, every job end to end")

@@ -1,6 +1,6 @@
 """The analyst's Python API to the coordinator.
 
-    from aggregator.client import Coordinator
+    from dpfed.aggregator.client import Coordinator
 
     with Coordinator("coord.example.org:50051", ca="ca.pem", cert="analyst.pem",
                      key="analyst.key") as coord:
@@ -25,9 +25,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from aggregator.pca_result import PCAResult
-from common.accounting import BudgetStatus
-from common.errors import (
+from dpfed.aggregator.pca_result import PCAResult
+from dpfed.common.errors import (
     AuthenticationError,
     BudgetExceededError,
     CoordinatorUnavailableError,
@@ -38,12 +37,17 @@ from common.errors import (
     QuorumError,
     ValidationError,
 )
-from common.grpc_errors import tls_hint
-from common.grpc_options import DEFAULT_RPC_TIMEOUT_S, MAX_TRANSFER_BYTES, channel_options
-from common.pb.v1 import analyst_pb2, analyst_pb2_grpc
-from common.protocol import JobEvent, JobInfo, JobSpec, SiteInfo
-from common.tls import load_channel_credentials
-from common.wire import (
+from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc
+from dpfed.common.privacy.accounting import BudgetStatus
+from dpfed.common.transport.grpc_errors import tls_hint
+from dpfed.common.transport.grpc_options import (
+    DEFAULT_RPC_TIMEOUT_S,
+    MAX_TRANSFER_BYTES,
+    channel_options,
+)
+from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteInfo
+from dpfed.common.transport.tls import load_channel_credentials
+from dpfed.common.transport.wire import (
     Reassembler,
     budget_from_proto,
     job_event_from_proto,

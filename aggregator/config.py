@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.errors import ConfigError
+from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.features import feature_names
-from common.schema import Schema
+from dpfed.common.data.schema import Schema
+from dpfed.common.pca.features import feature_names
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Federation:
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        """Numeric feature names of the schema (``common.features``)."""
+        """Numeric feature names of the schema (``dpfed.common.pca.features``)."""
         return feature_names(self.schema)
 
     def admits(self, site_id: str) -> bool:

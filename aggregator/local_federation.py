@@ -1,9 +1,10 @@
 """A whole federation on one machine: certificates, data, configs, and the real processes.
 
 Used by ``dpfed simulate`` and by the end-to-end tests. The coordinator and each site run as
-separate ``python -m aggregator`` / ``python -m site_agent`` processes -- the same entry points
+separate ``python -m dpfed.aggregator`` / ``python -m dpfed.site_agent`` processes -- the same
+entry points
 as ``dpfed-aggregator`` and ``dpfed-site`` -- over real gRPC with mutual TLS (certificates made
-by ``common.certs``), with durable SQLite ledgers and a durable job store on disk.
+by ``dpfed.common.transport.certs``), with durable SQLite ledgers and a durable job store on disk.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aggregator.client import Coordinator
-from common.certs import init_federation
-from common.demo_data import write_demo
-from common.errors import DpfedError
+from dpfed.aggregator.client import Coordinator
+from dpfed.common.data.demo_data import write_demo
+from dpfed.common.errors import DpfedError
+from dpfed.common.transport.certs import init_federation
 
 ANALYST = "analyst"
 STARTUP_TIMEOUT_S = 60.0
@@ -195,7 +196,8 @@ class LocalFederation:
         port_file = self.root / "coordinator" / "port"
         port_file.unlink(missing_ok=True)
         listen = f"127.0.0.1:{port if port is not None else 0}"
-        self._spawn("coordinator", ["-m", "aggregator", "--config", str(self.aggregator_config),
+        self._spawn("coordinator", ["-m", "dpfed.aggregator", "--config",
+        str(self.aggregator_config),
                                     "--listen", listen, "--port-file", str(port_file),
                                     *(extra or [])])
         deadline = time.monotonic() + timeout
@@ -211,7 +213,7 @@ class LocalFederation:
 
     def start_site(self, site_id: str, *, extra: list[str] | None = None) -> None:
         """Start one site agent pointed at the running coordinator."""
-        self._spawn(site_id, ["-m", "site_agent", "--config", str(self.site_config(site_id)),
+        self._spawn(site_id, ["-m", "dpfed.site_agent", "--config", str(self.site_config(site_id)),
                               "--coordinator", self.address, *(extra or [])])
 
     def start_sites(self) -> None:

@@ -12,14 +12,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aggregator.federation import Federation
-from aggregator.jobs import JOB_TYPES, JobContext, JobType
-from aggregator.registry import SiteRegistry
-from aggregator.result_file import encode_result
-from aggregator.store import JobStore, utc_now
-from common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
-from common.protocol import JobEvent, JobInfo, JobSpec
-from common.validation import check_delta, check_epsilon, check_int, check_nonnegative
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
+from dpfed.aggregator.registry import SiteRegistry
+from dpfed.aggregator.result_file import encode_result
+from dpfed.aggregator.store import JobStore, utc_now
+from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
+from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec
+from dpfed.common.validation import check_delta, check_epsilon, check_int, check_nonnegative
 
 log = logging.getLogger(__name__)
 

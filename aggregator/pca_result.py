@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from aggregator.result_file import decode_result, encode_result
-from common.encoding import RowPolicy, encode_table
-from common.errors import ValidationError
-from common.features import UnitBallMap
-from common.schema import Schema
+from dpfed.aggregator.result_file import decode_result, encode_result
+from dpfed.common.data.encoding import RowPolicy, encode_table
+from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.pca.features import UnitBallMap
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from common.accounting import BudgetStatus
-from common.grpc_options import CHUNK_BYTES
-from common.pb.v1 import site_link_pb2
-from common.protocol import Refusal, SiteHello, TaskResult
-from common.wire import iter_chunks
+from dpfed.common.pb.v1 import site_link_pb2
+from dpfed.common.privacy.accounting import BudgetStatus
+from dpfed.common.transport.grpc_options import CHUNK_BYTES
+from dpfed.common.transport.protocol import Refusal, SiteHello, TaskResult
+from dpfed.common.transport.wire import iter_chunks
 
 log = logging.getLogger(__name__)
 

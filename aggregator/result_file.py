@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ValidationError
+from dpfed.common.errors import ValidationError
 
 
 def encode_result(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any]) -> bytes:

@@ -18,16 +18,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from aggregator.config import AggregatorConfig
-from aggregator.federation import Federation
-from aggregator.orchestrator import JobManager
-from aggregator.registry import SiteRegistry
-from aggregator.servicers import AnalystServicer, Authenticator, SiteLinkServicer
-from aggregator.store import JobStore
-from common.grpc_options import server_options
-from common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
-from common.schema import Schema
-from common.tls import load_server_credentials
+from dpfed.aggregator.config import AggregatorConfig
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.orchestrator import JobManager
+from dpfed.aggregator.registry import SiteRegistry
+from dpfed.aggregator.servicers import AnalystServicer, Authenticator, SiteLinkServicer
+from dpfed.aggregator.store import JobStore
+from dpfed.common.data.schema import Schema
+from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
+from dpfed.common.transport.grpc_options import server_options
+from dpfed.common.transport.tls import load_server_credentials
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import asyncio
 import logging
 import sys
 
-from aggregator.config import load_aggregator_config
-from common import exit_codes
-from common.errors import DpfedError
-from common.logs import configure_logging
+from dpfed.aggregator.config import load_aggregator_config
+from dpfed.common import exit_codes
+from dpfed.common.errors import DpfedError
+from dpfed.common.logs import configure_logging
 
 log = logging.getLogger("dpfed.aggregator")
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             "listen": args.listen, "store": args.store, "port_file": args.port_file,
             "log_level": args.log_level, "insecure": args.insecure})
         configure_logging(config.log_level, config.log_file)
-        from aggregator.server import serve
+        from dpfed.aggregator.server import serve
 
         asyncio.run(serve(config))
     except (DpfedError, OSError, KeyboardInterrupt) as exc:

@@ -2,7 +2,8 @@
 
 Identity comes only from the verified client certificate (``context.auth_context()``); a
 site certificate cannot call analyst methods and vice versa. Errors are mapped to status
-codes in one place (``common.grpc_errors``) and status messages never carry data values.
+codes in one place (``dpfed.common.transport.grpc_errors``) and status messages never carry data
+values.
 """
 
 from __future__ import annotations
@@ -14,24 +15,24 @@ from typing import Any
 
 import grpc
 
-from aggregator.federation import Federation
-from aggregator.orchestrator import JobManager
-from aggregator.registry import SiteRegistry, SiteSession
-from aggregator.store import JobStore
-from common import __version__
-from common.certs import Principal
-from common.errors import (
+from dpfed import __version__
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.orchestrator import JobManager
+from dpfed.aggregator.registry import SiteRegistry, SiteSession
+from dpfed.aggregator.store import JobStore
+from dpfed.common.errors import (
     AuthenticationError,
     DpfedError,
     PermissionDeniedError,
     ProtocolError,
 )
-from common.grpc_errors import details_for, status_for
-from common.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES
-from common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
-from common.protocol import PROTOCOL_VERSION, SiteInfo
-from common.tls import principal_from_auth_context, require_role
-from common.wire import (
+from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
+from dpfed.common.transport.certs import Principal
+from dpfed.common.transport.grpc_errors import details_for, status_for
+from dpfed.common.transport.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES
+from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteInfo
+from dpfed.common.transport.tls import principal_from_auth_context, require_role
+from dpfed.common.transport.wire import (
     Reassembler,
     budget_from_proto,
     budget_to_proto,

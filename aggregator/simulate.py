@@ -25,17 +25,18 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator.local_federation import LocalFederation, SiteSettings
-from aggregator.pca_result import PCAResult
-from aggregator.report import Report, captured_energy_plot, scree_plot
-from common import exit_codes
-from common.accounting import BudgetStatus
-from common.data_sources import open_data_source, spec_from_path
-from common.dppca import GramAccumulator, captured_energy, top_components
-from common.errors import ConfigError, DpfedError, JobFailedError
-from common.features import UnitBallMap
-from common.protocol import JobEvent, JobInfo
-from common.schema import Schema
+from dpfed.aggregator.describe import describe_job
+from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.pca_result import PCAResult
+from dpfed.aggregator.report import Report, captured_energy_plot, scree_plot
+from dpfed.common import exit_codes
+from dpfed.common.data.data_sources import open_data_source, spec_from_path
+from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ConfigError, DpfedError, JobFailedError
+from dpfed.common.pca.dppca import GramAccumulator, captured_energy, top_components
+from dpfed.common.pca.features import UnitBallMap
+from dpfed.common.privacy.accounting import BudgetStatus
+from dpfed.common.transport.protocol import JobEvent, JobInfo
 
 
 @dataclass
@@ -278,8 +279,6 @@ def _write_report(out: Path, opts: SimulationOptions, result: PCAResult, referen
     rep.table(("component", "explained variance ratio", "largest loadings"), top)
     if job is not None:
         rep.heading("Job")
-        from aggregator.cli import describe_job
-
         rep.preformatted(describe_job(job))
     rep.heading("Files")
     rep.preformatted("\n".join(sorted(str(p.relative_to(out)) for p in out.rglob("*")

@@ -20,9 +20,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.accounting import PrivacyCost
-from common.errors import ConfigError, NotFoundError
-from common.protocol import JobEvent, JobInfo, JobSpec, SiteHello, SiteOutcome
+from dpfed.common.errors import ConfigError, NotFoundError
+from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteHello, SiteOutcome
 
 SCHEMA_VERSION = 1
 
@@ -280,7 +280,7 @@ class JobStore:
 
     def known_sites(self) -> list[tuple[str, str, str, SiteHello]]:
         """(site_id, first_seen, last_seen, last Hello) of every site ever seen."""
-        from common.accounting import BudgetStatus
+        from dpfed.common.privacy.accounting import BudgetStatus
 
         with self._lock:
             rows = self._db.execute("SELECT site_id, first_seen, last_seen, hello_json FROM sites "

@@ -1,6 +1,6 @@
 """Utility of DPdisPCA on the paper's synthetic set-up, classic vs analytic calibration.
 
-Set-up (Imtiaz & Sarwate 2018; shared/research/papers.md): D = 200 features, S = 10 sites,
+Set-up (Imtiaz & Sarwate 2018; docs/references.md): D = 200 features, S = 10 sites,
 N_s = 1000 samples per site, K = 50, R = 100, delta = 0.01, epsilon in {0.5, 1, 5, 10},
 10 runs each. Utility is the captured energy q = tr(V_K^T A V_K) of the pooled second-moment
 matrix A, relative to non-private pooled PCA (q / q_o).
@@ -28,8 +28,8 @@ import time
 import numpy as np
 from scipy import linalg
 
-from common.dppca import captured_energy, combine, top_components
-from common.mechanisms import (
+from dpfed.common.pca.dppca import captured_energy, combine, top_components
+from dpfed.common.privacy.mechanisms import (
     classic_calibration_is_dp,
     classic_gaussian_sigma,
     gaussian_sigma,

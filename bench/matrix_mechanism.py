@@ -37,8 +37,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import matrix_mechanism as mm  # noqa: E402
-from common import workloads as wl  # noqa: E402
+from dpfed.common.queries import matrix_mechanism as mm  # noqa: E402
+from dpfed.common.queries import workloads as wl  # noqa: E402
 
 EPSILON = 1.0
 DELTA = 1e-5

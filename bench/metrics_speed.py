@@ -37,7 +37,7 @@ from scipy.spatial.distance import cdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.disclosure import (  # noqa: E402
+from dpfed.common.evaluation.disclosure import (  # noqa: E402
     DEFAULT_MAX_BLOCK_BYTES,
     KDTREE_MAX_DIM,
     disclosure_risk,

@@ -1,8 +1,8 @@
 """Empirical-epsilon audit of dpfed's mechanisms and of known-broken SVT variants.
 
-Runs common.privacy_audit at 10^6 draws per input (``--quick``: 10^5) and prints, for each
+Runs dpfed.common.privacy.audit at 10^6 draws per input (``--quick``: 10^5) and prints, for each
 mechanism, the 99% lower confidence bound on epsilon (Clopper-Pearson, union bound over the
-tested events) as a multiple of the claimed epsilon. Targets (shared/research/reliability.md,
+tested events) as a multiple of the claimed epsilon. Targets (docs/testing.md,
 test targets 1, 2, 5): correct mechanisms <= 1.05 x claim; broken copies flagged (> 1.2 x).
 
 Sections
@@ -33,26 +33,28 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.exact_samplers import (  # noqa: E402
+from dpfed.common.privacy.audit import (  # noqa: E402
+    Sampler,
+    additive_noise_sampler,
+    audit,
+    quantile_thresholds,
+    threshold_events,
+    top_events,
+)
+from dpfed.common.privacy.exact_samplers import (  # noqa: E402
     DiscreteGaussianMechanism,
     DiscreteLaplaceMechanism,
     sample_discrete_gaussian_many,
     sample_discrete_laplace_many,
 )
-from common.mechanisms import GaussianMechanism, LaplaceMechanism  # noqa: E402
-from common.privacy_audit import (  # noqa: E402
-    Sampler,
-    additive_noise_sampler,
-    audit,
-    quantile_thresholds,
+from dpfed.common.privacy.mechanisms import GaussianMechanism, LaplaceMechanism  # noqa: E402
+from dpfed.common.queries.svt import SparseVector, SVTCalibration, sparse_vector_runs  # noqa: E402
+from dpfed.common.queries.svt_audit import (  # noqa: E402
     svt_outputs,
     svt_pattern_events,
     svt_sampler,
     svt_value_events,
-    threshold_events,
-    top_events,
 )
-from common.svt import SparseVector, SVTCalibration, sparse_vector_runs  # noqa: E402
 
 CONFIDENCE = 0.99
 

@@ -1,6 +1,7 @@
 """Wall time of a federated DP-PCA round against its compute floor.
 
-Set-up (DESIGN.md "Performance model"): 4 site processes x 200k rows x 100 columns (CSV), one
+Set-up (docs/architecture.md "Performance model"): 4 site processes x 200k rows x 100 columns
+(CSV), one
 coordinator, real mTLS gRPC on loopback, ledgers on disk. The physical floor of a round is
 the slowest site's read + Gram + eigendecomposition, done in-process without the network.
 
@@ -28,11 +29,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # same BLAS threading in eve
 
 import numpy as np  # noqa: E402
 
-from aggregator.local_federation import LocalFederation, SiteSettings  # noqa: E402
-from common.data_sources import open_data_source, spec_from_path  # noqa: E402
-from common.dppca import GramAccumulator, site_release  # noqa: E402
-from common.features import UnitBallMap  # noqa: E402
-from common.schema import Schema  # noqa: E402
+from dpfed.aggregator.local_federation import LocalFederation, SiteSettings  # noqa: E402
+from dpfed.common.data.data_sources import open_data_source, spec_from_path  # noqa: E402
+from dpfed.common.data.schema import Schema  # noqa: E402
+from dpfed.common.pca.dppca import GramAccumulator, site_release  # noqa: E402
+from dpfed.common.pca.features import UnitBallMap  # noqa: E402
 
 
 def site_floor(schema_path: str, data_path: str, k: int) -> float:

@@ -1,8 +1,8 @@
 """Peak memory of a site computing its DP-PCA release: flat in the number of rows?
 
-A site streams its table (``common.data_sources``) through the unit-ball map and the Gram
+A site streams its table (``dpfed.common.data.data_sources``) through the unit-ball map and the Gram
 accumulator, then makes its DPdisPCA release. Its memory should depend on the chunk size and
-the number of columns p, not on the number of rows N_s (DESIGN.md, performance targets).
+the number of columns p, not on the number of rows N_s (docs/architecture.md, "Performance model").
 
 Each case runs in a fresh subprocess that reports its own peak resident set size (VmHWM from
 /proc/self/status, falling back to ``ru_maxrss``):
@@ -12,7 +12,7 @@ Each case runs in a fresh subprocess that reports its own peak resident set size
   p and chunk size (default 200k vs 2M rows, p = 50, demo data written as CSV in chunks).
 
 Printed: both peaks, their ratio (flat memory gives ~1), the peak above the baseline, and
-rows/s. Then the CSV reading comparison of ``common.data_sources``: Arrow reading of a
+rows/s. Then the CSV reading comparison of ``dpfed.common.data.data_sources``: Arrow reading of a
 200k x 100 numeric CSV as float64 vs as text, and the data source end to end (read + encode)
 with the typed fast path vs text only.
 
@@ -78,12 +78,12 @@ def child(args: argparse.Namespace) -> None:
     import pandas as pd  # noqa: F401
     import pyarrow as pa  # noqa: F401
 
-    from common.data_sources import open_data_source, spec_from_path
-    from common.dppca import GramAccumulator, site_release
-    from common.encoding import EncodingReport
-    from common.features import UnitBallMap
-    from common.rng import production_rng
-    from common.schema import Schema
+    from dpfed.common.data.data_sources import open_data_source, spec_from_path
+    from dpfed.common.data.encoding import EncodingReport
+    from dpfed.common.data.schema import Schema
+    from dpfed.common.pca.dppca import GramAccumulator, site_release
+    from dpfed.common.pca.features import UnitBallMap
+    from dpfed.common.privacy.rng import production_rng
 
     out: dict[str, Any] = {"rss_after_imports": current_rss_mib()}
     if args.child == "pca":
@@ -121,7 +121,7 @@ def run_child(*extra: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- parent side
 def demo_files(workdir: Path, rows: int, p: int, fmt: str) -> tuple[Path, Path]:
-    from common.demo_data import write_demo
+    from dpfed.common.data.demo_data import write_demo
 
     folder = workdir / f"demo_p{p}_n{rows}_{fmt}"
     schema_path, data_path = folder / "schema.toml", folder / f"site_01.{fmt}"
@@ -150,8 +150,8 @@ def csv_reading(workdir: Path, rows: int, p: int, repeats: int) -> None:
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
-    from common.data_sources import CsvSource, scan, spec_from_path
-    from common.schema import Schema
+    from dpfed.common.data.data_sources import CsvSource, scan, spec_from_path
+    from dpfed.common.data.schema import Schema
 
     schema_path, data_path = demo_files(workdir, rows, p, "csv")
     schema = Schema.load(schema_path)

@@ -6,7 +6,8 @@ Gaussian model pushed through threshold / probit links (the same structure the s
 assumes, except for the skew). ``n`` training rows and ``n`` holdout rows from the same model.
 
 Part 1 -- utility and risk vs epsilon, both modes (``FactorModelSynthesizer``, default budget
-split, delta = 1e-6), evaluated with ``common.metrics.evaluate_synthetic`` against the training
+split, delta = 1e-6), evaluated with ``dpfed.common.evaluation.metrics.evaluate_synthetic`` against
+the training
 rows with the holdout:
 
 * ``tvd`` / ``ks``: mean marginal TVD over the categorical columns / KS over continuous ones;
@@ -47,15 +48,15 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.factor_model import FactorModelSynthesizer, latent_correlation  # noqa: E402
-from common.metrics import SyntheticReport, evaluate_synthetic  # noqa: E402
-from common.schema import (  # noqa: E402
+from dpfed.common.data.schema import (  # noqa: E402
     Column,
     ContinuousColumn,
     NominalColumn,
     OrdinalColumn,
     Schema,
 )
+from dpfed.common.evaluation.metrics import SyntheticReport, evaluate_synthetic  # noqa: E402
+from dpfed.common.synth.factor_model import FactorModelSynthesizer, latent_correlation  # noqa: E402
 
 EPSILONS = (0.5, 1.0, 2.0, 5.0, 10.0)
 N_FACTORS = 4

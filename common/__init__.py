@@ -5,4 +5,3 @@ accounting, linear algebra, link functions, metrics, the wire format, and TLS to
 ``common`` never imports ``site_agent`` or ``aggregator``.
 """
 
-__version__ = "0.1.0"

@@ -2,8 +2,9 @@
 
 Every error a user can cause has a class here, and its message names the parameter, the
 value received and what would be valid, e.g. ``epsilon must be finite and > 0, got -1.0``.
-Servicers map these classes to gRPC status codes in one place (``common.grpc_errors``), and
-the binaries map them to exit codes (``common.exit_codes``).
+Servicers map these classes to gRPC status codes in one place
+(``dpfed.common.transport.grpc_errors``), and
+the binaries map them to exit codes (``dpfed.common.exit_codes``).
 """
 
 from __future__ import annotations

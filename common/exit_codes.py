@@ -6,7 +6,7 @@ one-line reason on stderr before exiting with one of them.
 
 from __future__ import annotations
 
-from common import errors
+from dpfed.common import errors
 
 OK = 0
 #: An unexpected internal error (a bug: please report it with the log).

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import ValidationError
-from common.mechanisms import CALIBRATIONS, gaussian_sigma
-from common.validation import check_choice, check_int, check_positive
+from dpfed.common.errors import ValidationError
+from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
+from dpfed.common.validation import check_choice, check_int, check_positive
 
 
 def _unknown(params: Mapping[str, Any], known: set[str], kind: str) -> None:
@@ -35,7 +35,7 @@ class PCAParams:
     calibration : {"analytic", "classic"}
         Gaussian calibration (classic only where it is DP).
     clip_norm : float or None
-        Public row-norm bound after per-column scaling (``common.features.UnitBallMap``);
+        Public row-norm bound after per-column scaling (``dpfed.common.pca.features.UnitBallMap``);
         None means no clipping.
     """
 

@@ -1,6 +1,6 @@
 """Strict reading of TOML configuration files (``site.toml``, ``aggregator.toml``).
 
-Every error is a :class:`common.errors.ConfigError` naming the file, the key (as
+Every error is a :class:`dpfed.common.errors.ConfigError` naming the file, the key (as
 ``section.key``) and what would be valid. Unknown keys are errors, so a typo never silently
 falls back to a default. Relative paths are resolved against the config file's directory.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from dpfed.common.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Argument checks shared by every mechanism and job.
 
-Each check raises :class:`common.errors.ValidationError` (a ``ValueError``) whose message
+Each check raises :class:`dpfed.common.errors.ValidationError` (a ``ValueError``) whose message
 names the parameter, the value and what would be valid.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ValidationError
+from dpfed.common.errors import ValidationError
 
 
 def _as_real(value: Any, name: str) -> float:

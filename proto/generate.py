@@ -1,9 +1,11 @@
 """Regenerate the committed Python code for the protobuf sources in proto/.
 
 Usage: ``python proto/generate.py [--out DIR]`` (default: the repository root, so that
-``proto/common/pb/v1/x.proto`` becomes ``common/pb/v1/x_pb2.py``, imported as
-``from common.pb.v1 import x_pb2``). Requires grpcio-tools and mypy-protobuf (the ``test``
-extra). ``tests/test_protocol_codegen.py`` runs this into a temporary directory and fails if
+``proto/dpfed/common/pb/v1/x.proto`` becomes ``dpfed/common/pb/v1/x_pb2.py`` (the
+``common/`` folder, installed as ``dpfed.common``), imported as
+``from dpfed.common.pb.v1 import x_pb2``). Requires grpcio-tools and mypy-protobuf (the ``test``
+extra). ``tests/common/transport/test_protocol_codegen.py`` runs this into a temporary directory
+and fails if
 the committed files differ.
 """
 

@@ -1,7 +1,7 @@
-"""``python -m site_agent`` runs the site agent (same as ``dpfed-site``)."""
+"""``python -m dpfed.site_agent`` runs the site agent (same as ``dpfed-site``)."""
 
 import sys
 
-from site_agent.cli import main
+from dpfed.site_agent.cli import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ Connection failures:
   exit ``REJECTED_BY_COORDINATOR`` with its message.
 
 The long-lived stream has no deadline by design; liveness is checked by HTTP/2 keepalive
-pings (``common.grpc_options``), and every task carries its own deadline.
+pings (``dpfed.common.transport.grpc_options``), and every task carries its own deadline.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common import exit_codes
-from common.errors import ProtocolError
-from common.grpc_errors import tls_hint
-from common.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES, channel_options
-from common.pb.v1 import site_link_pb2, site_link_pb2_grpc
-from common.protocol import Refusal, SiteHello
-from common.wire import (
+from dpfed.common import exit_codes
+from dpfed.common.errors import ProtocolError
+from dpfed.common.pb.v1 import site_link_pb2, site_link_pb2_grpc
+from dpfed.common.transport.grpc_errors import tls_hint
+from dpfed.common.transport.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES, channel_options
+from dpfed.common.transport.protocol import Refusal, SiteHello
+from dpfed.common.transport.wire import (
     Reassembler,
     budget_to_proto,
     hello_to_proto,
@@ -44,7 +44,7 @@ from common.wire import (
     refusal_to_proto,
     task_from_bytes,
 )
-from site_agent.runner import TaskRunner
+from dpfed.site_agent.runner import TaskRunner
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class SiteAgent:
         return grpc.aio.secure_channel(self.address, self.credentials, options=options)
 
     async def run(self) -> int:
-        """Serve until stopped; return an exit code from :mod:`common.exit_codes`."""
+        """Serve until stopped; return an exit code from :mod:`dpfed.common.exit_codes`."""
         started = time.monotonic()
         attempt = 0
         last_error = "no attempt yet"

@@ -5,7 +5,8 @@
     dpfed-site check --config site.toml                check config, certificates, schema, data
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
 
-Exit codes (``common.exit_codes``): 3 bad config, 4 data/schema problem, 5 certificate problem,
+Exit codes (``dpfed.common.exit_codes``): 3 bad config, 4 data/schema problem, 5 certificate
+problem,
 6 coordinator unreachable, 7 rejected by the coordinator.
 """
 
@@ -19,18 +20,25 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from common import __version__, exit_codes
-from common.certs import Role
-from common.data_sources import DataSource, DataSourceSpec, open_data_source, scan, spec_from_path
-from common.errors import DpfedError
-from common.logs import configure_logging
-from common.protocol import PROTOCOL_VERSION, SiteHello
-from common.schema import Schema
-from common.tls import check_tls_files, load_channel_credentials
-from site_agent.agent import SiteAgent
-from site_agent.config import SiteConfig, load_site_config
-from site_agent.ledger import Ledger, format_ledger, ledger_as_json
-from site_agent.runner import TaskRunner
+from dpfed import __version__
+from dpfed.common import exit_codes
+from dpfed.common.data.data_sources import (
+    DataSource,
+    DataSourceSpec,
+    open_data_source,
+    scan,
+    spec_from_path,
+)
+from dpfed.common.data.schema import Schema
+from dpfed.common.errors import DpfedError
+from dpfed.common.logs import configure_logging
+from dpfed.common.transport.certs import Role
+from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
+from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
+from dpfed.site_agent.agent import SiteAgent
+from dpfed.site_agent.config import SiteConfig, load_site_config
+from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
+from dpfed.site_agent.runner import TaskRunner
 
 log = logging.getLogger("dpfed.site")
 

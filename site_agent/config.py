@@ -47,14 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.accounting import BudgetPolicy
-from common.encoding import RowPolicy
-from common.errors import ConfigError, ValidationError
-from common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.data.encoding import RowPolicy
+from dpfed.common.errors import ConfigError, ValidationError
+from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 
 log = logging.getLogger(__name__)
 
-#: Job kinds a site can run (the task handlers registered in ``site_agent.handlers``).
+#: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
 KNOWN_JOB_KINDS: tuple[str, ...] = ("pca",)
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
 

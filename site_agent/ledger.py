@@ -1,11 +1,11 @@
 """The site's durable privacy ledger: check-and-charge, store the release, replay retries.
 
-DESIGN.md invariant 4 ("Ledger first, durable, idempotent") lives here. Every value a site
+docs/privacy.md, invariant 4 ("Ledger first, durable, idempotent") lives here. Every value a site
 sends is produced by :meth:`Ledger.charge_and_release`, which in **one** SQLite transaction
 
 1. looks the task id up (a retry gets the stored bytes back and draws no fresh noise),
 2. derives what the site has spent from the stored events and checks the request against the
-   site's :class:`~common.accounting.BudgetPolicy` (over budget: nothing is drawn),
+   site's :class:`~dpfed.common.privacy.accounting.BudgetPolicy` (over budget: nothing is drawn),
 3. calls the caller's ``release()`` (which draws the noise), and
 4. inserts the event together with the released bytes and commits,
 
@@ -27,7 +27,7 @@ One SQLite file with three tables (see ``_SCHEMA``):
     mechanism, epsilon, delta, rho, sensitivity, noise scale, payload digest, the released
     bytes and their SHA-256, and the UTC time. There is **no running-total column**: totals
     are always derived from the events (as Google's ``dp_accounting`` and Opacus do, see
-    ``shared/research/reliability.md`` section 3), so the ledger cannot drift from its own
+    ``docs/testing.md`` section 3), so the ledger cannot drift from its own
     history. Triggers make the table append-only.
 ``ledger_refusals``
     Tasks refused for the operator's information (over budget, or a task id reused for a
@@ -92,8 +92,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
-from common.errors import (
+from dpfed.common.errors import (
     BudgetExceededError,
     ConfigError,
     DpfedError,
@@ -101,7 +100,8 @@ from common.errors import (
     NotFoundError,
     ValidationError,
 )
-from common.validation import check_nonnegative, check_positive
+from dpfed.common.privacy.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
+from dpfed.common.validation import check_nonnegative, check_positive
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class LedgerEvent:
     task_id, job_id, kind : str
         The task's idempotency key, its job, and the task type (``"pca"``, ``"svt"``, ...).
     mechanism : str
-        Mechanism name from the charged :class:`~common.accounting.PrivacyCost`.
+        Mechanism name from the charged :class:`~dpfed.common.privacy.accounting.PrivacyCost`.
     epsilon, delta, rho, sensitivity, noise_scale : float
         The charged cost and how the noise was calibrated.
     payload_digest : str
@@ -223,7 +223,7 @@ class LedgerEvent:
 
     @property
     def cost(self) -> PrivacyCost:
-        """The charged cost as a :class:`~common.accounting.PrivacyCost`."""
+        """The charged cost as a :class:`~dpfed.common.privacy.accounting.PrivacyCost`."""
         return PrivacyCost(self.epsilon, self.delta, self.rho, self.mechanism,
                            self.sensitivity, self.noise_scale)
 
@@ -326,7 +326,8 @@ class Ledger:
                  busy_timeout_s: float = 120.0) -> None:
         if not isinstance(policy, BudgetPolicy):
             raise ValidationError(
-                f"policy must be a common.accounting.BudgetPolicy, got {type(policy).__name__}")
+                "policy must be a dpfed.common.privacy.accounting.BudgetPolicy, "
+                f"got {type(policy).__name__}")
         if not isinstance(path, str | os.PathLike) or os.fspath(path) in ("", b""):
             raise ConfigError(f"ledger path must be a non-empty str or Path, got {path!r}")
         self._path = Path(os.fsdecode(path))
@@ -529,7 +530,7 @@ class Ledger:
 
         Privacy
         -------
-        This is where invariants 2 and 4 of DESIGN.md are enforced. Composition: the spent
+        This is where invariants 2 and 4 of docs/privacy.md are enforced. Composition: the spent
         total is recomputed from every stored event at each check, under basic sequential
         composition (Dwork & Roth 2014, Thm. 3.16: epsilons and deltas add) or zCDP (Bun &
         Steinke 2016, Lemma 2.3: rhos add, converted to (epsilon, delta) only for the cap).
@@ -765,7 +766,8 @@ def _validate_request(task_id: object, job_id: object, kind: object, payload_dig
     """Check every argument before the ledger is touched."""
     if not isinstance(cost, PrivacyCost):
         raise ValidationError(
-            f"cost must be a common.accounting.PrivacyCost, got {type(cost).__name__}")
+            "cost must be a dpfed.common.privacy.accounting.PrivacyCost, "
+            f"got {type(cost).__name__}")
     # PrivacyCost already rejects negative or non-finite epsilon/delta/rho; the ledger also
     # needs the descriptive fields finite and both epsilon and rho strictly positive.
     for name in ("epsilon", "delta", "rho", "sensitivity", "noise_scale"):

@@ -1,6 +1,6 @@
 """Run one task at the site: policy, idempotent replay, handler, ledger, release.
 
-Order of operations (DESIGN.md invariants 2 and 4):
+Order of operations (docs/privacy.md, invariants 2 and 4):
 
 1. Refuse at once what local policy does not allow (job kind, deadline already passed).
 2. A task id the ledger already holds returns the stored bytes (same payload digest) or is
@@ -19,17 +19,17 @@ import time
 
 import numpy as np
 
-from common.errors import (
+from dpfed.common.errors import (
     BudgetExceededError,
     DataError,
     IdempotencyConflictError,
     ValidationError,
 )
-from common.protocol import Refusal, Task
-from common.rng import production_rng
-from common.wire import result_to_bytes
-from site_agent.handlers import HANDLERS, DataAccess, TaskHandler
-from site_agent.ledger import Ledger
+from dpfed.common.privacy.rng import production_rng
+from dpfed.common.transport.protocol import Refusal, Task
+from dpfed.common.transport.wire import result_to_bytes
+from dpfed.site_agent.handlers import HANDLERS, DataAccess, TaskHandler
+from dpfed.site_agent.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

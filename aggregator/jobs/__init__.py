@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from aggregator.jobs.base import JobContext, JobOutput, JobType
-from aggregator.jobs.pca import PCAJob
+from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.pca import PCAJob
 
 #: kind -> job type; adding a job kind means adding it here and a handler at the sites.
 JOB_TYPES: dict[str, JobType] = {j.kind: j for j in (PCAJob(),)}

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from aggregator.federation import Federation
-from aggregator.registry import SiteDisconnected, SiteRegistry
-from common.errors import ProtocolError, QuorumError
-from common.protocol import JobSpec, Refusal, SiteOutcome, Task, TaskResult
-from common.wire import task_to_bytes
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.registry import SiteDisconnected, SiteRegistry
+from dpfed.common.errors import ProtocolError, QuorumError
+from dpfed.common.transport.protocol import JobSpec, Refusal, SiteOutcome, Task, TaskResult
+from dpfed.common.transport.wire import task_to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,15 @@ class JobContext:
     async def dispatch(self, kind: str, params: Mapping[str, Any], *, round_name: str,
                        arrays: Mapping[str, np.ndarray] | None = None,
                        check_result: Callable[[TaskResult], None] | None = None,
-                       progress: tuple[float, float] = (0.0, 0.9)) -> dict[str, TaskResult]:
+                       progress: tuple[float, float] = (0.0, 0.9),
+                       epsilon: float | None = None, delta: float | None = None,
+                       ) -> dict[str, TaskResult]:
         """Run one round: the same task at every eligible site; return the ok results.
+
+        ``epsilon`` / ``delta`` are this round's share of the job's budget (default: all of
+        it, for one-round jobs); a site's reported spend is checked against them. The task
+        id is ``<job id>/<round_name>``, so a resumed job re-sends the same ids and every site
+        replays its ledger's stored answer instead of charging again.
 
         Raises
         ------
@@ -98,8 +105,10 @@ class JobContext:
             raise QuorumError(
                 f"{len(targets)} eligible site(s) connected ({', '.join(targets) or 'none'}); "
                 f"this job needs min_sites={self.min_sites}")
-        task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, self.spec.epsilon,
-                    self.spec.delta, dict(params), dict(arrays or {}))
+        round_eps = self.spec.epsilon if epsilon is None else epsilon
+        round_delta = self.spec.delta if delta is None else delta
+        task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, round_eps,
+                    round_delta, dict(params), dict(arrays or {}))
         payload = task_to_bytes(task)
         deadline = time.time() + self.deadline_s
         lo, hi = progress
@@ -110,8 +119,7 @@ class JobContext:
 
         async def one(site_id: str) -> None:
             nonlocal done
-            outcome = await self._run_at_site(site_id, task.task_id, payload, deadline,
-                                              check_result)
+            outcome = await self._run_at_site(site_id, task, payload, deadline, check_result)
             self.outcomes[site_id] = outcome[0]
             if outcome[1] is not None:
                 results[site_id] = outcome[1]
@@ -129,9 +137,10 @@ class JobContext:
                               f"this job needs min_sites={self.min_sites}. {failed}")
         return results
 
-    async def _run_at_site(self, site_id: str, task_id: str, payload: bytes, deadline: float,
+    async def _run_at_site(self, site_id: str, task: Task, payload: bytes, deadline: float,
                            check_result: Callable[[TaskResult], None] | None,
                            ) -> tuple[SiteOutcome, TaskResult | None]:
+        task_id = task.task_id
         rows = 0
         while True:
             remaining = deadline + DEADLINE_GRACE_S - time.time()
@@ -162,9 +171,9 @@ class JobContext:
             try:
                 if answer.task_id != task_id:
                     raise ProtocolError(f"answer for task {answer.task_id!r}, expected {task_id!r}")
-                if answer.spend.epsilon > self.spec.epsilon * (1 + 1e-9) or (
-                        answer.spend.delta > self.spec.delta * (1 + 1e-9)):
-                    raise ProtocolError("the site reports spending more than the job asked for")
+                if answer.spend.epsilon > task.epsilon * (1 + 1e-9) or (
+                        answer.spend.delta > task.delta * (1 + 1e-9)):
+                    raise ProtocolError("the site reports spending more than the task asked for")
                 if check_result is not None:
                     check_result(answer)
             except ProtocolError as exc:

@@ -7,15 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.federation import Federation
-from aggregator.jobs.base import JobContext, JobOutput, JobType
-from aggregator.pca_result import PCAResult
-from common import __version__
-from common.dppca import combine
-from common.errors import ProtocolError
-from common.job_params import PCAParams
-from common.protocol import JobSpec, TaskResult
-from common.validation import check_delta, check_epsilon
+from dpfed import __version__
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.pca_result import PCAResult
+from dpfed.common.errors import ProtocolError
+from dpfed.common.job_params import PCAParams
+from dpfed.common.pca.dppca import combine
+from dpfed.common.transport.protocol import JobSpec, TaskResult
+from dpfed.common.validation import check_delta, check_epsilon
 
 
 class PCAJob(JobType):

@@ -1,6 +1,6 @@
 """Task handlers: one plug-in per job kind, looked up by ``Task.kind``.
 
-A handler turns a task into a :class:`~site_agent.handlers.base.PreparedRelease`: it validates
+A handler turns a task into a :class:`~dpfed.site_agent.handlers.base.PreparedRelease`: it validates
 the parameters, does the exact (non-private) computation over the site's rows, and returns the
 release's privacy cost together with a function that draws the noise. The runner charges the
 ledger with that cost *before* calling the function, inside the same transaction that stores
@@ -9,8 +9,8 @@ the released bytes.
 
 from __future__ import annotations
 
-from site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
-from site_agent.handlers.pca import PCAHandler
+from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.handlers.pca import PCAHandler
 
 #: kind -> handler; adding a job kind means adding a handler here.
 HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(),)}

@@ -9,10 +9,10 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from common.accounting import PrivacyCost
-from common.encoding import EncodedTable, EncodingReport
-from common.protocol import Task, TaskResult
-from common.schema import Schema
+from dpfed.common.data.encoding import EncodedTable, EncodingReport
+from dpfed.common.data.schema import Schema
+from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.transport.protocol import Task, TaskResult
 
 
 class DataAccess(Protocol):
@@ -49,6 +49,6 @@ class TaskHandler(ABC):
 
         Raises
         ------
-        common.errors.ValidationError
+        dpfed.common.errors.ValidationError
             For invalid parameters (the site refuses the task; nothing is charged).
         """

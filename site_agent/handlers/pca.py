@@ -6,13 +6,13 @@ import logging
 
 import numpy as np
 
-from common import __version__
-from common.dppca import GramAccumulator, site_cost, site_release
-from common.errors import DataError
-from common.features import UnitBallMap, feature_names
-from common.job_params import PCAParams
-from common.protocol import Task, TaskResult
-from site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed import __version__
+from dpfed.common.errors import DataError
+from dpfed.common.job_params import PCAParams
+from dpfed.common.pca.dppca import GramAccumulator, site_cost, site_release
+from dpfed.common.pca.features import UnitBallMap, feature_names
+from dpfed.common.transport.protocol import Task, TaskResult
+from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,8 @@ class PCAHandler(TaskHandler):
 
     Privacy
     -------
-    See :func:`common.dppca.pca_mechanism`: add/remove one row, rows in the unit ball by the
+    See :func:`dpfed.common.pca.dppca.pca_mechanism`: add/remove one row, rows in the unit ball by
+    the
     schema's public bounds and the job's public ``clip_norm``, sensitivity 1/N_s on the upper
     triangle of G_s/N_s, Gaussian noise calibrated analytically (or classic where DP). Only
     P_s (post-processing) and the public row count N_s leave the site; the number of clipped

@@ -6,7 +6,7 @@ Analysts authenticate with an analyst certificate from the federation CA.
 """
 
 from collections import abc as _abc
-from common.pb.v1 import types_pb2 as _types_pb2
+from dpfed.common.pb.v1 import types_pb2 as _types_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2

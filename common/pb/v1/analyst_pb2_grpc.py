@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from common.pb.v1 import analyst_pb2 as common_dot_pb_dot_v1_dot_analyst__pb2
-from common.pb.v1 import types_pb2 as common_dot_pb_dot_v1_dot_types__pb2
+from dpfed.common.pb.v1 import analyst_pb2 as dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2
+from dpfed.common.pb.v1 import types_pb2 as dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in common/pb/v1/analyst_pb2_grpc.py depends on'
+        + ' but the generated code in dpfed/common/pb/v1/analyst_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,38 +37,38 @@ class AnalystStub:
         """
         self.ListSites = channel.unary_unary(
                 '/dpfed.v1.Analyst/ListSites',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesResponse.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesResponse.FromString,
                 _registered_method=True)
         self.GetBudgets = channel.unary_unary(
                 '/dpfed.v1.Analyst/GetBudgets',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsResponse.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsResponse.FromString,
                 _registered_method=True)
         self.SubmitJob = channel.unary_stream(
                 '/dpfed.v1.Analyst/SubmitJob',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
                 _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/dpfed.v1.Analyst/WatchJob',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.WatchJobRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/dpfed.v1.Analyst/GetJob',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.GetJobRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.FromString,
                 _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/dpfed.v1.Analyst/ListJobs',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsResponse.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
         self.FetchResult = channel.unary_stream(
                 '/dpfed.v1.Analyst/FetchResult',
-                request_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_types__pb2.Chunk.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2.Chunk.FromString,
                 _registered_method=True)
 
 
@@ -125,38 +125,38 @@ def add_AnalystServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ListSites': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSites,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesResponse.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesResponse.SerializeToString,
             ),
             'GetBudgets': grpc.unary_unary_rpc_method_handler(
                     servicer.GetBudgets,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsResponse.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsResponse.SerializeToString,
             ),
             'SubmitJob': grpc.unary_stream_rpc_method_handler(
                     servicer.SubmitJob,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.SubmitJobRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.SubmitJobRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.WatchJobRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.WatchJobRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.GetJobRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetJobRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.SerializeToString,
             ),
             'ListJobs': grpc.unary_unary_rpc_method_handler(
                     servicer.ListJobs,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsResponse.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsResponse.SerializeToString,
             ),
             'FetchResult': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchResult,
-                    request_deserializer=common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_types__pb2.Chunk.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,8 +184,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/ListSites',
-            common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesResponse.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListSitesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -211,8 +211,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/GetBudgets',
-            common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsResponse.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetBudgetsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -238,8 +238,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/SubmitJob',
-            common_dot_pb_dot_v1_dot_analyst__pb2.SubmitJobRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.SubmitJobRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -265,8 +265,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/WatchJob',
-            common_dot_pb_dot_v1_dot_analyst__pb2.WatchJobRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.WatchJobRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -292,8 +292,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/GetJob',
-            common_dot_pb_dot_v1_dot_analyst__pb2.GetJobRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.GetJobRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -319,8 +319,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/ListJobs',
-            common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsResponse.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -346,8 +346,8 @@ class Analyst:
             request,
             target,
             '/dpfed.v1.Analyst/FetchResult',
-            common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.SerializeToString,
-            common_dot_pb_dot_v1_dot_types__pb2.Chunk.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

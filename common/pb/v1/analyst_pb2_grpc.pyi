@@ -6,8 +6,8 @@ Analysts authenticate with an analyst certificate from the federation CA.
 """
 
 from collections import abc as _abc
-from common.pb.v1 import analyst_pb2 as _analyst_pb2
-from common.pb.v1 import types_pb2 as _types_pb2
+from dpfed.common.pb.v1 import analyst_pb2 as _analyst_pb2
+from dpfed.common.pb.v1 import types_pb2 as _types_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -6,7 +6,7 @@ inbound port) and keeps one bidirectional stream open; the coordinator sends tas
 The site's identity is the one in its client certificate, never a field of a message.
 """
 
-from common.pb.v1 import types_pb2 as _types_pb2
+from dpfed.common.pb.v1 import types_pb2 as _types_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 import builtins as _builtins

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from common.pb.v1 import site_link_pb2 as common_dot_pb_dot_v1_dot_site__link__pb2
+from dpfed.common.pb.v1 import site_link_pb2 as dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in common/pb/v1/site_link_pb2_grpc.py depends on'
+        + ' but the generated code in dpfed/common/pb/v1/site_link_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class SiteLinkStub:
         """
         self.Connect = channel.stream_stream(
                 '/dpfed.v1.SiteLink/Connect',
-                request_serializer=common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.SerializeToString,
-                response_deserializer=common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.FromString,
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_SiteLinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.FromString,
-                    response_serializer=common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.SerializeToString,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class SiteLink:
             request_iterator,
             target,
             '/dpfed.v1.SiteLink/Connect',
-            common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.SerializeToString,
-            common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.FromString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.FromString,
             options,
             channel_credentials,
             insecure,

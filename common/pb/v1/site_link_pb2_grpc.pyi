@@ -7,7 +7,7 @@ The site's identity is the one in its client certificate, never a field of a mes
 """
 
 from collections import abc as _abc
-from common.pb.v1 import site_link_pb2 as _site_link_pb2
+from dpfed.common.pb.v1 import site_link_pb2 as _site_link_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -1,0 +1,231 @@
+"""``dpfed certs``: create, extend and inspect the federation's PKI from the command line.
+
+Sub-commands::
+
+    dpfed certs init  --out DIR --coordinator-host HOST [--coordinator-host HOST ...]
+                      [--sites a,b,c] [--analysts alice,bob] [--validity-days N]
+                      [--ca-validity-days N] [--force]
+    dpfed certs issue --ca-dir DIR (--site ID | --analyst ID | --coordinator HOST [HOST ...])
+                      [--validity-days N] [--force]
+    dpfed certs show  PATH [PATH ...]
+
+They print the paths they wrote, never key material, and return an exit code from
+:mod:`dpfed.common.exit_codes`: ``CONFIG_ERROR`` for bad flags or a refusal to overwrite,
+``CERTIFICATE_ERROR`` for a missing, malformed or expired CA or certificate.
+
+The ``dpfed`` CLI calls :func:`register` with its sub-parsers; every sub-command sets
+``func`` on the parsed namespace, a callable ``(argparse.Namespace) -> int`` that runs it.
+:func:`main` is the same thing standalone (``python -m dpfed.aggregator.certs_cli certs init ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dpfed.common import exit_codes
+from dpfed.common.errors import CertificateError, ConfigError, ValidationError
+from dpfed.common.transport import certs
+
+
+def _id_list(text: str) -> list[str]:
+    """Parse ``a,b,c`` (spaces and empty items ignored) into a list of ids."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _fail(command: str, exc: Exception) -> int:
+    # Bad flags, a refusal to overwrite, or an unwritable --out (OSError) are configuration
+    # errors; a broken CA or certificate file is a certificate error.
+    code = (
+        exit_codes.CERTIFICATE_ERROR
+        if isinstance(exc, CertificateError)
+        else exit_codes.CONFIG_ERROR
+    )
+    print(f"dpfed certs {command}: error: {exc}", file=sys.stderr)
+    return code
+
+
+def _print_issued(issued: certs.IssuedCertificate) -> None:
+    principal = issued.principal
+    label = "coordinator" if principal.role == "coordinator" else str(principal)
+    print(
+        f"{label:<24} kit {issued.kit_dir}/  "
+        f"(certificate {issued.cert_path.name}, key {issued.key_path.name}, ca.pem; "
+        f"valid until {issued.not_after:%Y-%m-%d})"
+    )
+
+
+def _run_init(args: argparse.Namespace) -> int:
+    try:
+        federation = certs.init_federation(
+            args.out,
+            coordinator_hosts=args.coordinator_hosts,
+            sites=args.sites,
+            analysts=args.analysts,
+            validity_days=args.validity_days,
+            ca_validity_days=args.ca_validity_days,
+            force=args.force,
+        )
+    except (ConfigError, ValidationError, OSError) as exc:
+        return _fail("init", exc)
+    print(f"{'federation CA':<24} {federation.ca_cert_path}")
+    print(f"{'CA private key':<24} {federation.ca_key_path}  (keep it offline; never copy it)")
+    for issued in federation.issued:
+        _print_issued(issued)
+    print("Hand each kit directory to its owner over a trusted channel.")
+    return exit_codes.OK
+
+
+def _run_issue(args: argparse.Namespace) -> int:
+    if args.coordinator is not None:
+        role, name, hosts = "coordinator", None, args.coordinator
+    elif args.site is not None:
+        role, name, hosts = "site", args.site, None
+    else:
+        role, name, hosts = "analyst", args.analyst, None
+    try:
+        issued = certs.issue_certificate(
+            args.ca_dir,
+            role=role,
+            name=name,
+            hosts=hosts,
+            validity_days=args.validity_days,
+            force=args.force,
+        )
+    except (ConfigError, ValidationError, OSError) as exc:
+        return _fail("issue", exc)
+    _print_issued(issued)
+    print("No other file was changed; the coordinator and other sites need no new files.")
+    return exit_codes.OK
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    for i, path in enumerate(args.paths):
+        try:
+            info = certs.describe_certificate(path)
+        except (ConfigError, OSError) as exc:
+            return _fail("show", exc)
+        if i:
+            print()
+        print("\n".join(info.lines()))
+    return exit_codes.OK
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``certs`` command and its ``init``/``issue``/``show`` sub-commands.
+
+    Parameters
+    ----------
+    subparsers
+        The object returned by ``parser.add_subparsers()`` of the ``dpfed`` CLI.
+    """
+    parser = subparsers.add_parser(
+        "certs",
+        help="create and inspect the federation's certificates",
+        description="Create the federation CA and certificates, add a site or analyst "
+        "later without re-provisioning the others, or show what a certificate contains.",
+    )
+    commands = parser.add_subparsers(dest="certs_command", metavar="{init,issue,show}")
+    commands.required = True
+
+    init = commands.add_parser(
+        "init",
+        help="create a new federation CA and all certificates",
+        description="Create a federation CA and one kit (certificate, key, CA copy) for the "
+        "coordinator and for every site and analyst. Refuses to overwrite unless --force.",
+    )
+    init.add_argument("--out", required=True, type=Path, help="directory to write (created 0700)")
+    init.add_argument(
+        "--coordinator-host",
+        dest="coordinator_hosts",
+        action="append",
+        required=True,
+        metavar="HOST",
+        help="DNS name or IP the coordinator is reached at (repeatable; localhost, "
+        "127.0.0.1 and ::1 are always added)",
+    )
+    init.add_argument(
+        "--sites", type=_id_list, default=[], metavar="A,B,...", help="comma-separated site ids"
+    )
+    init.add_argument(
+        "--analysts",
+        type=_id_list,
+        default=[],
+        metavar="A,B,...",
+        help="comma-separated analyst ids",
+    )
+    init.add_argument(
+        "--validity-days",
+        type=int,
+        default=certs.DEFAULT_VALIDITY_DAYS,
+        metavar="N",
+        help=f"lifetime of the issued certificates (default {certs.DEFAULT_VALIDITY_DAYS})",
+    )
+    init.add_argument(
+        "--ca-validity-days",
+        type=int,
+        default=certs.DEFAULT_CA_VALIDITY_DAYS,
+        metavar="N",
+        help=f"lifetime of the CA (default {certs.DEFAULT_CA_VALIDITY_DAYS})",
+    )
+    init.add_argument(
+        "--force",
+        action="store_true",
+        help="replace existing files: creates a NEW CA, every old certificate stops working",
+    )
+    init.set_defaults(func=_run_init)
+
+    issue = commands.add_parser(
+        "issue",
+        help="issue one more certificate with the existing CA",
+        description="Issue a certificate for a new site or analyst (or re-issue the "
+        "coordinator's) with the existing CA, touching no other file.",
+    )
+    issue.add_argument(
+        "--ca-dir",
+        required=True,
+        type=Path,
+        help="federation directory holding ca.pem and ca.key (the --out of 'certs init')",
+    )
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument("--site", metavar="ID", help="issue a site certificate")
+    who.add_argument("--analyst", metavar="ID", help="issue an analyst certificate")
+    who.add_argument(
+        "--coordinator",
+        nargs="+",
+        metavar="HOST",
+        help="issue the coordinator certificate for these hosts (needs --force if one exists)",
+    )
+    issue.add_argument(
+        "--validity-days",
+        type=int,
+        default=certs.DEFAULT_VALIDITY_DAYS,
+        metavar="N",
+        help=f"lifetime in days (default {certs.DEFAULT_VALIDITY_DAYS}; capped at the CA's)",
+    )
+    issue.add_argument("--force", action="store_true", help="replace this principal's kit")
+    issue.set_defaults(func=_run_issue)
+
+    show = commands.add_parser(
+        "show",
+        help="print a certificate's identity, names, validity and fingerprint",
+        description="Print the identity, names, validity and SHA-256 fingerprint of PEM "
+        "certificates.",
+    )
+    show.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="PEM certificate file")
+    show.set_defaults(func=_run_show)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``certs ...`` as the ``dpfed`` CLI would; return the exit code."""
+    parser = argparse.ArgumentParser(prog="dpfed")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,775 @@
+"""Read a site's table in chunks: CSV, Parquet or SQLite, never the whole file at once.
+
+A site agent points a :class:`DataSourceSpec` at its data, and :func:`open_data_source`
+checks at once that the file (or table, or query) exists and has every schema column, so a
+wrong path or a missing column stops the agent at start-up with a message that names it. The
+source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_rows`` rows
+(:meth:`DataSource.iter_chunks`), each chunk validated by
+:func:`dpfed.common.data.encoding.encode_table`
+under the spec's :class:`~dpfed.common.data.encoding.RowPolicy`. Memory is bounded by
+``chunk_rows x columns`` whatever the size of the file, plus (CSV) Arrow's read-ahead of a
+fixed number of 1 MiB blocks, or (Parquet) one row group, whose size the file's writer chose.
+``bench/site_memory.py`` measures the peak RSS of a site's DP-PCA pass over 2M rows against
+200k rows.
+
+Errors never echo data values: they name the source, the column and the row.
+
+Row numbers
+    ``encode_table`` errors name the *data row*: the 1-based index among the well-formed data
+    rows (the header and CSV rows skipped for a wrong number of fields are not counted). A CSV
+    row with a wrong number of fields is reported by its row number in the file, the header
+    being row 1 (blank lines are not counted; a quoted value with a line break is one row).
+
+CSV fast path
+    Reading every column as text lets ``encode_table`` apply the row policy to bad values
+    instead of failing a whole block, but costs ~2x end to end (read + encode) on a numeric
+    table (``bench/site_memory.py`` measures it). So continuous columns are first read as float64
+    by Arrow; as soon as a block fails to convert (a value that is not a plain number or a
+    declared missing value, stray whitespace, ...) the rest of the file is read as text. The
+    text reader re-parses the rows already delivered and discards them, so results do not
+    depend on which path read a row.
+"""
+
+from __future__ import annotations
+
+import abc
+import codecs
+import csv
+import logging
+import re
+import sqlite3
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+from dpfed.common.data.encoding import EncodedTable, EncodingReport, RowPolicy, encode_table
+from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite")
+#: File extensions :func:`spec_from_path` understands (a compression suffix such as ``.gz``
+#: may follow a CSV extension; Arrow decompresses it while streaming).
+CSV_EXTENSIONS: tuple[str, ...] = (".csv", ".tsv", ".txt")
+PARQUET_EXTENSIONS: tuple[str, ...] = (".parquet", ".pq")
+SQLITE_EXTENSIONS: tuple[str, ...] = (".sqlite", ".sqlite3", ".db")
+COMPRESSION_EXTENSIONS: tuple[str, ...] = (".gz", ".bz2", ".zst", ".lz4")
+DEFAULT_CHUNK_ROWS = 65536
+#: Key in ``EncodingReport.problems_by_column`` under which CSV rows with a wrong number of
+#: fields are counted (they are also counted in ``rows_read`` and ``dropped_invalid``).
+MALFORMED_ROWS_KEY = "(rows with a wrong number of fields)"
+
+_HEADER_SAMPLE_BYTES = 1 << 20
+_BLOCK_BYTES = 1 << 20
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SQL_COMMENT = re.compile(r"\A\s*(?:--[^\n]*(?:\n|\Z)|/\*.*?\*/)", re.DOTALL)
+
+
+# ---------------------------------------------------------------------------------- spec
+@dataclass(frozen=True)
+class DataSourceSpec:
+    """Where a site's table lives and how to read it.
+
+    Attributes
+    ----------
+    kind : {"csv", "parquet", "sqlite"}
+        The format.
+    path : pathlib.Path
+        The file (a str is converted).
+    table : str, optional
+        SQLite only: a table or view name (a plain identifier ``[A-Za-z_][A-Za-z0-9_]*``).
+    query : str, optional
+        SQLite only, instead of ``table``: one read-only ``SELECT``/``WITH`` statement whose
+        result has the schema's columns (by name).
+    delimiter : str
+        CSV only: the one-character field separator (``","``; a tab for ``.tsv``).
+    chunk_rows : int
+        Rows per chunk (>= 1); memory is proportional to ``chunk_rows x columns``.
+    policy : RowPolicy
+        What to do with missing, invalid and out-of-range values. CSV rows with a wrong
+        number of fields follow ``policy.invalid``.
+    encoding : str
+        CSV only: the text encoding of the file (Arrow transcodes anything but UTF-8, which is
+        slower).
+    """
+
+    kind: str
+    path: Path
+    table: str | None = None
+    query: str | None = None
+    delimiter: str = ","
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    policy: RowPolicy = field(default_factory=RowPolicy)
+    encoding: str = "utf-8"
+
+    def __post_init__(self) -> None:
+        if self.kind not in DATA_SOURCE_KINDS:
+            raise ConfigError(
+                f"data source kind must be one of {', '.join(DATA_SOURCE_KINDS)}, "
+                f"got {self.kind!r}"
+            )
+        if not isinstance(self.path, str | Path) or not str(self.path):
+            raise ConfigError(f"data source path must be a non-empty path, got {self.path!r}")
+        object.__setattr__(self, "path", Path(self.path))
+        if (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int)
+                or self.chunk_rows < 1):
+            raise ConfigError(f"chunk_rows must be an integer >= 1, got {self.chunk_rows!r}")
+        if not isinstance(self.policy, RowPolicy):
+            raise ConfigError(f"policy must be a RowPolicy, got {type(self.policy).__name__}")
+        if self.kind == "sqlite":
+            if (self.table is None) == (self.query is None):
+                raise ConfigError(
+                    f"an sqlite data source ({self.path}) needs exactly one of 'table' or "
+                    f"'query', got {'both' if self.table is not None else 'neither'}"
+                )
+            if self.table is not None:
+                _check_identifier(self.table)
+            if self.query is not None:
+                _check_select(self.query)
+        elif self.table is not None or self.query is not None:
+            raise ConfigError(
+                f"'table' and 'query' apply only to sqlite data sources, not {self.kind} "
+                f"({self.path})"
+            )
+        if (not isinstance(self.delimiter, str) or len(self.delimiter) != 1
+                or self.delimiter in "\"\r\n"):
+            raise ConfigError(
+                "delimiter must be one character other than a quote or a line break, "
+                f"got {self.delimiter!r}"
+            )
+        try:
+            codecs.lookup(self.encoding)
+        except (LookupError, TypeError):
+            raise ConfigError(
+                f"encoding must be a Python codec name such as 'utf-8' or 'latin-1', "
+                f"got {self.encoding!r}"
+            ) from None
+
+
+def spec_from_path(path: str | Path, *, table: str | None = None, query: str | None = None,
+                   delimiter: str | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                   policy: RowPolicy | None = None, encoding: str = "utf-8") -> DataSourceSpec:
+    """Build a :class:`DataSourceSpec`, taking the kind from the file extension.
+
+    ``.csv``/``.tsv``/``.txt`` (optionally followed by ``.gz``, ``.bz2``, ``.zst`` or
+    ``.lz4``) are CSV (``.tsv`` defaults to a tab delimiter), ``.parquet``/``.pq`` Parquet,
+    and ``.sqlite``/``.sqlite3``/``.db`` SQLite, which also needs ``table`` or ``query``.
+
+    Raises
+    ------
+    ConfigError
+        For an extension not listed above, or an invalid combination of options.
+    """
+    p = Path(path)
+    suffixes = [s.lower() for s in p.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSION_EXTENSIONS:
+        suffixes = suffixes[:-1]
+    ext = suffixes[-1] if suffixes else ""
+    if ext in CSV_EXTENSIONS:
+        kind = "csv"
+        if delimiter is None:
+            delimiter = "\t" if ext == ".tsv" else ","
+    elif ext in PARQUET_EXTENSIONS and len(p.suffixes) == len(suffixes):
+        kind = "parquet"
+    elif ext in SQLITE_EXTENSIONS and len(p.suffixes) == len(suffixes):
+        kind = "sqlite"
+    else:
+        known = CSV_EXTENSIONS + PARQUET_EXTENSIONS + SQLITE_EXTENSIONS
+        raise ConfigError(
+            f"cannot tell the format of data file {p} from its extension; use one of "
+            f"{', '.join(known)} (CSV may be compressed: .csv.gz) or give the kind explicitly"
+        )
+    return DataSourceSpec(kind, p, table=table, query=query,
+                          delimiter="," if delimiter is None else delimiter,
+                          chunk_rows=chunk_rows, policy=policy or RowPolicy(), encoding=encoding)
+
+
+def _check_identifier(name: Any) -> str:
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise ConfigError(
+            f"sqlite table must be a plain identifier (letters, digits, underscore; not starting "
+            f"with a digit), got {name!r}; use 'query' for anything else"
+        )
+    return name
+
+
+def _check_select(query: Any) -> str:
+    """Refuse anything that is not one SELECT/WITH statement (the database is read-only too)."""
+    if not isinstance(query, str) or not query.strip():
+        raise ConfigError(f"sqlite query must be a non-empty string, got {query!r}")
+    text = query
+    while True:
+        m = _SQL_COMMENT.match(text)
+        if not m:
+            break
+        text = text[m.end():]
+    first = re.match(r"\s*([A-Za-z]+)", text)
+    if not first or first.group(1).upper() not in ("SELECT", "WITH"):
+        raise ConfigError(
+            "sqlite query must be a single read-only SELECT or WITH statement, "
+            f"got one starting with {(first.group(1) if first else text.strip()[:1])!r}"
+        )
+    body = text.strip().rstrip(";").rstrip()
+    if ";" in body and _splits_into_statements(body):
+        raise ConfigError("sqlite query must be a single statement, got several separated by ';'")
+    return query
+
+
+def _splits_into_statements(body: str) -> bool:
+    """Return True if ``body`` holds a complete statement followed by more text."""
+    for i, ch in enumerate(body):
+        if ch == ";" and sqlite3.complete_statement(body[:i + 1]) and body[i + 1:].strip():
+            return True
+    return False
+
+
+def _quote_identifier(name: str) -> str:
+    """SQL-quote any identifier (the schema's column names may contain spaces or quotes)."""
+    if "\x00" in name:
+        raise ConfigError(f"column name {name!r} contains a NUL character")
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _check_readable_file(path: Path, what: str) -> None:
+    if not path.exists():
+        raise DataError(f"{what} not found: {path}")
+    if path.is_dir():
+        raise DataError(f"{what} {path} is a directory; expected a file")
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:
+        raise DataError(f"{what} {path} is not readable (permission denied)") from None
+    except OSError as exc:
+        raise DataError(f"cannot open {what} {path}: {exc.strerror}") from None
+
+
+# ---------------------------------------------------------------------------------- sources
+class DataSource(abc.ABC):
+    """A table read chunk by chunk; create one with :func:`open_data_source`."""
+
+    def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
+        self.spec = spec
+        self.schema = schema
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Kind and location of the data (never any data), for logs and error messages."""
+
+    @abc.abstractmethod
+    def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
+        """Yield ``(batch of schema columns, rows skipped before encoding since last batch)``."""
+
+    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
+        """Stream the data as encoded chunks of at most ``spec.chunk_rows`` rows.
+
+        Each call starts again from the beginning of the source. The reports of all chunks
+        merged (:meth:`EncodingReport.merge`) give the counts for the whole source.
+
+        Raises
+        ------
+        DataError
+            When the source has no data rows, cannot be parsed, or a row breaks a policy whose
+            action is "error" (see the module docstring for how rows are numbered).
+        """
+        source = self.describe()
+        row_offset = 0
+        seen_rows = False
+        for batch, skipped in self._batches():
+            table, report = encode_table(self.schema, batch, policy=self.spec.policy,
+                                         row_offset=row_offset, source=source)
+            if skipped:
+                report.merge(EncodingReport(rows_read=skipped, dropped_invalid=skipped,
+                                            problems_by_column={MALFORMED_ROWS_KEY:
+                                                                {"invalid": skipped}}))
+            row_offset += batch.num_rows
+            seen_rows = seen_rows or report.rows_read > 0
+            yield table, report
+        if not seen_rows:
+            raise DataError(f"{source}: contains no data rows")
+
+    def _empty_batch(self) -> pa.RecordBatch:
+        names = list(self.schema.names)
+        return pa.RecordBatch.from_arrays([pa.array([], pa.string()) for _ in names], names)
+
+
+class CsvSource(DataSource):
+    """A delimited text file with a header row, streamed with ``pyarrow.csv.open_csv``.
+
+    Parameters
+    ----------
+    spec, schema
+        See :func:`open_data_source`.
+    typed_fast_path : bool
+        Read continuous columns as float64 until a block fails to convert (module
+        docstring). ``False`` reads everything as text; the results are the same.
+    """
+
+    def __init__(self, spec: DataSourceSpec, schema: Schema, *,
+                 typed_fast_path: bool = True) -> None:
+        super().__init__(spec, schema)
+        self.typed_fast_path = typed_fast_path
+        _check_readable_file(spec.path, "data file")
+        self.header, self.block_size = self._read_header()
+        counts: dict[str, int] = {}
+        for name in self.header:
+            counts[name] = counts.get(name, 0) + 1
+        missing = [n for n in schema.names if n not in counts]
+        if missing:
+            hint = ""
+            if len(self.header) == 1 and any(d in self.header[0] for d in ",;\t|"):
+                hint = (f" (the header split into one column with delimiter "
+                        f"{spec.delimiter!r}: is the delimiter right?)")
+            raise DataError(
+                f"{self.describe()}: header has no column(s) {missing} that the schema needs; "
+                f"the header is {self.header}{hint}"
+            )
+        dupes = sorted(n for n in schema.names if counts[n] > 1)
+        if dupes:
+            raise DataError(f"{self.describe()}: header names column(s) {dupes} more than once")
+
+    def describe(self) -> str:
+        """See :meth:`DataSource.describe`."""
+        return f"csv file {self.spec.path}"
+
+    def _read_header(self) -> tuple[list[str], int]:
+        """Parse the header row; return (column names, Arrow block size for ~chunk_rows rows)."""
+        path = self.spec.path
+        try:
+            with pa.input_stream(str(path), compression="detect") as stream:
+                sample = bytes(stream.read(_HEADER_SAMPLE_BYTES))
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(f"cannot read {self.describe()}: {type(exc).__name__}") from None
+        text_sample = self._decode(sample)
+        if text_sample.startswith("\ufeff"):
+            text_sample = text_sample[1:]
+        if not text_sample.strip():
+            raise DataError(f"{self.describe()}: the file is empty (expected a header row)")
+        newline = text_sample.find("\n")
+        if newline < 0 and len(sample) == _HEADER_SAMPLE_BYTES:
+            raise DataError(f"{self.describe()}: no line break in the first "
+                            f"{_HEADER_SAMPLE_BYTES} bytes; is this a CSV file?")
+        first_line = text_sample if newline < 0 else text_sample[:newline]
+        rest = "" if newline < 0 else text_sample[newline + 1:]
+        if not rest.strip() and len(sample) < _HEADER_SAMPLE_BYTES:
+            raise DataError(f"{self.describe()}: has a header row but no data rows")
+        try:
+            header = next(csv.reader([first_line.rstrip("\r")], delimiter=self.spec.delimiter,
+                                     quotechar='"', doublequote=True, strict=True))
+        except (csv.Error, StopIteration):
+            raise DataError(f"{self.describe()}: the header row is not valid CSV") from None
+        header = [name.strip() for name in header]
+        # Block size: Arrow reads raw blocks ahead of the parser in a background thread,
+        # a fixed number of blocks deep (with 16 MiB blocks a 506 MiB file was buffered
+        # whole, bench/site_memory.py), so blocks stay small -- _BLOCK_BYTES, or room for
+        # several of the sample's longest lines (Arrow fails on a row longer than a block) --
+        # and _rebatch joins them into chunks of chunk_rows rows.
+        body = sample[sample.find(b"\n") + 1:]
+        ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == ord("\n"))
+        longest = int(np.diff(ends, prepend=-1).max()) if ends.size else len(body)
+        return header, max(_BLOCK_BYTES, 4 * longest)
+
+    def _decode(self, data: bytes) -> str:
+        try:
+            return data.decode(self.spec.encoding)
+        except UnicodeDecodeError as exc:
+            if len(data) == _HEADER_SAMPLE_BYTES and exc.start > len(data) - 4:
+                # The sample may end inside a multi-byte character.
+                return data[:exc.start].decode(self.spec.encoding)
+            line = data[:exc.start].count(b"\n") + 1
+            raise DataError(
+                f"{self.describe()}: line {line} is not valid {self.spec.encoding} text; "
+                "re-encode the file (e.g. with iconv) or set the data source's encoding"
+            ) from None
+
+    def _open(self, typed: bool, malformed: _MalformedRows) -> Any:
+        column_types = {
+            col.name: pa.float64() if typed and isinstance(col, ContinuousColumn) else pa.string()
+            for col in self.schema.columns
+        }
+        encoding = self.spec.encoding
+        if codecs.lookup(encoding).name == "utf-8":
+            encoding = "utf8"  # Arrow's no-transcoding fast path
+        # use_threads=False: row numbers reach the invalid-row handler only when Arrow parses
+        # serially (and serial parsing measured as fast here). The header was parsed by
+        # _read_header, so Arrow skips it and takes the stripped names.
+        read = pcsv.ReadOptions(block_size=self.block_size, use_threads=False, skip_rows=1,
+                                column_names=self.header, encoding=encoding)
+        parse = pcsv.ParseOptions(delimiter=self.spec.delimiter, quote_char='"',
+                                  double_quote=True, invalid_row_handler=malformed)
+        convert = pcsv.ConvertOptions(include_columns=list(self.schema.names),
+                                      column_types=column_types,
+                                      null_values=list(self.schema.missing_values),
+                                      strings_can_be_null=True)
+        return pcsv.open_csv(str(self.spec.path), read_options=read, parse_options=parse,
+                             convert_options=convert)
+
+    def _arrow_batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
+        """Yield Arrow batches in file order, switching to text reading if a block fails."""
+        malformed = _MalformedRows(fail=self.spec.policy.invalid == "error")
+        typed = self.typed_fast_path and bool(self.schema.of_type("continuous"))
+        delivered = 0  # well-formed data rows handed out so far
+        while True:
+            to_discard = delivered  # after a switch, rows the typed reader already delivered
+            try:
+                # open_csv already reads and converts the first block.
+                reader = self._open(typed, malformed)
+                for batch in reader:
+                    if to_discard:
+                        if batch.num_rows <= to_discard:
+                            to_discard -= batch.num_rows
+                            continue
+                        batch = batch.slice(to_discard)
+                        to_discard = 0
+                    delivered += batch.num_rows
+                    yield batch, malformed.take_pending()
+                if to_discard:
+                    raise DataError(f"{self.describe()}: the file changed while it was read")
+                pending = malformed.take_pending()
+                if pending:
+                    yield self._empty_batch(), pending
+                return
+            except OSError as exc:
+                raise DataError(f"cannot read {self.describe()}: {exc.strerror}") from None
+            except pa.ArrowInvalid as exc:
+                if malformed.error_line is not None or not typed:
+                    raise self._arrow_error(exc, malformed, delivered) from None
+                # Fast path failed on this block: read the rest of the file as text. Rows
+                # with a wrong field count already counted are not counted again.
+                logger.info("[CsvSource.iter_chunks] %s: a block after data row %d is not "
+                            "plain numbers; reading the rest as text", self.describe(),
+                            delivered)
+                typed = False
+                malformed.rewind()
+
+    def _arrow_error(self, exc: pa.ArrowInvalid, malformed: _MalformedRows,
+                     delivered: int) -> DataError:
+        """Translate an Arrow error without repeating its text (it can quote data values)."""
+        where = self.describe()
+        if malformed.error_line is not None:
+            return DataError(
+                f"{where}: row {malformed.error_line} of the file (header = row 1) has "
+                f"{malformed.error_actual} fields, the header has {malformed.error_expected}; "
+                "set on_invalid = \"drop\" to skip such rows"
+            )
+        message = str(exc)
+        near = f"after data row {delivered}" if delivered else "in the first block"
+        if "UTF8" in message or "UTF-8" in message:
+            column = ""
+            m = re.search(r"CSV column #(\d+)", message)
+            if m and int(m.group(1)) < len(self.header):
+                column = f" in column {self.header[int(m.group(1))]!r}"
+            return DataError(
+                f"{where}: text that is not valid UTF-8{column} {near}; re-encode the file "
+                "(e.g. with iconv) or set the data source's encoding"
+            )
+        if "straddl" in message or "block" in message.lower():
+            return DataError(
+                f"{where}: a row {near} is longer than the read block ({self.block_size} "
+                "bytes) or has an unterminated quote"
+            )
+        return DataError(
+            f"{where}: cannot be parsed as delimited text {near} (check the delimiter "
+            f"{self.spec.delimiter!r}, quoting and encoding)"
+        )
+
+    def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
+        return _rebatch(self._arrow_batches(), self.spec.chunk_rows)
+
+
+class _MalformedRows:
+    """Arrow ``invalid_row_handler``: count rows with a wrong number of fields, or stop.
+
+    Raising inside the handler is swallowed by Arrow, so on "error" it records the row and
+    returns "error"; the reader then raises and :meth:`CsvSource._arrow_error` reports it.
+    """
+
+    def __init__(self, *, fail: bool) -> None:
+        self.fail = fail
+        self.pending = 0
+        self.counted_through = 0  # highest row number counted (Arrow numbers rows serially)
+        self.replay_through = 0  # after a rewind: rows up to here were counted already
+        self.error_line: int | None = None
+        self.error_expected = 0
+        self.error_actual = 0
+
+    def __call__(self, row: Any) -> str:
+        number = int(row.number) if row.number is not None else None
+        if number is not None and number <= self.replay_through:
+            return "skip"
+        if self.fail:
+            self.error_line = number
+            self.error_expected = int(row.expected_columns)
+            self.error_actual = int(row.actual_columns)
+            return "error"
+        self.pending += 1
+        if number is not None:
+            self.counted_through = max(self.counted_through, number)
+        return "skip"
+
+    def take_pending(self) -> int:
+        n, self.pending = self.pending, 0
+        return n
+
+    def rewind(self) -> None:
+        self.replay_through = self.counted_through
+
+
+def _rebatch(batches: Iterator[tuple[pa.RecordBatch, int]],
+             chunk_rows: int) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Re-cut a stream of batches into chunks of exactly ``chunk_rows`` rows.
+
+    The last chunk may be shorter, and so may a chunk cut where the stream's column types
+    change (after the CSV reader switches to text). Skip counts travel with the next chunk.
+    """
+    buffer: list[pa.RecordBatch] = []
+    buffered = 0
+    skipped = 0
+
+    def flush() -> pa.RecordBatch:
+        nonlocal buffer, buffered
+        if len(buffer) == 1:
+            out = buffer[0]
+        else:
+            out = pa.Table.from_batches(buffer).combine_chunks().to_batches()[0]
+        buffer, buffered = [], 0
+        return out
+
+    for batch, skip in batches:
+        skipped += skip
+        if buffer and batch.schema != buffer[0].schema:
+            yield flush(), skipped
+            skipped = 0
+        start = 0
+        while start < batch.num_rows:
+            take = min(chunk_rows - buffered, batch.num_rows - start)
+            buffer.append(batch.slice(start, take))
+            buffered += take
+            start += take
+            if buffered == chunk_rows:
+                yield flush(), skipped
+                skipped = 0
+    if buffered or skipped:
+        yield (flush() if buffer else batch.slice(0, 0)), skipped
+
+
+class ParquetSource(DataSource):
+    """A Parquet file streamed with ``ParquetFile.iter_batches`` (only the schema's columns)."""
+
+    def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
+        super().__init__(spec, schema)
+        _check_readable_file(spec.path, "data file")
+        pf = self._open()
+        try:
+            names = list(pf.schema_arrow.names)
+            self.num_rows = int(pf.metadata.num_rows)
+        finally:
+            pf.close()
+        missing = [n for n in schema.names if n not in names]
+        if missing:
+            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
+                            f"needs; its columns are {names}")
+
+    def describe(self) -> str:
+        """See :meth:`DataSource.describe`."""
+        return f"parquet file {self.spec.path}"
+
+    def _open(self) -> Any:
+        try:
+            # pre_buffer=False: with pre-buffering (pyarrow's default) the reader kept the
+            # buffered column chunks of every row group read so far, so allocation grew with
+            # the file (67 -> 195 MiB over a 2M-row file; cf. apache/arrow#39808). Without
+            # it, it stays at ~one row group.
+            return pq.ParquetFile(str(self.spec.path), pre_buffer=False)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{self.describe()}: not a readable Parquet file "
+                            f"({type(exc).__name__})") from None
+
+    def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
+        pf = self._open()
+        try:
+            batches = pf.iter_batches(batch_size=self.spec.chunk_rows,
+                                      columns=list(self.schema.names), use_threads=False)
+            yield from _rebatch(((b, 0) for b in batches), self.spec.chunk_rows)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{self.describe()}: cannot be read ({type(exc).__name__})") from None
+        finally:
+            pf.close()
+
+
+_READ_ONLY_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ,
+                                sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE})
+
+
+def _read_only_authorizer(action: int, arg1: str | None, arg2: str | None,
+                          db_name: str | None, trigger: str | None) -> int:
+    """SQLite authorizer that allows reading only (defence in depth on top of mode=ro)."""
+    return sqlite3.SQLITE_OK if action in _READ_ONLY_ACTIONS else sqlite3.SQLITE_DENY
+
+
+class SqliteSource(DataSource):
+    """A table, view or read-only query in an SQLite database, fetched ``chunk_rows`` at a time.
+
+    The database is opened read-only (URI ``mode=ro``) with an authorizer that allows only
+    reads, so a query cannot change it. SQLite values are dynamically typed: a column that
+    mixes numbers and text is read as text and ``encode_table`` applies the row policy.
+    """
+
+    def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
+        super().__init__(spec, schema)
+        _check_readable_file(spec.path, "database file")
+        with self._connect() as conn:
+            if spec.table is not None:
+                try:
+                    tables = [r[0] for r in conn.execute(
+                        "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') "
+                        "ORDER BY name")]
+                except sqlite3.DatabaseError as exc:
+                    raise DataError(f"{self.describe()}: cannot be read as an SQLite database "
+                                    f"({exc})") from None
+                if spec.table not in tables:
+                    raise DataError(f"{self.describe()}: no such table or view; the database "
+                                    f"has {tables}")
+            cursor = self._execute(conn, limit_zero=True)
+            names = [d[0] for d in cursor.description]
+            cursor.close()
+        missing = [n for n in schema.names if n not in names]
+        if missing:
+            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
+                            f"needs; its columns are {names}")
+        dupes = sorted(n for n in schema.names if names.count(n) > 1)
+        if dupes:
+            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
+
+    def describe(self) -> str:
+        """See :meth:`DataSource.describe`."""
+        if self.spec.table is not None:
+            return f"sqlite table {self.spec.table!r} in {self.spec.path}"
+        return f"sqlite query on {self.spec.path}"
+
+    def _connect(self) -> _ClosingConnection:
+        uri = self.spec.path.resolve().as_uri() + "?mode=ro"
+        try:
+            conn = sqlite3.connect(uri, uri=True)
+        except sqlite3.Error as exc:
+            raise DataError(f"cannot open {self.describe()}: {exc}") from None
+        conn.set_authorizer(_read_only_authorizer)
+        return _ClosingConnection(conn)
+
+    def _sql(self, limit_zero: bool) -> str:
+        if self.spec.table is not None:
+            cols = ", ".join(_quote_identifier(n) for n in self.schema.names)
+            sql = f"SELECT {cols} FROM {_quote_identifier(self.spec.table)}"
+            return sql + " LIMIT 0" if limit_zero else sql
+        assert self.spec.query is not None
+        return self.spec.query
+
+    def _execute(self, conn: sqlite3.Connection, *, limit_zero: bool = False) -> sqlite3.Cursor:
+        try:
+            return conn.execute(self._sql(limit_zero))
+        except sqlite3.DatabaseError as exc:
+            text = str(exc)
+            if "not authorized" in text:
+                raise ConfigError(f"{self.describe()}: the query does something other than "
+                                  "read; only SELECT/WITH queries are allowed") from None
+            if isinstance(exc, sqlite3.ProgrammingError) or "syntax" in text:
+                raise ConfigError(f"{self.describe()}: invalid query: {text}") from None
+            raise DataError(f"{self.describe()}: {text}") from None
+
+    def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
+        names = list(self.schema.names)
+        with self._connect() as conn:
+            cursor = self._execute(conn)
+            result_names = [d[0] for d in cursor.description]
+            indexes = [result_names.index(n) for n in names]
+            categorical = [not isinstance(c, ContinuousColumn) for c in self.schema.columns]
+            while True:
+                try:
+                    rows = cursor.fetchmany(self.spec.chunk_rows)
+                except sqlite3.DatabaseError as exc:
+                    raise DataError(f"{self.describe()}: {exc}") from None
+                if not rows:
+                    return
+                columns = list(zip(*rows, strict=True))
+                arrays = [_sqlite_array(columns[i], cat) for i, cat in zip(indexes, categorical,
+                                                                            strict=True)]
+                yield pa.RecordBatch.from_arrays(arrays, names), 0
+
+
+class _ClosingConnection:
+    """Context manager that closes an sqlite3 connection (its own ``with`` only commits)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.conn
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+
+def _sqlite_array(values: Sequence[Any], categorical: bool) -> pa.Array:
+    """Arrow array of one fetched column; mixed or binary columns become text."""
+    try:
+        arr = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        arr = None
+    if arr is not None and not (pa.types.is_binary(arr.type) or pa.types.is_large_binary(
+            arr.type)):
+        return arr
+    return pa.array([_sqlite_text(v, categorical) for v in values], pa.string())
+
+
+def _sqlite_text(value: Any, categorical: bool) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if categorical and isinstance(value, float) and value.is_integer():
+        return str(int(value))  # level "2" stored as REAL 2.0
+    return str(value)  # repr of a float round-trips exactly
+
+
+# ---------------------------------------------------------------------------------- helpers
+def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
+    """Open and check a data source: the file exists and has every schema column.
+
+    Raises
+    ------
+    DataError
+        The file is missing, a directory, unreadable, empty, not in the declared format, or
+        lacks a schema column (the message lists what it has).
+    ConfigError
+        The SQLite query is not a single read-only statement.
+    """
+    if spec.kind == "csv":
+        return CsvSource(spec, schema)
+    if spec.kind == "parquet":
+        return ParquetSource(spec, schema)
+    return SqliteSource(spec, schema)
+
+
+def read_all(source: DataSource) -> tuple[EncodedTable, EncodingReport]:
+    """Read a whole (small) source into memory: all chunks concatenated, reports merged."""
+    parts: list[EncodedTable] = []
+    total = EncodingReport()
+    for table, report in source.iter_chunks():
+        parts.append(table)
+        total.merge(report)
+    return EncodedTable.concatenate(parts), total
+
+
+def scan(source: DataSource) -> EncodingReport:
+    """Stream the whole source and return only the merged counts (no rows are kept)."""
+    total = EncodingReport()
+    for _, report in source.iter_chunks():
+        total.merge(report)
+    return total

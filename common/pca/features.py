@@ -1,0 +1,113 @@
+"""Map schema-typed rows to numeric feature vectors inside the unit L2 ball.
+
+DP-PCA needs every row to satisfy ||x||_2 <= 1 so that one row moves the second-moment
+matrix by at most 1/N in Frobenius norm. DPdisPCA's reference code gets there by dividing by
+the largest row norm *in the data*, which leaks (docs/algorithms.md). Here the map uses only the
+public
+schema and a public ``clip_norm``:
+
+1. Each column to [-1, 1] with its declared bounds: continuous ``(x - mid) / half_range``;
+   ordinal code ``c`` of M levels ``2c/(M-1) - 1``; nominal one-hot (Q features in {0, 1}).
+2. Rows whose norm exceeds ``clip_norm`` are scaled down to it (counted, not dropped).
+3. Divide by ``clip_norm``.
+
+The default ``clip_norm`` is the largest norm step 1 can produce (sqrt of the number of
+columns), so by default nothing is ever clipped; a smaller public value trades clipping bias
+for less relative noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import ContinuousColumn, NominalColumn, OrdinalColumn, Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.validation import check_positive
+
+
+def feature_names(schema: Schema) -> tuple[str, ...]:
+    """Names of the numeric features: column names, and ``column=category`` for one-hots."""
+    names: list[str] = []
+    for col in schema.columns:
+        if isinstance(col, NominalColumn):
+            names.extend(f"{col.name}={c}" for c in col.categories)
+        else:
+            names.append(col.name)
+    return tuple(names)
+
+
+def max_feature_norm(schema: Schema) -> float:
+    """Return the largest L2 norm a row can have after step 1 (one per column)."""
+    return math.sqrt(len(schema.columns))
+
+
+@dataclass(frozen=True)
+class UnitBallMap:
+    """Schema-driven map from encoded rows to features with ||x||_2 <= 1.
+
+    Parameters
+    ----------
+    schema : Schema
+        Public bounds, levels and categories.
+    clip_norm : float, optional
+        Public norm bound applied after scaling each column to [-1, 1]; default
+        :func:`max_feature_norm` (no clipping).
+    """
+
+    schema: Schema
+    clip_norm: float | None = None
+    names: tuple[str, ...] = field(init=False)
+    norm: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        norm = max_feature_norm(self.schema) if self.clip_norm is None else check_positive(
+            self.clip_norm, "clip_norm")
+        object.__setattr__(self, "norm", float(norm))
+        object.__setattr__(self, "names", feature_names(self.schema))
+
+    @property
+    def n_features(self) -> int:
+        """Number of numeric features p."""
+        return len(self.names)
+
+    def scaled(self, table: EncodedTable) -> np.ndarray:
+        """Step 1 only: every column to [-1, 1] (n x p, float64, C order)."""
+        if table.schema.digest() != self.schema.digest():
+            raise ValidationError("table was encoded with a different schema than this map")
+        out = np.empty((table.n_rows, self.n_features), dtype=np.float64)
+        j = 0
+        for col in self.schema.columns:
+            values = table.columns[col.name]
+            if isinstance(col, ContinuousColumn):
+                np.subtract(values, col.center, out=out[:, j])
+                out[:, j] /= col.half_range
+                j += 1
+            elif isinstance(col, OrdinalColumn):
+                out[:, j] = values * (2.0 / (col.n_levels - 1)) - 1.0
+                j += 1
+            else:
+                block = out[:, j:j + col.n_categories]
+                block[:] = 0.0
+                block[np.arange(table.n_rows), values] = 1.0
+                j += col.n_categories
+        return out
+
+    def transform(self, table: EncodedTable) -> tuple[np.ndarray, int]:
+        """Return (features with every row norm <= 1, number of rows that were clipped)."""
+        x = self.scaled(table)
+        return self.clip_rows(x)
+
+    def clip_rows(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+        """Scale rows of step-1 features into the unit ball in place; return (x, n_clipped)."""
+        norms = np.sqrt(np.einsum("ij,ij->i", x, x))
+        over = norms > self.norm
+        n_clipped = int(np.count_nonzero(over))
+        scale = np.full(x.shape[0], 1.0 / self.norm)
+        if n_clipped:
+            scale[over] = 1.0 / norms[over]
+        x *= scale[:, None]
+        return x, n_clipped

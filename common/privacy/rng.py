@@ -1,0 +1,32 @@
+"""Where noise comes from.
+
+Production releases draw from a fresh :class:`numpy.random.Generator` seeded with 256 bits
+from the operating system's CSPRNG (``os.urandom``) for every release (docs/privacy.md, invariant
+5). Nothing in dpfed calls the global ``np.random`` functions, and no RPC lets a caller pick
+a seed: only library callers and tests pass an explicit generator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dpfed.common.errors import ValidationError
+
+
+def production_rng() -> np.random.Generator:
+    """Return a generator seeded from 256 bits of ``os.urandom`` (one per release)."""
+    entropy = int.from_bytes(os.urandom(32), "little")
+    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(entropy)))
+
+
+def resolve_rng(rng: np.random.Generator | None) -> np.random.Generator:
+    """Return ``rng`` if given (tests, reproducible demos), else a fresh production generator."""
+    if rng is None:
+        return production_rng()
+    if not isinstance(rng, np.random.Generator):
+        raise ValidationError(
+            f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}"
+        )
+    return rng

@@ -1,0 +1,1 @@
+"""Linear and threshold queries: the sparse vector technique, the matrix mechanism, workloads."""

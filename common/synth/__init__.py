@@ -1,0 +1,1 @@
+"""DP synthetic data: mixed-type links, DP marginals and the latent factor model."""

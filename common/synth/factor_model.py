@@ -1,0 +1,902 @@
+"""DP synthetic data from a latent factor model (seed 000, Alg. 1 and Alg. 2).
+
+Pipeline (one table, or one site of a federation)::
+
+    typed rows --links--> latent rows x* --clip/C--> unit-ball rows x (||x|| <= 1)
+        --DP-PCA--> V~ (p x r), eigenvalues lambda~ --+-- row-aligned:  W~ = X V~ + C
+                                                     |                  X~ = W~ V~^T
+                                                     +-- generative:    W ~ N(0, diag lambda~)
+                                                                        X~ = W V~^T (+ residual)
+        X~ --*C, rescale--> latent --inverse links--> typed synthetic rows
+
+The split between the two parties is the API (the distributed job runs the same functions):
+
+Site (holds rows, spends budget)
+    :func:`dpfed.common.synth.links.fit_link_statistics` (DP histograms / moments),
+    :meth:`dpfed.common.synth.links.LatentLinks.to_latent`,
+    :func:`dpfed.common.synth.links.clip_to_unit_ball`,
+    :func:`dpfed.common.pca.dppca.site_release` (DP-PCA), :func:`factor_release` (row-aligned mode:
+    the only row-aligned DP release), :func:`reconstruct_rows` (post-processing).
+Coordinator (sees only DP releases)
+    :func:`dpfed.common.synth.links.combine_link_statistics`,
+    :func:`dpfed.common.pca.dppca.combine`,
+    :func:`choose_rank`, :func:`residual_variance`, :func:`dp_second_moment`,
+    :func:`latent_correlation`, :func:`latent_rescaling`, :func:`sample_generative` (all
+    pure post-processing: any number of rows, no extra budget).
+
+:class:`FactorModelSynthesizer` runs everything centrally in a few lines.
+
+Corrections to the seed (docs/algorithms.md)
+-----------------------------------------------------------------
+* Factor noise: the seed noises only the r-th column of C with Lap(2/epsilon_2) and releases
+  the other r-1 columns of ``X V~`` exactly -- not private. Here *every* entry of C is
+  Lap(2 sqrt(r) / epsilon_2) (see :func:`factor_mechanism`).
+* Loadings: ``V~`` is the output of DP-PCA (already private). The seed's perturbation
+  ``QR(V + B)`` with ``B ~ Lap(2 sqrt(p) / epsilon_1i)`` relies on an eigenvector sensitivity
+  bound that does not exist without an eigengap, so it is *not* offered as a privacy
+  mechanism on non-private ``V``; :func:`perturb_loadings` applies it to DP loadings as
+  optional post-processing that costs nothing and protects nothing extra.
+* Generative mode (not in the seed): new factors from the DP eigenvalues, plus an isotropic
+  residual with the probabilistic-PCA variance (Tipping & Bishop 1999) so the latent
+  covariance keeps its total variance; no row-aligned release at all.
+* Correlation correction (generative mode, post-processing, not in the seed): the links
+  draw each row's latent values independently of its other columns, which attenuates the
+  latent correlations involving categorical columns; :func:`latent_correlation` undoes that
+  by simulated method of moments before the factor model is built.
+* Latent rescaling (post-processing, not in the seed): the links make every ordinal, nominal
+  and DP-standardised continuous coordinate N(0, 1) marginally; clipping and factor noise
+  change that variance, which shifts decoded category proportions. :func:`latent_rescaling`
+  restores the modelled variance of each coordinate from DP quantities only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dpfed.common.data.encoding import EncodedTable, EncodingReport, RowPolicy, encode_table
+from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.errors import DataError, ValidationError
+from dpfed.common.pca import dppca
+from dpfed.common.pca.dppca import GramAccumulator, PCAEstimate
+from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.mechanisms import LaplaceMechanism
+from dpfed.common.privacy.rng import resolve_rng
+from dpfed.common.synth.links import (
+    CONTINUOUS_SCALINGS,
+    LatentLinks,
+    NominalLink,
+    clip_to_unit_ball,
+    combine_link_statistics,
+    default_clip_norm,
+    fit_link_statistics,
+    latent_dim,
+    needs_link_statistics,
+)
+from dpfed.common.validation import (
+    check_choice,
+    check_delta,
+    check_epsilon,
+    check_finite_array,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_probability,
+)
+
+MODES: tuple[str, ...] = ("generative", "row_aligned")
+#: Default share of the total epsilon per release (renormalised over the releases a run needs).
+DEFAULT_BUDGET_SPLIT: Mapping[str, Mapping[str, float]] = {
+    "generative": {"marginals": 0.4, "pca": 0.6},
+    "row_aligned": {"marginals": 0.2, "pca": 0.2, "factors": 0.6},
+}
+BUDGET_PARTS: tuple[str, ...] = ("marginals", "pca", "factors")
+_CHUNK_ROWS = 65536
+_ORTHONORMAL_TOL = 1e-8
+_UNIT_BALL_TOL = 1e-9
+
+
+# --------------------------------------------------------------------------- rank
+
+
+def choose_rank(eigenvalues: np.ndarray, threshold: float = 0.8, *, total: float | None = None,
+                max_rank: int | None = None) -> int:
+    """Cumulative-information rule ``r(c) = min{k : sum_{j<=k} nu_j / sum_j nu_j > c}``.
+
+    Coordinator step on the *noisy* eigenvalues (post-processing of DP-PCA).
+
+    Parameters
+    ----------
+    eigenvalues : ndarray
+        Eigenvalues (sorted descending here; negative noisy values count as 0).
+    threshold : float
+        ``c`` in (0, 1); the seed suggests 0.8 or 0.9.
+    total : float, optional
+        The denominator ``sum_j nu_j`` when ``eigenvalues`` holds only the top few (e.g.
+        ``PCAEstimate.total_variance``); default their sum.
+    max_rank : int, optional
+        Cap on the result.
+
+    Returns
+    -------
+    int
+        ``r >= 1``; ``len(eigenvalues)`` (or ``max_rank``) if no prefix exceeds ``c``.
+    """
+    c = check_probability(threshold, "threshold")
+    nu = check_finite_array(eigenvalues, "eigenvalues", ndim=1)
+    if nu.size == 0:
+        raise ValidationError("eigenvalues must not be empty")
+    nu = np.sort(np.clip(nu, 0.0, None))[::-1]
+    cap = nu.size if max_rank is None else min(nu.size, check_int(max_rank, "max_rank",
+                                                                  minimum=1))
+    denominator = float(nu.sum()) if total is None else check_nonnegative(total, "total")
+    if denominator <= 0.0:
+        return 1
+    ratio = np.cumsum(nu) / denominator
+    above = np.flatnonzero(ratio > c)
+    r = int(above[0]) + 1 if above.size else nu.size
+    return min(r, cap)
+
+
+def residual_variance(estimate: PCAEstimate, rank: int, n_features: int) -> float:
+    """Per-dimension variance left outside the top ``rank`` components (PPCA's sigma^2).
+
+    ``(total_variance - sum_{k<=r} lambda_k) / (p - r)``, floored at 0; 0 when ``r = p``.
+    Post-processing of the DP-PCA release.
+    """
+    r = check_int(rank, "rank", minimum=1, maximum=n_features)
+    if r >= n_features:
+        return 0.0
+    left = estimate.total_variance - float(np.sum(estimate.eigenvalues[:r]))
+    return max(left, 0.0) / (n_features - r)
+
+
+# --------------------------------------------------------------------------- subspace
+
+
+def _check_unit_rows(rows: np.ndarray, name: str = "latent_rows") -> np.ndarray:
+    x = check_finite_array(rows, name, ndim=2)
+    norms_sq = np.einsum("ij,ij->i", x, x)
+    if norms_sq.size and float(norms_sq.max()) > (1.0 + _UNIT_BALL_TOL) ** 2:
+        raise ValidationError(
+            f"{name} must lie in the unit L2 ball "
+            "(use dpfed.common.synth.links.clip_to_unit_ball); "
+            f"largest norm {math.sqrt(float(norms_sq.max())):.6g}")
+    return x
+
+
+def central_dp_pca(unit_rows: np.ndarray, *, epsilon: float, delta: float,
+                   rng: np.random.Generator, n_released: int | None = None,
+                   calibration: str = "analytic") -> tuple[PCAEstimate, PrivacyCost]:
+    """DP eigendecomposition of one table's unit-ball rows (DPdisPCA with one site).
+
+    Runs :class:`dpfed.common.pca.dppca.GramAccumulator`,
+    :func:`dpfed.common.pca.dppca.site_release` and
+    :func:`dpfed.common.pca.dppca.combine` with a single site, releasing ``n_released`` eigenpairs
+    (default all p, so :func:`choose_rank` sees the full noisy spectrum).
+
+    Privacy
+    -------
+    :func:`dpfed.common.pca.dppca.pca_mechanism`: add/remove-one row with ``N`` public, ``||x|| <=
+    1``,
+    L2 sensitivity ``1/N`` of the upper triangle of ``G/N``, symmetric Gaussian noise with the
+    analytic calibration; (epsilon, delta)-DP. The eigenpairs are post-processing.
+    """
+    x = _check_unit_rows(unit_rows, "unit_rows")
+    n, p = x.shape
+    if n == 0:
+        raise DataError("no rows to fit")
+    released = p if n_released is None else check_int(n_released, "n_released", minimum=1,
+                                                      maximum=p)
+    acc = GramAccumulator(p)
+    for start in range(0, n, _CHUNK_ROWS):
+        acc.add(x[start:start + _CHUNK_ROWS])
+    cost = dppca.site_cost(n, epsilon, delta, calibration)
+    release = dppca.site_release(acc.gram(), n, epsilon=epsilon, delta=delta, rank=released,
+                                 rng=rng, calibration=calibration)
+    return dppca.combine([release.factor], n_components=released), cost
+
+
+def orthonormalize(matrix: np.ndarray) -> np.ndarray:
+    """Return ``Q`` of the thin QR decomposition, signs fixed so that ``diag(R) >= 0``.
+
+    So ``Q = V`` when V is already orthonormal: the seed's ``g(.)`` (Alg. 1 step 2(ii)).
+    """
+    a = check_finite_array(matrix, "matrix", ndim=2)
+    if a.shape[1] > a.shape[0]:
+        raise ValidationError(f"need at least as many rows as columns, got {a.shape}")
+    q, r = np.linalg.qr(a)
+    signs = np.sign(np.diag(r))
+    signs[signs == 0] = 1.0
+    return np.asarray(q * signs[None, :])
+
+
+def _flip_columns(vectors: np.ndarray) -> np.ndarray:
+    """Make the largest-magnitude entry of each column positive (deterministic signs)."""
+    idx = np.argmax(np.abs(vectors), axis=0)
+    signs = np.sign(vectors[idx, np.arange(vectors.shape[1])])
+    signs[signs == 0] = 1.0
+    return np.asarray(vectors * signs[None, :])
+
+
+def perturb_loadings(loadings: np.ndarray, *, epsilon: float, rng: np.random.Generator,
+                     eigenvalues: np.ndarray | None = None) -> np.ndarray:
+    """Seed Alg. 1 step 2 applied to *DP* loadings: ``V~ = QR(V + B)``.
+
+    ``B_{:,i} ~ Lap(2 sqrt(p) / (omega_i epsilon))`` with ``omega_i = 1/r``, or
+    ``nu_i / sum nu`` when ``eigenvalues`` are given (the seed's two allocations).
+
+    Privacy
+    -------
+    None claimed. Apply this only to loadings that are already DP (the output of DP-PCA):
+    then it is post-processing and costs nothing. On non-private eigenvectors the seed
+    presents it as an epsilon_1-DP mechanism, but that needs an eigenvector sensitivity
+    bound, which does not exist without an eigengap assumption (research/papers.md
+    section 2); dpfed does not offer that path.
+    """
+    v = check_finite_array(loadings, "loadings", ndim=2)
+    eps = check_epsilon(epsilon)
+    p, r = v.shape
+    if eigenvalues is None:
+        weights = np.full(r, 1.0 / r)
+    else:
+        nu = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1)[:r], 0.0, None)
+        if nu.shape[0] != r or nu.sum() <= 0:
+            raise ValidationError(f"need {r} eigenvalues with a positive sum")
+        weights = np.maximum(nu / nu.sum(), 1e-12)
+    scales = 2.0 * math.sqrt(p) / (weights * eps)
+    noise = rng.laplace(0.0, 1.0, size=(p, r)) * scales[None, :]
+    return orthonormalize(v + noise)
+
+
+# --------------------------------------------------------------------------- factors
+
+
+def _check_loadings(loadings: np.ndarray, n_features: int | None = None) -> np.ndarray:
+    v = check_finite_array(loadings, "loadings", ndim=2)
+    p, r = v.shape
+    if r < 1 or r > p:
+        raise ValidationError(f"loadings must be p x r with 1 <= r <= p, got {v.shape}")
+    if n_features is not None and p != n_features:
+        raise ValidationError(f"loadings have {p} rows, the latent rows have {n_features}")
+    gram = v.T @ v
+    if float(np.abs(gram - np.eye(r)).max()) > _ORTHONORMAL_TOL:
+        raise ValidationError(
+            "loadings must have orthonormal columns (V^T V = I); use orthonormalize()")
+    return v
+
+
+def factor_mechanism(rank: int, epsilon: float) -> LaplaceMechanism:
+    """Return the Laplace mechanism of :func:`factor_release` (it states its own cost).
+
+    Privacy
+    -------
+    Neighbouring relation: **replace-one** row. The release is row-aligned (output row i is
+    a noisy copy of input row i), so the natural relation keeps N fixed and swaps a row.
+    Bounds: ``||x_i||_2 <= 1`` (unit-ball latent rows); ``V~`` has orthonormal columns and is
+    a DP release made before (public to this step). Sensitivity: replacing ``x_i`` by
+    ``x_i'`` changes only row i of ``X V~``, by ``V~^T (x_i - x_i')``, whose L2 norm is at most
+    ``||x_i - x_i'||_2 <= 2``; an r-vector with L2 norm 2 has L1 norm at most ``2 sqrt(r)``.
+    Calibration: every entry of C is Lap(2 sqrt(r) / epsilon): epsilon-DP (Laplace
+    mechanism on the n x r matrix, L1 sensitivity 2 sqrt(r)).
+
+    Deviation from the seed (Alg. 1 step 3(I)): the seed noises only the r-th column with
+    Lap(2/epsilon_2) and releases the other r-1 columns of ``X V~`` exactly, which is not DP.
+    """
+    r = check_int(rank, "rank", minimum=1)
+    return LaplaceMechanism(check_epsilon(epsilon), 2.0 * math.sqrt(r))
+
+
+def factor_cost(rank: int, epsilon: float) -> PrivacyCost:
+    """Privacy cost of :func:`factor_release` (before any noise is drawn)."""
+    return factor_mechanism(rank, epsilon).cost()
+
+
+def _project(latent_rows: np.ndarray, loadings: np.ndarray) -> np.ndarray:
+    """``X V`` without noise (the non-private factors; tests and the mechanism use it)."""
+    return np.asarray(latent_rows @ loadings)
+
+
+def factor_release(latent_rows: np.ndarray, loadings: np.ndarray, *, epsilon: float,
+                   rng: np.random.Generator) -> tuple[np.ndarray, PrivacyCost]:
+    """Site step (Alg. 1 step 3, corrected): ``W~ = X V~ + C``, every ``C_ik ~ Lap(2 sqrt(r)/eps)``.
+
+    Parameters
+    ----------
+    latent_rows : ndarray (n, p)
+        Unit-ball latent rows (``||x|| <= 1``; checked).
+    loadings : ndarray (p, r)
+        ``V~`` with orthonormal columns (checked), from DP-PCA.
+    epsilon : float
+        ``epsilon_2`` of the seed.
+    rng : numpy.random.Generator
+
+    Returns
+    -------
+    (ndarray (n, r), PrivacyCost)
+
+    Privacy
+    -------
+    See :func:`factor_mechanism`: replace-one, L1 sensitivity ``2 sqrt(r)``,
+    Lap(2 sqrt(r) / epsilon) on every entry, epsilon-DP. The latent rows are a per-row
+    randomised map of the data (each row's latent draw depends only on that row and fresh
+    randomness), so neighbouring tables give latent tables that differ in one row.
+    """
+    x = _check_unit_rows(latent_rows)
+    v = _check_loadings(loadings, x.shape[1])
+    mech = factor_mechanism(v.shape[1], epsilon)
+    return mech.release(_project(x, v), rng), mech.cost()
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def latent_rescaling(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.ndarray, *,
+                     clip_norm: float, residual: float = 0.0,
+                     factor_noise_variance: float = 0.0,
+                     include_residual: bool = True) -> np.ndarray:
+    """Per latent coordinate, the factor that gives it its modelled variance (post-processing).
+
+    In unit-ball units the synthetic latent of coordinate j has variance
+    ``s_j = sum_k (lambda_k + noise) V_jk^2 + res (1 - sum_k V_jk^2)`` (``res`` = the
+    residual variance in generative mode, 0 in row-aligned mode, ``noise`` the factor
+    noise variance ``2 b^2`` in row-aligned mode). Its target is ``1 / C^2`` where the link
+    model makes the coordinate N(0, 1) (ordinal, nominal, DP-standardised continuous), else
+    the DP second moment ``sum_k lambda_k V_jk^2 + residual (1 - sum_k V_jk^2)``. Returns
+    ``sqrt(target / s_j)`` (1 where ``s_j`` is 0). Uses only DP quantities.
+    """
+    v = _check_loadings(loadings, links.dim)
+    lam = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1), 0.0, None)
+    if lam.shape[0] != v.shape[1]:
+        raise ValidationError(f"need {v.shape[1]} eigenvalues, got {lam.shape[0]}")
+    c = check_positive(clip_norm, "clip_norm")
+    res = check_nonnegative(residual, "residual")
+    noise = check_nonnegative(factor_noise_variance, "factor_noise_variance")
+    v2 = v * v
+    outside = np.clip(1.0 - v2.sum(axis=1), 0.0, None)
+    second_moment = v2 @ lam + res * outside
+    modelled = v2 @ (lam + noise) + (res * outside if include_residual else 0.0)
+    target = np.where(links.standard_normal, 1.0 / (c * c), second_moment)
+    scale = np.ones(links.dim)
+    ok = modelled > 0
+    scale[ok] = np.sqrt(target[ok] / modelled[ok])
+    return scale
+
+
+def decode_rows(unit_rows: np.ndarray, links: LatentLinks, *, clip_norm: float,
+                scale: np.ndarray | None = None) -> EncodedTable:
+    """Undo the unit-ball scaling and apply the inverse links (Alg. 2 step 4).
+
+    Rows are multiplied by ``clip_norm`` (and ``scale`` per coordinate). Post-processing.
+    """
+    c = check_positive(clip_norm, "clip_norm")
+    x = np.asarray(unit_rows, dtype=np.float64)
+    multiplier = np.full(links.dim, c) if scale is None else c * np.asarray(scale)
+    return links.from_latent(x * multiplier[None, :])
+
+
+def reconstruct_rows(factors: np.ndarray, loadings: np.ndarray, links: LatentLinks, *,
+                     clip_norm: float, scale: np.ndarray | None = None) -> EncodedTable:
+    """Row-aligned synthesis (Alg. 1 step 4 + Alg. 2 step 4): ``X~ = W~ V~^T`` -> typed rows.
+
+    Post-processing of :func:`factor_release` (no budget); vectorised in row chunks.
+    """
+    w = check_finite_array(factors, "factors", ndim=2)
+    v = _check_loadings(loadings, links.dim)
+    if w.shape[1] != v.shape[1]:
+        raise ValidationError(f"factors have {w.shape[1]} columns, loadings {v.shape[1]}")
+    c = check_positive(clip_norm, "clip_norm")
+    multiplier = np.full(links.dim, c) if scale is None else c * np.asarray(scale)
+    vt = v.T * multiplier[None, :]  # fold the unit-ball undo and the rescaling into V^T
+    parts = [links.from_latent(w[s:s + _CHUNK_ROWS] @ vt)
+             for s in range(0, max(w.shape[0], 1), _CHUNK_ROWS)]
+    return EncodedTable.concatenate(parts)
+
+
+def sample_generative(n_rows: int, loadings: np.ndarray, eigenvalues: np.ndarray,
+                      links: LatentLinks, *, clip_norm: float, rng: np.random.Generator,
+                      residual: float = 0.0, rescale: bool = True) -> EncodedTable:
+    """Coordinator step, generative mode: new rows from the DP factor model.
+
+    ``W ~ N(0, diag(lambda~))`` (n x r), ``X = W V~^T + E`` with ``E = sigma (Z - Z V~ V~^T)``,
+    ``Z ~ N(0, I_p)``, ``sigma^2 = residual`` (PPCA residual; 0 to omit), then times
+    ``clip_norm`` (undoing the unit-ball scaling: ``lambda~`` are eigenvalues of the unit-ball
+    second-moment matrix ``G/N``), times :func:`latent_rescaling` when ``rescale``, then the
+    inverse links.
+
+    Privacy
+    -------
+    Pure post-processing of DP releases (the DP-PCA's ``V~`` and ``lambda~`` and the DP link
+    statistics): no budget, any number of rows, and no synthetic row is tied to a real row.
+    """
+    n = check_int(n_rows, "n_rows", minimum=0)
+    v = _check_loadings(loadings, links.dim)
+    lam = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1), 0.0, None)
+    if lam.shape[0] != v.shape[1]:
+        raise ValidationError(f"need {v.shape[1]} eigenvalues, got {lam.shape[0]}")
+    c = check_positive(clip_norm, "clip_norm")
+    res = check_nonnegative(residual, "residual")
+    scale = (latent_rescaling(links, v, lam, clip_norm=c, residual=res) if rescale
+             else np.ones(links.dim))
+    multiplier = c * scale
+    # W V^T with W = Z_r sqrt(lambda): fold sqrt(lambda), the undo and the rescaling into one
+    # r x p matrix, so each chunk costs one normal draw and one GEMM.
+    factor_map = (np.sqrt(lam)[:, None] * v.T) * multiplier[None, :]
+    sigma = math.sqrt(res)
+    parts: list[EncodedTable] = []
+    for start in range(0, max(n, 1), _CHUNK_ROWS):
+        m = min(_CHUNK_ROWS, n - start)
+        latent = rng.standard_normal((m, v.shape[1])) @ factor_map
+        if sigma > 0.0:
+            z = rng.standard_normal((m, links.dim))
+            z -= (z @ v) @ v.T  # project out the factor subspace: E has covariance I - VV^T
+            z *= sigma * multiplier[None, :]
+            latent += z
+        parts.append(links.from_latent(latent))
+    return EncodedTable.concatenate(parts)
+
+
+# --------------------------------------------------------------------------- correction
+
+
+def dp_second_moment(estimate: PCAEstimate, n_features: int) -> np.ndarray:
+    """Rebuild the DP second-moment matrix (unit-ball units) from a DP-PCA estimate.
+
+    ``V diag(lambda) V^T`` over the released components, plus the residual energy
+    ``(total - sum lambda) / (p - K)`` spread over the complement of their span (nothing when
+    all p components were released). Post-processing.
+    """
+    p = check_int(n_features, "n_features", minimum=1)
+    v = check_finite_array(estimate.components, "components", ndim=2).T  # p x K
+    if v.shape[0] != p:
+        raise ValidationError(f"components have {v.shape[0]} columns, expected {p}")
+    lam = np.clip(np.asarray(estimate.eigenvalues, dtype=np.float64), 0.0, None)
+    moment = (v * lam[None, :]) @ v.T
+    k = v.shape[1]
+    if k < p:
+        rest = max(estimate.total_variance - float(lam.sum()), 0.0) / (p - k)
+        moment += rest * (np.eye(p) - v @ v.T)
+    return np.asarray(0.5 * (moment + moment.T))
+
+
+def _nearest_correlation(matrix: np.ndarray, fixed: np.ndarray | None = None,
+                         floor: float = 1e-6, iterations: int = 100) -> np.ndarray:
+    """Nearest PSD matrix with unit diagonal and zeros where ``fixed`` (Higham 2002).
+
+    Alternating projections with Dykstra's correction between the PSD cone (eigenvalues
+    clipped at ``floor``) and the affine set {unit diagonal, 0 on ``fixed`` off-diagonal
+    entries}; a final eigenvalue clip and rescale guarantee a PSD unit-diagonal result.
+    """
+    p = matrix.shape[0]
+    pinned = np.eye(p, dtype=bool) if fixed is None else (fixed | np.eye(p, dtype=bool))
+    pinned_values = np.eye(p)
+    y = 0.5 * (matrix + matrix.T)
+    correction = np.zeros_like(y)
+    for _ in range(iterations):
+        r = y - correction
+        values, vectors = np.linalg.eigh(r)
+        x = (vectors * np.clip(values, floor, None)[None, :]) @ vectors.T
+        correction = x - r
+        y = np.where(pinned, pinned_values, x)
+        if float(np.abs(y - x).max()) < 1e-9:
+            break
+    values, vectors = np.linalg.eigh(0.5 * (y + y.T))
+    psd = (vectors * np.clip(values, floor, None)[None, :]) @ vectors.T
+    d = np.sqrt(np.diag(psd))
+    return np.asarray(psd / d[:, None] / d[None, :])
+
+
+def _correlation_of(moment: np.ndarray) -> np.ndarray:
+    d = np.sqrt(np.clip(np.diag(moment), 1e-300, None))
+    return np.asarray(moment / d[:, None] / d[None, :])
+
+
+def latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, clip_norm: float,
+                       rng: np.random.Generator, n_simulations: int = 50_000,
+                       iterations: int = 8) -> np.ndarray:
+    """Correct the latent correlation for the links' independent draws (post-processing).
+
+    The forward links draw each row's latent value *independently* of its other columns
+    given its codes (the truncated normals of :mod:`dpfed.common.synth.links`), so the correlation
+    of the
+    latent rows -- what DP-PCA sees -- is attenuated wherever an ordinal or nominal column is
+    involved (for a binary column by about 2/pi). A Gaussian latent sampled with that
+    correlation and decoded attenuates it a second time. This finds the correlation matrix
+    ``R`` of the link model ``z ~ N(0, R)`` whose whole pipeline -- decode, forward links,
+    clip into the unit ball -- reproduces the correlations of the DP ``second_moment``:
+    simulated method of moments, with a fixed-point update
+    ``R <- R + (target - simulated) / slope`` on the off-diagonal (slope = the attenuation
+    measured at the first step), common random numbers across iterations, and a projection
+    onto PSD unit-diagonal matrices after each step. The coordinates of one nominal column
+    stay uncorrelated, as the probit link model has them.
+
+    Parameters
+    ----------
+    second_moment : ndarray (p, p)
+        DP second moment of the unit-ball latent rows (:func:`dp_second_moment`).
+    links : LatentLinks
+        Every latent coordinate must be standard normal under the link model (ordinal,
+        nominal, DP-standardised continuous).
+    clip_norm : float
+        The public norm bound the rows were clipped to.
+    rng : numpy.random.Generator
+        Source of the simulation (no data is touched).
+    n_simulations, iterations : int
+        Simulated rows per step (Monte-Carlo error about ``1/sqrt(n_simulations)`` per
+        correlation) and number of steps.
+
+    Privacy
+    -------
+    Pure post-processing of DP releases (the DP second moment and the DP link statistics);
+    the simulation draws only from the model. Not in the seed: a deviation that keeps the
+    generative mode's correlations between categorical columns (the seed's row-aligned mode
+    reuses each real row's own latent draw and does not need it).
+    """
+    s = check_finite_array(second_moment, "second_moment", ndim=2)
+    p = links.dim
+    if s.shape != (p, p):
+        raise ValidationError(f"second_moment must be {p} x {p}, got {s.shape}")
+    if not bool(np.all(links.standard_normal)):
+        raise ValidationError(
+            "latent_correlation needs every latent coordinate standard normal "
+            "(continuous_scaling='dp')")
+    c = check_positive(clip_norm, "clip_norm")
+    n_sim = check_int(n_simulations, "n_simulations", minimum=100)
+    steps = check_int(iterations, "iterations", minimum=1)
+    # Entries the fit may change: off-diagonal, and not between two coordinates of the same
+    # nominal column -- the probit link model has them independent (its locations were fitted
+    # to the proportions under N(m, I)), so they stay 0.
+    free = ~np.eye(p, dtype=bool)
+    for link, start, stop in zip(links.links, links.offsets[:-1], links.offsets[1:],
+                                 strict=True):
+        if isinstance(link, NominalLink):
+            free[start:stop, start:stop] = False
+    target = _correlation_of(s)
+    within = ~free & ~np.eye(p, dtype=bool)
+    r = _nearest_correlation(np.where(free, target, np.eye(p)), within)
+    base = rng.standard_normal((n_sim, p))  # common random numbers for every step
+    draw_seed = int(rng.integers(0, 2 ** 63))
+    slope: np.ndarray | None = None
+    for _ in range(steps):
+        values, vectors = np.linalg.eigh(r)
+        z = base @ (vectors * np.sqrt(np.clip(values, 0.0, None))[None, :]).T
+        latent = links.to_latent(links.from_latent(z), np.random.default_rng(draw_seed))
+        unit, _ = clip_to_unit_ball(latent, c)
+        simulated = _correlation_of(unit.T @ unit)
+        if slope is None:
+            slope = np.ones((p, p))
+            strong = free & (np.abs(r) > 0.05)
+            slope[strong] = np.clip(simulated[strong] / r[strong], 0.3, 1.2)
+        step = np.where(free, (target - simulated) / slope, 0.0)
+        r = _nearest_correlation(r + step, within)
+    return r
+
+
+# --------------------------------------------------------------------------- synthesizer
+
+
+def _budget_split(mode: str, split: Mapping[str, float] | None) -> dict[str, float]:
+    chosen = dict(DEFAULT_BUDGET_SPLIT[mode] if split is None else split)
+    for key, value in chosen.items():
+        check_choice(key, "budget_split key", BUDGET_PARTS)
+        check_nonnegative(value, f"budget_split[{key!r}]")
+    return chosen
+
+
+class FactorModelSynthesizer:
+    """Central DP synthesizer: one table in, one DP synthetic table of the same schema out.
+
+    Parameters
+    ----------
+    schema : Schema
+        Public column types, bounds, levels and categories.
+    epsilon : float
+        Total epsilon, split between the releases by ``budget_split``.
+    delta : float
+        Delta of the DP-PCA (Gaussian) release; the other releases are pure epsilon-DP.
+    mode : {"generative", "row_aligned"}
+        ``generative`` (default): new rows from the DP factor model, post-processing of the
+        DP-PCA, any number of rows. ``row_aligned``: the seed's ``X~ = (X V~ + C) V~^T``, one
+        synthetic row per real row (a noisy copy of it; relation replace-one).
+    rank : int, optional
+        Number of factors r; default the cumulative-information rule on the noisy eigenvalues.
+    info_threshold : float
+        ``c`` of the rule ``r(c)`` (0.8 default; the seed suggests 0.8 or 0.9).
+    max_rank : int, optional
+        Cap on the rank chosen by the rule.
+    budget_split : mapping, optional
+        Shares of ``epsilon`` for ``"marginals"`` (link statistics), ``"pca"`` and
+        ``"factors"`` (row-aligned only). Defaults: generative ``{marginals: 0.4, pca: 0.6}``,
+        row-aligned ``{marginals: 0.2, pca: 0.2, factors: 0.6}`` (measured with
+        ``bench/synthesis.py``: the DP variances of continuous columns need the larger
+        marginal share at n = 20k, epsilon <= 1; the factor noise dominates row-aligned
+        utility). Releases a run does not
+        need (no categorical or DP-scaled column, a given ``subspace``, generative mode's
+        factors) get no budget and the other shares are renormalised.
+    continuous_scaling : {"dp", "bounds"}
+        Standardise continuous columns by a DP mean/variance (default) or by the public
+        schema bounds only. Generative mode needs "dp" (a centred latent).
+    clip_norm : float, optional
+        Public norm bound of the latent rows; default ``sqrt(latent dimension)``.
+    min_proportion : float
+        Floor of every DP category proportion (keeps thresholds finite).
+    rescale_latent : bool
+        Apply :func:`latent_rescaling` before the inverse links (default True).
+    residual : bool
+        Generative mode: add the PPCA residual outside the top-r subspace (default True).
+    correct_correlation : bool
+        Generative mode: build the factor model from the latent correlation corrected for
+        the links' independent draws (:func:`latent_correlation`; default True). False gives
+        the plain DP-PCA eigenpairs.
+    n_simulations : int
+        Simulated rows per step of that correction (default 50 000).
+    subspace : PCAEstimate, optional
+        A DP subspace computed elsewhere (e.g. the federated PCA job) on the same latent
+        layout; then no PCA budget is spent here.
+    loading_noise_epsilon : float, optional
+        Apply the seed's ``QR(V + B)`` perturbation (:func:`perturb_loadings`) with this
+        epsilon_1: post-processing of the DP loadings, costs nothing, reproduces the seed.
+    pca_calibration : {"analytic", "classic"}
+    row_policy : RowPolicy, optional
+        Passed to :func:`dpfed.common.data.encoding.encode_table`.
+    rng : numpy.random.Generator, optional
+        Noise source; default a fresh production generator
+        (``dpfed.common.privacy.rng.resolve_rng``).
+
+    Attributes (after fit)
+    ----------------------
+    links_ : LatentLinks
+    components_ : ndarray (r, p)
+        The loadings (sklearn orientation).
+    eigenvalues_ : ndarray (r,)
+        Factor variances in unit-ball units: the noisy DP-PCA eigenvalues, or (generative
+        mode with ``correct_correlation``) those of the corrected latent correlation / C^2.
+    latent_correlation_ : ndarray (p, p) or None
+        The corrected latent correlation (generative mode with ``correct_correlation``).
+    rank_ : int
+    residual_variance_ : float
+    clip_norm_ : float
+    n_rows_ : int
+    n_clipped_ : int
+        Latent rows shrunk to ``clip_norm`` (site-internal diagnostic).
+    encoding_report_ : EncodingReport
+    budget_ : dict[str, float]
+        Epsilon given to each release.
+    privacy_costs_ : dict[str, PrivacyCost]
+        Cost of each release made by :meth:`fit`.
+    privacy_cost_ : PrivacyCost
+        Their basic sequential composition.
+
+    Privacy
+    -------
+    ``marginals`` (Laplace, add/remove-one, epsilon-DP) + ``pca`` (Gaussian, add/remove-one
+    with N public, (epsilon, delta)-DP) + ``factors`` (row-aligned only: Laplace,
+    replace-one, epsilon-DP). ``privacy_cost_`` adds them (basic composition). For the
+    replace-one relation the add/remove parts count twice (a replacement is a removal plus
+    an addition): :attr:`privacy_cost_replace_one_` reports that figure. Nothing is charged
+    to any ledger: this is library use.
+    """
+
+    def __init__(self, schema: Schema, *, epsilon: float, delta: float = 1e-6,
+                 mode: str = "generative", rank: int | None = None,
+                 info_threshold: float = 0.8, max_rank: int | None = None,
+                 budget_split: Mapping[str, float] | None = None,
+                 continuous_scaling: str = "dp", clip_norm: float | None = None,
+                 min_proportion: float = 1e-4, rescale_latent: bool = True,
+                 residual: bool = True, correct_correlation: bool = True,
+                 n_simulations: int = 50_000, subspace: PCAEstimate | None = None,
+                 loading_noise_epsilon: float | None = None,
+                 pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
+                 rng: np.random.Generator | None = None) -> None:
+        if not isinstance(schema, Schema):
+            raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
+        self.schema = schema
+        self.epsilon = check_epsilon(epsilon)
+        self.delta = check_delta(delta)
+        self.mode = check_choice(mode, "mode", MODES)
+        self.continuous_scaling = check_choice(continuous_scaling, "continuous_scaling",
+                                               CONTINUOUS_SCALINGS)
+        dim = latent_dim(schema)
+        self.rank = None if rank is None else check_int(rank, "rank", minimum=1, maximum=dim)
+        self.info_threshold = check_probability(info_threshold, "info_threshold")
+        self.max_rank = None if max_rank is None else check_int(max_rank, "max_rank",
+                                                                minimum=1)
+        self.budget_split = _budget_split(self.mode, budget_split)
+        self.clip_norm = (default_clip_norm(dim) if clip_norm is None
+                          else check_positive(clip_norm, "clip_norm"))
+        self.min_proportion = check_nonnegative(min_proportion, "min_proportion")
+        self.rescale_latent = bool(rescale_latent)
+        self.residual = bool(residual)
+        self.correct_correlation = bool(correct_correlation)
+        self.n_simulations = check_int(n_simulations, "n_simulations", minimum=100)
+        self.loading_noise_epsilon = (None if loading_noise_epsilon is None
+                                      else check_epsilon(loading_noise_epsilon,
+                                                         "loading_noise_epsilon"))
+        self.pca_calibration = check_choice(pca_calibration, "pca_calibration",
+                                            ("analytic", "classic"))
+        self.row_policy = row_policy
+        if subspace is not None:
+            if not isinstance(subspace, PCAEstimate):
+                raise ValidationError(
+                    f"subspace must be a PCAEstimate, got {type(subspace).__name__}")
+            if subspace.components.ndim != 2 or subspace.components.shape[1] != dim:
+                raise ValidationError(
+                    f"subspace components must be K x {dim} (the latent dimension), got "
+                    f"{subspace.components.shape}")
+            if self.rank is not None and self.rank > subspace.components.shape[0]:
+                raise ValidationError(
+                    f"rank {self.rank} exceeds the {subspace.components.shape[0]} components "
+                    "of the given subspace")
+        self.subspace = subspace
+        if self.mode == "generative" and self.continuous_scaling == "bounds" and any(
+                isinstance(c, ContinuousColumn) for c in schema.columns):
+            raise ValidationError(
+                "mode='generative' needs continuous_scaling='dp': it samples a centred latent, "
+                "and 'bounds' scaling does not release the continuous columns' means")
+        self._rng = resolve_rng(rng)
+        self._factors: np.ndarray | None = None
+        self._fitted = False
+
+    # ------------------------------------------------------------------ budget
+    def _allocation(self) -> dict[str, float]:
+        needed = {
+            "marginals": needs_link_statistics(self.schema, self.continuous_scaling),
+            "pca": self.subspace is None,
+            "factors": self.mode == "row_aligned",
+        }
+        weights = {k: self.budget_split.get(k, 0.0) for k in BUDGET_PARTS if needed[k]}
+        for key, w in weights.items():
+            if w <= 0.0:
+                raise ValidationError(
+                    f"budget_split gives no epsilon to {key!r}, which this run needs")
+        total = sum(weights.values())
+        return {k: self.epsilon * w / total for k, w in weights.items()}
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, data: Any) -> FactorModelSynthesizer:
+        """Encode ``data`` (DataFrame or Arrow table), make every DP release, keep the model.
+
+        Raises
+        ------
+        DataError
+            Missing schema columns, rows that break an "error" row policy, or no rows left.
+        """
+        table, report = encode_table(self.schema, data, policy=self.row_policy)
+        if table.n_rows == 0:
+            raise DataError("no rows left to fit after encoding (see the encoding report)")
+        budget = self._allocation()
+        rng = self._rng
+        costs: dict[str, PrivacyCost] = {}
+        # Alg. 2 step 1: fit the links from DP statistics (site release + coordinator step).
+        release = None
+        if "marginals" in budget:
+            release, costs["marginals"] = fit_link_statistics(
+                table, epsilon=budget["marginals"], rng=rng,
+                continuous_scaling=self.continuous_scaling)
+        links = combine_link_statistics(self.schema, release,
+                                        continuous_scaling=self.continuous_scaling,
+                                        min_proportion=self.min_proportion)
+        # Alg. 2 steps 1-2: latent rows, clipped into the unit ball with the public bound.
+        unit, n_clipped = clip_to_unit_ball(links.to_latent(table, rng), self.clip_norm)
+        # Alg. 1 step 1: the top-r subspace, from DP-PCA (or given).
+        if self.subspace is None:
+            estimate, costs["pca"] = central_dp_pca(unit, epsilon=budget["pca"],
+                                                    delta=self.delta, rng=rng,
+                                                    calibration=self.pca_calibration)
+        else:
+            estimate = self.subspace
+        available = estimate.components.shape[0]
+        if self.rank is not None:
+            if self.rank > available:
+                raise ValidationError(f"rank {self.rank} exceeds the {available} components")
+            r = self.rank
+        else:
+            r = choose_rank(estimate.eigenvalues, self.info_threshold,
+                            total=estimate.total_variance, max_rank=self.max_rank)
+        loadings = np.ascontiguousarray(estimate.components[:r].T)
+        eigenvalues = np.clip(np.asarray(estimate.eigenvalues[:r], dtype=np.float64), 0.0, None)
+        residual = residual_variance(estimate, r, links.dim) if self.residual else 0.0
+        corr: np.ndarray | None = None
+        if self.mode == "generative" and self.correct_correlation:
+            # Deviation (post-processing): the factor model of the corrected latent
+            # correlation R (see latent_correlation), in the same unit-ball units: the
+            # eigenvalues of R / C^2, and the PPCA residual of R's remaining trace.
+            corr = latent_correlation(dp_second_moment(estimate, links.dim), links,
+                                      clip_norm=self.clip_norm, rng=rng,
+                                      n_simulations=self.n_simulations)
+            values, vectors = np.linalg.eigh(corr)
+            values, vectors = values[::-1], vectors[:, ::-1]
+            loadings = np.ascontiguousarray(_flip_columns(vectors[:, :r]))
+            c2 = self.clip_norm ** 2
+            eigenvalues = np.clip(values[:r], 0.0, None) / c2
+            left = max(float(np.trace(corr)) - float(np.clip(values[:r], 0.0, None).sum()), 0.0)
+            residual = (left / (links.dim - r) / c2
+                        if self.residual and r < links.dim else 0.0)
+        if self.loading_noise_epsilon is not None:
+            # Alg. 1 step 2 on DP loadings: post-processing, no budget (see perturb_loadings).
+            loadings = perturb_loadings(loadings, epsilon=self.loading_noise_epsilon, rng=rng,
+                                        eigenvalues=eigenvalues)
+        self._factors = None
+        if self.mode == "row_aligned":
+            # Alg. 1 step 3 (corrected): every entry of C is Lap(2 sqrt(r) / epsilon_2).
+            self._factors, costs["factors"] = factor_release(unit, loadings,
+                                                             epsilon=budget["factors"], rng=rng)
+        self.links_ = links
+        self.components_ = np.ascontiguousarray(loadings.T)
+        self.eigenvalues_ = eigenvalues
+        self.rank_ = r
+        self.residual_variance_ = residual
+        self.latent_correlation_ = corr
+        self.clip_norm_ = self.clip_norm
+        self.n_rows_ = table.n_rows
+        self.n_clipped_ = n_clipped
+        self.encoding_report_: EncodingReport = report
+        self.budget_ = budget
+        self.privacy_costs_ = costs
+        self.privacy_cost_ = PrivacyCost.total(costs.values())
+        self._fitted = True
+        return self
+
+    @property
+    def privacy_cost_replace_one_(self) -> PrivacyCost:
+        """The total under replace-one: add/remove-one releases count as a group of two.
+
+        An (epsilon, delta) add/remove-one release is (2 epsilon, (1 + e^epsilon) delta)
+        under replace-one (group privacy of size 2); the factor release is already
+        replace-one.
+        """
+        self._check_fitted()
+        eps = delta = 0.0
+        for key, cost in self.privacy_costs_.items():
+            if key == "factors":
+                eps += cost.epsilon
+                delta += cost.delta
+            else:
+                eps += 2.0 * cost.epsilon
+                delta += (1.0 + math.exp(cost.epsilon)) * cost.delta
+        return PrivacyCost(eps, min(delta, 1.0 - 1e-15), 0.0, "composed")
+
+    def _check_fitted(self) -> None:
+        if not self._fitted:
+            raise ValidationError("call fit() before sample()")
+
+    # ------------------------------------------------------------------ sample
+    def sample_encoded(self, n: int | None = None) -> EncodedTable:
+        """Like :meth:`sample` but return the :class:`~dpfed.common.data.encoding.EncodedTable`."""
+        self._check_fitted()
+        loadings = self.components_.T
+        if self.mode == "row_aligned":
+            if n is not None and n != self.n_rows_:
+                raise ValidationError(
+                    f"mode='row_aligned' releases one synthetic row per real row: n must be "
+                    f"None or {self.n_rows_}, got {n!r}")
+            assert self._factors is not None
+            scale = None
+            if self.rescale_latent:
+                b = self.privacy_costs_["factors"].noise_scale
+                scale = latent_rescaling(
+                    self.links_, loadings, self.eigenvalues_, clip_norm=self.clip_norm_,
+                    residual=self.residual_variance_, factor_noise_variance=2.0 * b * b,
+                    include_residual=False)
+            return reconstruct_rows(self._factors, loadings, self.links_,
+                                    clip_norm=self.clip_norm_, scale=scale)
+        rows = self.n_rows_ if n is None else check_int(n, "n", minimum=0)
+        return sample_generative(rows, loadings, self.eigenvalues_, self.links_,
+                                 clip_norm=self.clip_norm_, rng=self._rng,
+                                 residual=self.residual_variance_,
+                                 rescale=self.rescale_latent)
+
+    def sample(self, n: int | None = None) -> pd.DataFrame:
+        """Return a synthetic DataFrame with the schema's types.
+
+        Continuous columns are floats within the schema bounds; ordinal and nominal columns
+        are pandas Categoricals with the schema's labels (ordered for ordinal). ``n`` defaults
+        to the number of training rows; row-aligned mode always returns that many (the same
+        table on every call: its only randomness is the DP release made by :meth:`fit`).
+        """
+        return self.sample_encoded(n).to_frame()
+

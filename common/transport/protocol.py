@@ -1,0 +1,163 @@
+"""Domain types of the dpfed protocol: what code sees past the wire codec.
+
+Plain frozen dataclasses and ndarrays; no ``*_pb2`` types leak past
+``dpfed.common.transport.wire``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
+
+#: Bumped when a change to the messages is not backwards compatible.
+PROTOCOL_VERSION = 1
+
+JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed")
+
+
+def _canonical(value: Any) -> Any:
+    """JSON-ready canonical form (floats by repr so the digest is exact)."""
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(value.items())}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, float):
+        return {"f": repr(value)}
+    return value
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of site work: a job's request for one DP release.
+
+    ``task_id`` is the idempotency key at the site's ledger: the same id always yields the
+    same released bytes, and the same id with a different payload is refused.
+    """
+
+    task_id: str
+    job_id: str
+    kind: str
+    epsilon: float
+    delta: float
+    params: Mapping[str, Any] = field(default_factory=dict)
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """SHA-256 over everything that determines the release (not the task id)."""
+        h = hashlib.sha256()
+        head = {"job_id": self.job_id, "kind": self.kind, "epsilon": self.epsilon,
+                "delta": self.delta, "params": self.params}
+        h.update(json.dumps(_canonical(head), sort_keys=True, separators=(",", ":")).encode())
+        for name in sorted(self.arrays):
+            a = np.ascontiguousarray(self.arrays[name])
+            h.update(f"|{name}|{a.dtype.str}|{a.shape}|".encode())
+            h.update(a.tobytes())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """A site's DP release for one task, and what it charged for it."""
+
+    task_id: str
+    spend: PrivacyCost
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A site declined a task; nothing was charged."""
+
+    task_id: str
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SiteHello:
+    """What a site tells the coordinator when it connects (its id comes from its certificate)."""
+
+    software_version: str
+    protocol_version: int
+    schema_digest: str
+    row_count: int
+    allowed_kinds: tuple[str, ...]
+    max_epsilon_per_task: float | None
+    budget: BudgetStatus | None
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """The coordinator's view of one site."""
+
+    site_id: str
+    connected: bool
+    row_count: int
+    schema_digest: str
+    software_version: str
+    allowed_kinds: tuple[str, ...]
+    max_epsilon_per_task: float | None
+    budget: BudgetStatus | None
+    first_seen: str
+    last_seen: str
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What an analyst asks for."""
+
+    kind: str
+    epsilon: float
+    delta: float
+    params: Mapping[str, Any] = field(default_factory=dict)
+    min_sites: int = 0
+    deadline_seconds: float = 0.0
+    sites: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SiteOutcome:
+    """How one site took part in a job."""
+
+    site_id: str
+    status: str
+    reason: str = ""
+    spend: PrivacyCost | None = None
+    row_count: int = 0
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job's state as stored by the coordinator."""
+
+    job_id: str
+    spec: JobSpec
+    state: str
+    created: str
+    updated: str
+    error: str = ""
+    sites: tuple[SiteOutcome, ...] = ()
+    summary: Mapping[str, Any] = field(default_factory=dict)
+    submitted_by: str = ""
+    result_size: int = 0
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One progress event of a job."""
+
+    job_id: str
+    time: str
+    stage: str
+    message: str
+    progress: float
+    state: str
+    job: JobInfo | None = None

@@ -1,0 +1,57 @@
+"""`dpfed simulate` as a user runs it (real processes), and its output directory handling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpfed.aggregator.pca_result import PCAResult
+from dpfed.aggregator.simulate import MARKER, prepare_output
+from dpfed.common.errors import ConfigError
+
+
+def test_prepare_output_refuses_foreign_directories(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("important")
+    with pytest.raises(ConfigError, match="not an earlier dpfed simulation"):
+        prepare_output(foreign)
+    assert (foreign / "thesis.tex").exists()
+    earlier = tmp_path / "earlier"
+    prepare_output(earlier)
+    (earlier / "sites").mkdir()
+    prepare_output(earlier)
+    assert (earlier / MARKER).exists() and not (earlier / "sites").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_simulate_end_to_end_is_reproducible_with_a_seed(tmp_path: Path) -> None:
+    def run(out: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dpfed.aggregator.cli", "simulate",
+                               "--sites", "3",
+                               "--rows", "3000", "--features", "8", "--k", "3", "--epsilon",
+                               "2", "--seed", "4", "--out", str(out)],
+                              capture_output=True, text=True, timeout=240)
+
+    first = run(tmp_path / "a")
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = first.stdout
+    assert "[simulate] pca" in out and "result received (3/3)" in out
+    assert "captured energy of the DP subspace relative to non-private PCA" in out
+    assert out.count("spent epsilon 2 of 10") == 3
+    a = tmp_path / "a"
+    for rel in ("pca.npz", "report.html", "certs/ca.pem", "data/schema.toml", "data/site_01.csv",
+                "sites/hospital-1/ledger.sqlite", "coordinator/store/jobs.sqlite",
+                "logs/coordinator.log", "logs/hospital-2.log"):
+        assert (a / rel).exists(), rel
+    html = (a / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 2 and "Scree plot" in html
+    second = run(tmp_path / "b")
+    assert second.returncode == 0, second.stderr
+    r1, r2 = PCAResult.load(a / "pca.npz"), PCAResult.load(tmp_path / "b" / "pca.npz")
+    np.testing.assert_array_equal(r1.components_, r2.components_)  # --seed: reproducible
