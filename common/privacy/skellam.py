@@ -168,8 +168,8 @@ def skellam_noise(shape: int | tuple[int, ...], mu: float,
                   rng: np.random.Generator) -> np.ndarray:
     """Draw int64 ``Sk(mu)`` noise (difference of two Poisson(mu/2)) of the given shape."""
     m = check_positive(mu, "mu")
-    if m / 2 > 1e15:
-        raise ValidationError(f"Skellam variance {m:g} is too large to sample exactly in int64")
+    if m / 2 > 2.0 ** 52:  # beyond it float64 (numpy's large-mean sampler) skips integers
+        raise ValidationError(f"Skellam variance {m:g} is too large to sample accurately")
     a = rng.poisson(m / 2, size=shape).astype(np.int64)
     b = rng.poisson(m / 2, size=shape).astype(np.int64)
     return a - b
