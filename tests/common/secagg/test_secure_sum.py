@@ -143,8 +143,8 @@ def test_policy_refusals(fed: Path) -> None:
     stat = {s: np.zeros(3, dtype=np.int64) for s in plan.participants}
     ca = x509.load_pem_x509_certificate((fed / "ca.pem").read_bytes())
     key, _ = generate_ephemeral()
-    common = {"plan": plan, "own_id": SITES[0], "own_key": key, "signed_keys": {}, "context": CTX, "ca": ca,
-                  "rng": rng}
+    common = {"plan": plan, "own_id": SITES[0], "own_key": key, "signed_keys": {},
+              "context": CTX, "ca": ca, "rng": rng}
     with pytest.raises(ValidationError, match="requires at least 3"):
         site_contribution(stat[SITES[0]], min_participants=3, tolerated=0, **common)  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="colluding"):
