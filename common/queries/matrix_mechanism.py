@@ -42,14 +42,16 @@ and unit-variance noise**: ``Delta_2 * ||W A^+||_F / sqrt(m)`` (:func:`unit_nois
 i.e. the Gaussian mechanism up to the common factor ``sigma / Delta_2``. This module
 reproduces them exactly for identity, H2 and wavelet (9.27 / 3.84 / 3.51).
 
-With the seed's **Laplace** noise the sensitivities are L1 column norms, and the tree-shaped
-strategies pay ``log2(n) + 1`` in L1 instead of ``sqrt(log2(n) + 1)`` in L2: at ``n = 256``
-H2 and wavelet are *worse* than identity under Laplace (per-query RMSE at epsilon = 1:
-identity 13.1, H2 16.3, wavelet 14.9), and they win only on larger domains (wavelet 1.6x,
-H2 1.5x better than identity at ``n = 2048``). The optimised p-Identity strategy is optimised
-for the noise's own sensitivity norm and beats identity under both: on all ranges at
-``n = 256`` by 1.62x (Laplace, RMSE 8.08) and 2.84x (Gaussian; unit-noise 3.27 against
-wavelet 3.51 and the published convex optimum 2.90), and by 2.9x / 5.9x at ``n = 2048``.
+With the seed's **Laplace** noise the sensitivities are L1, and the tree-shaped strategies
+pay about ``2 log2(n)`` in L1 (replace-one; ``log2(n) + 1`` per column) instead of
+``sqrt(2 log2(n))`` in L2: at ``n = 256`` H2 and wavelet are *worse* than (or level with)
+identity under Laplace (per-query RMSE at epsilon = 1, replace-one: identity 26.2, H2 28.9,
+wavelet 26.4), and they win only on larger domains (wavelet 1.6x, H2 1.5x better than
+identity at ``n = 2048``). The optimised p-Identity strategy is optimised for the noise's own
+norm and beats identity under both: on all ranges at ``n = 256`` by 1.62x (Laplace, RMSE
+16.2) and 2.84x (Gaussian; unit-noise 3.27 in HDMM's column-norm normalisation against
+wavelet 3.51 and the published convex optimum 2.90), and by 2.9x / 5.9x at ``n = 2048``
+(measured with column-norm sensitivities before the relation was fixed).
 It does not pay on the identity workload or, under Laplace, on 2-way marginals (HDMM uses
 a marginals template there); then the identity is returned. Bench figures:
 ``bench/matrix_mechanism.py``. :func:`best_strategy` picks the strategy and noise with the
