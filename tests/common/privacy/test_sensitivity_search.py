@@ -342,6 +342,21 @@ def test_marginals_fine_grid_search() -> None:
     assert worst == pytest.approx(stated, rel=1e-12)
 
 
+def test_single_column_histogram_release_change_is_two() -> None:
+    # dp_histogram through its own code: every replace-one pair of codes, same-seed noise.
+    m = 4
+    codes = np.random.default_rng(2).integers(0, m, size=N_ROWS)
+    worst = 0.0
+    for old_code, new_code in itertools.product(range(m), repeat=2):
+        first, second = codes.copy(), codes.copy()
+        first[-1], second[-1] = old_code, new_code
+        h1, cost = dm.dp_histogram(first, m, epsilon=1.0, rng=np.random.default_rng(3))
+        h2, _ = dm.dp_histogram(second, m, epsilon=1.0, rng=np.random.default_rng(3))
+        worst = max(worst, float(np.abs(h1 - h2).sum()))
+        assert cost.sensitivity == 2.0 and cost.noise_scale == pytest.approx(2.0)
+    assert worst == 2.0  # attained, and above the old (add/remove) figure 1
+
+
 def test_moment_pair_sensitivity_by_dense_search() -> None:
     # max |v - w| + |v^2 - w^2| over a dense grid of [-1, 1]^2: 9/4, never more.
     v = np.linspace(-1.0, 1.0, 801)
@@ -525,3 +540,49 @@ def test_svt_counting_queries_have_sensitivity_one_and_are_not_monotonic() -> No
     # The calibration keeps the full query noise unless monotonic is asserted.
     default = SVTCalibration(1.0, 2)
     assert default.query_scale == pytest.approx(2 * 2 * 1.0 / default.query_epsilon)
+
+
+# --------------------------------------------------------------------------- planted copies
+
+
+def test_planted_old_pca_calibration_fails_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The library with the old constant (1/N_s): the same search, through the same handler,
+    # must find a pair beyond what the release then states.
+    from dpfed.common.pca import dppca
+
+    monkeypatch.setattr(dppca, "UNCENTRED_GRAM_SENSITIVITY", 1.0)
+    worst, stated = pca_search(CONT_ORD, 1.0, verify=1)
+    assert stated == pytest.approx(1.0 / N_ROWS)
+    assert worst > stated * 1.4
+
+
+def test_planted_old_marginal_calibration_fails_the_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dm, "HISTOGRAM_SENSITIVITY", 1.0)
+    monkeypatch.setattr(dm, "MOMENTS_SENSITIVITY", 2.0)
+    worst, _, stated = marginals_search(MIXED, moments=True, verify=1)
+    assert stated == 2 * 1.0 + 2 * 2.0
+    assert worst > stated * 1.4
+
+
+def test_planted_old_factor_calibration_fails_the_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpfed.common.privacy.mechanisms import LaplaceMechanism
+
+    def add_remove(rank: int, epsilon: float) -> LaplaceMechanism:
+        return LaplaceMechanism(epsilon, math.sqrt(rank))  # one row added: ||V^T x||_1
+
+    monkeypatch.setattr(fm, "factor_mechanism", add_remove)
+    worst, _, stated = factor_search(CONT2, np.eye(2), 1.0, verify=1)
+    assert stated == pytest.approx(math.sqrt(2))
+    assert worst > stated * 1.9
+
+
+def test_planted_old_matrix_calibration_fails_the_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mm, "sensitivity_with_method",
+                        lambda a, norm="l1": (mm.column_norm(a, norm), "column-norm"))
+    for name in ("identity", "h2", "wavelet"):
+        worst, mech = matrix_search(mm.strategy(name, 8), "laplace")
+        assert mech.sensitivity == mm.column_norm(mm.strategy(name, 8), "l1")
+        assert worst > mech.sensitivity * 1.3
