@@ -18,6 +18,7 @@ eigenvalues of the noisy matrix are clipped to 0 before taking square roots.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,11 @@ from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.mechanisms import SymmetricGaussianMechanism
 from dpfed.common.validation import check_finite_array, check_int
+
+#: L2 sensitivity of the upper triangle (with diagonal) of ``G_s`` for unit-ball rows under
+#: replace-one (docs/privacy.md); that of ``G_s / N_s`` is this over ``N_s``. Attained by
+#: x = e1 replaced with y = e2.
+UNCENTRED_GRAM_SENSITIVITY = math.sqrt(2.0)
 
 
 class GramAccumulator:
@@ -78,21 +84,32 @@ def pca_mechanism(n_rows: int, epsilon: float, delta: float,
 
     Privacy
     -------
-    Neighbouring relation: add/remove one row at this site; ``N_s`` is public metadata (as in
-    DPdisPCA) and is used as the normaliser. Bounds: every row has ||x||_2 <= 1
-    (``dpfed.common.pca.features.UnitBallMap``). Sensitivity: one row changes ``G_s / N_s`` by
-    ``x x^T / N_s``, whose upper triangle (with diagonal) has L2 norm <= ||x||^2 / N_s <= 1/N_s.
-    Calibration: Gaussian with that sensitivity, analytic (Balle & Wang 2018) by default, so
-    ``tau = sigma(epsilon, delta, 1) / N_s``; ``calibration="classic"`` reproduces the paper's
-    ``tau = sqrt(2 ln(1.25/delta)) / (N_s epsilon)`` where that is DP.
+    Neighbouring relation: replace-one (bounded DP, docs/privacy.md): neighbouring site tables
+    have the same number of rows ``N_s`` and differ in one row, so ``N_s`` is public (it is sent
+    in Hello) and is used as the normaliser. Bounds: every row has ||x||_2 <= 1
+    (``dpfed.common.pca.features.UnitBallMap``, public schema bounds and public ``clip_norm``).
+    Sensitivity: replacing row x by y changes ``G_s / N_s`` by ``D = (x x^T - y y^T) / N_s``;
+    the L2 norm of its upper triangle (with diagonal) is at most ``||D||_F <=
+    sqrt(||x||^4 + ||y||^4 - 2 (x.y)^2) / N_s <= sqrt(2) / N_s``, attained by x = e1, y = e2
+    (:data:`UNCENTRED_GRAM_SENSITIVITY`). Calibration: symmetric Gaussian with that
+    sensitivity, analytic (Balle & Wang 2018) by default, so ``tau = sigma(epsilon, delta, 1)
+    sqrt(2) / N_s``; ``calibration="classic"`` uses the paper's formula with the same
+    sensitivity, ``tau = sqrt(2) sqrt(2 ln(1.25/delta)) / (N_s epsilon)``, where that is DP.
+    (Releases made before this relation was fixed used ``1/N_s``: docs/release-notes.md.)
     """
     n = check_int(n_rows, "n_rows", minimum=1)
-    return SymmetricGaussianMechanism(epsilon, delta, 1.0 / n, calibration)
+    return SymmetricGaussianMechanism(epsilon, delta, UNCENTRED_GRAM_SENSITIVITY / n, calibration)
 
 
 def site_cost(n_rows: int, epsilon: float, delta: float,
               calibration: str = "analytic") -> PrivacyCost:
-    """Return the cost of :func:`site_release` (computable before any noise is drawn)."""
+    """Return the cost of :func:`site_release` (computable before any noise is drawn).
+
+    Privacy
+    -------
+    The cost of :func:`pca_mechanism` (replace-one, sensitivity ``sqrt(2)/N_s``); charge it
+    to the ledger before :func:`site_release` runs.
+    """
     return pca_mechanism(n_rows, epsilon, delta, calibration).cost()
 
 
@@ -116,7 +133,10 @@ def site_release(gram: np.ndarray, n_rows: int, *, epsilon: float, delta: float,
 
     Privacy
     -------
-    See :func:`pca_mechanism`; ``P_s`` is post-processing of the noisy ``A_s``.
+    See :func:`pca_mechanism`: replace-one with ``N_s`` public, unit-ball rows, L2
+    sensitivity ``sqrt(2)/N_s`` of the upper triangle of ``G_s/N_s``, symmetric Gaussian
+    noise (analytic calibration by default); (epsilon, delta)-DP. ``P_s`` is post-processing
+    of the noisy ``A_s``.
     """
     g = check_finite_array(gram, "gram", ndim=2)
     p = g.shape[0]

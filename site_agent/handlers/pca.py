@@ -22,9 +22,9 @@ class PCAHandler(TaskHandler):
 
     Privacy
     -------
-    See :func:`dpfed.common.pca.dppca.pca_mechanism`: add/remove one row, rows in the unit ball by
-    the
-    schema's public bounds and the job's public ``clip_norm``, sensitivity 1/N_s on the upper
+    See :func:`dpfed.common.pca.dppca.pca_mechanism`: replace-one (neighbouring tables have
+    the same N_s and differ in one row; N_s is public), rows in the unit ball by the schema's
+    public bounds and the job's public ``clip_norm``, sensitivity sqrt(2)/N_s on the upper
     triangle of G_s/N_s, Gaussian noise calibrated analytically (or classic where DP). Only
     P_s (post-processing) and the public row count N_s leave the site; the number of clipped
     rows is data-dependent and stays in the local log.
