@@ -7,6 +7,7 @@ receives again, because a site trusts nothing that comes over the network.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,21 @@ DEFAULT_CLIP_QUANTILE = 0.9
 CENTERINGS: tuple[str, ...] = ("mean", "none")
 SITE_WEIGHTINGS: tuple[str, ...] = ("size", "equal")
 PCA_STAGES: tuple[str, ...] = ("mean", "norms", "pca")
+
+
+def parse_clip_norm(text: str) -> float | str:
+    """Parse the command-line ``--clip-norm``: ``auto``, ``schema`` or a number > 0."""
+    if text in ("auto", "schema"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' (a DP quantile of the row norms), 'schema' (the worst case the "
+            f"schema allows) or a number > 0, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)

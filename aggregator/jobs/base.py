@@ -10,6 +10,7 @@ enforces the quorum. The job then combines the releases -- post-processing only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -120,7 +121,7 @@ class JobContext:
         async def one(site_id: str) -> None:
             nonlocal done
             outcome = await self._run_at_site(site_id, task, payload, deadline, check_result)
-            self.outcomes[site_id] = outcome[0]
+            self.outcomes[site_id] = _with_earlier_spend(outcome[0], self.outcomes.get(site_id))
             if outcome[1] is not None:
                 results[site_id] = outcome[1]
             done += 1
@@ -183,6 +184,15 @@ class JobContext:
             n = answer.metadata.get("n_rows", rows)
             return SiteOutcome(site_id, "ok", "", answer.spend,
                                int(n) if isinstance(n, int) else rows), answer
+
+
+def _with_earlier_spend(outcome: SiteOutcome, earlier: SiteOutcome | None) -> SiteOutcome:
+    """A multi-round job's outcome reports what the site spent over all its rounds so far."""
+    if earlier is None or earlier.spend is None:
+        return outcome
+    if outcome.spend is None:
+        return dataclasses.replace(outcome, spend=earlier.spend)
+    return dataclasses.replace(outcome, spend=earlier.spend + outcome.spend)
 
 
 class JobType(ABC):
