@@ -187,7 +187,7 @@ class JobContext:
 
 
 def _with_earlier_spend(outcome: SiteOutcome, earlier: SiteOutcome | None) -> SiteOutcome:
-    """A multi-round job's outcome reports what the site spent over all its rounds so far."""
+    """Return ``outcome`` with the site's spend over all of the job's rounds so far."""
     if earlier is None or earlier.spend is None:
         return outcome
     if outcome.spend is None:
