@@ -55,6 +55,8 @@ class PCAJob(JobType):
         center = np.zeros(p)
         centred = params.centering == "mean"
         round_log: list[dict[str, Any]] = []
+        if len(rounds) > 1:
+            ctx.refuse_over_budget()
 
         def record(name: str, results: dict[str, TaskResult]) -> None:
             round_log.append({"round": name, "epsilon": budget[name][0],
