@@ -89,7 +89,7 @@ def cumulative_variance_plot(result: PCAResult) -> str:
     ax.set_ylabel("cumulative explained-variance ratio")
     ax.set_title("Cumulative explained variance (DP eigenvalues / their sum)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right")
     return figure_to_data_uri(fig)
 
 

@@ -108,10 +108,14 @@ def test_cli_commands_against_a_running_federation(fed: LocalFederation, tmp_pat
             str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
     dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
     out = tmp_path / "cli-pca.npz"
+    report = tmp_path / "cli-report.html"
     run = subprocess.run([*dpfed, "pca", "--k", "2", "--epsilon", "2", "--delta", "1e-5",
-                          "--out", str(out), *conn], capture_output=True, text=True, timeout=120)
+                          "--out", str(out), "--report", str(report), *conn],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "site hospital-1: result received" in run.stdout and out.exists()
+    assert f"wrote {report}" in run.stdout
+    assert report.read_text().count("data:image/png;base64,") == 3
     sites = subprocess.run([*dpfed, "sites", *conn], capture_output=True, text=True, timeout=60)
     assert sites.returncode == 0 and sites.stdout.count("connected") == 3
     jobs = subprocess.run([*dpfed, "jobs", *conn], capture_output=True, text=True, timeout=60)

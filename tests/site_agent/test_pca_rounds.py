@@ -223,3 +223,17 @@ def test_pca_round_refuses_an_unresolved_auto_clip_and_unknown_stage() -> None:
     with pytest.raises(ValidationError, match="stage"):
         PCAHandler().prepare(task("everything"), FrameData(base_frame()))
 
+
+
+def test_rank_is_post_processing_it_does_not_change_the_cost() -> None:
+    """R (--rank) only sets how many eigenpairs of the noisy matrix leave the site."""
+    frame = base_frame(40)
+    costs = []
+    for rank in (2, 4, P):
+        t = task("pca", clip=1.0, center=CENTRES[2])
+        t = Task(t.task_id, t.job_id, t.kind, t.epsilon, t.delta, {**t.params, "rank": rank},
+                 t.arrays)
+        prepared = PCAHandler().prepare(t, FrameData(frame))
+        assert prepared.release(np.random.default_rng(0)).arrays["factor"].shape == (P, rank)
+        costs.append(prepared.cost)
+    assert len(set(costs)) == 1

@@ -119,14 +119,6 @@ def test_params_defaults_and_parsing() -> None:
             parse_clip_norm(bad_text)
 
 
-def test_rank_does_not_change_the_privacy_cost() -> None:
-    """R only sets how many eigenpairs leave a site (post-processing of the noisy matrix)."""
-    from dpfed.common.pca.centring import centred_pca_mechanism
-
-    costs = {r: centred_pca_mechanism(1000, 0.8, 8e-6).cost() for r in (2, 6, 20)}
-    assert len({(c.epsilon, c.delta, c.noise_scale) for c in costs.values()}) == 1
-
-
 def unequal_sites(rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
     p = 8
     sites = []
