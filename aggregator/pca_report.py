@@ -26,8 +26,8 @@ ROUND_RELEASES = {
     "mean": "each site's noisy sum of its rows (Gaussian, L2 sensitivity 2) -> the DP mean",
     "norms": "each site's noisy histogram of row norms on a public grid (L2 sensitivity "
              "sqrt(2)) -> the clip radius",
-    "pca": "each site's P_s from its noisy second-moment matrix (L2 sensitivity sqrt(2)/N_s "
-           "centred) -> the components",
+    "pca": "each site's P_s, the top R eigenpairs of its noisy second-moment matrix of the "
+           "clipped rows (symmetric Gaussian noise) -> the components",
 }
 
 

@@ -167,6 +167,9 @@ def main() -> None:
               "covariance, DP / exact top-K")
         print(f"{'configuration':<36}" + "".join(f"{'eps=' + format(e, 'g'):>11}"
                                                  for e in EPSILONS))
+        floor = np.mean([quality(np.linalg.qr(rng.standard_normal((cov.shape[0], K)))[0].T,
+                                 cov, exact) for _ in range(20)])
+        print(f"{'(random K-subspace, floor)':<36}" + f"{floor:>11.3f}" * len(EPSILONS))
         for label, centering, clip, q in configs:
             cells = []
             for eps in EPSILONS:
