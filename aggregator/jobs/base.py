@@ -121,7 +121,10 @@ class JobContext:
         ``epsilon`` / ``delta`` are this round's share of the job's budget (default: all of
         it, for one-round jobs); a site's reported spend is checked against them. The task
         id is ``<job id>/<round_name>``, so a resumed job re-sends the same ids and every site
-        replays its ledger's stored answer instead of charging again.
+        replays its ledger's stored answer instead of charging again. A site that did not
+        answer an earlier round of this job successfully (or was left out by
+        :meth:`refuse_over_budget`) is not sent later rounds; each site's outcome accumulates
+        its spend over the job's rounds.
 
         Raises
         ------
