@@ -20,7 +20,7 @@ Rows per table (all at delta = 1e-5, K = 5, R = 10, eps per site in {0.5, 1, 2, 
     centred, auto q                     DP quantile q of the centred row norms (10 % of eps)
     centred, oracle max                 the true largest centred row norm (not DP, reference)
 
-Run: ``python bench/pca_clipping.py [--runs N] [--quick]``.
+Run: ``python bench/pca_clipping.py [--runs N] [--quick] [--plot FILE.png]``.
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 runs, 5,000 rows per site")
     ap.add_argument("--quantiles", default="0.5,0.75,0.9,0.95,0.99")
+    ap.add_argument("--plot", help="also save captured variance vs epsilon per table as a PNG")
     args = ap.parse_args()
     runs = 2 if args.quick else args.runs
     rows = 5000 if args.quick else 20_000
@@ -152,6 +153,7 @@ def main() -> None:
     t0 = time.perf_counter()
     quantiles = [float(q) for q in args.quantiles.split(",")]
     tables = {"demo": demo_table(rows), "scales": scales_table(rows, rng)}
+    curves: dict[str, dict[str, list[float]]] = {}
     for name, (sites, bound) in tables.items():
         cov, exact = pooled(sites)
         oracle = max(float(np.linalg.norm(u - np.vstack(sites).mean(axis=0), axis=1).max())
@@ -177,6 +179,7 @@ def main() -> None:
                                         clip=clip, quantile=q, weighting="size", rng=rng),
                                 cov, exact) for _ in range(runs)]
                 cells.append(f"{np.mean(vals):>11.3f}")
+                curves.setdefault(name, {}).setdefault(label, []).append(float(np.mean(vals)))
             print(f"{label:<36}" + "".join(cells))
     sites, bound = unequal_table(rng)
     cov, exact = pooled(sites)
@@ -191,9 +194,35 @@ def main() -> None:
                                     quantile=0.9, weighting=weighting, rng=rng), cov, exact)
                     for _ in range(runs)]
             cells.append(f"{np.mean(vals):>11.3f}")
-        print(f"{weighting + (' (N_s/N)' if weighting == 'size' else ' (1/S, paper)'):<36}"
-              + "".join(cells))
+        label = weighting + (" (N_s/N)" if weighting == "size" else " (1/S, paper)")
+        print(f"{label:<36}" + "".join(cells))
+        curves.setdefault("unequal", {})[label] = [float(c) for c in cells]
     print(f"({time.perf_counter() - t0:.1f}s)")
+    if args.plot:
+        save_plot(args.plot, curves)
+
+
+def save_plot(path: str, curves: dict[str, dict[str, list[float]]]) -> None:
+    """One panel per table: captured variance vs epsilon for each configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4.2))
+    for ax, (name, by_label) in zip(np.atleast_1d(axes), curves.items(), strict=True):
+        for label, values in by_label.items():
+            ax.plot(EPSILONS, values, "o-", ms=3, label=label)
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(EPSILONS, [format(e, "g") for e in EPSILONS])
+        ax.set_xlabel("epsilon per site (delta = 1e-5)")
+        ax.set_ylabel("captured variance, DP / exact (real pooled rows)")
+        ax.set_title(f"{name} table")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
