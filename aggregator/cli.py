@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pca", help="run a DP-PCA job (DPdisPCA) and save pca.npz")
     p.add_argument("--k", type=int, required=True, help="number of components K")
     p.add_argument("--rank", type=int, help="eigenpairs each site sends (default 2K)")
-    p.add_argument("--epsilon", type=float, required=True, help="epsilon spent at each site")
+    p.add_argument("--epsilon", type=float, required=True,
+                   help="epsilon spent at each site, over all the job's rounds")
     p.add_argument("--delta", type=float, required=True, help="delta spent at each site")
     p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
     p.add_argument("--clip-norm", type=parse_clip_norm, default=None, metavar="auto|schema|C",
