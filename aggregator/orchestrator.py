@@ -99,7 +99,8 @@ class JobManager:
         ctx = JobContext(job_id=job_id, spec=job.spec, params=job.spec.params,
                          federation=self.federation, registry=self.registry,
                          emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
-                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0)
+                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
+                         resumed=resumed)
         try:
             output = await self._job_type(job.spec.kind).run(ctx)
             data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)

@@ -19,6 +19,7 @@ eigenvalues of the noisy matrix are clipped to 0 before taking square roots.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,7 +115,8 @@ def site_cost(n_rows: int, epsilon: float, delta: float,
 
 
 def site_release(gram: np.ndarray, n_rows: int, *, epsilon: float, delta: float, rank: int,
-                 rng: np.random.Generator, calibration: str = "analytic") -> SitePCARelease:
+                 rng: np.random.Generator, calibration: str = "analytic",
+                 mechanism: SymmetricGaussianMechanism | None = None) -> SitePCARelease:
     """DPdisPCA site step: ``A_s = G_s/N_s + E``; return ``P_s = U_R Sigma_R^{1/2}``.
 
     Parameters
@@ -130,20 +132,24 @@ def site_release(gram: np.ndarray, n_rows: int, *, epsilon: float, delta: float,
     rng : numpy.random.Generator
         Noise source (``dpfed.common.privacy.rng.production_rng()`` in production).
     calibration : {"analytic", "classic"}
+    mechanism : SymmetricGaussianMechanism, optional
+        The noise for ``G_s / N_s`` when the rows are not the uncentred unit-ball rows
+        (centred rows: :func:`dpfed.common.pca.centring.centred_pca_mechanism`); default
+        :func:`pca_mechanism`.
 
     Privacy
     -------
-    See :func:`pca_mechanism`: replace-one with ``N_s`` public, unit-ball rows, L2
-    sensitivity ``sqrt(2)/N_s`` of the upper triangle of ``G_s/N_s``, symmetric Gaussian
-    noise (analytic calibration by default); (epsilon, delta)-DP. ``P_s`` is post-processing
-    of the noisy ``A_s``.
+    See :func:`pca_mechanism` (or the given ``mechanism``): replace-one with ``N_s`` public,
+    unit-ball rows, L2 sensitivity ``sqrt(2)/N_s`` of the upper triangle of ``G_s/N_s``,
+    symmetric Gaussian noise (analytic calibration by default); (epsilon, delta)-DP. ``P_s`` is
+    post-processing of the noisy ``A_s``.
     """
     g = check_finite_array(gram, "gram", ndim=2)
     p = g.shape[0]
     if g.shape != (p, p):
         raise ValidationError(f"gram must be square, got shape {g.shape}")
     r = check_int(rank, "rank", minimum=1, maximum=p)
-    mech = pca_mechanism(n_rows, epsilon, delta, calibration)
+    mech = mechanism or pca_mechanism(n_rows, epsilon, delta, calibration)
     noisy = mech.release(g / n_rows, rng)  # Alg. step 2-3: A_s + E, E symmetric
     # Top-R eigenpairs only (LAPACK syevr on an index range): cheaper than a full eigh.
     values, vectors = linalg.eigh(noisy, subset_by_index=[p - r, p - 1], overwrite_a=True,
@@ -181,11 +187,14 @@ def _flip_signs(components: np.ndarray) -> np.ndarray:
     return np.asarray(components * signs[:, None])
 
 
-def combine(factors: list[np.ndarray], n_components: int) -> PCAEstimate:
-    """DPdisPCA aggregator step: top-K eigenvectors of ``A_c = (1/S) sum_s P_s P_s^T``.
+def combine(factors: list[np.ndarray], n_components: int,
+            weights: Sequence[float] | None = None) -> PCAEstimate:
+    """DPdisPCA aggregator step: top-K eigenvectors of ``A_c = sum_s w_s P_s P_s^T``.
 
-    Computed as the top-K left singular vectors of ``M = [P_1 ... P_S]`` (p x SR): the
-    eigenvalues of ``A_c`` are ``s_k^2 / S``. Pure post-processing of the sites' releases.
+    ``weights`` default to the paper's ``w_s = 1/S``; size weighting passes ``N_s / N``
+    (:func:`site_weights`). Computed as the top-K left singular vectors of
+    ``M = [sqrt(w_1) P_1 ... sqrt(w_S) P_S]`` (p x SR): the eigenvalues of ``A_c`` are
+    ``s_k^2``. Pure post-processing of the sites' releases (and of the public ``N_s``).
     """
     if not factors:
         raise ValidationError("combine needs at least one site's factor")
@@ -193,14 +202,28 @@ def combine(factors: list[np.ndarray], n_components: int) -> PCAEstimate:
     for i, f in enumerate(factors):
         if f.ndim != 2 or f.shape[0] != p:
             raise ValidationError(f"factor {i} has shape {f.shape}; expected ({p}, R)")
-    m = np.hstack([np.asarray(f, dtype=np.float64) for f in factors])
+    n_sites = len(factors)
+    w = np.full(n_sites, 1.0 / n_sites) if weights is None else np.asarray(weights, float)
+    if w.shape != (n_sites,) or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValidationError(f"weights must be {n_sites} finite non-negative numbers")
+    m = np.hstack([np.asarray(f, dtype=np.float64) * np.sqrt(wi) for f, wi in zip(factors, w,
+                                                                                 strict=True)])
     k = check_int(n_components, "n_components", minimum=1, maximum=min(p, m.shape[1]))
     u, s, _ = linalg.svd(m, full_matrices=False, check_finite=False, lapack_driver="gesdd")
-    n_sites = len(factors)
-    eigenvalues = (s[:k] ** 2) / n_sites
-    total = float(np.sum(s ** 2) / n_sites)  # trace(A_c) = ||M||_F^2 / S
+    eigenvalues = s[:k] ** 2
+    total = float(np.sum(s ** 2))  # trace(A_c) = ||M||_F^2
     return PCAEstimate(_flip_signs(np.ascontiguousarray(u[:, :k].T)), eigenvalues, total,
-                       (s ** 2) / n_sites)
+                       s ** 2)
+
+
+def site_weights(n_rows: Sequence[int], weighting: str) -> np.ndarray:
+    """``N_s / N`` for ``"size"``, ``1/S`` for ``"equal"`` (the paper's rule)."""
+    n = np.asarray(n_rows, dtype=np.float64)
+    if weighting == "equal":
+        return np.full(len(n), 1.0 / len(n))
+    if weighting != "size":
+        raise ValidationError(f"site_weighting must be 'size' or 'equal', got {weighting!r}")
+    return np.asarray(n / n.sum())
 
 
 def captured_energy(components: np.ndarray, second_moment: np.ndarray) -> float:

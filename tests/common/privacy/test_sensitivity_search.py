@@ -199,9 +199,9 @@ def pca_site_statistic(schema: Schema, frame: pd.DataFrame,
                        clip_norm: float | None) -> tuple[np.ndarray, float, int]:
     """Run the PCA handler with zero noise: (upper triangle of G/N, stated sensitivity, N)."""
     p = UnitBallMap(schema).n_features
-    params: dict[str, Any] = {"n_components": 1, "rank": p}
-    if clip_norm is not None:
-        params["clip_norm"] = clip_norm
+    # The uncentred release (the centred one has its own search in tests/common/pca).
+    params: dict[str, Any] = {"n_components": 1, "rank": p, "centering": "none",
+                              "clip_norm": "schema" if clip_norm is None else clip_norm}
     prepared = PCAHandler().prepare(Task("job/pca", "job", "pca", 1.0, 1e-5, params),
                                     FrameData(schema, frame))
     result = prepared.release(cast(np.random.Generator, ZeroNoise()))

@@ -165,7 +165,9 @@ async def test_invalid_job_is_rejected_with_invalid_argument(running) -> None:  
         for spec, match in [(JobSpec("pca", -1.0, 1e-5, {"n_components": 2}), "epsilon"),
                             (JobSpec("pca", 1.0, 1e-5, {"n_components": 99}), "n_components"),
                             (JobSpec("pca", 10.0, 1e-5, {"n_components": 2,
-                                                         "calibration": "classic"}),
+                                                         "calibration": "classic",
+                                                         "centering": "none",
+                                                         "clip_norm": "schema"}),
                              "not differentially private"),
                             (JobSpec("kmeans", 1.0, 1e-5, {}), "unknown job kind")]:
             error = await submit_error(stub, spec)
