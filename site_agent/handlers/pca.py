@@ -58,9 +58,9 @@ class PCAHandler(TaskHandler):
     (L2 sensitivity 2). ``norms``: :func:`dpfed.common.pca.clipping.norm_histogram_mechanism`
     (L2 sensitivity sqrt(2)). ``pca``: uncentred, :func:`dpfed.common.pca.dppca.pca_mechanism`
     (sqrt(2)/N_s); centred, :func:`dpfed.common.pca.centring.centred_pca_mechanism`
-    (sqrt(2)/N_s on the upper triangle of the centred, clipped rows' second moment). Only the noisy statistic (or its
-    post-processing P_s) and the public row count N_s leave the site; the number of clipped
-    rows is data-dependent and stays in the local log.
+    (sqrt(2)/N_s on the upper triangle of the centred, clipped rows' second moment). Only the
+    noisy statistic (or its post-processing P_s) and the public row count N_s leave the site;
+    the number of clipped rows is data-dependent and stays in the local log.
     """
 
     kind = "pca"
