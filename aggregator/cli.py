@@ -6,7 +6,8 @@
     dpfed sites [--all]                  connected sites, rows and remaining budgets
     dpfed budgets                        every known site's budget
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
-              [--min-sites M] [--clip-norm C] [--wait-sites N] --out pca.npz
+              [--min-sites M] [--clip-norm C] [--aggregation site|secure] [--wait-sites N]
+              --out pca.npz
     dpfed jobs                           recent jobs
     dpfed job ID [--watch]               one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
@@ -114,6 +115,7 @@ def cmd_pca(args: argparse.Namespace) -> int:
             coord.wait_for_sites(args.wait_sites, timeout=args.wait_timeout)
         result = coord.pca(args.k, epsilon=args.epsilon, delta=args.delta, rank=args.rank,
                            calibration=args.calibration, clip_norm=args.clip_norm,
+                           aggregation=args.aggregation,
                            min_sites=args.min_sites, deadline_seconds=args.deadline,
                            on_event=print_event)
     path = result.save(args.out)
@@ -220,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, required=True, help="delta spent at each site")
     p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
     p.add_argument("--clip-norm", type=float, help="public row-norm bound (default: no clipping)")
+    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+                   help="site: each site noises its own release; secure: a secure sum with "
+                        "distributed noise (pooled-data utility)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")

@@ -242,8 +242,12 @@ class Coordinator:
     def pca(self, n_components: int, *, epsilon: float, delta: float, rank: int | None = None,
             calibration: str = "analytic", clip_norm: float | None = None, min_sites: int = 0,
             deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
-            on_event: Callable[[JobEvent], None] | None = None) -> PCAResult:
+            on_event: Callable[[JobEvent], None] | None = None,
+            aggregation: str = "site") -> PCAResult:
         """Run a DP-PCA job and return its result.
+
+        ``aggregation="secure"`` sums the sites' Gram matrices under secure aggregation with
+        distributed noise (pooled-data utility; the coordinator sees only the noisy sum).
 
         Raises
         ------
@@ -255,6 +259,8 @@ class Coordinator:
             params["rank"] = rank
         if clip_norm is not None:
             params["clip_norm"] = clip_norm
+        if aggregation != "site":
+            params["aggregation"] = aggregation
         job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         return self.pca_result(job)

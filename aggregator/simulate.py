@@ -54,6 +54,7 @@ class SimulationOptions:
     calibration: str = "analytic"
     min_sites: int = 0
     clip_norm: float | None = None
+    aggregation: str = "site"
     seed: int | None = None
     data: list[Path] = field(default_factory=list)
     schema: Path | None = None
@@ -77,6 +78,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: all sites)")
     p.add_argument("--clip-norm", type=float, help="public row-norm bound (default: none)")
+    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+                   help="site-level noise, or a secure sum with distributed noise")
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
                    "only: the noise is then not private)")
     p.add_argument("--data", type=Path, action="append", default=[],
@@ -107,7 +110,8 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
     return SimulationOptions(out=out, sites=n_sites, rows=args.rows, features=args.features,
                              k=args.k, rank=args.rank, epsilon=args.epsilon, delta=args.delta,
                              calibration=args.calibration, min_sites=args.min_sites,
-                             clip_norm=args.clip_norm, seed=args.seed, data=list(args.data),
+                             clip_norm=args.clip_norm, aggregation=args.aggregation,
+                             seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
                              deadline=args.deadline)
@@ -189,7 +193,7 @@ def run_simulation(opts: SimulationOptions) -> int:
                 result = coord.pca(opts.k, epsilon=opts.epsilon, delta=opts.delta,
                                    rank=opts.rank, calibration=opts.calibration,
                                    clip_norm=opts.clip_norm, min_sites=opts.min_sites,
-                                   on_event=progress)
+                                   aggregation=opts.aggregation, on_event=progress)
             except JobFailedError as exc:
                 _say("pca", f"FAILED: {exc}")
                 return exit_codes.JOB_FAILED

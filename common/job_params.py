@@ -15,6 +15,9 @@ from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
 from dpfed.common.validation import check_choice, check_int, check_positive
 
+#: How the sites' contributions are combined: each noised alone, or summed securely.
+AGGREGATIONS: tuple[str, ...] = ("site", "secure")
+
 
 def _unknown(params: Mapping[str, Any], known: set[str], kind: str) -> None:
     extra = sorted(set(params) - known)
@@ -37,17 +40,23 @@ class PCAParams:
     clip_norm : float or None
         Public row-norm bound after per-column scaling (``dpfed.common.pca.features.UnitBallMap``);
         None means no clipping.
+    aggregation : {"site", "secure"}
+        ``site``: every site noises its own P_s (DPdisPCA); ``secure``: the sites' Gram
+        matrices are summed under secure aggregation with distributed Skellam noise
+        (``dpfed.common.secagg``), so the noise is that of one row of the pooled data.
     """
 
     n_components: int
     rank: int
     calibration: str = "analytic"
     clip_norm: float | None = None
+    aggregation: str = "site"
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, n_features: int) -> PCAParams:
         """Validate raw parameters against a schema with ``n_features`` numeric features."""
-        _unknown(params, {"n_components", "rank", "calibration", "clip_norm"}, "pca")
+        _unknown(params, {"n_components", "rank", "calibration", "clip_norm", "aggregation"},
+                 "pca")
         if "n_components" not in params:
             raise ValidationError("pca needs n_components (K)")
         k = check_int(params["n_components"], "n_components", minimum=1, maximum=n_features)
@@ -58,7 +67,9 @@ class PCAParams:
                                    CALIBRATIONS)
         clip = params.get("clip_norm")
         clip_norm = None if clip is None else check_positive(clip, "clip_norm")
-        return cls(k, r, calibration, clip_norm)
+        aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
+                                   AGGREGATIONS)
+        return cls(k, r, calibration, clip_norm, aggregation)
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if (epsilon, delta, calibration) cannot be calibrated (e.g. classic at eps=10)."""
@@ -70,4 +81,6 @@ class PCAParams:
                                "calibration": self.calibration}
         if self.clip_norm is not None:
             out["clip_norm"] = self.clip_norm
+        if self.aggregation != "site":
+            out["aggregation"] = self.aggregation
         return out

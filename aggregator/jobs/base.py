@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -65,12 +65,14 @@ class JobContext:
         """Per-task deadline in seconds."""
         return self.spec.deadline_seconds or self.federation.task_deadline_s
 
-    def _targets(self, kind: str) -> list[str]:
+    def _targets(self, kind: str, only: Collection[str] | None = None) -> list[str]:
         sessions = self.registry.connected()
         wanted = set(self.spec.sites)
         targets = []
         for s in sessions:
             if wanted and s.site_id not in wanted:
+                continue
+            if only is not None and s.site_id not in only:
                 continue
             if kind not in s.hello.allowed_kinds:
                 self.outcomes[s.site_id] = SiteOutcome(
@@ -85,13 +87,15 @@ class JobContext:
                        check_result: Callable[[TaskResult], None] | None = None,
                        progress: tuple[float, float] = (0.0, 0.9),
                        epsilon: float | None = None, delta: float | None = None,
+                       only: Collection[str] | None = None,
                        ) -> dict[str, TaskResult]:
         """Run one round: the same task at every eligible site; return the ok results.
 
         ``epsilon`` / ``delta`` are this round's share of the job's budget (default: all of
         it, for one-round jobs); a site's reported spend is checked against them. The task
         id is ``<job id>/<round_name>``, so a resumed job re-sends the same ids and every site
-        replays its ledger's stored answer instead of charging again.
+        replays its ledger's stored answer instead of charging again. ``only`` restricts the
+        round to these sites (e.g. the participants of a secure sum).
 
         Raises
         ------
@@ -100,7 +104,7 @@ class JobContext:
         """
         if self.wait_for_quorum_s > 0:
             await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
-        targets = self._targets(kind)
+        targets = self._targets(kind, only)
         if len(targets) < self.min_sites:
             raise QuorumError(
                 f"{len(targets)} eligible site(s) connected ({', '.join(targets) or 'none'}); "

@@ -10,6 +10,7 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.pca_secure import run_secure_pca
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common.errors import ProtocolError
 from dpfed.common.job_params import PCAParams
@@ -35,6 +36,8 @@ class PCAJob(JobType):
         """Dispatch, validate each P_s, combine."""
         names = ctx.federation.feature_names
         params = PCAParams.from_mapping(ctx.params, n_features=len(names))
+        if params.aggregation == "secure":
+            return await run_secure_pca(ctx, params, self.kind)
         p = len(names)
 
         def check(result: TaskResult) -> None:
