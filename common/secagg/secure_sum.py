@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from scipy.linalg.blas import dsyrk
 
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
-    conditional_round,
+    conditional_round_float,
     from_ring,
     max_scale,
     rounded_norm_bound,
@@ -209,9 +210,9 @@ def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
         if x.ndim != 2 or x.shape[1] != d:
             raise ValidationError(f"rows must have {d} columns, got shape {x.shape}")
         for start in range(0, x.shape[0], block):
-            z = conditional_round(x[start:start + block], plan.scale, plan.bound, rng)
-            zf = z.astype(np.float64)
-            total += np.rint(zf.T @ zf).astype(np.int64)  # exact: partial sums < 2^53
+            z = conditional_round_float(x[start:start + block], plan.scale, plan.bound, rng)
+            # exact: integer entries, every partial sum < 2^53; upper triangle filled
+            total += np.rint(np.triu(dsyrk(1.0, z, trans=1, lower=0))).astype(np.int64)
     iu = np.triu_indices(d)
     return total[iu]
 
@@ -224,7 +225,8 @@ def integer_row_sum(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
         x = np.asarray(chunk, dtype=np.float64)
         if x.ndim != 2 or x.shape[1] != plan.dim:
             raise ValidationError(f"rows must have {plan.dim} columns, got shape {x.shape}")
-        total += conditional_round(x, plan.scale, plan.bound, rng).sum(axis=0)
+        total += np.rint(conditional_round_float(x, plan.scale, plan.bound, rng).sum(
+            axis=0)).astype(np.int64)  # exact: |sum| < 2^53 by the no-wrap scale
     return total
 
 
