@@ -7,7 +7,8 @@
     dpfed budgets                        every known site's budget
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
               [--min-sites M] [--clip-norm auto|schema|C] [--centering mean|none]
-              [--site-weighting size|equal] [--wait-sites N] --out pca.npz [--report HTML]
+              [--site-weighting size|equal] [--aggregation site|secure] [--wait-sites N]
+              --out pca.npz [--report HTML]
     dpfed report pca.npz [--out report.html]   the HTML report of a result file
     dpfed jobs                           recent jobs
     dpfed job ID [--watch]               one job (follow its progress with --watch)
@@ -121,6 +122,7 @@ def cmd_pca(args: argparse.Namespace) -> int:
             coord.wait_for_sites(args.wait_sites, timeout=args.wait_timeout)
         result = coord.pca(args.k, epsilon=args.epsilon, delta=args.delta, rank=args.rank,
                            calibration=args.calibration, clip_norm=args.clip_norm,
+                           aggregation=args.aggregation,
                            min_sites=args.min_sites, deadline_seconds=args.deadline,
                            on_event=print_event, centering=args.centering,
                            site_weighting=args.site_weighting,
@@ -265,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default=None,
                    help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
     p.add_argument("--report", metavar="HTML", help="also write the HTML report here")
+    p.add_argument("--aggregation", choices=["site", "secure"], default=None,
+                   help="site: each site noises its own release (default); secure: a secure "
+                        "sum with distributed noise (pooled-data utility)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")

@@ -244,12 +244,14 @@ class Coordinator:
             min_sites: int = 0, deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
             on_event: Callable[[JobEvent], None] | None = None,
             centering: str | None = None, site_weighting: str | None = None,
-            clip_quantile: float | None = None) -> PCAResult:
+            clip_quantile: float | None = None, aggregation: str | None = None) -> PCAResult:
         """Run a DP-PCA job and return its result.
 
         ``clip_norm``: ``"auto"`` (a DP quantile of the row norms, the job default when None),
         ``"schema"`` (the worst case) or a number; ``centering``: ``"mean"`` (default) or
-        ``"none"``; ``site_weighting``: ``"size"`` (default) or ``"equal"``. See docs/pca.md.
+        ``"none"``; ``site_weighting``: ``"size"`` (default) or ``"equal"``; ``aggregation``:
+        ``"site"`` (default) or ``"secure"`` (a secure sum with distributed noise: pooled-data
+        utility, the coordinator sees only the noisy sum). See docs/pca.md.
 
         Raises
         ------
@@ -260,7 +262,8 @@ class Coordinator:
         if rank is not None:
             params["rank"] = rank
         optional = {"clip_norm": clip_norm, "centering": centering,
-                    "site_weighting": site_weighting, "clip_quantile": clip_quantile}
+                    "site_weighting": site_weighting, "clip_quantile": clip_quantile,
+                    "aggregation": aggregation}
         params.update({k: v for k, v in optional.items() if v is not None})
         job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)

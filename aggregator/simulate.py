@@ -53,9 +53,10 @@ class SimulationOptions:
     delta: float = 1e-5
     calibration: str = "analytic"
     min_sites: int = 0
-    clip_norm: float | str = "auto"
+    clip_norm: float | str | None = None  # None: the job's default (auto; schema if secure)
     centering: str = "mean"
     site_weighting: str = "size"
+    aggregation: str = "site"
     seed: int | None = None
     data: list[Path] = field(default_factory=list)
     schema: Path | None = None
@@ -78,13 +79,17 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta", type=float, default=1e-5, help="delta per site for the job")
     p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: all sites)")
-    p.add_argument("--clip-norm", type=parse_clip_norm, default="auto", metavar="auto|schema|C",
-                   help="row-norm bound: auto = a DP quantile of the row norms (default), "
+    p.add_argument("--clip-norm", type=parse_clip_norm, default=None, metavar="auto|schema|C",
+                   help="row-norm bound: auto = a DP quantile of the row norms (default; "
+                   "schema with --aggregation secure), "
                    "schema = the worst case the schema allows, or a number")
     p.add_argument("--centering", choices=list(CENTERINGS), default="mean",
                    help="mean = centred PCA around a DP mean (default); none = uncentred")
     p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default="size",
                    help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
+    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+                   help="site = each site noises its own release (default); secure = a secure "
+                        "sum with distributed noise (pooled-data utility)")
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
                    "only: the noise is then not private)")
     p.add_argument("--data", type=Path, action="append", default=[],
@@ -116,8 +121,8 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              k=args.k, rank=args.rank, epsilon=args.epsilon, delta=args.delta,
                              calibration=args.calibration, min_sites=args.min_sites,
                              clip_norm=args.clip_norm, centering=args.centering,
-                             site_weighting=args.site_weighting, seed=args.seed,
-                             data=list(args.data),
+                             site_weighting=args.site_weighting, aggregation=args.aggregation,
+                             seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
                              deadline=args.deadline)
@@ -217,7 +222,7 @@ def run_simulation(opts: SimulationOptions) -> int:
                                    rank=opts.rank, calibration=opts.calibration,
                                    clip_norm=opts.clip_norm, centering=opts.centering,
                                    site_weighting=opts.site_weighting,
-                                   min_sites=opts.min_sites,
+                                   min_sites=opts.min_sites, aggregation=opts.aggregation,
                                    on_event=progress)
             except JobFailedError as exc:
                 _say("pca", f"FAILED: {exc}")

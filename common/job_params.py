@@ -21,6 +21,9 @@ from dpfed.common.validation import (
     check_probability,
 )
 
+#: How the sites' contributions are combined: each noised alone, or summed securely.
+AGGREGATIONS: tuple[str, ...] = ("site", "secure")
+
 
 def _unknown(params: Mapping[str, Any], known: set[str], kind: str) -> None:
     extra = sorted(set(params) - known)
@@ -79,6 +82,12 @@ class PCAParams:
     site_weighting : {"size", "equal"}
         ``"size"`` (default): the sites' matrices weighted by ``N_s / N``; ``"equal"``: the
         paper's ``1/S``. Post-processing either way (``N_s`` is public).
+    aggregation : {"site", "secure"}
+        ``site`` (default): every site noises its own release (DPdisPCA); ``secure``: the
+        sites' Gram matrices (and row sums, when centred) are summed under secure aggregation
+        with distributed Skellam noise (``dpfed.common.secagg``), so the noise is that of one
+        row of the pooled data; centring then happens at the coordinator, and ``clip_norm``
+        is ``schema`` or a number.
     """
 
     n_components: int
@@ -88,12 +97,13 @@ class PCAParams:
     centering: str = "mean"
     clip_quantile: float = DEFAULT_CLIP_QUANTILE
     site_weighting: str = "size"
+    aggregation: str = "site"
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, n_features: int) -> PCAParams:
         """Validate raw parameters against a schema with ``n_features`` numeric features."""
         _unknown(params, {"n_components", "rank", "calibration", "clip_norm", "centering",
-                          "clip_quantile", "site_weighting"}, "pca")
+                          "clip_quantile", "site_weighting", "aggregation"}, "pca")
         if "n_components" not in params:
             raise ValidationError("pca needs n_components (K)")
         k = check_int(params["n_components"], "n_components", minimum=1, maximum=n_features)
@@ -102,7 +112,9 @@ class PCAParams:
             rank, "rank", minimum=k, maximum=n_features)
         calibration = check_choice(params.get("calibration", "analytic"), "calibration",
                                    CALIBRATIONS)
-        clip = params.get("clip_norm", "auto")
+        aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
+                                   AGGREGATIONS)
+        clip = params.get("clip_norm", "auto" if aggregation == "site" else "schema")
         clip_norm: float | str | None
         if clip == "auto":
             clip_norm = "auto"
@@ -120,7 +132,11 @@ class PCAParams:
             raise ValidationError("clip_quantile must be in (0, 1], got 0.0")
         weighting = check_choice(params.get("site_weighting", "size"), "site_weighting",
                                  SITE_WEIGHTINGS)
-        return cls(k, r, calibration, clip_norm, centering, quantile, weighting)
+        if aggregation == "secure" and clip_norm == "auto":
+            raise ValidationError("clip_norm 'auto' is not available with aggregation 'secure' "
+                                  "(its norm histogram is a site-level release); use 'schema' "
+                                  "or a number")
+        return cls(k, r, calibration, clip_norm, centering, quantile, weighting, aggregation)
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if some round's (epsilon, delta, calibration) cannot be calibrated."""
@@ -149,4 +165,4 @@ class PCAParams:
                 "calibration": self.calibration,
                 "clip_norm": "schema" if self.clip_norm is None else self.clip_norm,
                 "centering": self.centering, "clip_quantile": self.clip_quantile,
-                "site_weighting": self.site_weighting}
+                "site_weighting": self.site_weighting, "aggregation": self.aggregation}

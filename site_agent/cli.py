@@ -30,13 +30,15 @@ from dpfed.common.data.data_sources import (
     spec_from_path,
 )
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import DpfedError
+from dpfed.common.errors import ConfigError, DpfedError
 from dpfed.common.logs import configure_logging
 from dpfed.common.transport.certs import Role
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
 from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
 from dpfed.site_agent.agent import SiteAgent
 from dpfed.site_agent.config import SiteConfig, load_site_config
+from dpfed.site_agent.handlers import HANDLERS, TaskHandler
+from dpfed.site_agent.handlers.secagg import SUM_KINDS, SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
 from dpfed.site_agent.runner import TaskRunner
 
@@ -99,6 +101,20 @@ def _prepare(config: SiteConfig) -> _Prepared:
     return _Prepared(config, schema, source, report.rows_kept)
 
 
+def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
+    """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
+    handlers: dict[str, TaskHandler] = dict(HANDLERS)
+    kinds = config.allowed_jobs
+    if config.secure.mode != "off" and config.tls is not None:
+        identity = SiteIdentity.load(config.tls.ca, config.tls.cert, config.tls.key)
+        handlers["secagg"] = SecureAggregationHandler(identity, config.secure)
+        kinds = (*kinds, "secagg")
+    elif config.secure.mode == "required":
+        raise ConfigError(f"{config.source}: policy.secure_aggregation = \"required\" needs TLS "
+                          "certificates (secure rounds are signed with the site's key)")
+    return handlers, kinds
+
+
 def _run(config: SiteConfig) -> int:
     if config.deterministic_noise_seed is not None:
         log.warning("[Site.start] testing.deterministic_noise_seed is set: noise is "
@@ -111,12 +127,15 @@ def _run(config: SiteConfig) -> int:
                                                role="site")
     prepared = _prepare(config)
     ledger = Ledger(config.ledger_path, config.budget)
-    runner = TaskRunner(prepared.source, ledger, config.allowed_jobs,
-                        deterministic_noise_seed=config.deterministic_noise_seed)
+    handlers, allowed_kinds = _handlers(config)
+    runner = TaskRunner(prepared.source, ledger, allowed_kinds, handlers=handlers,
+                        deterministic_noise_seed=config.deterministic_noise_seed,
+                        secure_required_kinds=(SUM_KINDS if config.secure.mode == "required"
+                                               else ()))
 
     def hello() -> SiteHello:
         return SiteHello(__version__, PROTOCOL_VERSION, prepared.schema.digest(),
-                         prepared.row_count, config.allowed_jobs,
+                         prepared.row_count, allowed_kinds,
                          config.budget.max_epsilon_per_task, ledger.status())
 
     status = ledger.status()

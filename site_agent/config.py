@@ -32,6 +32,9 @@ Example (paths are relative to the file)::
     [policy]
     allowed_jobs = ["pca"]
     max_epsilon_per_task = 2.0
+    secure_aggregation = "allowed"   # off | allowed | required
+    secure_min_participants = 2      # refuse secure rounds with fewer verified sites
+    secure_tolerated_colluders = 1   # other parties (coordinator counted) that may collude
 
     [logging]
     level = "INFO"
@@ -51,6 +54,7 @@ from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.site_agent.handlers.secagg import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ class SiteConfig:
     ledger_path: Path
     budget: BudgetPolicy
     allowed_jobs: tuple[str, ...]
+    secure: SecureAggregationPolicy = SecureAggregationPolicy()
     log_level: str = "INFO"
     log_file: Path | None = None
     #: Test/demo only: derive noise deterministically from this seed and the task id. Never
@@ -180,6 +185,14 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "
                           f"known: {list(KNOWN_JOB_KINDS)}")
+    try:
+        secure = SecureAggregationPolicy(
+            mode=policy.string("secure_aggregation", "allowed") or "allowed",
+            min_participants=policy.integer("secure_min_participants", 2, minimum=2) or 2,
+            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0) or 0,
+        )
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: [policy] {exc}") from None
     policy.check_unknown()
 
     logging_section = root.section("logging")
@@ -199,6 +212,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     return SiteConfig(
         source=source, coordinator_address=address, server_name=server_name,
         connect_timeout_s=timeout, tls=tls, data=data_cfg, ledger_path=ledger_path,
-        budget=budget_policy, allowed_jobs=tuple(allowed), log_level=level.upper(),
+        budget=budget_policy, allowed_jobs=tuple(allowed), secure=secure,
+        log_level=level.upper(),
         log_file=log_file, deterministic_noise_seed=seed,
     )

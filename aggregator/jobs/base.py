@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -92,7 +92,7 @@ class JobContext:
                     f"its rounds; the site reports {b.epsilon_remaining:g}, "
                     f"{b.delta_remaining:g} left", row_count=s.hello.row_count)
 
-    def _targets(self, kind: str) -> list[str]:
+    def _targets(self, kind: str, only: Collection[str] | None = None) -> list[str]:
         sessions = self.registry.connected()
         wanted = set(self.spec.sites)
         targets = []
@@ -102,6 +102,8 @@ class JobContext:
             earlier = self.outcomes.get(s.site_id)
             if earlier is not None and earlier.status != "ok":
                 continue  # failed an earlier round of this job: later rounds go without it
+            if only is not None and s.site_id not in only:
+                continue
             if kind not in s.hello.allowed_kinds:
                 self.outcomes[s.site_id] = SiteOutcome(
                     s.site_id, "refused", f"the site's policy does not allow {kind!r} jobs",
@@ -115,6 +117,7 @@ class JobContext:
                        check_result: Callable[[TaskResult], None] | None = None,
                        progress: tuple[float, float] = (0.0, 0.9),
                        epsilon: float | None = None, delta: float | None = None,
+                       only: Collection[str] | None = None,
                        ) -> dict[str, TaskResult]:
         """Run one round: the same task at every eligible site; return the ok results.
 
@@ -124,7 +127,8 @@ class JobContext:
         replays its ledger's stored answer instead of charging again. A site that did not
         answer an earlier round of this job successfully (or was left out by
         :meth:`refuse_over_budget`) is not sent later rounds; each site's outcome accumulates
-        its spend over the job's rounds.
+        its spend over the job's rounds. ``only`` restricts the round to these sites (e.g. the
+        participants of a secure sum).
 
         Raises
         ------
@@ -133,7 +137,7 @@ class JobContext:
         """
         if self.wait_for_quorum_s > 0:
             await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
-        targets = self._targets(kind)
+        targets = self._targets(kind, only)
         if len(targets) < self.min_sites:
             refused = "; ".join(f"{o.site_id}: {o.reason}" for o in self.outcomes.values()
                                 if o.status == "refused")

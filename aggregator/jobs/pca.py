@@ -11,6 +11,7 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.pca_secure import run_secure_pca
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common.errors import ProtocolError
 from dpfed.common.job_params import PCAParams
@@ -45,6 +46,8 @@ class PCAJob(JobType):
         names = ctx.federation.feature_names
         schema = ctx.federation.schema
         params = PCAParams.from_mapping(ctx.params, n_features=len(names))
+        if params.aggregation == "secure":
+            return await run_secure_pca(ctx, params, self.kind)
         p = len(names)
         base = params.to_mapping()
         rounds = params.rounds(ctx.spec.epsilon, ctx.spec.delta)

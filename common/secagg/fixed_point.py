@@ -31,6 +31,7 @@ from dpfed.common.validation import check_int, check_positive
 __all__ = [
     "RING_BITS",
     "conditional_round",
+    "conditional_round_float",
     "from_ring",
     "max_scale",
     "rounded_norm_bound",
@@ -58,9 +59,14 @@ def rounded_norm_bound(scaled_norm: float, dim: int, beta: float = math.exp(-20)
     return min(tight, c + math.sqrt(d))
 
 
-def conditional_round(rows: np.ndarray, scale: float, bound: float,
-                      rng: np.random.Generator) -> np.ndarray:
-    """Randomized rounding of ``scale * rows`` to int64, each row conditioned on norm <= bound.
+def conditional_round_float(rows: np.ndarray, scale: float, bound: float,
+                            rng: np.random.Generator) -> np.ndarray:
+    """Randomized rounding of ``scale * rows``, as float64 integers, each row's norm <= bound.
+
+    ``floor(y + U)`` with ``U ~ Uniform[0, 1)`` rounds ``y`` up with probability equal to its
+    fractional part (unbiased). Rows whose rounded norm exceeds ``bound`` are rounded again
+    (rare: see :func:`rounded_norm_bound`). Values are exact integers held in float64, ready
+    for BLAS; :func:`conditional_round` returns them as int64.
 
     Raises
     ------
@@ -72,22 +78,26 @@ def conditional_round(rows: np.ndarray, scale: float, bound: float,
     if x.ndim != 2 or not np.all(np.isfinite(x)):
         raise ValidationError("rows must be a finite 2-D array")
     s = check_positive(scale, "scale")
-    b = check_positive(bound, "bound")
-    y = x * s
-    floor = np.floor(y)
-    frac = y - floor
-    out = np.empty(y.shape, dtype=np.int64)
-    todo = np.arange(y.shape[0])
+    b2 = check_positive(bound, "bound") ** 2 * (1 + 1e-12)
+    z = np.multiply(x, s)
+    z += rng.random(z.shape)
+    np.floor(z, out=z)
+    todo = np.flatnonzero(np.einsum("ij,ij->i", z, z) > b2)
     for _ in range(_MAX_ROUNDS):
         if todo.size == 0:
-            return out
-        up = rng.random((todo.size, y.shape[1])) < frac[todo]
-        z = floor[todo] + up
-        ok = np.einsum("ij,ij->i", z, z) <= b * b * (1 + 1e-12)
-        out[todo[ok]] = z[ok].astype(np.int64)
+            return z
+        retry = np.floor(x[todo] * s + rng.random((todo.size, x.shape[1])))
+        ok = np.einsum("ij,ij->i", retry, retry) <= b2
+        z[todo[ok]] = retry[ok]
         todo = todo[~ok]
     raise ValidationError(f"{todo.size} row(s) could not be rounded within the public bound "
-                          f"{b:g}; are the rows inside the declared ball?")
+                          f"{bound:g}; are the rows inside the declared ball?")
+
+
+def conditional_round(rows: np.ndarray, scale: float, bound: float,
+                      rng: np.random.Generator) -> np.ndarray:
+    """Return :func:`conditional_round_float` as int64."""
+    return conditional_round_float(rows, scale, bound, rng).astype(np.int64)
 
 
 def skellam_tail(mu: float, n_values: int, failure: float = 2.0 ** -60) -> float:

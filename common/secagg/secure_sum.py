@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from scipy.linalg.blas import dsyrk
 
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
-    conditional_round,
+    conditional_round_float,
     from_ring,
     max_scale,
     rounded_norm_bound,
@@ -49,13 +50,14 @@ from dpfed.common.secagg.fixed_point import (
 )
 from dpfed.common.secagg.keys import SignedKey, verify_signed_key
 from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_seed, sum_masked
-from dpfed.common.validation import check_int
+from dpfed.common.validation import check_int, check_positive
 
 __all__ = [
     "SecureSumPlan",
     "decode_sum",
     "integer_gram_upper",
     "integer_row_sum",
+    "plan_from_scale",
     "plan_gram",
     "plan_row_sum",
     "site_contribution",
@@ -122,9 +124,17 @@ def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float
     raise ValidationError(f"statistic must be 'gram' or 'row_sum', got {statistic!r}")
 
 
-def _plan(statistic: str, *, dim: int, total_rows: int, row_norm: float, epsilon: float,
-          delta: float, participants: Sequence[str], tolerated: int) -> SecureSumPlan:
+def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
+                    epsilon: float, delta: float, participants: Sequence[str],
+                    tolerated: int) -> SecureSumPlan:
+    """Return the plan for a fixed-point scale: bound, sensitivities, noise from public inputs.
+
+    A site calls this itself with the scale the coordinator chose, so the noise it adds never
+    depends on numbers it cannot check: whatever the scale, the bound and the calibration follow
+    from it, the schema's dimension and the job's (epsilon, delta).
+    """
     d = check_int(dim, "dim", minimum=1)
+    s = check_positive(scale, "scale")
     ids = tuple(sorted(set(participants)))
     if len(ids) != len(participants):
         raise ValidationError("participants must be distinct site ids")
@@ -132,31 +142,45 @@ def _plan(statistic: str, *, dim: int, total_rows: int, row_norm: float, epsilon
     if len(ids) <= t:
         raise ValidationError(f"a secure sum tolerating {t} colluding parties needs more than "
                               f"{t} participants, got {len(ids)}")
+    bound = rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d)
+    l2, l1 = _sensitivities(statistic, d, bound)
+    cal = skellam_calibrate(epsilon, delta, l2, l1)
+    if cal.mu > MU_MAX * 1.01:
+        raise ValidationError(f"the scale {s:g} needs noise variance {cal.mu:.3g}, above the "
+                              f"sampler's limit {MU_MAX:.3g}")
+    return SecureSumPlan(statistic, d, s, bound, cal.mu, t, ids, cal)
+
+
+def _plan(statistic: str, *, dim: int, total_rows: int, row_norm: float, epsilon: float,
+          delta: float, participants: Sequence[str], tolerated: int) -> SecureSumPlan:
+    d = check_int(dim, "dim", minimum=1)
+    _sensitivities(statistic, d, 1.0)  # validates the statistic's name
     degree = 2 if statistic == "gram" else 1
     n_values = d * (d + 1) // 2 if degree == 2 else d
-    # The noise needed grows with the scale (sensitivity ~ s^degree) and the room the ring
-    # leaves shrinks with the noise: iterate to a fixed point (a few steps suffice).
-    # The scale is also capped so the noise variance stays below MU_MAX (sensitivity ~ s^degree,
-    # so mu ~ s^(2 degree)).
+    # The largest scale that cannot wrap: the noise grows with the scale (sensitivity ~
+    # s^degree) and the room the ring leaves shrinks with the noise, so iterate to a fixed
+    # point; the scale is also capped so the noise variance stays below MU_MAX (mu ~ s^(2 deg)).
     mu = 1.0
     cap = math.inf
-    scale = bound = 0.0
-    cal: SkellamCalibration | None = None
+    plan: SecureSumPlan | None = None
     for _ in range(40):
         scale = min(cap, max_scale(row_norm=row_norm, dim=d, total_rows=total_rows,
                                    degree=degree, mu=mu, n_values=n_values))
         bound = rounded_norm_bound(scale * row_norm, d)
         l2, l1 = _sensitivities(statistic, d, bound)
-        cal = skellam_calibrate(epsilon, delta, l2, l1)
-        if cal.mu > MU_MAX:
-            cap = scale * (MU_MAX / cal.mu) ** (1 / (2 * degree)) * 0.99
+        mu_needed = skellam_calibrate(epsilon, delta, l2, l1).mu
+        if mu_needed > MU_MAX:
+            cap = scale * (MU_MAX / mu_needed) ** (1 / (2 * degree)) * 0.99
             continue
-        if cal.mu <= mu * (1 + 1e-9):
+        if mu_needed <= mu * (1 + 1e-9):
+            plan = plan_from_scale(statistic, dim=d, scale=scale, row_norm=row_norm,
+                                   epsilon=epsilon, delta=delta, participants=participants,
+                                   tolerated=tolerated)
             break
-        mu = max(mu, cal.mu)
-    if cal is None or cal.mu > MU_MAX:
+        mu = max(mu, mu_needed)
+    if plan is None:
         raise ValidationError("no fixed-point scale fits this secure sum in a 64-bit ring")
-    return SecureSumPlan(statistic, d, scale, bound, cal.mu, t, ids, cal)
+    return plan
 
 
 def plan_gram(*, dim: int, total_rows: int, epsilon: float, delta: float,
@@ -186,9 +210,9 @@ def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
         if x.ndim != 2 or x.shape[1] != d:
             raise ValidationError(f"rows must have {d} columns, got shape {x.shape}")
         for start in range(0, x.shape[0], block):
-            z = conditional_round(x[start:start + block], plan.scale, plan.bound, rng)
-            zf = z.astype(np.float64)
-            total += np.rint(zf.T @ zf).astype(np.int64)  # exact: partial sums < 2^53
+            z = conditional_round_float(x[start:start + block], plan.scale, plan.bound, rng)
+            # exact: integer entries, every partial sum < 2^53; upper triangle filled
+            total += np.rint(np.triu(dsyrk(1.0, z, trans=1, lower=0))).astype(np.int64)
     iu = np.triu_indices(d)
     return total[iu]
 
@@ -201,7 +225,8 @@ def integer_row_sum(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
         x = np.asarray(chunk, dtype=np.float64)
         if x.ndim != 2 or x.shape[1] != plan.dim:
             raise ValidationError(f"rows must have {plan.dim} columns, got shape {x.shape}")
-        total += conditional_round(x, plan.scale, plan.bound, rng).sum(axis=0)
+        total += np.rint(conditional_round_float(x, plan.scale, plan.bound, rng).sum(
+            axis=0)).astype(np.int64)  # exact: |sum| < 2^53 by the no-wrap scale
     return total
 
 
