@@ -9,13 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy import stats
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
-from dpfed.aggregator.simulate import pooled_second_moment
+from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
+from dpfed.common.pca.features import max_feature_norm
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg.fixed_point import from_ring
 from dpfed.common.secagg.masking import sum_masked
@@ -47,31 +49,43 @@ def _released(fed: LocalFederation, site_id: str) -> list[tuple[str, bytes]]:
 
 def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
         fed: LocalFederation) -> None:
-    with fed.analyst() as coord:
-        result = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure")
     schema = Schema.load(fed.schema_path)
-    reference, _counts = pooled_second_moment(schema, list(fed.data_paths.values()), None)
-    exact = top_components(reference, 3)
-    assert captured_energy(result.components_, reference) / captured_energy(
-        exact, reference) > 0.999
-    secure = result.metadata["secure"]
+    paths = list(fed.data_paths.values())
+    with fed.analyst() as coord:
+        centred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure")
+        uncentred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure",
+                              centering="none")
+    for result, is_centred in ((centred, True), (uncentred, False)):
+        reference = pooled_reference(schema, paths, centred=is_centred).matrix
+        exact = top_components(reference, 3)
+        assert captured_energy(result.components_, reference) / captured_energy(
+            exact, reference) > 0.999
+    spread = np.array([c.half_range for c in schema.columns])
+    np.testing.assert_allclose(centred.mean_, pooled_mean(schema, paths), atol=0.01 * spread.max())
+    secure = uncentred.metadata["secure"]
     assert secure["participants"] == fed.site_ids and secure["tolerated_colluders"] == 1
     masked = {}
     for site in fed.site_ids:
-        (task_id, data), = _released(fed, site)  # one charge per site: the secure sum
-        released = result_from_bytes(data)
-        assert released.spend.mechanism == "secure-skellam[n=3,t=1]"
-        masked[site] = released.arrays["masked"]
+        released = [result_from_bytes(data) for _task, data in _released(fed, site)]
+        # one charge per secure sum: the centred job's mean and Gram, the uncentred Gram
+        assert [r.spend.mechanism for r in released] == ["secure-skellam[n=3,t=1]"] * 3
+        masked[site] = released[-1].arrays["masked"]
         # What the coordinator received from this site, alone, is uniform in the ring.
         top_bytes = (masked[site].view(np.uint8).reshape(-1, 8)[:, 7]).astype(np.int64)
         p_value = stats.chisquare(np.bincount(top_bytes // 64, minlength=4)).pvalue
         assert p_value > 1e-4, (site, p_value)
-    # ...and the sum of exactly those messages is the pooled Gram (up to the small noise).
+    # ...and the sum of exactly those messages is the pooled Gram of the unit-ball rows.
     pooled = from_ring(sum_masked(list(masked.values()))).astype(np.float64)
+    reference = pooled_reference(schema, paths, centred=False).matrix
     p = reference.shape[0]
-    upper = reference[np.triu_indices(p)] * 4500
-    scale = secure["scale"]
-    assert np.max(np.abs(pooled / scale ** 2 - upper)) / 4500 < 1e-2
+    upper = reference[np.triu_indices(p)] * 4500 / max_feature_norm(schema) ** 2
+    assert np.max(np.abs(pooled / secure["scale"] ** 2 - upper)) / 4500 < 1e-2
+
+
+def pooled_mean(schema: Schema, paths: list[Path]) -> np.ndarray:
+    """The raw pooled mean of the demo data's (continuous) columns."""
+    frame = pd.concat([pd.read_csv(p) for p in paths])
+    return frame[list(schema.names)].to_numpy(dtype=np.float64).mean(axis=0)
 
 
 def test_a_site_failing_after_the_key_exchange_leads_to_a_clean_retry(
@@ -82,7 +96,7 @@ def test_a_site_failing_after_the_key_exchange_leads_to_a_clean_retry(
     with fed.analyst() as coord:
         events: list[str] = []
         result = coord.pca(2, epsilon=1000.0, delta=1e-5, aggregation="secure", min_sites=2,
-                           on_event=lambda e: events.append(e.message))
+                           centering="none", on_event=lambda e: events.append(e.message))
     secure = result.metadata["secure"]
     assert secure["attempts"] == 2
     assert secure["participants"] == ["hospital-1", "hospital-2"]
