@@ -139,7 +139,8 @@ class LocalFederation:
             "[server]\nlisten = \"127.0.0.1:0\"\n\n"
             f"[tls]\nca = {_q(self.certs / 'ca.pem')}\ncert = {_q(c / 'coordinator.pem')}\n"
             f"key = {_q(c / 'coordinator.key')}\n\n"
-            f"[federation]\nschema = {_q(self.schema_path)}\n\n"
+            f"[federation]\nschema = {_q(self.schema_path)}\n"
+            f"access_list = {_q(c / 'access.toml')}\n\n"
             f"[jobs]\nmin_sites = {self.min_sites}\ntask_deadline_s = {self.task_deadline_s}\n"
             f"resume_wait_s = {self.resume_wait_s}\n\n"
             f"[store]\npath = {_q(self.store)}\n")
