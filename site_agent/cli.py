@@ -32,11 +32,13 @@ from dpfed.common.data.data_sources import (
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import DpfedError
 from dpfed.common.logs import configure_logging
+from dpfed.common.transport.access import WatchedAccessList
 from dpfed.common.transport.certs import Role
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
 from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
 from dpfed.site_agent.agent import SiteAgent
 from dpfed.site_agent.config import SiteConfig, load_site_config
+from dpfed.site_agent.coordinator_check import CoordinatorCheck
 from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
 from dpfed.site_agent.runner import TaskRunner
 
@@ -110,7 +112,7 @@ def _run(config: SiteConfig) -> int:
         credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
                                                role="site")
     prepared = _prepare(config)
-    ledger = Ledger(config.ledger_path, config.budget)
+    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
     runner = TaskRunner(prepared.source, ledger, config.allowed_jobs,
                         deterministic_noise_seed=config.deterministic_noise_seed)
 
@@ -122,9 +124,15 @@ def _run(config: SiteConfig) -> int:
     status = ledger.status()
     log.info("[Site.start] ledger %s: %d event(s), epsilon spent %.6g of %g", config.ledger_path,
              status.events, status.epsilon_spent, status.epsilon_cap)
+    check = None
+    if config.tls is not None and config.revocation_list is not None:
+        check = CoordinatorCheck(WatchedAccessList(config.revocation_list), config.tls.ca,
+                                 config.tls.cert, config.tls.key, config.server_name)
+        log.info("[Site.start] coordinator certificates are checked against %s",
+                 config.revocation_list)
     agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
-                      server_name=config.server_name)
+                      server_name=config.server_name, coordinator_check=check)
 
     async def main() -> int:
         loop = asyncio.get_running_loop()

@@ -45,7 +45,8 @@ class JobContext:
 
     def __init__(self, *, job_id: str, spec: JobSpec, params: Mapping[str, Any],
                  federation: Federation, registry: SiteRegistry,
-                 emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0) -> None:
+                 emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0,
+                 analyst_id: str = "") -> None:
         self.job_id = job_id
         self.spec = spec
         self.params = params
@@ -54,6 +55,8 @@ class JobContext:
         self.emit = emit
         self.outcomes: dict[str, SiteOutcome] = {}
         self.wait_for_quorum_s = wait_for_quorum_s
+        #: The submitting analyst's id (from their certificate); sent with every task.
+        self.analyst_id = analyst_id
 
     @property
     def min_sites(self) -> int:
@@ -108,7 +111,7 @@ class JobContext:
         round_eps = self.spec.epsilon if epsilon is None else epsilon
         round_delta = self.spec.delta if delta is None else delta
         task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, round_eps,
-                    round_delta, dict(params), dict(arrays or {}))
+                    round_delta, dict(params), dict(arrays or {}), self.analyst_id)
         payload = task_to_bytes(task)
         deadline = time.time() + self.deadline_s
         lo, hi = progress

@@ -48,12 +48,16 @@ class Task:
     delta: float
     params: Mapping[str, Any] = field(default_factory=dict)
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    #: The analyst the coordinator attributes the task to (from their certificate); "" if none.
+    analyst_id: str = ""
 
     def digest(self) -> str:
         """SHA-256 over everything that determines the release (not the task id)."""
         h = hashlib.sha256()
         head = {"job_id": self.job_id, "kind": self.kind, "epsilon": self.epsilon,
                 "delta": self.delta, "params": self.params}
+        if self.analyst_id:  # absent from older tasks, whose digests stay as they were
+            head["analyst_id"] = self.analyst_id
         h.update(json.dumps(_canonical(head), sort_keys=True, separators=(",", ":")).encode())
         for name in sorted(self.arrays):
             a = np.ascontiguousarray(self.arrays[name])
