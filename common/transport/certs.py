@@ -22,10 +22,17 @@ Layout written by :func:`init_federation` (and extended by :func:`issue_certific
             analyst.pem               client certificate (clientAuth)
             analyst.key               0600
             ca.pem                    copy of the CA certificate
+        coordinator/access.toml       allow-lists (site and analyst ids) and revocations
+        revoked.toml                  the revocation list, also copied to sites/<id>/
+
+The two access files are described in :mod:`dpfed.common.transport.access`: ``init`` writes
+them with the ids it issues, ``issue`` adds its id (and under ``force`` revokes the
+certificate it replaces), :func:`revoke_certificate` revokes one.
 
 Each kit directory is self-contained, so it can be copied to the machine that uses it. A site
 or analyst added later with :func:`issue_certificate` gets a new kit signed by the same CA;
-no other file changes, so nothing has to be re-provisioned (a known pain point of NVFlare,
+no other kit changes (only the coordinator's allow-list gains its id), so nothing has to be
+re-provisioned (a known pain point of NVFlare,
 where adding a participant meant re-running provisioning: ``docs/references.md``).
 
 Identity encoding
@@ -846,8 +853,9 @@ def issue_certificate(
     """Issue one more certificate with an existing federation CA, touching no other file.
 
     This is how a hospital joins after the federation was set up: its kit
-    (``sites/<id>/``) is written next to the others and signed by the same CA, so neither the
-    coordinator nor any other site needs new files.
+    (``sites/<id>/``) is written next to the others and signed by the same CA, and its id is
+    added to the coordinator's allow-list (``coordinator/access.toml``, which the coordinator
+    reads again without a restart); no other site needs new files.
 
     Parameters
     ----------

@@ -23,6 +23,7 @@ from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.server import RunningCoordinator, start_coordinator
 from dpfed.common import exit_codes
 from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ConfigError
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport import certs
 from dpfed.common.transport.grpc_options import channel_options
@@ -223,3 +224,22 @@ async def test_a_malformed_access_file_keeps_the_previous_lists(fed: LocalFedera
             await stream.close()
     finally:
         await coordinator.stop(grace=0.5)
+
+
+async def test_a_coordinator_with_a_missing_access_file_does_not_start(
+        fed: LocalFederation) -> None:
+    (fed.certs / "coordinator" / "access.toml").unlink()
+    config = dataclasses.replace(load_aggregator_config(fed.aggregator_config),
+                                 listen="127.0.0.1:0")
+    with pytest.raises(ConfigError, match="access list .*access.toml does not exist"):
+        await start_coordinator(config)
+
+
+def test_revoke_names_what_it_cannot_find(fed: LocalFederation,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert certs_main(["certs", "revoke", "--ca-dir", str(fed.certs), "nobody"]) \
+        == exit_codes.CONFIG_ERROR
+    assert "no site or analyst kit named 'nobody'" in capsys.readouterr().err
+    assert certs_main(["certs", "revoke", "--ca-dir", str(fed.certs), "admin/x"]) \
+        == exit_codes.CONFIG_ERROR
+    assert "site/ID, analyst/ID or coordinator" in capsys.readouterr().err
