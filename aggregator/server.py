@@ -114,14 +114,18 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
 
 async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,
                         interval_s: float) -> None:
-    """Re-read the access file when it changes and drop the sessions it now refuses."""
+    """Re-read the access file when it changes and drop the sessions it now refuses.
+
+    Live sessions are checked at every tick, not only when this loop saw the file change: a
+    new connection may have read the change first.
+    """
     while True:
         await asyncio.sleep(interval_s)
         try:
-            if access.reload():
-                closed = site_link.enforce_access()
-                log.info("[Coordinator.access] access list reloaded; %d session(s) dropped",
-                         closed)
+            access.reload()
+            closed = site_link.enforce_access()
+            if closed:
+                log.info("[Coordinator.access] %d session(s) dropped by the access list", closed)
         except Exception:  # noqa: BLE001 -- the watcher must outlive any one bad reload
             log.exception("[Coordinator.access] checking the access list failed")
 
