@@ -32,7 +32,7 @@ from dpfed.common.data.data_sources import (
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import DpfedError
 from dpfed.common.logs import configure_logging
-from dpfed.common.transport.access import WatchedAccessList
+from dpfed.common.transport.access import WatchedAccessList, read_access_list
 from dpfed.common.transport.certs import Role
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
 from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
@@ -152,15 +152,23 @@ def _check(config: SiteConfig) -> int:
         material = check_tls_files(config.tls.ca, config.tls.cert, config.tls.key, use="client",
                                    roles=site_role)
         print(f"certificate: {material.principal}, valid until {material.not_after:%Y-%m-%d}")
+    if config.revocation_list is not None:
+        revoked = read_access_list(config.revocation_list).revoked
+        print(f"revocation list: {config.revocation_list}: {len(revoked)} revoked certificate(s)")
     prepared = _prepare(config)
     print(f"schema: {len(prepared.schema.columns)} columns, digest "
           f"{prepared.schema.digest()[:12]}...")
     print(f"data: {prepared.source.describe()}: {prepared.row_count} valid rows")
-    ledger = Ledger(config.ledger_path, config.budget)
+    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
     try:
         s = ledger.status()
         print(f"ledger: {config.ledger_path}: {s.events} event(s); epsilon spent "
               f"{s.epsilon_spent:.6g} of {s.epsilon_cap:g} ({s.accountant})")
+        for analyst in sorted(config.analyst_budgets):
+            share = ledger.analyst_status(analyst)
+            assert share is not None
+            print(f"  analyst {analyst}: epsilon spent {share.epsilon_spent:.6g} of its share "
+                  f"{share.epsilon_cap:g}")
     finally:
         ledger.close()
     print(f"coordinator: {config.coordinator_address}")
