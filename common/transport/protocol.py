@@ -49,6 +49,8 @@ class Task:
     params: Mapping[str, Any] = field(default_factory=dict)
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
     #: The analyst the coordinator attributes the task to (from their certificate); "" if none.
+    #: Not part of :meth:`digest`: it does not change the release, and a task resent after an
+    #: upgrade keeps its digest. A replay keeps the attribution of the first charge.
     analyst_id: str = ""
 
     def digest(self) -> str:
@@ -56,8 +58,6 @@ class Task:
         h = hashlib.sha256()
         head = {"job_id": self.job_id, "kind": self.kind, "epsilon": self.epsilon,
                 "delta": self.delta, "params": self.params}
-        if self.analyst_id:  # absent from older tasks, whose digests stay as they were
-            head["analyst_id"] = self.analyst_id
         h.update(json.dumps(_canonical(head), sort_keys=True, separators=(",", ":")).encode())
         for name in sorted(self.arrays):
             a = np.ascontiguousarray(self.arrays[name])

@@ -205,3 +205,13 @@ async def test_the_coordinator_attributes_tasks_and_the_site_enforces_the_share(
     assert [ledger.analyst_of(e.task_id) for e in events] == ["analyst", "bob"]
     refused = ledger.refusals()
     assert len(refused) == 1 and "analyst 'analyst'" in refused[0].message
+
+
+def test_the_analyst_id_travels_with_the_task_and_leaves_the_digest_alone() -> None:
+    from dpfed.common.transport.protocol import Task
+    from dpfed.common.transport.wire import task_from_bytes, task_to_bytes
+
+    task = Task("j/r", "j", "pca", 1.0, 1e-6, {"n_components": 2}, {}, "alice")
+    decoded = task_from_bytes(task_to_bytes(task))
+    assert decoded.analyst_id == "alice"
+    assert decoded.digest() == dataclasses.replace(task, analyst_id="").digest()
