@@ -152,6 +152,10 @@ class Topology:
                 proc.wait(10)
         for ns in reversed(self.namespaces):
             _remove_namespace(ns)
+        try:
+            Path("/etc/netns").rmdir()  # only if empty: other namespaces' files stay
+        except OSError:
+            pass
 
 
 def _env(root: Path | None = None) -> dict[str, str]:
@@ -256,3 +260,13 @@ def test_partitioned_hospital_job_follows_policy_and_the_site_rejoins(
     assert full.returncode == exit_codes.OK, full.stdout + full.stderr + topo.log("hospital-3")
     assert "from 3 site(s)" in full.stdout, full.stdout
     assert all(proc.poll() is None for proc in topo.procs.values()), "a process died"
+
+
+def test_the_skip_reason_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    if sys.platform.startswith("linux"):
+        assert "needs root" in (_netns_unavailable() or "")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    if sys.platform.startswith("linux"):
+        assert "'ip' command" in (_netns_unavailable() or "")
