@@ -63,7 +63,6 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
     schema = Schema.load(config.schema_path)
     federation = Federation(schema, min_sites=config.min_sites,
                             task_deadline_s=config.task_deadline_s,
-                            allowed_sites=frozenset(config.allowed_sites),
                             resume_wait_s=config.resume_wait_s)
     access = AccessControl(access_list=config.access_list, sites=config.allowed_sites,
                            analysts=config.allowed_analysts,
