@@ -11,6 +11,7 @@ Example (paths are relative to the file)::
     ca = "kit/ca.pem"
     cert = "kit/site.pem"
     key = "kit/site.key"
+    revocation_list = "kit/revoked.toml"  # from 'dpfed certs'; re-read when it changes
 
     [data]
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
@@ -29,6 +30,9 @@ Example (paths are relative to the file)::
     delta = 1e-5
     accountant = "basic"        # basic | zcdp
 
+    [budget.analysts]           # optional: the most epsilon each analyst may spend here
+    alice = 2.0                 # (same accountant and delta as the total; ids as certified)
+
     [policy]
     allowed_jobs = ["pca"]
     max_epsilon_per_task = 2.0
@@ -46,7 +50,7 @@ The site's identity is the id in its certificate; it is deliberately not a confi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,7 @@ from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.transport.certs import check_principal_id
 from dpfed.site_agent.handlers.secagg import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
@@ -96,6 +101,10 @@ class SiteConfig:
     #: Test/demo only: derive noise deterministically from this seed and the task id. Never
     #: reachable from the network; the agent logs a warning when it is set.
     deterministic_noise_seed: int | None = None
+    #: The site's copy of the federation's revocation list (``revoked.toml``), if any.
+    revocation_list: Path | None = None
+    #: Per-analyst epsilon caps (analyst id -> epsilon), within the total budget.
+    analyst_budgets: dict[str, float] = field(default_factory=dict)
 
     @property
     def insecure(self) -> bool:
@@ -135,6 +144,9 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     tls_section = root.section("tls")
     insecure = bool(overrides.get("insecure")) or tls_section.boolean("insecure", False)
     tls = tls_from_section(tls_section, insecure)
+    revocation_list = tls_section.path("revocation_list")
+    if revocation_list is not None and tls is None:
+        raise ConfigError(f"{source}: tls.revocation_list needs TLS (remove insecure)")
     tls_section.check_unknown()
 
     data = root.section("data", required=True)
@@ -179,6 +191,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
     allowed = policy.str_list("allowed_jobs", list(KNOWN_JOB_KINDS))
     unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
@@ -213,6 +226,25 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         source=source, coordinator_address=address, server_name=server_name,
         connect_timeout_s=timeout, tls=tls, data=data_cfg, ledger_path=ledger_path,
         budget=budget_policy, allowed_jobs=tuple(allowed), secure=secure,
-        log_level=level.upper(),
-        log_file=log_file, deterministic_noise_seed=seed,
+        log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
+        revocation_list=revocation_list, analyst_budgets=analyst_budgets,
     )
+
+
+def _analyst_budgets(section: Section, total: BudgetPolicy) -> dict[str, float]:
+    """Read ``[budget.analysts]``: analyst id -> epsilon cap, each in (0, budget.epsilon]."""
+    caps: dict[str, float] = {}
+    for name in list(section.data):
+        try:
+            check_principal_id(name, "analyst")
+        except ValidationError as exc:
+            raise ConfigError(f"{section.source}: [{section.name}] {exc}") from None
+        cap = section.number(name, required=True, positive=True)
+        assert cap is not None
+        if cap > total.epsilon:
+            raise ConfigError(f"{section.source}: {section.name}.{name} = {cap:g} exceeds "
+                              f"budget.epsilon = {total.epsilon:g}; a share cannot be larger "
+                              "than the whole")
+        caps[name] = cap
+    section.check_unknown()
+    return caps

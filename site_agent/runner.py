@@ -120,6 +120,7 @@ class TaskRunner:
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
                 cost=prepared.cost,
                 release=lambda: result_to_bytes(prepared.release(rng)),
+                analyst=task.analyst_id,
             )
         except BudgetExceededError as exc:
             log.warning("[TaskRunner.run] %s refused: %s", tag, exc)

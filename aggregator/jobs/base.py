@@ -47,7 +47,8 @@ class JobContext:
     def __init__(self, *, job_id: str, spec: JobSpec, params: Mapping[str, Any],
                  federation: Federation, registry: SiteRegistry,
                  emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False,
+                 analyst_id: str = "") -> None:
         self.job_id = job_id
         self.spec = spec
         self.params = params
@@ -58,6 +59,8 @@ class JobContext:
         self.wait_for_quorum_s = wait_for_quorum_s
         self.resumed = resumed
         self._over_budget: set[str] = set()
+        #: The submitting analyst's id (from their certificate); sent with every task.
+        self.analyst_id = analyst_id
 
     @property
     def min_sites(self) -> int:
@@ -147,7 +150,7 @@ class JobContext:
         round_eps = self.spec.epsilon if epsilon is None else epsilon
         round_delta = self.spec.delta if delta is None else delta
         task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, round_eps,
-                    round_delta, dict(params), dict(arrays or {}))
+                    round_delta, dict(params), dict(arrays or {}), self.analyst_id)
         payload = task_to_bytes(task)
         deadline = time.time() + self.deadline_s
         lo, hi = progress
