@@ -4,6 +4,7 @@ Example (paths relative to the file)::
 
     [server]
     listen = "0.0.0.0:50051"
+    keepalive_s = 10            # a silent (dead or hung) site is dropped within this time
 
     [tls]
     ca = "certs/ca.pem"
@@ -34,6 +35,11 @@ from typing import Any
 
 from dpfed.common.errors import ConfigError
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.transport.grpc_options import (
+    DEFAULT_KEEPALIVE_S,
+    MAX_KEEPALIVE_S,
+    MIN_KEEPALIVE_S,
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class AggregatorConfig:
     log_level: str = "INFO"
     log_file: Path | None = None
     port_file: Path | None = None
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
 
 
 def load_aggregator_config(path: str | Path,
@@ -69,6 +76,10 @@ def load_aggregator_config(path: str | Path,
     assert listen is not None
     if ":" not in listen.rsplit("]", 1)[-1]:
         raise ConfigError(f"{p}: server.listen must be host:port, got {listen!r}")
+    keepalive_s = server.number("keepalive_s", DEFAULT_KEEPALIVE_S)
+    if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
+        raise ConfigError(f"{p}: server.keepalive_s must be between {MIN_KEEPALIVE_S:g} and "
+                          f"{MAX_KEEPALIVE_S:g} seconds, got {keepalive_s!r}")
     file_port_file = server.path("port_file")
     port_file = Path(overrides["port_file"]) if overrides.get("port_file") else file_port_file
     server.check_unknown()
@@ -106,4 +117,5 @@ def load_aggregator_config(path: str | Path,
     assert schema_path is not None and store_path is not None
     assert min_sites is not None and deadline is not None and resume_wait is not None
     return AggregatorConfig(str(p), listen, tls, schema_path, allowed, min_sites, deadline,
-                            max(resume_wait, 0.0), store_path, level, log_file, port_file)
+                            max(resume_wait, 0.0), store_path, level, log_file, port_file,
+                            keepalive_s)

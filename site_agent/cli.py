@@ -124,7 +124,7 @@ def _run(config: SiteConfig) -> int:
              status.events, status.epsilon_spent, status.epsilon_cap)
     agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
-                      server_name=config.server_name)
+                      server_name=config.server_name, keepalive_s=config.keepalive_s)
 
     async def main() -> int:
         loop = asyncio.get_running_loop()

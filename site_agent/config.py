@@ -6,6 +6,7 @@ Example (paths are relative to the file)::
     address = "coordinator.example.org:50051"
     # server_name = "coordinator.example.org"   # TLS name, when dialling an IP address
     connect_timeout_s = 120     # give up (exit 6) if never connected within this time
+    keepalive_s = 10            # a silent coordinator link is dropped (and redialled) within this
 
     [tls]
     ca = "kit/ca.pem"
@@ -51,6 +52,11 @@ from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.transport.grpc_options import (
+    DEFAULT_KEEPALIVE_S,
+    MAX_KEEPALIVE_S,
+    MIN_KEEPALIVE_S,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +97,7 @@ class SiteConfig:
     #: Test/demo only: derive noise deterministically from this seed and the task id. Never
     #: reachable from the network; the agent logs a warning when it is set.
     deterministic_noise_seed: int | None = None
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
 
     @property
     def insecure(self) -> bool:
@@ -125,6 +132,11 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: coordinator.address must be host:port, got {address!r}")
     server_name = coord.string("server_name") or None
     timeout = coord.number("connect_timeout_s", 120.0, positive=True)
+    keepalive_s = coord.number("keepalive_s", DEFAULT_KEEPALIVE_S)
+    if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
+        raise ConfigError(f"{source}: coordinator.keepalive_s must be between "
+                          f"{MIN_KEEPALIVE_S:g} and {MAX_KEEPALIVE_S:g} seconds, "
+                          f"got {keepalive_s!r}")
     coord.check_unknown()
 
     tls_section = root.section("tls")
@@ -200,5 +212,5 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         source=source, coordinator_address=address, server_name=server_name,
         connect_timeout_s=timeout, tls=tls, data=data_cfg, ledger_path=ledger_path,
         budget=budget_policy, allowed_jobs=tuple(allowed), log_level=level.upper(),
-        log_file=log_file, deterministic_noise_seed=seed,
+        log_file=log_file, deterministic_noise_seed=seed, keepalive_s=keepalive_s,
     )

@@ -86,6 +86,7 @@ import logging
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -483,7 +484,8 @@ class Ledger:
     # ------------------------------------------------------------------ charging
 
     def charge_and_release(self, *, task_id: str, job_id: str, kind: str, payload_digest: str,
-                           cost: PrivacyCost, release: Callable[[], bytes]) -> LedgerOutcome:
+                           cost: PrivacyCost, release: Callable[[], bytes],
+                           deadline_unix: float | None = None) -> LedgerOutcome:
         """Charge ``cost`` for ``task_id`` and release its bytes, at most once per task id.
 
         Parameters
@@ -503,6 +505,12 @@ class Ledger:
             Draws the noise and returns the bytes to send. Called at most once, only after the
             budget check passed, while the ledger's write lock is held; it must not use this
             ledger itself (it would wait for its own lock).
+        deadline_unix : float, optional
+            The task's deadline (seconds since the epoch). Checked inside the transaction,
+            after the write lock is taken and again after ``release`` returned: a task whose
+            deadline passed is never charged (the coordinator no longer waits for it), and
+            drawn bytes that were not committed never leave the site. A replay of an already
+            charged task is still answered (it costs nothing).
 
         Returns
         -------
@@ -523,6 +531,8 @@ class Ledger:
             (no noise is drawn); a refusal row is recorded, no event.
         LedgerCorruptionError
             The stored bytes of a replayed task no longer match their digest.
+        TaskExpiredError
+            ``deadline_unix`` passed before the charge could be committed; nothing charged.
         sqlite3.OperationalError
             The write lock stayed taken longer than ``busy_timeout_s``; nothing was charged.
         Exception
@@ -557,6 +567,7 @@ class Ledger:
                 conn.execute("ROLLBACK")
                 return self._replay(conn, request, *stored)
 
+            _check_deadline(deadline_unix, request.task_id)
             spent, n_events = _spent_from(conn)  # step 2: derived from events, under the lock
             try:
                 self._policy.check(spent, request.cost)
@@ -573,6 +584,7 @@ class Ledger:
             if not isinstance(result, bytes):
                 raise ValidationError(
                     f"release() must return bytes, got {type(result).__name__}")
+            _check_deadline(deadline_unix, request.task_id)  # rolled back: nothing charged
             event = LedgerEvent(
                 seq=_next_seq(conn), task_id=request.task_id, job_id=request.job_id,
                 kind=request.kind, mechanism=request.cost.mechanism,
@@ -726,6 +738,16 @@ class Ledger:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class TaskExpiredError(DpfedError):
+    """A task's deadline passed before it was charged; nothing was charged or released."""
+
+
+def _check_deadline(deadline_unix: float | None, task_id: str) -> None:
+    if deadline_unix is not None and time.time() > deadline_unix:
+        raise TaskExpiredError(f"task {task_id!r}: its deadline passed "
+                               f"{time.time() - deadline_unix:.3f}s ago; not charged")
 
 
 def _rollback_quietly(conn: sqlite3.Connection) -> None:

@@ -10,10 +10,16 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.validators import (
+    RESULT_ENVELOPE_BYTES,
+    check_gram_factor,
+    require_array,
+    require_positive_int,
+    symmetric_gaussian_norm_bound,
+)
 from dpfed.aggregator.pca_result import PCAResult
-from dpfed.common.errors import ProtocolError
 from dpfed.common.job_params import PCAParams
-from dpfed.common.pca.dppca import combine
+from dpfed.common.pca.dppca import combine, pca_mechanism
 from dpfed.common.transport.protocol import JobSpec, TaskResult
 from dpfed.common.validation import check_delta, check_epsilon
 
@@ -38,17 +44,19 @@ class PCAJob(JobType):
         p = len(names)
 
         def check(result: TaskResult) -> None:
-            factor = result.arrays.get("factor")
-            if factor is None or factor.shape != (p, params.rank) or factor.dtype != np.float64:
-                shape = None if factor is None else factor.shape
-                raise ProtocolError(f"expected a float64 factor of shape ({p}, {params.rank}), "
-                                    f"got {shape}")
-            n = result.metadata.get("n_rows")
-            if not isinstance(n, int) or n <= 0:
-                raise ProtocolError("result lacks a positive n_rows")
+            factor = require_array(result, "factor", (p, params.rank))
+            n = require_positive_int(result.metadata, "n_rows")
+            # What an honest P_s can be: ||G_s/N_s||_2 <= 1 (unit-ball rows) plus the noise,
+            # whose sigma is public (epsilon, delta, calibration and the site's N_s).
+            sigma = pca_mechanism(n, ctx.spec.epsilon, ctx.spec.delta, params.calibration).sigma
+            check_gram_factor(factor, "P_s", trace_bound=1.0,
+                              noise_norm_bound=symmetric_gaussian_norm_bound(sigma, p))
 
+        # The answer is P_s (p x R float64) plus a small envelope (metadata, spend).
+        expected = p * params.rank * 8
         results = await ctx.dispatch("pca", params.to_mapping(), round_name="pca",
-                                     check_result=check, progress=(0.05, 0.9))
+                                     check_result=check, progress=(0.05, 0.9),
+                                     max_result_bytes=expected + RESULT_ENVELOPE_BYTES)
         ctx.emit("combine", f"combining {len(results)} site factor(s) (p={p}, "
                  f"R={params.rank}) into K={params.n_components} components", 0.92)
         site_ids = sorted(results)
