@@ -43,6 +43,9 @@ def _common(keepalive_s: float) -> Options:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", half_ms),
         ("grpc.keepalive_timeout_ms", half_ms),
+        # gRPC core >= 1.5x times an unanswered ping out after grpc.http2.ping_timeout_ms
+        # (default one minute) whatever keepalive_timeout_ms says: set both.
+        ("grpc.http2.ping_timeout_ms", half_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
