@@ -76,6 +76,9 @@ class SiteSession:
     transfers: Reassembler = field(default_factory=lambda: Reassembler(MAX_TRANSFER_BYTES))
     budget_bucket: TokenBucket = field(
         default_factory=lambda: TokenBucket(BUDGET_BURST, BUDGET_PER_S))
+    #: Budget reports accepted / dropped by the rate limit (logged when the session ends).
+    budget_accepted: int = 0
+    budget_dropped: int = 0
 
     async def submit(self, task_id: str, payload: bytes, deadline_unix: float, *,
                      max_result_bytes: int = MAX_TRANSFER_BYTES) -> TaskResult | Refusal:
@@ -136,7 +139,11 @@ class SiteSession:
 
     def allow_budget_report(self) -> bool:
         """Rate limit of budget reports (a site sends one per task)."""
-        return self.budget_bucket.allow()
+        if self.budget_bucket.allow():
+            self.budget_accepted += 1
+            return True
+        self.budget_dropped += 1
+        return False
 
     def resolve(self, task_id: str, outcome: TaskResult | Refusal) -> bool:
         """Deliver a site's answer; False if nobody is waiting for it (late or unknown)."""
@@ -201,6 +208,10 @@ class SiteRegistry:
                 del self._sessions[session.site_id]
             self._changed.notify_all()
         log.info("[SiteRegistry.detach] site=%s reason=%s", session.site_id, reason)
+        if session.budget_dropped:
+            log.warning("[SiteRegistry.detach] site=%s sent budget reports too fast: %d "
+                        "dropped, %d accepted", session.site_id, session.budget_dropped,
+                        session.budget_accepted)
 
     def get(self, site_id: str) -> SiteSession | None:
         """Return the live session of a site, if connected."""

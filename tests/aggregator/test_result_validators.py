@@ -43,8 +43,9 @@ def test_the_noise_bound_holds_with_room_to_spare() -> None:
     for p in (1, 2, 8, 40):
         norms = [np.linalg.norm(symmetric_gaussian_noise(p, 1.0, rng), 2) for _ in range(300)]
         assert max(norms) < symmetric_gaussian_norm_bound(1.0, p)
-        # ...and it is not vacuous: the typical norm is within a small factor of it.
-        assert np.median(norms) > symmetric_gaussian_norm_bound(1.0, p, t=0.0) / 3
+        # ...and it is not vacuous: for larger p the typical norm is near 2 sqrt(p).
+        if p >= 8:
+            assert np.median(norms) > 0.6 * symmetric_gaussian_norm_bound(1.0, p, t=0.0)
 
 
 def test_finite_value_check_walks_nested_values() -> None:
