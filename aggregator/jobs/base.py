@@ -154,9 +154,11 @@ class JobContext:
             while pending:
                 self._changed.clear()
                 changed = asyncio.ensure_future(self._changed.wait())
-                finished, _ = await asyncio.wait({*pending, changed},
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                changed.cancel()
+                try:
+                    finished, _ = await asyncio.wait({*pending, changed},
+                                                     return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
                 pending -= finished
                 for t in finished & set(running):
                     t.result()  # re-raise a bug in one() instead of hiding it
