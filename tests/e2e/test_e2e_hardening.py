@@ -164,4 +164,5 @@ def test_unfinished_transfers_do_not_grow_the_coordinator(tmp_path: Path) -> Non
         federation.stop_all()
     print(f"\ncoordinator RSS {before:.0f} MiB -> {after:.0f} MiB after 48 unfinished "
           "transfers x 4 MiB sent")
-    assert after - before < 64, (before, after)
+    # 192 MiB were sent; the landed code kept all of it (48 x 15 MiB: 169 -> 850 MiB).
+    assert after - before < 96, (before, after)
