@@ -151,7 +151,8 @@ def _run(config: SiteConfig) -> int:
                  config.revocation_list)
     agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
-                      server_name=config.server_name, coordinator_check=check)
+                      server_name=config.server_name, coordinator_check=check,
+                      keepalive_s=config.keepalive_s)
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
