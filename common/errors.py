@@ -72,3 +72,15 @@ class CoordinatorUnavailableError(DpfedError):
 
 class JobFailedError(DpfedError):
     """A job ended in the failed state; the message carries the coordinator's reason."""
+
+
+class JobBudgetExceededError(JobFailedError, BudgetExceededError):
+    """A job failed because the sites refused it for lack of privacy budget.
+
+    Both a :class:`JobFailedError` (the job ended failed) and a :class:`BudgetExceededError`
+    (the binaries exit with ``exit_codes.BUDGET_EXCEEDED``, not ``JOB_FAILED``).
+    """
+
+
+class SitesNotConnectedError(DpfedError):
+    """The coordinator answered, but fewer sites than asked for connected in time."""
