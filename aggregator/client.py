@@ -108,6 +108,17 @@ def job_failure(info: JobInfo) -> JobFailedError:
     return JobFailedError(message)
 
 
+def pca_params(n_components: int, *, rank: int | None = None, calibration: str = "analytic",
+               clip_norm: float | None = None) -> dict[str, Any]:
+    """Return the ``params`` of a pca job spec (what :meth:`Coordinator.pca` submits)."""
+    params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
+    if rank is not None:
+        params["rank"] = rank
+    if clip_norm is not None:
+        params["clip_norm"] = clip_norm
+    return params
+
+
 class Coordinator:
     """A connection to the coordinator, authenticated with an analyst certificate.
 
@@ -298,11 +309,8 @@ class Coordinator:
         JobFailedError
             If the job failed (e.g. quorum not reached); the message says why.
         """
-        params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
-        if rank is not None:
-            params["rank"] = rank
-        if clip_norm is not None:
-            params["clip_norm"] = clip_norm
+        params = pca_params(n_components, rank=rank, calibration=calibration,
+                            clip_norm=clip_norm)
         job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         return self.pca_result(job)

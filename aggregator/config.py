@@ -4,6 +4,8 @@ Example (paths relative to the file)::
 
     [server]
     listen = "0.0.0.0:50051"
+    # health_listen = "127.0.0.1:50052"  # optional plaintext gRPC health port (see
+    #                                    # docs/operations.md): health status only, no TLS
 
     [tls]
     ca = "certs/ca.pem"
@@ -24,6 +26,8 @@ Example (paths relative to the file)::
 
     [logging]
     level = "INFO"
+    format = "text"             # text | json (one JSON event per line)
+    # file = "coordinator.log"
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpfed.common.cli_support import check_address
 from dpfed.common.errors import ConfigError
+from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 
 
@@ -52,13 +58,16 @@ class AggregatorConfig:
     log_level: str = "INFO"
     log_file: Path | None = None
     port_file: Path | None = None
+    log_format: str = "text"
+    health_listen: str | None = None
 
 
 def load_aggregator_config(path: str | Path,
                            overrides: dict[str, Any] | None = None) -> AggregatorConfig:
     """Read and validate ``aggregator.toml``; ``overrides`` from flags win.
 
-    Recognised overrides: ``listen``, ``store``, ``port_file``, ``log_level``, ``insecure``.
+    Recognised overrides: ``listen``, ``store``, ``port_file``, ``log_level``, ``log_format``,
+    ``insecure``.
     """
     overrides = overrides or {}
     p = Path(path)
@@ -67,8 +76,10 @@ def load_aggregator_config(path: str | Path,
     file_listen = server.string("listen", "0.0.0.0:50051")  # read even when overridden
     listen = overrides.get("listen") or file_listen
     assert listen is not None
-    if ":" not in listen.rsplit("]", 1)[-1]:
-        raise ConfigError(f"{p}: server.listen must be host:port, got {listen!r}")
+    check_address(listen, f"{p}: server.listen", allow_port_zero=True)
+    health_listen = server.string("health_listen") or None
+    if health_listen is not None:
+        check_address(health_listen, f"{p}: server.health_listen", allow_port_zero=True)
     file_port_file = server.path("port_file")
     port_file = Path(overrides["port_file"]) if overrides.get("port_file") else file_port_file
     server.check_unknown()
@@ -101,9 +112,14 @@ def load_aggregator_config(path: str | Path,
         raise ConfigError(f"{p}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")
     log_file = lg.path("file")
+    log_format = overrides.get("log_format") or lg.string("format", "text") or "text"
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"{p}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
+                          f"got {log_format!r}")
     lg.check_unknown()
     root.check_unknown()
     assert schema_path is not None and store_path is not None
     assert min_sites is not None and deadline is not None and resume_wait is not None
     return AggregatorConfig(str(p), listen, tls, schema_path, allowed, min_sites, deadline,
-                            max(resume_wait, 0.0), store_path, level, log_file, port_file)
+                            max(resume_wait, 0.0), store_path, level, log_file, port_file,
+                            log_format, health_listen)

@@ -104,14 +104,18 @@ def address(what: str) -> Callable[[str], str]:
 def user_message(exc: BaseException, field_flags: Mapping[str, str] | None = None) -> str:
     """Return ``str(exc)`` with internal parameter names replaced by the user's flags.
 
-    Names with an underscore (``n_components``) are replaced wherever they appear; plain
-    words (``rank``, ``epsilon``) only where they lead a validation message ("rank must
-    be ..."), so prose such as "spent epsilon 1.0" is left alone.
+    Names with an underscore (``n_components``) are replaced wherever they appear;
+    ``name=value`` becomes ``--flag value``; plain words (``rank``, ``epsilon``) are replaced
+    only where they lead a validation message ("rank must be ..."), so prose such as "spent
+    epsilon 1.0" is left alone.
     """
     text = str(exc)
     flags = {**COMMON_FIELD_FLAGS, **(field_flags or {})}
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
+        # name='value' / name=value  ->  --flag value
+        text = re.sub(rf"(?<![\w-]){re.escape(name)}=(['\"]?)([^\s'\",;)]*)\1",
+                      lambda m, f=flag: f"{f} {m.group(2)}", text)
         if "_" in name:
             text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, text)
         else:

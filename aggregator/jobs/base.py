@@ -125,6 +125,8 @@ class JobContext:
                 results[site_id] = outcome[1]
             done += 1
             o = outcome[0]
+            log.info("[JobContext.dispatch] job=%s task=%s site=%s outcome=%s %s", self.job_id,
+                     task.task_id, site_id, o.status, o.reason)
             detail = "result received" if o.status == "ok" else f"{o.status}: {o.reason}"
             self.emit("site", f"site {site_id}: {detail} ({done}/{len(targets)})",
                       lo + (hi - lo) * done / len(targets))
