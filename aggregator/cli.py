@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from dpfed.common import exit_codes
 from dpfed.common.cli_support import (
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dpfed.aggregator.certs_cli import register as register_certs
 
-    register_certs(sub)
+    register_certs(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
 
     p = sub.add_parser("demo-data", help="generate demo hospital tables with a latent factor "
                        "structure and their schema.toml")

@@ -115,7 +115,7 @@ def user_message(exc: BaseException, field_flags: Mapping[str, str] | None = Non
         flag = flags[name]
         # name='value' / name=value  ->  --flag value
         text = re.sub(rf"(?<![\w-]){re.escape(name)}=(['\"]?)([^\s'\",;)]*)\1",
-                      lambda m, f=flag: f"{f} {m.group(2)}", text)
+                      rf"{flag} \2", text)
         if "_" in name:
             text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, text)
         else:
@@ -206,7 +206,7 @@ class LazyArgumentParser(argparse.ArgumentParser):
             populate, self._populate = self._populate, None
             populate(self)
 
-    def parse_known_args(self, args: Any = None,
+    def parse_known_args(self, args: Any = None,  # type: ignore[override]
                          namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         """Add the deferred arguments, then parse."""
         self._ensure_populated()
