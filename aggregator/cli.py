@@ -34,6 +34,7 @@ from dpfed.common.cli_support import (
     address,
     check_address,
     format_table,
+    parse_args,
     print_json,
     run_command,
 )
@@ -323,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     func: Callable[[argparse.Namespace], int] = args.func
     flags: dict[str, str] = getattr(args, "field_flags", None) or {}
     return run_command(f"dpfed {args.command}", lambda: func(args), flags)

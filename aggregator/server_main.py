@@ -13,7 +13,7 @@ import logging
 import sys
 
 from dpfed.common import exit_codes
-from dpfed.common.cli_support import add_version, run_command
+from dpfed.common.cli_support import add_version, parse_args, run_command
 from dpfed.common.errors import ConfigError, CoordinatorUnavailableError
 
 log = logging.getLogger("dpfed.aggregator")
@@ -72,7 +72,7 @@ def health_check(health_listen: str | None, timeout: float = HEALTH_CHECK_TIMEOU
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
 
     def run() -> int:
         import asyncio

@@ -211,3 +211,12 @@ class LazyArgumentParser(argparse.ArgumentParser):
         """Add the deferred arguments, then parse."""
         self._ensure_populated()
         return super().parse_known_args(args, namespace)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, exiting quietly if ``--help`` output meets a closed pipe."""
+    try:
+        return parser.parse_args(argv)
+    except BrokenPipeError:
+        _quiet_stdout()
+        raise SystemExit(exit_codes.PIPE_CLOSED) from None

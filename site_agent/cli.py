@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpfed import __version__
 from dpfed.common import exit_codes
-from dpfed.common.cli_support import add_version, address, run_command
+from dpfed.common.cli_support import add_version, address, parse_args, run_command
 from dpfed.common.errors import (
     CertificateError,
     ConfigError,
@@ -335,7 +335,7 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     command = args.command or "run"
     if not args.config:
         print("dpfed-site: --config is required (path to site.toml)", file=sys.stderr)
