@@ -56,7 +56,7 @@ TABLE: tuple[tuple[int, str, str], ...] = (
     (SITES_NOT_CONNECTED, "SITES_NOT_CONNECTED",
      "the coordinator is up but fewer sites than --wait-sites N connected in time"),
     (INTERRUPTED, "INTERRUPTED", "interrupted (Ctrl-C)"),
-    (PIPE_CLOSED, "PIPE_CLOSED", "standard output closed by its reader (e.g. `| head`)"),
+    (PIPE_CLOSED, "PIPE_CLOSED", "standard output closed by its reader (output piped into head)"),
 )
 
 

@@ -923,8 +923,9 @@ def ledger_as_json(ledger: Ledger) -> dict[str, Any]:
 def read_status_readonly(path: str | Path, policy: BudgetPolicy) -> BudgetStatus | None:
     """Return a ledger's budget status without creating, migrating or writing anything.
 
-    For ``dpfed-site check``: the file is opened with SQLite's ``mode=ro``, so a missing
-    ledger stays missing and an existing one is not switched to WAL or otherwise touched.
+    For ``dpfed-site check``: the file is opened read-only (SQLite ``mode=ro``, and
+    ``immutable=1`` when no write-ahead log is pending), so a missing ledger stays missing and
+    an existing one is not switched to WAL, written, or given -wal/-shm files.
 
     Returns
     -------
@@ -941,8 +942,14 @@ def read_status_readonly(path: str | Path, policy: BudgetPolicy) -> BudgetStatus
         raise ConfigError(f"ledger path {p} is a directory, expected a file")
     if not p.exists():
         return None
+    # With no -wal file every commit is in the main file, and ``immutable=1`` reads it without
+    # creating the -wal/-shm files a WAL database otherwise gets even from a read-only
+    # connection. With a -wal file (the agent is running, or stopped uncleanly), read through
+    # it with mode=ro so no committed charge is missed.
+    wal = p.with_name(p.name + "-wal")
+    flags = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
     try:
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True,
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?{flags}", uri=True,
                                isolation_level=None)
     except sqlite3.Error as exc:
         raise ConfigError(f"ledger {p} cannot be opened read-only: {exc}") from None
