@@ -45,6 +45,7 @@ def test_running_agents_uncheckpointed_charges_are_seen(tmp_path: Path) -> None:
     ledger = Ledger(path, POLICY)
     agent = sqlite3.connect(path)  # an open connection keeps the write-ahead log alive
     agent.execute("PRAGMA wal_autocheckpoint = 0")
+    agent.execute("SELECT count(*) FROM sqlite_master").fetchone()
     try:
         charge(ledger, "t1", 1.0)
         charge(ledger, "t2", 2.0)
