@@ -112,7 +112,8 @@ def load_aggregator_config(path: str | Path,
         raise ConfigError(f"{p}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")
     log_file = lg.path("file")
-    log_format = overrides.get("log_format") or lg.string("format", "text") or "text"
+    file_format = lg.string("format", "text") or "text"  # read even when overridden
+    log_format = overrides.get("log_format") or file_format
     if log_format not in LOG_FORMATS:
         raise ConfigError(f"{p}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
                           f"got {log_format!r}")

@@ -194,7 +194,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")
     log_file = logging_section.path("file")
-    log_format = overrides.get("log_format") or logging_section.string("format", "text") or "text"
+    file_format = logging_section.string("format", "text") or "text"  # read even if overridden
+    log_format = overrides.get("log_format") or file_format
     if log_format not in LOG_FORMATS:
         raise ConfigError(f"{source}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
                           f"got {log_format!r}")
