@@ -83,7 +83,7 @@ def check_address(text: str, what: str, *, allow_port_zero: bool = False) -> str
     if m is None or not low <= int(m.group("port")) <= 65535:
         host = text.strip().rsplit(":", 1)[0] if ":" in text and "]" not in text else text.strip()
         example = f"{host or 'coordinator.example.org'}:50051"
-        raise ConfigError(f"{what} must be HOST:PORT with a port in {low}..65535 (e.g. "
+        raise ConfigError(f"{what} must be host:port with a port in {low}..65535 (e.g. "
                           f"{example}), got {text!r}")
     return text.strip()
 

@@ -62,7 +62,7 @@ def test_user_message_names_flags_not_fields() -> None:
 @pytest.mark.parametrize("text", ["localhost", "localhost:", "host:port", "host:70000",
                                   "host:0", ":50051", "a b:1", "[::1]"])
 def test_address_without_a_port_shows_the_expected_form(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"--coordinator must be HOST:PORT .*e\.g\. .+:50051"):
+    with pytest.raises(ConfigError, match=r"--coordinator must be host:port .*e\.g\. .+:50051"):
         check_address(text, "--coordinator")
 
 

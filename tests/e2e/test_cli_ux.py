@@ -200,7 +200,7 @@ def test_coordinator_address_needs_a_port(fed: LocalFederation) -> None:
     args[1] = "localhost"
     run = dpfed("sites", *args)
     assert run.returncode == exit_codes.USAGE
-    assert "HOST:PORT" in run.stderr and "localhost:50051" in run.stderr
+    assert "must be host:port" in run.stderr and "localhost:50051" in run.stderr
     env = {**os.environ, "DPFED_COORDINATOR": "localhost"}
     run = dpfed("sites", *args[2:], env=env)
     assert run.returncode == exit_codes.CONFIG_ERROR and "localhost:50051" in run.stderr
