@@ -61,7 +61,14 @@ TABLE: tuple[tuple[int, str, str], ...] = (
 
 
 def for_error(exc: BaseException) -> int:
-    """Return the exit code that reports ``exc`` (most specific class first)."""
+    """Return the exit code that reports ``exc`` (most specific class first).
+
+    A :class:`dpfed.common.errors.ProcessExitedError` passes on its child's code when that
+    code is one of the table's.
+    """
+    if isinstance(exc, errors.ProcessExitedError):
+        known = {code for code, _, _ in TABLE} - {OK}
+        return exc.exit_code if exc.exit_code in known else INTERNAL_ERROR
     table: list[tuple[type[BaseException], int]] = [
         (errors.CertificateError, CERTIFICATE_ERROR),
         (errors.AuthenticationError, CERTIFICATE_ERROR),

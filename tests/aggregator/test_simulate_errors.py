@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from dpfed.aggregator.cli import main
+from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.common import exit_codes
+from dpfed.common.errors import ProcessExitedError
 
 CASES = [
     (["--k", "50"], exit_codes.USAGE, "--k must be <= 20, got 50"),
@@ -64,3 +66,26 @@ def test_bad_files_are_data_errors_before_anything_is_made(
         assert needle in capsys.readouterr().err and not out.exists()
     assert main([*base, "--data", str(good), "--k", "3"]) == exit_codes.USAGE
     assert "--k must be <= 2, got 3" in capsys.readouterr().err
+
+
+def test_a_child_process_exit_code_is_passed_on() -> None:
+    assert exit_codes.for_error(ProcessExitedError("site exited", 4)) == exit_codes.DATA_ERROR
+    assert exit_codes.for_error(ProcessExitedError("killed", -9)) == exit_codes.INTERNAL_ERROR
+    assert exit_codes.for_error(ProcessExitedError("odd", 0)) == exit_codes.INTERNAL_ERROR
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_site_that_stops_on_bad_data_gives_the_data_error_code(tmp_path: Path) -> None:
+    fed = LocalFederation.create(tmp_path / "fed", n_sites=1, rows=200, features=3, seed=1)
+    fed.data_paths["hospital-1"].write_text("not,the,schema\n1,2,3\n")  # columns missing
+    try:
+        fed.start_coordinator()
+        fed.start_sites()
+        with pytest.raises(ProcessExitedError) as info:
+            fed.wait_for_sites(timeout=60)
+    finally:
+        fed.stop_all()
+    assert info.value.exit_code == exit_codes.DATA_ERROR
+    assert exit_codes.for_error(info.value) == exit_codes.DATA_ERROR
+    assert "hospital-1 exited with code 4" in str(info.value)
