@@ -31,10 +31,12 @@ from dpfed.common.errors import (
     BudgetExceededError,
     CoordinatorUnavailableError,
     DpfedError,
+    JobBudgetExceededError,
     JobFailedError,
     NotFoundError,
     PermissionDeniedError,
     QuorumError,
+    SitesNotConnectedError,
     ValidationError,
 )
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc
@@ -82,6 +84,46 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> DpfedError:
     if code == grpc.StatusCode.FAILED_PRECONDITION and "budget" in details.lower():
         cls = BudgetExceededError
     return cls(details)
+
+
+#: The refusal code a site sends when its ledger has no budget left for a task.
+BUDGET_REFUSAL = "budget_exceeded"
+
+
+def job_failure(info: JobInfo) -> JobFailedError:
+    """Return the error that reports a job that did not succeed.
+
+    A :class:`JobBudgetExceededError` (exit code ``BUDGET_EXCEEDED``) when at least one site
+    refused for lack of budget and every other site that did not answer refused for the
+    same reason; a :class:`JobFailedError` otherwise.
+    """
+    failed = [s for s in info.sites if s.status != "ok"]
+    budget = [s for s in failed
+              if s.status == "refused" and s.reason.startswith(BUDGET_REFUSAL)]
+    message = f"job {info.job_id} {info.state}: {info.error}"
+    if budget and len(budget) == len(failed):
+        return JobBudgetExceededError(
+            f"{message} -- {len(budget)} site(s) have no privacy budget left for this request "
+            f"({', '.join(s.site_id for s in budget)}); `dpfed budgets` shows what is left")
+    return JobFailedError(message)
+
+
+def pca_params(n_components: int, *, rank: int | None = None, calibration: str = "analytic",
+               clip_norm: float | str | None = None, centering: str | None = None,
+               site_weighting: str | None = None, clip_quantile: float | None = None,
+               aggregation: str | None = None) -> dict[str, Any]:
+    """Return the ``params`` of a pca job spec (what :meth:`Coordinator.pca` submits).
+
+    Options left at None take the job's defaults (docs/pca.md).
+    """
+    params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
+    if rank is not None:
+        params["rank"] = rank
+    optional = {"clip_norm": clip_norm, "centering": centering,
+                "site_weighting": site_weighting, "clip_quantile": clip_quantile,
+                "aggregation": aggregation}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
 
 
 class Coordinator:
@@ -162,16 +204,40 @@ class Coordinator:
         return [(b.site_id, b.connected, budget_from_proto(b.budget)) for b in resp.budgets]
 
     def wait_for_sites(self, n: int, timeout: float = 60.0) -> list[SiteInfo]:
-        """Poll until at least ``n`` sites are connected (raises on timeout)."""
+        """Poll until at least ``n`` sites are connected.
+
+        While the coordinator is not answering yet (it may still be starting), keep polling
+        until ``timeout`` too.
+
+        Raises
+        ------
+        SitesNotConnectedError
+            The coordinator answered, but fewer than ``n`` sites connected in time.
+        CoordinatorUnavailableError
+            The coordinator never answered within ``timeout``.
+        """
         deadline = time.monotonic() + timeout
+        sites: list[SiteInfo] | None = None
         while True:
-            sites = self.sites()
-            if len(sites) >= n:
-                return sites
-            if time.monotonic() > deadline:
-                raise CoordinatorUnavailableError(
-                    f"only {len(sites)} of {n} site(s) connected after {timeout:g}s")
-            time.sleep(0.2)
+            try:
+                sites = self.sites()
+            except CoordinatorUnavailableError as exc:
+                if time.monotonic() > deadline:
+                    if sites is None:
+                        raise CoordinatorUnavailableError(
+                            f"{exc} (kept trying for {timeout:g}s)") from None
+                    raise
+            else:
+                if len(sites) >= n:
+                    return sites
+                if time.monotonic() > deadline:
+                    names = ", ".join(s.site_id for s in sites) or "none"
+                    raise SitesNotConnectedError(
+                        f"only {len(sites)} of {n} site(s) connected to {self.address} after "
+                        f"{timeout:g}s (connected: {names}); start the missing site agents "
+                        "(`dpfed-site check --config site.toml` tells a site what is wrong), "
+                        "wait longer with --wait-timeout, or ask for fewer with --wait-sites")
+            time.sleep(0.5 if sites is None else 0.2)
 
     # ------------------------------------------------------------------ jobs
     def _follow(self, stream: Iterator[analyst_pb2.JobEvent],
@@ -258,13 +324,10 @@ class Coordinator:
         JobFailedError
             If the job failed (e.g. quorum not reached); the message says why.
         """
-        params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
-        if rank is not None:
-            params["rank"] = rank
-        optional = {"clip_norm": clip_norm, "centering": centering,
-                    "site_weighting": site_weighting, "clip_quantile": clip_quantile,
-                    "aggregation": aggregation}
-        params.update({k: v for k, v in optional.items() if v is not None})
+        params = pca_params(n_components, rank=rank, calibration=calibration,
+                            clip_norm=clip_norm, centering=centering,
+                            site_weighting=site_weighting, clip_quantile=clip_quantile,
+                            aggregation=aggregation)
         job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         return self.pca_result(job)
@@ -273,5 +336,5 @@ class Coordinator:
         """Fetch a finished pca job's result (raises JobFailedError if it failed)."""
         info = self.job(job) if isinstance(job, str) else job
         if info.state != "succeeded":
-            raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+            raise job_failure(info)
         return PCAResult.from_bytes(self.fetch_result(info.job_id))

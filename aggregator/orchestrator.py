@@ -184,6 +184,8 @@ class JobManager:
             await asyncio.to_thread(self.store.save_result, job_id, data)
             self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),
                                   summary=dict(output.summary))
+            log.info("[JobManager._run] job=%s outcome=succeeded result=%d bytes", job_id,
+                     len(data))
             self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
                        "succeeded")
         except asyncio.CancelledError:
@@ -199,7 +201,7 @@ class JobManager:
         return tuple(ctx.outcomes[s] for s in sorted(ctx.outcomes))
 
     def _fail(self, job_id: str, ctx: JobContext, reason: str) -> None:
-        log.warning("[JobManager] job=%s failed: %s", job_id, reason)
+        log.warning("[JobManager] job=%s outcome=failed: %s", job_id, reason)
         self.store.update_job(job_id, state="failed", error=reason, sites=self._outcomes(ctx))
         self._emit(job_id, "failed", reason, 1.0, "failed")
 

@@ -96,7 +96,8 @@ class TaskRunner:
     def _run(self, task: Task, deadline_unix: float | None) -> bytes | Refusal:
         tag = f"task={task.task_id[:80]!r} job={task.job_id[:80]!r} kind={task.kind[:40]!r}"
         if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
-            log.warning("[TaskRunner.run] %s refused: kind not allowed by local policy", tag)
+            log.warning("[TaskRunner.run] %s outcome=refused: kind not allowed by local policy",
+                        tag)
             return Refusal(task.task_id, "not_allowed",
                            f"this site does not run {task.kind!r} jobs "
                            f"(allowed: {', '.join(self.allowed_kinds)})")
@@ -120,10 +121,11 @@ class TaskRunner:
         if stored is not None:
             if (stored.payload_digest, stored.job_id, stored.kind) == (digest, task.job_id,
                                                                       task.kind):
-                log.info("[TaskRunner.run] %s replayed from the ledger (no new charge)", tag)
+                log.info("[TaskRunner.run] %s outcome=replayed from the ledger (no new charge)",
+                         tag)
                 return self.ledger.stored_result(task.task_id)
-            log.warning("[TaskRunner.run] %s refused: task id reused with a different payload",
-                        tag)
+            log.warning("[TaskRunner.run] %s outcome=refused: task id reused with a different "
+                        "payload", tag)
             return Refusal(task.task_id, "conflict",
                            "this task id was already used for a different request")
         if deadline_unix is not None and time.time() > deadline_unix:
@@ -143,27 +145,27 @@ class TaskRunner:
             return Refusal(task.task_id, "deadline", "the task's deadline passed before it "
                            "could be charged; nothing was charged or released")
         except BudgetExceededError as exc:
-            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            log.warning("[TaskRunner.run] %s outcome=refused: %s", tag, exc)
             return Refusal(task.task_id, "budget_exceeded", str(exc))
         except IdempotencyConflictError as exc:
-            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            log.warning("[TaskRunner.run] %s outcome=refused: %s", tag, exc)
             return Refusal(task.task_id, "conflict", str(exc))
         except DataError as exc:
             # Data problems (a bad row under on_invalid="error", no valid rows, ...) are facts
             # about the site's data: the details stay in the local log, never in the refusal.
-            log.error("[TaskRunner.run] %s refused: the data cannot be read: %s", tag, exc)
+            log.error("[TaskRunner.run] %s outcome=refused: the data cannot be read: %s", tag, exc)
             return Refusal(task.task_id, "invalid",
                            "the site's data cannot be read under its row policy (details are "
                            "in the site's log)")
         except ValidationError as exc:
             # Problems with the task's own parameters: safe to explain to the coordinator.
-            log.warning("[TaskRunner.run] %s refused as invalid: %s", tag, exc)
+            log.warning("[TaskRunner.run] %s outcome=refused as invalid: %s", tag, exc)
             return Refusal(task.task_id, "invalid", str(exc))
         except Exception:
-            log.exception("[TaskRunner.run] %s failed", tag)
+            log.exception("[TaskRunner.run] %s outcome=failed", tag)
             return Refusal(task.task_id, "internal",
                            "the site failed to run the task (see its log)")
         state = "replayed" if outcome.replayed else "charged"
-        log.info("[TaskRunner.run] %s %s epsilon=%g delta=%g, %d bytes released", tag, state,
-                 prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
+        log.info("[TaskRunner.run] %s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
+                 state, prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
         return outcome.result

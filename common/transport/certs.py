@@ -75,6 +75,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dpfed.common.errors import AuthenticationError, CertificateError, ConfigError, ValidationError
+from dpfed.common.transport.cert_defaults import DEFAULT_CA_VALIDITY_DAYS, DEFAULT_VALIDITY_DAYS
 from dpfed.common.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ _ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # One DNS label; '_' is tolerated because docker compose service names use it (not RFC 1123).
 _LABEL_RE = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 
-DEFAULT_VALIDITY_DAYS = 365
-DEFAULT_CA_VALIDITY_DAYS = 3650
 #: Certificates are back-dated by this much so a peer whose clock is a little behind
 #: does not reject a certificate issued a moment ago.
 CLOCK_SKEW = dt.timedelta(minutes=5)
