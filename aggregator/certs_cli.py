@@ -120,6 +120,8 @@ def _run_issue(args: argparse.Namespace) -> int:
 
 def _resolve_name(ca_dir: Path, name: str) -> tuple[str, str | None]:
     """Turn ``site/ID``, ``analyst/ID``, ``coordinator`` or a bare id into (role, id)."""
+    from dpfed.common.transport import certs
+
     if name == certs.COORDINATOR_NAME:
         return "coordinator", None
     role, sep, rest = name.partition("/")
@@ -137,6 +139,8 @@ def _resolve_name(ca_dir: Path, name: str) -> tuple[str, str | None]:
 
 
 def _run_revoke(args: argparse.Namespace) -> int:
+    from dpfed.common.transport import certs
+
     try:
         role, name = _resolve_name(args.ca_dir, args.name)
         fp = certs.revoke_certificate(args.ca_dir, role=role, name=name, reason=args.reason)

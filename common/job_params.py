@@ -120,8 +120,16 @@ class PCAParams:
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if some round's (epsilon, delta, calibration) cannot be calibrated."""
-        for _name, eps, dl in self.rounds(epsilon, delta):
-            gaussian_sigma(eps, dl, 1.0, self.calibration)
+        rounds = self.rounds(epsilon, delta)
+        for name, eps, dl in rounds:
+            try:
+                gaussian_sigma(eps, dl, 1.0, self.calibration)
+            except ValidationError as exc:
+                if len(rounds) == 1:
+                    raise
+                raise ValidationError(
+                    f"the {name!r} round gets {eps:g} of the job's epsilon {epsilon:g} and "
+                    f"{dl:g} of its delta {delta:g}, and there: {exc}") from None
 
     def rounds(self, epsilon: float, delta: float) -> list[tuple[str, float, float]]:
         """Return the rounds in order, each with its (epsilon, delta) share (summing to the job's).

@@ -38,7 +38,7 @@ from dpfed.common.errors import (
 if TYPE_CHECKING:
     from dpfed.common.data.data_sources import DataSource, DataSourceSpec
     from dpfed.common.data.schema import Schema
-    from dpfed.common.transport.certs import Role
+    from dpfed.common.transport.identity import Role
     from dpfed.site_agent.config import SiteConfig
     from dpfed.site_agent.handlers import TaskHandler
 

@@ -34,6 +34,14 @@ from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 log = logging.getLogger(__name__)
 
 
+def _loggable(value: str, limit: int) -> str:
+    """Return ``value`` cut to ``limit`` characters, non-printable or space characters as ``?``.
+
+    An id from the network can then neither forge log lines nor break ``key=value`` parsing.
+    """
+    return "".join(c if 33 <= ord(c) < 127 else "?" for c in value[:limit]) or "?"
+
+
 class TaskRunner:
     """Execute tasks against the site's data under its ledger and policy.
 
@@ -94,7 +102,8 @@ class TaskRunner:
                            "the site failed to run the task (see its log)")
 
     def _run(self, task: Task, deadline_unix: float | None) -> bytes | Refusal:
-        tag = f"task={task.task_id[:80]!r} job={task.job_id[:80]!r} kind={task.kind[:40]!r}"
+        tag = (f"task={_loggable(task.task_id, 80)} job={_loggable(task.job_id, 80)} "
+               f"kind={_loggable(task.kind, 40)}")
         if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
             log.warning("[TaskRunner.run] %s outcome=refused: kind not allowed by local policy",
                         tag)
