@@ -48,7 +48,8 @@ class JobManager:
         """Return the spec with canonical parameters (raises ValidationError)."""
         job_type = self._job_type(spec.kind)
         check_epsilon(spec.epsilon)
-        check_delta(spec.delta)
+        if not (spec.delta == 0.0 and job_type.pure_epsilon):
+            check_delta(spec.delta)
         check_int(spec.min_sites, "min_sites", minimum=0)
         check_nonnegative(spec.deadline_seconds, "deadline_seconds")
         params = job_type.validate(spec, self.federation)
