@@ -7,6 +7,9 @@
     dpfed budgets                        every known site's budget
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
               [--min-sites M] [--clip-norm C] [--wait-sites N] --out pca.npz
+    dpfed svt --queries Q.toml --epsilon E --threshold T [--session ID] ...   (docs/queries.md)
+    dpfed query --columns C[,C2] --workload W --epsilon E [--bins C=EDGES] ...
+    dpfed report RESULT.npz [--out report.html]
     dpfed jobs                           recent jobs
     dpfed job ID [--watch]               one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
@@ -228,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds for --wait-sites")
     _connection_args(p)
     p.set_defaults(func=cmd_pca)
+
+    from dpfed.aggregator.query_cli import register as register_queries
+
+    register_queries(sub, _connection_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20)

@@ -96,9 +96,10 @@ class SVTJob(JobType):
                     (above == 0) | (above == 1)):
                 raise ProtocolError(f"expected 'above' flags for at most {k} queries")
             values = result.arrays.get("values")
-            if values is not None and (values.shape != above.shape or values.dtype != np.float64
-                                       or not np.all(np.isfinite(values[above == 1]))):
-                raise ProtocolError("'values' must be finite float64 where 'above' is set")
+            n_pos = int((above == 1).sum())
+            if values is not None and (values.shape != (n_pos,) or values.dtype != np.float64
+                                       or not np.all(np.isfinite(values))):
+                raise ProtocolError("'values' must hold one finite float64 per 'above' flag")
             if action == "open" and result.spend.epsilon <= 0:
                 raise ProtocolError("the opening task reports no charge")
             if action != "open" and (result.spend.epsilon > 0 or result.spend.delta > 0):
@@ -126,7 +127,7 @@ def combine_svt(ctx: JobContext, results: dict[str, TaskResult], names: list[str
         flags = r.arrays["above"]
         above[i, :flags.shape[0]] = flags
         if "values" in r.arrays:
-            values[i, :flags.shape[0]] = np.where(flags == 1, r.arrays["values"], np.nan)
+            values[i, np.flatnonzero(flags == 1)] = r.arrays["values"]
         m = r.metadata
         sites_meta.append({"site_id": s, "n_rows": m.get("n_rows"),
                            "epsilon": r.spend.epsilon,

@@ -178,8 +178,8 @@ class SVTHandler(TaskHandler):
                 outcome = answer_batch(sp, state, answers, rng)
             arrays: dict[str, np.ndarray] = {"above": outcome.above.astype(np.int8)}
             rows: dict[str, Any] = {"n_rows": n_rows} if n_rows > 0 else {}
-            if outcome.values is not None:
-                arrays["values"] = outcome.values.astype(np.float64)
+            if outcome.values is not None:  # one value per "above" flag, in order
+                arrays["values"] = outcome.values[outcome.above].astype(np.float64)
             scale = sp.calibration.numeric_scale
             if scale is not None:
                 rows["numeric_scale"] = scale
