@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -85,30 +86,41 @@ class SVTSessionStore:
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 120.0) -> None:
         self.path = Path(path)
         self._timeout = busy_timeout_s
+        self._lock = threading.Lock()
         if not self.path.parent.is_dir():
             raise ConfigError(f"SVT session store {self.path}: directory does not exist")
+        # One connection per store (tasks run one at a time on the agent's worker thread; the
+        # lock serialises any other caller). Every write is its own BEGIN IMMEDIATE
+        # transaction, so other processes opening the file see only committed states.
+        self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s,
+                                     isolation_level=None, check_same_thread=False)
+        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            self._conn.close()
+            raise ConfigError(f"SVT session store {self.path} cannot use WAL (got {mode!r})")
+        self._conn.execute("PRAGMA synchronous = FULL")
+        self._conn.execute("PRAGMA foreign_keys = ON")
         with self._connection() as conn:
             conn.execute("BEGIN IMMEDIATE")
             for stmt in _SCHEMA:
                 conn.execute(stmt)
             conn.execute("COMMIT")
 
+    def close(self) -> None:
+        """Close the store's connection."""
+        with self._lock:
+            self._conn.close()
+
     @contextlib.contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(str(self.path), timeout=self._timeout, isolation_level=None)
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise ConfigError(f"SVT session store {self.path} cannot use WAL (got {mode!r})")
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.execute("PRAGMA foreign_keys = ON")
-            yield conn
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-            conn.close()
+        with self._lock:
+            try:
+                yield self._conn
+            finally:
+                with contextlib.suppress(sqlite3.Error):
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
 
     @staticmethod
     def _row(row: tuple[Any, ...]) -> StoredSession:
