@@ -18,8 +18,8 @@ from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
 from dpfed.aggregator.result_file import encode_result
 from dpfed.common.data.demo_data import demo_model
 from dpfed.common.errors import ValidationError
-from dpfed.common.queries.workload_spec import build_workload, choose_strategy, query_names
 from dpfed.common.queries.query_language import parse_domain
+from dpfed.common.queries.workload_spec import build_workload, choose_strategy, query_names
 from dpfed.common.transport.protocol import JobSpec
 
 SCHEMA = demo_model(12, seed=0, mixed=True).schema
