@@ -234,3 +234,19 @@ def test_coordinator_killed_mid_svt_resumes_with_one_charge(fed: LocalFederation
     assert final.state == "succeeded", final.error
     assert [len(ledger_events(fed, s)) for s in fed.site_ids] == [1, 1, 1]
     assert result.session == job_id and len(result.table) == 7
+
+
+@pytest.mark.parametrize("job", ["svt", "query"])
+def test_simulate_runs_the_query_jobs(job: str, tmp_path: Path) -> None:
+    out = tmp_path / f"sim-{job}"
+    run = subprocess.run([sys.executable, "-m", "dpfed.aggregator.cli", "simulate", "--job", job,
+                          "--sites", "3", "--rows", "2000", "--epsilon", "2", "--seed", "3",
+                          "--out", str(out)], capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64") >= 2
+    if job == "svt":
+        assert "precision" in run.stdout and (out / "svt-batch2.csv").exists()
+        assert "spent epsilon 2 of" in run.stdout  # one charge per site: the session's
+    else:
+        assert "observed RMSE" in run.stdout and (out / "query-age-ranges.csv").exists()
