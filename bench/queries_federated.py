@@ -104,10 +104,11 @@ def matrix_part(runs: int, plot: Path | None) -> list[tuple[str, str, str, float
             pick = choose_strategy(w, strategy_name="auto", noises=(noise,), epsilon=EPSILON,
                                    delta=DELTA, n_sites=SITES)
             obs, half, exp_, x_hat = run_strategy(w, pick.matrix, noise, x, runs, rng)
-            id_obs, _, id_exp, _ = run_strategy(w, np.eye(w.n), noise, x, runs, rng)
+            id_obs, id_half, id_exp, _ = run_strategy(w, np.eye(w.n), noise, x, runs, rng)
             print(f"{label:<24} {noise:<9} {pick.name:<10} {obs:9.3f} {half:7.3f} {exp_:9.3f} "
                   f"{obs / exp_:8.3f} {id_obs:9.3f} {id_obs / obs:9.2f}   "
-                  f"({time.perf_counter() - t0:.1f}s; identity obs/exp {id_obs / id_exp:.3f})")
+                  f"({time.perf_counter() - t0:.1f}s; identity {id_obs:.3f} +- {id_half:.3f} "
+                  f"vs expected {id_exp:.3f}, obs/exp {id_obs / id_exp:.3f})")
             rows.append((label, noise, pick.name, obs, half, exp_, id_obs))
             if plot is not None and noise == "laplace" and w.kind == "all_ranges":
                 _plot_histogram(plot, x.sum(0), x_hat, pick.name)
@@ -173,6 +174,9 @@ def svt_part(plot: Path | None) -> None:
         ax.semilogx(e, [c[1] for c in curves], "o-", label="precision (examined)")
         ax.semilogx(e, [c[2] for c in curves], "s-", label="recall (examined)")
         ax.semilogx(e, [c[3] for c in curves], "^-", label="recall (all queries)")
+        ax.set_xticks(e)
+        ax.set_xticklabels([f"{v:g}" for v in e])
+        ax.minorticks_off()
         ax.set_xlabel("session epsilon per site")
         ax.set_ylim(0, 1.05)
         ax.set_title(f"SVT 'above T': {k} queries, c={cutoff}")
