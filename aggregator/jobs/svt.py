@@ -143,8 +143,8 @@ def combine_svt(ctx: JobContext, results: dict[str, TaskResult], names: list[str
     n_above = (above == 1).sum(axis=0)
     n_examined = (above >= 0).sum(axis=0)
     has_values = bool(np.any(~np.isnan(values)))
-    value_sum = np.where(n_above > 0, np.nansum(values, axis=0), np.nan)
     n_valued = (~np.isnan(values)).sum(axis=0)
+    value_sum = np.where(n_valued > 0, np.nansum(values, axis=0), np.nan)
     value_se = np.where(n_valued > 0, np.sqrt(n_valued * 2.0) * numeric_scale, np.nan)
     metadata: dict[str, Any] = {
         "job_id": ctx.job_id, "kind": "svt", "action": action, "session": session,
