@@ -59,8 +59,11 @@ class TaskRunner:
         self.data = data
         self.ledger = ledger
         self.allowed_kinds = allowed_kinds
+        # Bind the allowed kinds' handlers to this site (the svt handler opens its session
+        # store beside the ledger); a kind the site does not allow is refused before lookup.
         self.handlers = {kind: h.for_site(ledger.path)
-                         for kind, h in (handlers if handlers is not None else HANDLERS).items()}
+                         for kind, h in (handlers if handlers is not None else HANDLERS).items()
+                         if kind in allowed_kinds}
         self.noise_seed = deterministic_noise_seed
 
     def _rng(self, kind: str, salt: str = "") -> np.random.Generator:

@@ -101,6 +101,16 @@ def test_svt_session_api_survives_site_restart(fed: LocalFederation) -> None:
             flags = opened.arrays["above"][i]
             examined = flags >= 0
             assert np.array_equal(flags[examined] == 1, truth[s][:len(flags)][examined] >= 300)
+        # eps3 = 1000: the value sum is the sum of the true counts of the sites above.
+        ids = opened.metadata["site_ids"]
+        for q in range(len(t)):
+            above_sites = [s for i, s in enumerate(ids) if opened.arrays["above"][i, q] == 1]
+            if above_sites:
+                assert t["value_sum"][q] == pytest.approx(
+                    sum(truth[s][q] for s in above_sites), abs=0.5)
+                assert t["value_std_error"][q] < 0.1
+            else:
+                assert np.isnan(t["value_sum"][q])
         charged = {s: ledger_events(fed, s) for s in fed.site_ids}
         assert all(len(v) == 1 for v in charged.values())
         before = {s: noisy_threshold(fed, s, session) for s in fed.site_ids}
