@@ -96,8 +96,12 @@ def query_report(result: QueryJobResult, truth: np.ndarray | None = None,
 
 
 def svt_report(result: SVTJobResult, truth: dict[str, np.ndarray] | None = None,
-               rep: Report | None = None) -> Report:
-    """Sections for an ``svt`` batch: which queries were above T where, and the values."""
+               rep: Report | None = None, threshold: float | None = None) -> Report:
+    """Sections for an ``svt`` batch: which queries were above T where, and the values.
+
+    ``threshold`` is the session's T (a continuation's result does not repeat it); with
+    ``truth`` (simulation only) the precision/recall of "above" is added.
+    """
     m = result.metadata
     rep = rep or Report(f"dpfed svt {m.get('job_id', '')}")
     rep.heading(f"SVT session {result.session} ({m.get('action')})")
@@ -128,9 +132,10 @@ def svt_report(result: SVTJobResult, truth: dict[str, np.ndarray] | None = None,
     rep.heading("Sites")
     s = result.sites
     rep.table(tuple(s.columns), [tuple(r) for r in s.itertuples(index=False)])
-    if truth:
+    t_value = threshold if threshold is not None else params.get("threshold")
+    if truth and isinstance(t_value, int | float):
         rep.heading("Against the true per-site counts (simulation only)")
-        prec, rec = svt_precision_recall(result, truth, float(params.get("threshold", np.nan)))
+        prec, rec = svt_precision_recall(result, truth, float(t_value))
         rep.key_values({"precision of 'above'": prec, "recall of 'above'": rec})
     return rep
 

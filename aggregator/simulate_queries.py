@@ -138,7 +138,7 @@ def _run_svt(fed: LocalFederation, coord: Any, opts: Any, rep: Report,
              f"epsilon {opts.epsilon:g} per site (eps3 {eps3:g})"]
     for name, res, raw in (("batch 1", opened, SVT_BATCH_1), ("batch 2", nxt, SVT_BATCH_2)):
         truth = site_counts(fed, raw)
-        svt_report(res, truth, rep)
+        svt_report(res, truth, rep, threshold)
         prec, rec = svt_precision_recall(res, truth, threshold)
         lines.append(f"  {name}: {len(res.table)} queries, precision {prec:.2f}, recall "
                      f"{rec:.2f} of 'above T' against the true per-site counts")
