@@ -9,6 +9,8 @@
               [--min-sites M] [--clip-norm auto|schema|C] [--centering mean|none]
               [--site-weighting size|equal] [--aggregation site|secure] [--wait-sites N]
               --out pca.npz [--report HTML]
+    dpfed svt --queries Q.toml --epsilon E --threshold T [--session ID] ...   (docs/queries.md)
+    dpfed query --columns C[,C2] --workload W --epsilon E [--bins C=EDGES] ...
     dpfed report RESULT [--out report.html]   the HTML report of a result file
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
@@ -184,15 +186,14 @@ def write_pca_report(result: PCAResult, out: str | Path) -> Path:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Write the HTML report of a saved result file."""
-    from dpfed.aggregator.pca_result import PCAResult
+    """Write the HTML report of a saved result file (any kind)."""
+    from dpfed.aggregator.result_reports import report_for_result
 
-    try:
-        result = PCAResult.load(args.result)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{exc} (the file `dpfed pca --out` or `dpfed fetch` wrote)") from None
-    path = write_pca_report(result, args.out)
-    print(f"wrote {path}")
+    rep = report_for_result(args.result)
+    out = Path(args.out) if args.out else Path(args.result).with_suffix(".html")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(rep.render(), encoding="utf-8")
+    print(f"wrote {out}")
     return exit_codes.OK
 
 
@@ -350,10 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_args(p)
     p.set_defaults(func=cmd_pca, field_flags=PCA_FIELD_FLAGS)
 
-    p = sub.add_parser("report", help="write the HTML report of a pca.npz result file")
-    p.add_argument("result", help="the result file (pca.npz)")
-    p.add_argument("--out", default="report.html", help="output HTML (default report.html)")
+    p = sub.add_parser("report", help="write the HTML report of a result file (pca, svt, "
+                       "query)")
+    p.add_argument("result", help="a result file (.npz) from dpfed pca/svt/query/fetch")
+    p.add_argument("--out", help="output HTML (default: the result's name with .html)")
     p.set_defaults(func=cmd_report)
+
+    from dpfed.aggregator.query_cli import register as register_queries
+
+    register_queries(sub, _connection_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from dpfed.aggregator.pca_result import PCAResult
+from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
 from dpfed.common.errors import (
     AuthenticationError,
     BudgetExceededError,
@@ -41,6 +43,8 @@ from dpfed.common.errors import (
 )
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc
 from dpfed.common.privacy.accounting import BudgetStatus
+from dpfed.common.queries.query_language import load_query_file
+from dpfed.common.queries.workload_spec import load_workload_matrix
 from dpfed.common.transport.grpc_errors import tls_hint
 from dpfed.common.transport.grpc_options import (
     DEFAULT_RPC_TIMEOUT_S,
@@ -338,3 +342,96 @@ class Coordinator:
         if info.state != "succeeded":
             raise job_failure(info)
         return PCAResult.from_bytes(self.fetch_result(info.job_id))
+
+    # ------------------------------------------------------------------ svt / query
+    def svt(self, queries: Any = None, *, epsilon: float | None = None,
+            threshold: float | None = None, cutoff: int = 1,
+            numeric_epsilon: float | None = None, monotonic: bool = False,
+            session: str | None = None, close: bool = False, min_sites: int = 0,
+            deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+            on_event: Callable[[JobEvent], None] | None = None) -> SVTJobResult:
+        """Open, continue or close an SVT session; return this batch's combined transcript.
+
+        Parameters
+        ----------
+        queries : path, list or dict
+            A query set (TOML/JSON file or the same structure in Python); see docs/queries.md.
+        epsilon : float
+            Opening: the session's whole cost at each site, eps_1 + eps_2 (+ eps_3), charged
+            now. Continuing or closing: leave None (the session's, nothing new is charged).
+        threshold, cutoff, numeric_epsilon, monotonic
+            Opening only: T, c, eps_3 (part of ``epsilon``) and monotonic noise.
+        session : str, optional
+            Continue (or, with ``close=True``, close) the session opened by this job id.
+
+        Raises
+        ------
+        JobFailedError
+            The job failed (quorum, every site refused, ...); the message says why.
+        """
+        params: dict[str, Any] = {}
+        if queries is not None:
+            params["queries"] = (load_query_file(queries) if isinstance(queries, str | Path)
+                                 else queries)
+        if session:
+            params["session"] = session
+            if close:
+                params["close"] = True
+            if epsilon is None:
+                epsilon = self.job(session).spec.epsilon
+        else:
+            if threshold is not None:
+                params["threshold"] = threshold
+            params["cutoff"] = cutoff
+            if numeric_epsilon is not None:
+                params["numeric_epsilon"] = numeric_epsilon
+            if monotonic:
+                params["monotonic"] = True
+        if epsilon is None:
+            raise ValidationError("epsilon is required to open an SVT session (its whole cost "
+                                  "at each site)")
+        job = self.submit(JobSpec("svt", epsilon, 0.0, params, min_sites, deadline_seconds,
+                                  tuple(sites)), on_event=on_event)
+        info = job
+        if info.state != "succeeded":
+            raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+        return SVTJobResult.from_bytes(self.fetch_result(info.job_id))
+
+    def query(self, columns: str | list[str], *, epsilon: float, delta: float = 0.0,
+              bins: dict[str, Any] | None = None, workload: str = "identity",
+              k: int | None = None, workload_matrix: Any = None, strategy: str = "auto",
+              noise: str = "auto", reconstruction: str = "least_squares",
+              min_sites: int = 0, deadline_seconds: float = 0.0,
+              sites: tuple[str, ...] = (),
+              on_event: Callable[[JobEvent], None] | None = None) -> QueryJobResult:
+        """Answer a linear workload over a histogram domain with the matrix mechanism.
+
+        Parameters
+        ----------
+        columns : str or list of str
+            1-3 columns; continuous ones need ``bins`` (count or edges).
+        workload : {"identity", "all_range", "prefix", "marginals", "custom"}
+            ``k`` for marginals; ``workload_matrix`` (array, or a .npy/.csv path) for custom.
+        strategy : {"auto", "identity", "h2", "wavelet", "prefix", "optimized"}
+        noise : {"auto", "laplace", "gaussian"}
+            Gaussian needs ``delta`` in (0, 1); Laplace needs ``delta = 0``.
+        reconstruction : {"least_squares", "nnls", "l1"}
+        """
+        domain: dict[str, Any] = {"columns": [columns] if isinstance(columns, str)
+                                  else list(columns)}
+        if bins:
+            domain["bins"] = dict(bins)
+        w: dict[str, Any] = {"kind": workload}
+        if k is not None:
+            w["k"] = k
+        if workload_matrix is not None:
+            w["matrix"] = (load_workload_matrix(workload_matrix)
+                           if isinstance(workload_matrix, str | Path)
+                           else np.asarray(workload_matrix, dtype=np.float64).tolist())
+        params = {"domain": domain, "workload": w, "strategy": strategy, "noise": noise,
+                  "reconstruction": reconstruction}
+        job = self.submit(JobSpec("query", epsilon, delta, params, min_sites, deadline_seconds,
+                                  tuple(sites)), on_event=on_event)
+        if job.state != "succeeded":
+            raise JobFailedError(f"job {job.job_id} {job.state}: {job.error}")
+        return QueryJobResult.from_bytes(self.fetch_result(job.job_id))

@@ -39,7 +39,7 @@ class SiteSettings:
     budget_epsilon: float = 10.0
     budget_delta: float = 1e-4
     accountant: str = "basic"
-    allowed_jobs: tuple[str, ...] = ("pca",)
+    allowed_jobs: tuple[str, ...] = ("pca", "svt", "query")
     max_epsilon_per_task: float | None = None
     connect_timeout_s: float = 60.0
     noise_seed: int | None = None

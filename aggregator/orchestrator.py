@@ -86,10 +86,11 @@ class JobManager:
         """
         job_type = self._job_type(spec.kind)
         check_epsilon(spec.epsilon)
-        check_delta(spec.delta)
-        if spec.delta < MIN_DELTA:
-            raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
-                                  f"calibrated in double precision), got {spec.delta!r}")
+        if not (spec.delta == 0.0 and job_type.pure_epsilon):
+            check_delta(spec.delta)
+            if spec.delta < MIN_DELTA:
+                raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
+                                      f"calibrated in double precision), got {spec.delta!r}")
         check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
         check_nonnegative(spec.deadline_seconds, "deadline_seconds")
         if spec.deadline_seconds > MAX_DEADLINE_S:

@@ -63,6 +63,7 @@ class SimulationOptions:
     budget_epsilon: float | None = None
     budget_delta: float | None = None
     deadline: float = 600.0
+    job: str = "pca"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +102,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
                    "(default 10 x --delta)")
     p.add_argument("--deadline", type=float, default=600.0, help="per-site task deadline, s")
+    p.add_argument("--job", choices=["pca", "svt", "query"], default="pca",
+                   help="which job to simulate (svt/query use demo data with nominal and "
+                   "ordinal columns; see docs/queries.md)")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -124,7 +128,7 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
-                             deadline=args.deadline)
+                             deadline=args.deadline, job=getattr(args, "job", "pca"))
 
 
 def _say(step: str, text: str) -> None:
@@ -229,6 +233,10 @@ def check_options(opts: SimulationOptions) -> None:
 
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code (errors are raised, not printed)."""
+    if opts.job != "pca":
+        from dpfed.aggregator.simulate_queries import run_query_simulation
+
+        return run_query_simulation(opts)
     check_options(opts)
     out = opts.out.resolve()
     prepare_output(out)

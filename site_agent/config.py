@@ -73,7 +73,7 @@ from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca",)
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
 
 

@@ -14,6 +14,7 @@ Order of operations (docs/privacy.md, invariants 2 and 4):
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 
@@ -28,7 +29,7 @@ from dpfed.common.errors import (
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_to_bytes
-from dpfed.site_agent.handlers import HANDLERS, DataAccess, TaskHandler
+from dpfed.site_agent.handlers import HANDLERS, DataAccess, PreparedContinuation, TaskHandler
 from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 
 log = logging.getLogger(__name__)
@@ -71,16 +72,20 @@ class TaskRunner:
         self.secure_required_kinds = secure_required_kinds
         self.ledger = ledger
         self.allowed_kinds = allowed_kinds
-        self.handlers = handlers if handlers is not None else HANDLERS
+        # Bind the allowed kinds' handlers to this site (the svt handler opens its session
+        # store beside the ledger); a kind the site does not allow is refused before lookup.
+        self.handlers = {kind: h.for_site(ledger.path)
+                         for kind, h in (handlers if handlers is not None else HANDLERS).items()
+                         if kind in allowed_kinds}
         self.noise_seed = deterministic_noise_seed
 
-    def _rng(self, kind: str) -> np.random.Generator:
+    def _rng(self, kind: str, salt: str = "") -> np.random.Generator:
         if self.noise_seed is None:
             return production_rng()
         # Demo mode: key the stream on what is stable across runs of a seeded simulation --
         # the job kind and how many releases this site made before (job ids are random).
         # Tasks run one at a time on the agent's single worker thread, so the count is stable.
-        tag = int.from_bytes(hashlib.sha256(kind.encode()).digest()[:8], "little")
+        tag = int.from_bytes(hashlib.sha256((kind + salt).encode()).digest()[:8], "little")
         n_before = len(self.ledger.events())
         return np.random.Generator(
             np.random.PCG64DXSM(np.random.SeedSequence([self.noise_seed, tag, n_before])))
@@ -141,6 +146,8 @@ class TaskRunner:
             return Refusal(task.task_id, "deadline", "the task's deadline passed before it started")
         try:
             prepared = handler.prepare(task, self.data)
+            if isinstance(prepared, PreparedContinuation):
+                return self._continue(task, prepared, tag)
             rng = self._rng(task.kind)
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
@@ -175,6 +182,20 @@ class TaskRunner:
             return Refusal(task.task_id, "internal",
                            "the site failed to run the task (see its log)")
         state = "replayed" if outcome.replayed else "charged"
+        assert not isinstance(prepared, PreparedContinuation)
         log.info("[TaskRunner.run] %s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
                  state, prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
         return outcome.result
+
+    def _continue(self, task: Task, prepared: PreparedContinuation, tag: str) -> bytes | Refusal:
+        """Run a step of an already-charged release (nothing new is charged)."""
+        if self.ledger.lookup(prepared.charged_by) is None:
+            log.warning("[TaskRunner.run] %s refused: its opening task %s was never charged "
+                        "here", tag, prepared.charged_by)
+            return Refusal(task.task_id, "invalid",
+                           "this site never charged the release this task continues")
+        salt = json.dumps(dict(task.params), sort_keys=True, default=str)
+        result = prepared.run(self._rng(task.kind, salt))
+        log.info("[TaskRunner.run] %s continued %s (no new charge), %d bytes released", tag,
+                 prepared.charged_by, len(result))
+        return result

@@ -305,6 +305,8 @@ class JobType(ABC):
     """One job kind's coordinator side."""
 
     kind: ClassVar[str]
+    #: True when the job may run with delta = 0 (pure epsilon-DP releases, e.g. Laplace, SVT).
+    pure_epsilon: ClassVar[bool] = False
 
     @abstractmethod
     def validate(self, spec: JobSpec, federation: Federation) -> dict[str, Any]:
