@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ import numpy as np
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.pca_report import PooledReference, captured_fraction, pca_report
 from dpfed.aggregator.pca_result import PCAResult
+from dpfed.aggregator.simulation_output import prepare_output, say
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
@@ -131,8 +131,6 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              deadline=args.deadline, job=getattr(args, "job", "pca"))
 
 
-def _say(step: str, text: str) -> None:
-    print(f"[simulate] {step:<12} {text}", flush=True)
 
 
 def pooled_reference(schema: Schema, paths: list[Path], *, centred: bool) -> PooledReference:
@@ -165,24 +163,6 @@ def pooled_reference(schema: Schema, paths: list[Path], *, centred: bool) -> Poo
     label = (f"non-private PCA of the real pooled rows (all {sum(counts)} rows of the "
              f"{len(paths)} sites together, columns scaled by the schema bounds, {what})")
     return PooledReference(matrix, counts, label)
-
-
-MARKER = ".dpfed-simulation"
-
-
-def prepare_output(out: Path) -> None:
-    """Create ``out``, or empty it if it holds an earlier simulation (never anything else).
-
-    A fresh directory each run keeps a demo from inheriting the previous run's spent budget.
-    """
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise ConfigError(f"--out {out} exists and is not an earlier dpfed simulation; "
-                              "choose an empty or new directory")
-        _say("output", f"replacing the earlier simulation in {out}")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by dpfed simulate; the directory is replaced on re-run\n")
 
 
 def check_options(opts: SimulationOptions) -> None:
@@ -243,9 +223,9 @@ def run_simulation(opts: SimulationOptions) -> int:
     t0 = time.monotonic()
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if opts.data:
-        _say("data", f"using {len(opts.data)} file(s) with schema {opts.schema}")
+        say("data", f"using {len(opts.data)} file(s) with schema {opts.schema}")
     else:
-        _say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} columns "
+        say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} columns "
              f"(latent factor structure, seed {seed}) -> {out / 'data'}")
     settings = SiteSettings(
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
@@ -256,19 +236,19 @@ def run_simulation(opts: SimulationOptions) -> int:
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
                                  task_deadline_s=opts.deadline, settings=settings)
-    _say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
+    say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
          f"certificate(s) -> {fed.certs}")
     schema = Schema.load(fed.schema_path)
     try:
         fed.start_coordinator()
-        _say("coordinator", f"serving on {fed.address} (mTLS), store {fed.store}")
+        say("coordinator", f"serving on {fed.address} (mTLS), store {fed.store}")
         fed.start_sites()
         fed.wait_for_sites()
         with fed.analyst() as coord:
-            _say("sites", ", ".join(f"{s.site_id} ({s.row_count} rows)" for s in coord.sites()))
+            say("sites", ", ".join(f"{s.site_id} ({s.row_count} rows)" for s in coord.sites()))
 
             def progress(event: JobEvent) -> None:
-                _say("pca", f"[{event.progress * 100:5.1f}%] {event.message}")
+                say("pca", f"[{event.progress * 100:5.1f}%] {event.message}")
 
             job_t0 = time.monotonic()
             try:
@@ -279,7 +259,7 @@ def run_simulation(opts: SimulationOptions) -> int:
                                    min_sites=opts.min_sites, aggregation=opts.aggregation,
                                    on_event=progress)
             except JobFailedError as exc:
-                _say("pca", f"FAILED: {exc}")
+                say("pca", f"FAILED: {exc}")
                 raise
             job_seconds = time.monotonic() - job_t0
             result.save(out / "pca.npz")
@@ -288,7 +268,7 @@ def run_simulation(opts: SimulationOptions) -> int:
     finally:
         fed.stop_all()
 
-    _say("evaluate", "non-private PCA of the real pooled rows (all sites together), for "
+    say("evaluate", "non-private PCA of the real pooled rows (all sites together), for "
          "comparison")
     paths = [fed.data_paths[s] for s in fed.site_ids]
     reference = pooled_reference(schema, paths, centred=result.centering == "mean")
