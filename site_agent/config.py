@@ -55,7 +55,7 @@ from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_sec
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca",)
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "synth")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
 
 
