@@ -61,6 +61,9 @@ class SimulationOptions:
     budget_epsilon: float | None = None
     budget_delta: float | None = None
     deadline: float = 600.0
+    job: str = "pca"
+    synth_rows: int = 20_000
+    synth_mode: str = "generative"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,6 +92,13 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
                    "(default 10 x --delta)")
     p.add_argument("--deadline", type=float, default=600.0, help="per-site task deadline, s")
+    p.add_argument("--job", choices=["pca", "synth"], default="pca",
+                   help="which job to run: pca (default) or synth (federated DP synthesis on "
+                   "mixed demo data)")
+    p.add_argument("--synth-rows", type=int, default=20_000,
+                   help="--job synth: synthetic rows to write (generative mode)")
+    p.add_argument("--synth-mode", choices=["generative", "row-aligned"], default="generative",
+                   help="--job synth: output mode")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -100,6 +110,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
         raise ConfigError("--schema applies to --data files; without --data demo data is "
                           "generated with its own schema")
     n_sites = len(args.data) if args.data else args.sites
+    if args.job == "synth" and not 1 <= args.synth_rows <= 100_000_000:
+        raise ConfigError(f"--synth-rows must be between 1 and 100,000,000, got "
+                          f"{args.synth_rows}")
     for name, value, low in (("--sites", n_sites, 1), ("--rows", args.rows, 1),
                              ("--features", args.features, 2), ("--k", args.k, 1)):
         if value < low:
@@ -110,7 +123,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              clip_norm=args.clip_norm, seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
-                             deadline=args.deadline)
+                             deadline=args.deadline, job=args.job,
+                             synth_rows=args.synth_rows,
+                             synth_mode=args.synth_mode.replace("-", "_"))
 
 
 def _say(step: str, text: str) -> None:
@@ -154,6 +169,10 @@ def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code."""
     out = opts.out.resolve()
     prepare_output(out)
+    if opts.job == "synth":
+        from dpfed.aggregator.simulate_synth import run_synth_simulation
+
+        return run_synth_simulation(opts)
     t0 = time.monotonic()
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if opts.data:
