@@ -19,6 +19,7 @@ proportions); no function touches real rows.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from dpfed.common.synth.factor_model import (
 )
 from dpfed.common.synth.links import ContinuousLink, LatentLinks, NominalLink, OrdinalLink
 from dpfed.common.synth.quantile_link import QuantileLink
-from dpfed.common.validation import check_int
+from dpfed.common.validation import check_finite_array, check_int
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,17 @@ class FactorModel:
         return int(self.loadings.shape[1])
 
     def __post_init__(self) -> None:
+        v = check_finite_array(self.loadings, "loadings", ndim=2)
+        p, r = v.shape
+        lam = check_finite_array(self.eigenvalues, "eigenvalues", ndim=1)
+        mult = check_finite_array(self.multiplier, "multiplier", ndim=1)
+        if not 1 <= r <= p or lam.shape != (r,) or mult.shape != (p,):
+            raise ValidationError(f"inconsistent factor model: loadings {v.shape}, eigenvalues "
+                                  f"{lam.shape}, multiplier {mult.shape}")
+        if float(np.abs(v.T @ v - np.eye(r)).max()) > 1e-6:
+            raise ValidationError("factor model loadings must have orthonormal columns")
+        if not (math.isfinite(self.residual) and self.residual >= 0.0):
+            raise ValidationError(f"residual must be finite and >= 0, got {self.residual!r}")
         # One p x p square root of the model covariance: each chunk then costs one normal
         # draw of n x p and one GEMM (instead of factor draws, residual draws and a projection).
         values, vectors = np.linalg.eigh(self.covariance())

@@ -35,6 +35,8 @@ from dpfed.common.validation import check_choice, check_finite_array, check_int
 CONTINUOUS_LINKS: tuple[str, ...] = ("quantile", "identity")
 #: Replace-one L2 sensitivity of one column's histogram: one count down, another up.
 HISTOGRAM_L2_SENSITIVITY = math.sqrt(2.0)
+#: Floor of every continuous bin's DP proportion (keeps the quantile link's CDF increasing).
+CONTINUOUS_BIN_FLOOR = 1e-7
 
 
 def _vector(values: object, name: str, size: int) -> np.ndarray:
@@ -139,14 +141,18 @@ def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, 
 
     Each block goes through :func:`dpfed.common.synth.dp_marginals.proportions_from_counts`
     (negative counts to 0, mixed with the uniform distribution up to the floor). The floor is
-    capped at a tenth of the uniform share so blocks with many cells stay valid.
+    ``min_proportion`` for categorical columns and :data:`CONTINUOUS_BIN_FLOOR` for continuous
+    bins, capped at a tenth of the uniform share so blocks with many cells stay valid.
     """
     sizes = histogram_sizes(schema, n_bins)
     t = _vector(total, "histograms", sum(sizes))
     out = []
     start = 0
-    for size in sizes:
-        floor = min(min_proportion, 0.1 / size)
+    for col, size in zip(schema.columns, sizes, strict=True):
+        # Continuous bins only need a strictly increasing CDF: a much smaller floor keeps
+        # empty tail bins from pulling mass away from the bulk.
+        base = CONTINUOUS_BIN_FLOOR if isinstance(col, ContinuousColumn) else min_proportion
+        floor = min(base, 0.1 / size)
         out.append(proportions_from_counts(t[start:start + size], min_proportion=floor))
         start += size
     return np.concatenate(out)
