@@ -5,7 +5,7 @@ proportions); no function touches real rows.
 
 :func:`fit_factor_model`
     choose the rank on the noisy spectrum, correct the latent correlation for the links'
-    independent draws (:func:`dpfed.common.synth.factor_model.latent_correlation`), take its
+    independent draws (:func:`dpfed.common.synth.correlation.fast_latent_correlation`), take its
     top-r eigenpairs plus the PPCA residual, and the per-coordinate rescaling
     (:func:`dpfed.common.synth.factor_model.latent_rescaling`).
 :func:`calibrate_proportions`
@@ -29,10 +29,10 @@ from scipy import special
 from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.errors import ValidationError
 from dpfed.common.pca.dppca import PCAEstimate
+from dpfed.common.synth.correlation import fast_latent_correlation
 from dpfed.common.synth.factor_model import (
     choose_rank,
     dp_second_moment,
-    latent_correlation,
     latent_rescaling,
     residual_variance,
 )
@@ -117,8 +117,7 @@ class FactorModel:
 def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: float,
                      rng: np.random.Generator, rank: int | None = None,
                      info_threshold: float = 0.8, max_rank: int | None = None,
-                     correct_correlation: bool = True,
-                     n_simulations: int = 50_000) -> tuple[FactorModel, np.ndarray | None]:
+                     correct_correlation: bool = True) -> tuple[FactorModel, np.ndarray | None]:
     """Build the generative factor model from a DP-PCA estimate of the unit-ball latent rows.
 
     Returns the model and the corrected latent correlation (None when not corrected).
@@ -143,8 +142,8 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
                         max_rank=max_rank)
     corr: np.ndarray | None = None
     if correct_correlation and bool(np.all(links.standard_normal)):
-        corr = latent_correlation(dp_second_moment(estimate, p), links, clip_norm=clip_norm,
-                                  rng=rng, n_simulations=n_simulations)
+        corr = fast_latent_correlation(dp_second_moment(estimate, p), links,
+                                       clip_norm=clip_norm, rng=rng)
         values, vectors = np.linalg.eigh(corr)
         values, vectors = values[::-1], vectors[:, ::-1]
         idx = np.argmax(np.abs(vectors[:, :r]), axis=0)
