@@ -214,8 +214,13 @@ class SynthModel:
             for chunk in self.iter_encoded(rows, rng=rng, chunk_rows=chunk_rows):
                 table = arrow_table(chunk)
                 if writer is None:
-                    writer = (pq.ParquetWriter(tmp, table.schema) if kind == "parquet"
-                              else pcsv.CSVWriter(tmp, table.schema))
+                    # Dictionary encoding only where it pays (the categorical columns); lz4
+                    # and no statistics: ~4x faster than the defaults on random doubles.
+                    categorical = [c.name for c in self.schema.columns
+                                   if not isinstance(c, ContinuousColumn)]
+                    writer = (pq.ParquetWriter(tmp, table.schema, use_dictionary=categorical,
+                                               compression="lz4", write_statistics=False)
+                              if kind == "parquet" else pcsv.CSVWriter(tmp, table.schema))
                 writer.write_table(table)
                 written += chunk.n_rows
         finally:

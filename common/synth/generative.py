@@ -102,10 +102,12 @@ class FactorModel:
         object.__setattr__(self, "_root_t", np.ascontiguousarray(root.T))
 
     def latent(self, n_rows: int, rng: np.random.Generator) -> np.ndarray:
-        """Draw ``n_rows`` latent rows in link units, ``N(0, covariance())``."""
+        """Draw ``n_rows`` latent rows in link units, ``N(0, covariance())`` (column-major)."""
         n = check_int(n_rows, "n_rows", minimum=0)
-        root_t: np.ndarray = self._root_t
-        return np.asarray(rng.standard_normal((n, self.dim)) @ root_t)
+        # Computed transposed so the result is column-major: every coordinate is contiguous
+        # for the per-column decoding that follows.
+        x_t = self._root_t.T @ rng.standard_normal((self.dim, n))
+        return np.asarray(x_t.T)
 
     def covariance(self) -> np.ndarray:
         """Model covariance of :meth:`latent` in link units (p x p)."""

@@ -37,6 +37,9 @@ from dpfed.common.validation import check_finite_array, check_int
 DEFAULT_BINS = 32
 MAX_BINS = 4096
 _U_MIN = 2.0 ** -53
+_GRID_LO = -8.5
+_GRID_POINTS = 16385
+_GRID_STEP = 17.0 / (_GRID_POINTS - 1)
 
 
 def bin_edges(column: ContinuousColumn, n_bins: int) -> np.ndarray:
@@ -63,6 +66,7 @@ class QuantileLink(ContinuousLink):
     proportions: np.ndarray = field(default_factory=lambda: np.zeros(0))
     edges: np.ndarray = field(init=False)
     cdf: np.ndarray = field(init=False)
+    _table: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         p = check_finite_array(self.proportions, f"bin proportions of {self.column.name!r}",
@@ -78,6 +82,10 @@ class QuantileLink(ContinuousLink):
         object.__setattr__(self, "edges", bin_edges(self.column, p.shape[0]))
         object.__setattr__(self, "cdf", cdf)
         object.__setattr__(self, "standard_normal", True)
+        # Decoding table on a uniform z grid: y = F^-1(Phi(z)) sampled every _GRID_STEP, so
+        # decoding is index arithmetic plus one linear interpolation (no ndtr, no search).
+        z = _GRID_LO + _GRID_STEP * np.arange(_GRID_POINTS)
+        object.__setattr__(self, "_table", np.interp(special.ndtr(z), cdf, self.edges))
 
     @property
     def n_bins(self) -> int:
@@ -97,9 +105,18 @@ class QuantileLink(ContinuousLink):
         out[:, 0] = special.ndtri(u)
 
     def inverse(self, latent: np.ndarray) -> np.ndarray:
-        """``F^-1(Phi(z))``, linear within each bin; always within the schema bounds."""
-        u = special.ndtr(latent[:, 0])
-        return np.asarray(np.interp(u, self.cdf, self.edges))
+        """``F^-1(Phi(z))``; always within the schema bounds.
+
+        Interpolated linearly in z on a grid of step ``_GRID_STEP`` over ``[-8.5, 8.5]``
+        (exact at the grid points; between them the error is of order ``step^2`` times the
+        curvature, far below one bin width); beyond the grid the bounds.
+        """
+        t = (latent[:, 0] - _GRID_LO) * (1.0 / _GRID_STEP)
+        np.clip(t, 0.0, _GRID_POINTS - 1.000001, out=t)
+        i = t.astype(np.intp)
+        t -= i
+        lo = self._table[i]
+        return np.asarray(lo + t * (self._table[i + 1] - lo))
 
     def moments(self) -> tuple[float, float]:
         """Mean and variance of the decoded column (piecewise-uniform density)."""
