@@ -126,7 +126,9 @@ class SynthJob(JobType):
         order = sorted(r1)
         total = sum_histograms([r1[s].arrays["histograms"] for s in order], schema,
                                params.n_bins)
-        proportions = proportions_from_histograms(total, schema, params.n_bins)
+        pooled_rows = sum(int(r1[s].metadata["n_rows"]) for s in order)  # public N_s
+        proportions = proportions_from_histograms(total, schema, params.n_bins,
+                                                  n_rows=pooled_rows)
         digest = links_digest(schema, proportions, params.n_bins, params.continuous_link)
         links = await asyncio.to_thread(links_from_proportions, schema, proportions,
                                         params.n_bins, params.continuous_link)

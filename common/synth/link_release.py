@@ -135,11 +135,34 @@ def sum_histograms(releases: list[np.ndarray], schema: Schema, n_bins: int) -> n
     return total
 
 
+def project_counts(counts: np.ndarray, n_rows: float) -> np.ndarray:
+    """Euclidean projection of noisy counts onto ``{x >= 0, sum x = n_rows}`` (post-processing).
+
+    ``x = max(c - t, 0)`` with the threshold ``t`` that makes the sum ``n_rows`` (the public row
+    count). Unlike clipping negatives at 0, it also removes the positive noise that empty cells
+    (e.g. the far tail bins of a skewed column) would otherwise keep as spurious mass.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    n = float(n_rows)
+    if not (math.isfinite(n) and n > 0):
+        raise ValidationError(f"n_rows must be a positive number, got {n_rows!r}")
+    desc = np.sort(c)[::-1]
+    cumulative = np.cumsum(desc) - n
+    k = np.arange(1, c.size + 1)
+    ok = desc - cumulative / k > 0
+    last = int(np.flatnonzero(ok)[-1]) if ok.any() else c.size - 1
+    threshold = cumulative[last] / (last + 1)
+    return np.asarray(np.clip(c - threshold, 0.0, None))
+
+
 def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *,
-                                min_proportion: float = 1e-4) -> np.ndarray:
+                                min_proportion: float = 1e-4,
+                                n_rows: float | None = None) -> np.ndarray:
     """Floored DP proportions, one block per column, concatenated (post-processing).
 
-    Each block goes through :func:`dpfed.common.synth.dp_marginals.proportions_from_counts`
+    With ``n_rows`` (the public pooled row count) every block is first projected onto the
+    counts that sum to it (:func:`project_counts`). Each block then goes through
+    :func:`dpfed.common.synth.dp_marginals.proportions_from_counts`
     (negative counts to 0, mixed with the uniform distribution up to the floor). The floor is
     ``min_proportion`` for categorical columns and :data:`CONTINUOUS_BIN_FLOOR` for continuous
     bins, capped at a tenth of the uniform share so blocks with many cells stay valid.
@@ -153,7 +176,10 @@ def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, 
         # empty tail bins from pulling mass away from the bulk.
         base = CONTINUOUS_BIN_FLOOR if isinstance(col, ContinuousColumn) else min_proportion
         floor = min(base, 0.1 / size)
-        out.append(proportions_from_counts(t[start:start + size], min_proportion=floor))
+        block = t[start:start + size]
+        if n_rows is not None:
+            block = project_counts(block, n_rows)
+        out.append(proportions_from_counts(block, min_proportion=floor))
         start += size
     return np.concatenate(out)
 

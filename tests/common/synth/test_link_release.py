@@ -195,3 +195,19 @@ def test_factor_model_rejects_an_estimate_from_another_space() -> None:
     wrong = dppca.PCAEstimate(np.eye(3), np.ones(3), 3.0)
     with pytest.raises(ValidationError, match="latent space"):
         fit_factor_model(wrong, links, clip_norm=2.0, rng=np.random.default_rng(0))  # type: ignore
+
+
+def test_projection_onto_the_public_row_count() -> None:
+    from dpfed.common.synth.link_release import project_counts
+
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        c = rng.normal(0, 50, 20) + np.r_[np.full(5, 400.0), np.zeros(15)]
+        x = project_counts(c, 2000.0)
+        assert x.min() >= 0 and x.sum() == pytest.approx(2000.0)
+        # It is the closest such vector: no feasible random point is closer.
+        for _ in range(20):
+            y = rng.dirichlet(np.ones(20)) * 2000.0
+            assert np.linalg.norm(c - x) <= np.linalg.norm(c - y) + 1e-9
+    with pytest.raises(ValidationError):
+        project_counts(np.ones(3), 0.0)
