@@ -14,8 +14,10 @@ the cost where it goes:
   or level (one ``ndtr``, one ``searchsorted``, one ``ndtri``), an identity-linked continuous
   coordinate is returned unchanged; only nominal blocks go through decode/forward;
 * inside the loop the iterate is projected with ONE eigendecomposition (eigenvalue floor,
-  unit diagonal, the nominal blocks' zeros restored); the full Higham projection runs once
-  at the end;
+  unit diagonal, the nominal blocks' zeros restored); the Higham projection runs once at the
+  end, with :data:`FINAL_PROJECTION_STEPS` steps;
+* a two-category nominal column is a threshold on its single coordinate, so its round trip
+  is the same slice re-draw as an ordinal column's;
 * the simulation size adapts to p (``max(min_rows, budget_values / p)`` rows) so the
   work per step stays bounded.
 
@@ -41,6 +43,9 @@ from dpfed.common.synth.quantile_link import QuantileLink
 from dpfed.common.validation import check_finite_array, check_int, check_positive
 
 _U_MIN = 2.0 ** -53
+#: Alternating-projection steps of the final Higham projection (the iterate is already a
+#: correlation matrix after the quick projections; a final eigenvalue clip guarantees PSD).
+FINAL_PROJECTION_STEPS = 15
 
 
 def _slice_redraw(z: np.ndarray, cuts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -72,6 +77,12 @@ def round_trip(latent: np.ndarray, links: LatentLinks, rng: np.random.Generator)
             out[:, start] = _slice_redraw(x[:, start], cuts, rng)
         elif isinstance(link, ContinuousLink):
             out[:, start] = x[:, start]
+        elif stop - start == 1:
+            # A two-category nominal column is a threshold at -m on its one coordinate: the
+            # same slice re-draw (category 0 below the threshold, category 1 above).
+            assert isinstance(link, NominalLink)
+            cut = float(special.ndtr(-link.locations[0]))
+            out[:, start] = _slice_redraw(x[:, start], np.array([0.0, cut, 1.0]), rng)
         else:
             assert isinstance(link, NominalLink)
             codes = link.inverse(x[:, start:stop])
@@ -135,4 +146,4 @@ def fast_latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, cl
             strong = free & (np.abs(r) > 0.05)
             slope[strong] = np.clip(simulated[strong] / r[strong], 0.3, 1.2)
         r = _quick_projection(r + np.where(free, (target - simulated) / slope, 0.0), within)
-    return _nearest_correlation(r, within)
+    return _nearest_correlation(r, within, iterations=FINAL_PROJECTION_STEPS)

@@ -180,3 +180,37 @@ def test_rows_out_of_range_is_refused_before_submission(fed: LocalFederation) ->
                 coord.synthesize(epsilon=1.0, delta=1e-5, rows=bad)
         assert coord.jobs(5) == []
     assert np.all([ledger_tasks(fed, s) == [] for s in fed.site_ids])
+
+
+def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    kit = fed.certs / "analysts" / "analyst"
+    conn = ["--coordinator", fed.address, "--ca", str(kit / "ca.pem"), "--cert",
+            str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
+    dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*dpfed, *args], capture_output=True, text=True, timeout=180,
+                              cwd=tmp_path)
+
+    plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", *conn)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.count("links") == 3 and plan.stdout.count("pca") == 3
+    assert "0.8" in plan.stdout and "1.2" in plan.stdout  # 40 % / 60 % of epsilon 2
+    assert all(ledger_tasks(fed, s) == [] for s in fed.site_ids)  # --plan charges nothing
+    bad = run("synth", "--epsilon", "2", "--delta", "1e-5", "--rows", "0", *conn)
+    assert bad.returncode != 0 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
+    ok = run("synth", "--epsilon", "3", "--delta", "1e-5", "--rows", "3000", "--out",
+             "t.csv", *conn)
+    assert ok.returncode == 0, ok.stderr
+    assert len(pd.read_csv(tmp_path / "t.csv")) == 3000
+    assert (tmp_path / "synth_model.npz").exists() and (tmp_path / "report.html").exists()
+    more = run("synth-sample", "synth_model.npz", "--rows", "7777", "--out", "more.parquet")
+    assert more.returncode == 0, more.stderr
+    assert pq.read_table(tmp_path / "more.parquet").num_rows == 7777
+    nomodel = run("synth-sample", "missing.npz", "--rows", "5", "--out", "x.parquet")
+    assert nomodel.returncode != 0 and "does not exist" in nomodel.stderr
