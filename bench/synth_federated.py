@@ -89,7 +89,7 @@ from dpfed.common.synth.link_release import (  # noqa: E402
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
 
-SPLIT = {"links": (0.4, 0.5), "pca": (0.6, 0.5)}
+SPLIT = {"links": (0.6, 0.5), "pca": (0.4, 0.5)}
 BINS = 32
 SCHEMA = Schema((
     ContinuousColumn("los", 0.0, 60.0), ContinuousColumn("lab", -10.0, 10.0),
