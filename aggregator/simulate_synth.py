@@ -48,7 +48,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     settings = SiteSettings(
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
         budget_delta=opts.budget_delta or min(0.5, 10 * opts.delta),
-        noise_seed=opts.seed, allowed_jobs=("pca", "synth"))
+        noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows"))
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows,
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,

@@ -55,7 +55,10 @@ from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_sec
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "synth")
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "synth", "synth_rows")
+#: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
+#: synthesis, one noisy release per real row) must be listed explicitly.
+DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "synth")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
 
 
@@ -175,7 +178,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     except ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     budget.check_unknown()
-    allowed = policy.str_list("allowed_jobs", list(KNOWN_JOB_KINDS))
+    allowed = policy.str_list("allowed_jobs", list(DEFAULT_ALLOWED_JOBS))
     unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "

@@ -8,8 +8,9 @@ identical tasks and the sites replay their ledgers):
 2. ``pca`` -- the coordinator sends the DP proportions and their digest; every site releases
    its DP-PCA factor of the unit-ball latent rows; the coordinator combines them, chooses the
    rank, corrects the latent correlation and rescales.
-3. ``factors`` (row-aligned mode only) -- the coordinator sends the DP loadings; every site
-   releases one noisy factor row per real row.
+3. ``factors`` (row-aligned mode only; task kind ``synth_rows``, which a site must allow
+   explicitly) -- the coordinator sends the DP loadings; every site releases one noisy factor
+   row per real row.
 
 The task parameters of each round are a deterministic function of the job's parameters and
 of the earlier rounds' (replayed) releases, so a coordinator restarted between rounds sends
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 #: Largest expected L1 error of a column's pooled DP proportions a job may start with.
 MAX_PROPORTION_ERROR = 0.5
+#: Task kind of the row-aligned factors round (sites must allow it explicitly).
+ROWS_KIND = "synth_rows"
 #: Largest row-aligned output the coordinator accepts from one site.
 MAX_ALIGNED_ROWS = 50_000_000
 
@@ -179,7 +182,7 @@ class SynthJob(JobType):
                                         f"({n}, {v.shape[1]})")
 
             r3 = await ctx.dispatch(
-                self.kind, {**base, "round": "factors", "links_digest": digest},
+                ROWS_KIND, {**base, "round": "factors", "links_digest": digest},
                 round_name="factors", arrays={**link_arrays, "loadings": v},
                 epsilon=f_eps, delta=f_delta, check_result=check_w, progress=(0.75, 0.9))
             sites_last = {s: r3[s] for s in sorted(r3)}

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
 from dpfed.site_agent.handlers.pca import PCAHandler
-from dpfed.site_agent.handlers.synth import SynthHandler
+from dpfed.site_agent.handlers.synth import SynthHandler, SynthRowsHandler
 
 #: kind -> handler; adding a job kind means adding a handler here.
-HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(), SynthHandler())}
+HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(), SynthHandler(),
+                                                       SynthRowsHandler())}
 
 __all__ = ["HANDLERS", "DataAccess", "PreparedRelease", "TaskHandler"]

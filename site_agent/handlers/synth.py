@@ -11,7 +11,8 @@ Rounds (``task.params["round"]``):
     links, checks the digest (a mismatch is a refusal saying so), maps its rows to the latent
     space, clips them to the public norm and releases its DP-PCA factor
     (:func:`dpfed.common.pca.dppca.site_release`, all p eigenpairs).
-``factors`` (row-aligned mode only)
+``factors`` (row-aligned mode only; task kind ``synth_rows``, which a site must allow
+    explicitly)
     the same links plus the DP loadings ``V`` (p x r); the site releases ``X V + C``, one
     noisy factor row per real row (:func:`dpfed.common.synth.factor_model.factor_release`).
 
@@ -102,6 +103,11 @@ class SynthHandler(TaskHandler):
         dim = latent_dim(schema)
         params = SynthParams.from_mapping(job, latent_dim=dim)
         rnd = extra.get("round")
+        if (rnd == "factors") != (self.kind == "synth_rows"):
+            raise ValidationError(
+                "the row-aligned factors round runs only as a 'synth_rows' task (sites opt in "
+                "to releasing one noisy row per real row by allowing that kind)"
+                if rnd == "factors" else f"a {self.kind!r} task carries only the factors round")
         if rnd not in SYNTH_ROUNDS[params.mode]:
             raise ValidationError(f"round must be one of {SYNTH_ROUNDS[params.mode]} for mode "
                                   f"{params.mode!r}, got {rnd!r}")
@@ -182,3 +188,14 @@ class SynthHandler(TaskHandler):
 
         return PreparedRelease(cost, release_factors)
 
+
+
+class SynthRowsHandler(SynthHandler):
+    """The row-aligned ``factors`` round, as its own job kind ``synth_rows``.
+
+    A separate kind so that a site releases one noisy factor row per real row only when its
+    operator lists ``synth_rows`` in the policy's ``allowed_jobs`` (it is not allowed by
+    default).
+    """
+
+    kind = "synth_rows"

@@ -38,7 +38,7 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=2,
         task_deadline_s=60, resume_wait_s=30, mixed=True,
         settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
-                              allowed_jobs=("pca", "synth")))
+                              allowed_jobs=("pca", "synth", "synth_rows")))
     federation.start_coordinator()
     federation.start_sites()
     try:

@@ -33,7 +33,7 @@ from dpfed.common.synth.link_release import (
 from dpfed.common.synth.links import latent_dim
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers.synth import SynthHandler
+from dpfed.site_agent.handlers.synth import SynthHandler, SynthRowsHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
 
@@ -109,7 +109,8 @@ def params(**extra: object) -> dict[str, object]:
 def link_task(p: dict[str, object], props: np.ndarray, rnd: str,
               arrays: dict[str, np.ndarray] | None = None) -> Task:
     digest = links_digest(SCHEMA, props, N_BINS, str(p["continuous_link"]))
-    return Task(f"j/{rnd}", "j", "synth", 1.0, 1e-6 if rnd != "factors" else 0.0,
+    kind = "synth_rows" if rnd == "factors" else "synth"
+    return Task(f"j/{rnd}", "j", kind, 1.0, 1e-6 if rnd != "factors" else 0.0,
                 {**p, "round": rnd, "links_digest": digest},
                 {"link_proportions": props, **(arrays or {})})
 
@@ -201,7 +202,7 @@ def test_factors_round_row_sensitivity_within_bounds() -> None:
         v = np.linalg.qr(np.random.default_rng(r).standard_normal((dim, r)))[0]
         task = link_task(params(mode="row_aligned"), props, "factors", {"loadings": v})
         worst_l2 = worst_l1 = 0.0
-        units = [SynthHandler().exact(task, TableAccess(neighbour(base, x)),
+        units = [SynthRowsHandler().exact(task, TableAccess(neighbour(base, x)),
                                       np.random.default_rng(3))[3][0] for x in extreme_records()]
         for ua, ub in itertools.combinations(units, 2):
             d = (ua - ub) @ v
@@ -260,4 +261,10 @@ def test_links_round_releases_noisy_histograms_and_replays(tmp_path: Path) -> No
     assert runner.run(task) == first and len(runner.ledger.events()) == 1
     wrong_round = runner.run(Task("j/x", "j", "synth", 1.0, 1e-6,
                                   {**params(), "round": "factors"}))
-    assert isinstance(wrong_round, Refusal) and "round" in wrong_round.reason
+    assert isinstance(wrong_round, Refusal) and "synth_rows" in wrong_round.reason
+    # A site that does not list synth_rows never runs the row-aligned round.
+    rows_task = link_task(params(mode="row_aligned"), public_proportions(), "factors",
+                          {"loadings": np.eye(latent_dim(SCHEMA))[:, :2]})
+    refused = runner.run(rows_task)
+    assert isinstance(refused, Refusal) and refused.code == "not_allowed"
+    assert len(runner.ledger.events()) == 1
