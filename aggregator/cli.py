@@ -8,7 +8,7 @@
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
               [--min-sites M] [--clip-norm C] [--wait-sites N] --out pca.npz
     dpfed synth --epsilon E --delta D --rows N --out synth.parquet [--mode generative|row-aligned]
-                [--plan] [--model synth_model.npz] [--report report.html]
+                [--plan] [--evaluate] [--model synth_model.npz] [--report report.html]
     dpfed synth-sample MODEL --rows N --out FILE   more rows from a saved model (no budget)
     dpfed jobs                           recent jobs
     dpfed job ID [--watch]               one job (follow its progress with --watch)
@@ -178,7 +178,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
             epsilon=args.epsilon, delta=args.delta, rows=args.rows, mode=mode,
             continuous_link=args.continuous_link, n_bins=args.n_bins, rank=args.rank,
             clip_norm=args.clip_norm, min_sites=args.min_sites,
-            deadline_seconds=args.deadline, on_event=print_event)
+            deadline_seconds=args.deadline, on_event=print_event,
+            evaluate_rows=args.evaluate_rows if args.evaluate else 0)
     model_path = model.save(args.model)
     written = model.write(args.out, args.rows, fmt=fmt)
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
@@ -325,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="public bins per continuous column (default 32)")
     p.add_argument("--rank", type=int, help="number of factors (default: information rule)")
     p.add_argument("--clip-norm", type=float, help="latent norm bound (default sqrt(dim))")
+    p.add_argument("--evaluate", action="store_true",
+                   help="send a synthetic sample to every site, which compares it with its own "
+                   "rows and writes an HTML report in its own directory (nothing comes back)")
+    p.add_argument("--evaluate-rows", type=int, default=2000,
+                   help="rows of that sample (default 2000, at most 50000)")
     p.add_argument("--model", default="synth_model.npz", help="where to save the model")
     p.add_argument("--report", default="report.html", help="HTML report ('' to skip)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")

@@ -4,9 +4,9 @@ Demo data with skewed continuous, ordinal and nominal columns (or the user's fil
 hospitals; the coordinator and the sites run as real processes over mTLS. Left in ``--out``:
 ``synth.parquet`` (the synthetic table), ``synth_model.npz`` (the fitted DP model),
 ``report.html`` (the coordinator's report: DP vs synthetic marginals, correlation heat maps,
-budget table) and, in every ``sites/<id>/``, ``synth_evaluation.html`` -- the site-local
-evaluation of the synthetic table against that site's own rows, computed from the site's own
-data file as its operator would (nothing of it goes to the coordinator).
+budget table) and, in every ``sites/<id>/evaluations/<job>/``, ``synth_evaluation.html`` --
+the site-local evaluation of a synthetic sample against that site's own rows, written by the
+site process itself in the job's evaluation round (nothing of it goes to the coordinator).
 """
 
 from __future__ import annotations
@@ -19,12 +19,8 @@ from typing import TYPE_CHECKING
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
-from dpfed.common.data.data_sources import open_data_source, spec_from_path
-from dpfed.common.data.encoding import EncodedTable
-from dpfed.common.data.schema import Schema
 from dpfed.common.errors import DpfedError, JobFailedError
 from dpfed.common.transport.protocol import JobEvent
-from dpfed.site_agent.synth_evaluation import evaluate_at_site
 
 if TYPE_CHECKING:
     from dpfed.aggregator.simulate import SimulationOptions
@@ -48,13 +44,12 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     settings = SiteSettings(
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
         budget_delta=opts.budget_delta or min(0.5, 10 * opts.delta),
-        noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows"))
+        noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows", "synth_eval"))
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows,
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
                                  task_deadline_s=opts.deadline, settings=settings, mixed=True)
-    schema = Schema.load(fed.schema_path)
     try:
         fed.start_coordinator()
         _say("coordinator", f"serving on {fed.address} (mTLS)")
@@ -72,7 +67,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                           rows=None if opts.synth_mode == "row_aligned"
                                           else opts.synth_rows,
                                           mode=opts.synth_mode, min_sites=opts.min_sites,
-                                          on_event=progress)
+                                          on_event=progress, evaluate_rows=EVALUATION_ROWS)
             except JobFailedError as exc:
                 _say("synth", f"FAILED: {exc}")
                 return exit_codes.JOB_FAILED
@@ -93,15 +88,11 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     write_synth_report(out / "report.html", model, sample,
                        title="dpfed simulate: federated synthesis",
                        extra={"job seconds": round(job_seconds, 1)})
-    _say("evaluate", "site-local evaluation at every site (its own rows; stays at the site)")
-    eval_sample = sample.iloc[:EVALUATION_ROWS]
+    job_id = str(model.metadata.get("job_id", ""))
     for site_id in fed.site_ids:
-        parts = [t for t, _ in open_data_source(spec_from_path(fed.data_paths[site_id]),
-                                                schema).iter_chunks()]
-        path, report = evaluate_at_site(schema, EncodedTable.concatenate(parts), eval_sample,
-                                        site_id=site_id, out_dir=fed.site_dir(site_id))
-        _say("evaluate", f"{site_id}: mean TVD {report.mean_tvd}, mean KS {report.mean_ks} "
-             f"-> {path}")
+        path = fed.site_dir(site_id) / "evaluations" / job_id / "synth_evaluation.html"
+        state = "written by the site" if path.exists() else "MISSING"
+        _say("evaluate", f"{site_id}: site-local evaluation report {state}: {path}")
     print()
     print(f"dpfed simulate --job synth: {len(fed.site_ids)} sites, mode {model.mode}, "
           f"latent dimension {model.links.dim}, rank {model.factor_model.rank}")
@@ -112,5 +103,5 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     print(f"  wrote {written} synthetic rows in {write_seconds:.1f}s; job {job_seconds:.1f}s, "
           f"total {time.monotonic() - t0:.1f}s")
     print(f"  results in {out}: synth.parquet, synth_model.npz, report.html, "
-          "sites/*/synth_evaluation.html, sites/*/ledger.sqlite, logs/")
+          "sites/*/evaluations/*/synth_evaluation.html, sites/*/ledger.sqlite, logs/")
     return exit_codes.OK

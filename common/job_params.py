@@ -109,6 +109,9 @@ class SynthParams:
         Gaussian calibration of the DP-PCA round.
     split : tuple of (round, epsilon share, delta share)
         How the job's epsilon and delta are divided between the rounds (shares sum to 1).
+    evaluate_rows : int
+        When > 0, a final local-only round sends a synthetic sample of this many rows to
+        every site for its site-local evaluation report (nothing is released or charged).
     """
 
     mode: str = "generative"
@@ -119,12 +122,13 @@ class SynthParams:
     info_threshold: float = 0.8
     calibration: str = "analytic"
     split: tuple[tuple[str, float, float], ...] = ()
+    evaluate_rows: int = 0
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
         """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
-                          "info_threshold", "calibration", "split"}, "synth")
+                          "info_threshold", "calibration", "split", "evaluate_rows"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -145,7 +149,10 @@ class SynthParams:
         calibration = check_choice(params.get("calibration", "analytic"), "calibration",
                                    CALIBRATIONS)
         split = cls._split(mode, params.get("split"))
-        return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split)
+        evaluate_rows = check_int(params.get("evaluate_rows", 0), "evaluate_rows", minimum=0,
+                                  maximum=50_000)
+        return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
+                   evaluate_rows)
 
     @staticmethod
     def _split(mode: str, raw: Any) -> tuple[tuple[str, float, float], ...]:
@@ -202,4 +209,6 @@ class SynthParams:
             out["clip_norm"] = self.clip_norm
         if self.rank is not None:
             out["rank"] = self.rank
+        if self.evaluate_rows:
+            out["evaluate_rows"] = self.evaluate_rows
         return out

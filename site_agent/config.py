@@ -55,10 +55,10 @@ from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_sec
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "synth", "synth_rows")
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "synth", "synth_rows", "synth_eval")
 #: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
 #: synthesis, one noisy release per real row) must be listed explicitly.
-DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "synth")
+DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "synth", "synth_eval")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from dpfed.common.errors import (
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_to_bytes
-from dpfed.site_agent.handlers import HANDLERS, DataAccess, TaskHandler
+from dpfed.site_agent.handlers import HANDLERS, DataAccess, PreparedRelease, TaskHandler
 from dpfed.site_agent.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,12 @@ class TaskRunner:
 
     def __init__(self, data: DataAccess, ledger: Ledger, allowed_kinds: tuple[str, ...], *,
                  handlers: dict[str, TaskHandler] | None = None,
-                 deterministic_noise_seed: int | None = None) -> None:
+                 deterministic_noise_seed: int | None = None,
+                 local_dir: Path | None = None) -> None:
         self.data = data
         self.ledger = ledger
+        #: Where local-only tasks write their output (default: the ledger's directory).
+        self.local_dir = local_dir if local_dir is not None else ledger.path.parent
         self.allowed_kinds = allowed_kinds
         self.handlers = handlers if handlers is not None else HANDLERS
         self.noise_seed = deterministic_noise_seed
@@ -95,6 +99,8 @@ class TaskRunner:
             return Refusal(task.task_id, "deadline", "the task's deadline passed before it started")
         try:
             prepared = self.handlers[task.kind].prepare(task, self.data)
+            if prepared.local_output is not None:
+                return self._run_local(task, prepared, tag)
             rng = self._rng(task.kind)
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
@@ -126,3 +132,16 @@ class TaskRunner:
         log.info("[TaskRunner.run] %s %s epsilon=%g delta=%g, %d bytes released", tag, state,
                  prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
         return outcome.result
+
+    def _run_local(self, task: Task, prepared: PreparedRelease, tag: str) -> bytes:
+        """Run a local-only task: write its output here; send back only that it was done."""
+        assert prepared.local_output is not None
+        if prepared.cost.epsilon != 0.0 or prepared.cost.delta != 0.0 or prepared.cost.rho != 0.0:
+            raise ValidationError("a local-only task must not spend budget")
+        where = prepared.local_output(self.local_dir)
+        result = prepared.release(self._rng(task.kind))
+        if result.arrays or result.spend.epsilon or result.spend.delta:
+            raise ValidationError("a local-only task must not release arrays or spend budget")
+        log.info("[TaskRunner.run] %s local-only: %s (nothing released, nothing charged)",
+                 tag, where)
+        return result_to_bytes(result)

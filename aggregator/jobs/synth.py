@@ -30,8 +30,9 @@ from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
 from dpfed.aggregator.synth_model import SynthModel
+from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.errors import ProtocolError, QuorumError, ValidationError
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import combine
 from dpfed.common.privacy.rng import production_rng
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: Largest expected L1 error of a column's pooled DP proportions a job may start with.
 MAX_PROPORTION_ERROR = 0.5
+#: Task kind of the local-only evaluation round.
+EVAL_KIND = "synth_eval"
 #: Task kind of the row-aligned factors round (sites must allow it explicitly).
 ROWS_KIND = "synth_rows"
 #: Largest row-aligned output the coordinator accepts from one site.
@@ -202,7 +205,32 @@ class SynthJob(JobType):
         summary = {"mode": params.mode, "latent_dim": dim, "rank": fm.rank,
                    "sites": len(sites_last), "n_rows_total": metadata["n_rows_total"],
                    "links_digest": digest}
+        if params.evaluate_rows:
+            summary["evaluated_sites"] = await self._evaluate(ctx, model, params, schema)
         return JobOutput(model.arrays(), model.file_metadata(), summary)
+
+    async def _evaluate(self, ctx: JobContext, model: SynthModel, params: SynthParams,
+                        schema: Schema) -> list[str]:
+        """Local-only round: every site evaluates a synthetic sample against its own rows.
+
+        Sites answer only that their report was written; a failure here does not fail the
+        job (the synthetic table is already made).
+        """
+        sample = EncodedTable.concatenate(list(model.iter_encoded(
+            None if model.factors is not None else params.evaluate_rows)))
+        take = min(sample.n_rows, params.evaluate_rows)
+        arrays = {f"col:{c.name}": np.ascontiguousarray(sample.columns[c.name][:take])
+                  for c in schema.columns}
+        ctx.emit("evaluate", f"sending a {take}-row synthetic sample to every site for its "
+                 "local evaluation (nothing comes back, nothing is charged)", 0.95)
+        try:
+            results = await ctx.dispatch(EVAL_KIND, {"schema_digest": schema.digest()},
+                                         round_name="evaluate", arrays=arrays, epsilon=0.0,
+                                         delta=0.0, progress=(0.95, 0.99))
+        except QuorumError as exc:
+            ctx.emit("evaluate", f"site-local evaluation incomplete: {exc}", 0.99)
+            return []
+        return sorted(results)
 
     def _metadata(self, ctx: JobContext, params: SynthParams,
                   plan: list[tuple[str, float, float]], *rounds: Any) -> dict[str, Any]:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
 from dpfed.site_agent.handlers.pca import PCAHandler
-from dpfed.site_agent.handlers.synth import SynthHandler, SynthRowsHandler
+from dpfed.site_agent.handlers.synth import (
+    SynthEvaluationHandler,
+    SynthHandler,
+    SynthRowsHandler,
+)
 
 #: kind -> handler; adding a job kind means adding a handler here.
-HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(), SynthHandler(),
-                                                       SynthRowsHandler())}
+HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (
+    PCAHandler(), SynthHandler(), SynthRowsHandler(), SynthEvaluationHandler())}
 
 __all__ = ["HANDLERS", "DataAccess", "PreparedRelease", "TaskHandler"]

@@ -28,12 +28,14 @@ charged by the runner before it leaves. The number of clipped rows stays in the 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dpfed import __version__
-from dpfed.common.data.schema import Schema
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import DataError, ValidationError
 from dpfed.common.job_params import SYNTH_ROUNDS, SynthParams
 from dpfed.common.pca.dppca import GramAccumulator, site_cost, site_release
@@ -199,3 +201,86 @@ class SynthRowsHandler(SynthHandler):
     """
 
     kind = "synth_rows"
+
+
+#: Largest synthetic sample an evaluation task may carry.
+MAX_EVALUATION_ROWS = 50_000
+
+
+def synthetic_from_arrays(schema: Schema, arrays: dict[str, np.ndarray]) -> EncodedTable:
+    """Validate a synthetic sample sent by the coordinator (one array per column, ``col:<name>``).
+
+    Continuous columns must be finite and within the schema bounds, categorical columns valid
+    codes; every column the same length (1..MAX_EVALUATION_ROWS).
+    """
+    columns: dict[str, np.ndarray] = {}
+    n: int | None = None
+    for col in schema.columns:
+        a = arrays.get(f"col:{col.name}")
+        if a is None or a.ndim != 1:
+            raise ValidationError(f"the evaluation sample lacks column {col.name!r}")
+        if n is None:
+            n = int(a.shape[0])
+        if a.shape[0] != n or not 1 <= n <= MAX_EVALUATION_ROWS:
+            raise ValidationError("evaluation sample columns must have the same length, "
+                                  f"1..{MAX_EVALUATION_ROWS}")
+        if isinstance(col, ContinuousColumn):
+            v = np.asarray(a, dtype=np.float64)
+            if not np.all(np.isfinite(v)) or v.min() < col.min or v.max() > col.max:
+                raise ValidationError(f"evaluation column {col.name!r} outside the schema bounds")
+            columns[col.name] = v
+        else:
+            size = col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
+            if not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= size:
+                raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
+            columns[col.name] = a.astype(np.int32)
+    assert n is not None
+    return EncodedTable(schema, columns, n)
+
+
+class SynthEvaluationHandler(TaskHandler):
+    """Site-local evaluation of a synthetic sample (kind ``synth_eval``): local output only.
+
+    The coordinator sends a synthetic sample; the site compares it with its own rows
+    (:func:`dpfed.site_agent.synth_evaluation.evaluate_at_site`) and writes
+    ``synth_evaluation.html`` in its own directory. Nothing computed on real rows is sent back
+    (the answer says only that the report was written), so nothing is charged.
+    """
+
+    kind = "synth_eval"
+
+    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
+        """Validate the sample and read the site's rows; the report is written by the runner."""
+        from dpfed.site_agent.synth_evaluation import evaluate_at_site
+
+        schema = data.schema
+        if task.epsilon != 0.0 or task.delta != 0.0:
+            raise ValidationError("an evaluation task spends no budget: epsilon and delta "
+                                  "must be 0")
+        sent_schema = task.params.get("schema_digest")
+        if sent_schema != schema.digest():
+            raise ValidationError("schema digest mismatch: the sample was made for another "
+                                  "schema; refusing")
+        synthetic = synthetic_from_arrays(schema, dict(task.arrays))
+        parts = [t for t, _report in data.iter_chunks()]
+        if not parts:
+            raise DataError("the site has no valid rows to evaluate against")
+        rows = EncodedTable.concatenate(parts)
+        job = task.job_id
+
+        def write(site_dir: Path) -> str:
+            path, _ = evaluate_at_site(schema, rows, synthetic.to_frame(), site_id=f"job {job}",
+                                       out_dir=site_dir / "evaluations" / _safe(job))
+            return str(path)
+
+        zero = PrivacyCost(0.0, 0.0, 0.0, "none")
+
+        def done(_rng: np.random.Generator) -> TaskResult:
+            return TaskResult(task.task_id, zero, {}, {"evaluated": True,
+                                                       "n_synthetic": synthetic.n_rows})
+
+        return PreparedRelease(zero, done, local_output=write)
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:100] or "job"

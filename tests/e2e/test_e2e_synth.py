@@ -38,7 +38,7 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=2,
         task_deadline_s=60, resume_wait_s=30, mixed=True,
         settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
-                              allowed_jobs=("pca", "synth", "synth_rows")))
+                              allowed_jobs=("pca", "synth", "synth_rows", "synth_eval")))
     federation.start_coordinator()
     federation.start_sites()
     try:
@@ -60,8 +60,13 @@ def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[n
 def test_generative_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> None:
     schema = Schema.load(fed.schema_path)
     with fed.analyst() as coord:
-        frame, model = coord.synthesize(epsilon=4.0, delta=1e-5, rows=5000)
+        frame, model = coord.synthesize(epsilon=4.0, delta=1e-5, rows=5000, evaluate_rows=800)
         job = coord.jobs(1)[0]
+    # --evaluate: every site wrote its own report; nothing was charged for it.
+    for s in fed.site_ids:
+        report = fed.site_dir(s) / "evaluations" / job.job_id / "synth_evaluation.html"
+        assert report.exists() and "not sent anywhere" in report.read_text()
+    assert job.summary["evaluated_sites"] == fed.site_ids
     assert job.state == "succeeded" and [s.status for s in job.sites] == ["ok"] * 3
     assert list(frame.columns) == list(schema.names) and len(frame) == 5000
     for col in schema.columns:
@@ -205,8 +210,10 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     bad = run("synth", "--epsilon", "2", "--delta", "1e-5", "--rows", "0", *conn)
     assert bad.returncode != 0 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
     ok = run("synth", "--epsilon", "3", "--delta", "1e-5", "--rows", "3000", "--out",
-             "t.csv", *conn)
+             "t.csv", "--evaluate", "--evaluate-rows", "300", *conn)
     assert ok.returncode == 0, ok.stderr
+    assert all(list((fed.site_dir(s) / "evaluations").glob("*/synth_evaluation.html"))
+               for s in fed.site_ids)
     assert len(pd.read_csv(tmp_path / "t.csv")) == 3000
     assert (tmp_path / "synth_model.npz").exists() and (tmp_path / "report.html").exists()
     more = run("synth-sample", "synth_model.npz", "--rows", "7777", "--out", "more.parquet")
@@ -214,3 +221,20 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     assert pq.read_table(tmp_path / "more.parquet").num_rows == 7777
     nomodel = run("synth-sample", "missing.npz", "--rows", "5", "--out", "x.parquet")
     assert nomodel.returncode != 0 and "does not exist" in nomodel.stderr
+
+
+def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "sim"
+    run = subprocess.run([sys.executable, "-m", "dpfed.aggregator.cli", "simulate", "--job",
+                          "synth", "--sites", "2", "--rows", "1500", "--features", "8",
+                          "--epsilon", "3", "--synth-rows", "4000", "--seed", "2", "--out",
+                          str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (out / "synth.parquet").exists() and (out / "synth_model.npz").exists()
+    assert "data:image/png" in (out / "report.html").read_text()
+    for site in ("hospital-1", "hospital-2"):
+        assert list((out / "sites" / site / "evaluations").glob("*/synth_evaluation.html"))
+    assert SynthModel.load(out / "synth_model.npz").sample(10).shape == (10, 8)

@@ -33,7 +33,7 @@ from dpfed.common.synth.link_release import (
 from dpfed.common.synth.links import latent_dim
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers.synth import SynthHandler, SynthRowsHandler
+from dpfed.site_agent.handlers.synth import SynthEvaluationHandler, SynthHandler, SynthRowsHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
 
@@ -268,3 +268,37 @@ def test_links_round_releases_noisy_histograms_and_replays(tmp_path: Path) -> No
     refused = runner.run(rows_task)
     assert isinstance(refused, Refusal) and refused.code == "not_allowed"
     assert len(runner.ledger.events()) == 1
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def eval_arrays(n: int = 40) -> dict[str, np.ndarray]:
+    table, _ = encode_table(SCHEMA, base_frame(n, seed=9))
+    return {f"col:{k}": v for k, v in table.columns.items()}
+
+
+def test_site_local_evaluation_writes_a_report_and_charges_nothing(tmp_path: Path) -> None:
+    csv = tmp_path / "data.csv"
+    base_frame(200).to_csv(csv, index=False)
+    source = open_data_source(spec_from_path(csv), SCHEMA)
+    runner = TaskRunner(source, Ledger(tmp_path / "ledger.sqlite", BudgetPolicy(10.0, 1e-3)),
+                        ("synth_eval",), handlers={"synth_eval": SynthEvaluationHandler()})
+    task = Task("j/evaluate", "j", "synth_eval", 0.0, 0.0,
+                {"schema_digest": SCHEMA.digest()}, eval_arrays())
+    out = runner.run(task)
+    assert isinstance(out, bytes)
+    result = result_from_bytes(out)
+    assert result.arrays == {} and result.spend.epsilon == 0.0
+    assert (tmp_path / "evaluations" / "j" / "synth_evaluation.html").exists()
+    assert runner.ledger.events() == []
+    # Hostile samples are refused with a reason; so is a task that asks for budget.
+    for name, bad in (("age", np.full(40, 1e308)), ("stage", np.full(40, 9, dtype=np.int32)),
+                      ("lab", np.full(40, np.nan))):
+        arrays = {**eval_arrays(), f"col:{name}": bad}
+        refusal = runner.run(Task(f"j/e-{name}", "j", "synth_eval", 0.0, 0.0,
+                                  {"schema_digest": SCHEMA.digest()}, arrays))
+        assert isinstance(refusal, Refusal) and name in refusal.reason
+    charged = runner.run(Task("j/e2", "j", "synth_eval", 1.0, 0.0,
+                              {"schema_digest": SCHEMA.digest()}, eval_arrays()))
+    assert isinstance(charged, Refusal) and "no budget" in charged.reason
