@@ -14,7 +14,10 @@ identical tasks and the sites replay their ledgers):
 
 The task parameters of each round are a deterministic function of the job's parameters and
 of the earlier rounds' (replayed) releases, so a coordinator restarted between rounds sends
-the same task ids with the same payloads: one charge per site per round.
+the same task ids with the same payloads: one charge per site per round. (If a site that
+answered round 1 before the restart does not come back within the resume wait, round 1's sum
+changes, so do the links and their digest; a site that had already answered round 2 then
+refuses the re-sent round 2 as a conflicting payload instead of being charged twice.)
 The job's result file is the fitted :class:`dpfed.aggregator.synth_model.SynthModel`.
 """
 
