@@ -64,6 +64,8 @@ class SimulationOptions:
     budget_delta: float | None = None
     deadline: float = 600.0
     job: str = "pca"
+    synth_rows: int = 20_000
+    synth_mode: str = "generative"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,9 +104,14 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
                    "(default 10 x --delta)")
     p.add_argument("--deadline", type=float, default=600.0, help="per-site task deadline, s")
-    p.add_argument("--job", choices=["pca", "svt", "query"], default="pca",
-                   help="which job to simulate (svt/query use demo data with nominal and "
-                   "ordinal columns; see docs/queries.md)")
+    p.add_argument("--job", choices=["pca", "synth", "svt", "query"], default="pca",
+                   help="which job to simulate: pca (default); synth (federated DP synthesis on "
+                   "mixed demo data; docs/synthesis.md); svt or query (demo data with nominal "
+                   "and ordinal columns; docs/queries.md)")
+    p.add_argument("--synth-rows", type=int, default=20_000,
+                   help="--job synth: synthetic rows to write (generative mode)")
+    p.add_argument("--synth-mode", choices=["generative", "row-aligned"], default="generative",
+                   help="--job synth: output mode")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -116,6 +123,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
         raise ConfigError("--schema applies to --data files; without --data demo data is "
                           "generated with its own schema")
     n_sites = len(args.data) if args.data else args.sites
+    if args.job == "synth" and not 1 <= args.synth_rows <= 100_000_000:
+        raise ConfigError(f"--synth-rows must be between 1 and 100,000,000, got "
+                          f"{args.synth_rows}")
     for name, value, low in (("--sites", n_sites, 1), ("--rows", args.rows, 1),
                              ("--features", args.features, 2), ("--k", args.k, 1)):
         if value < low:
@@ -128,7 +138,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
-                             deadline=args.deadline, job=getattr(args, "job", "pca"))
+                             deadline=args.deadline, job=getattr(args, "job", "pca"),
+                             synth_rows=getattr(args, "synth_rows", 20_000),
+                             synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"))
 
 
 
@@ -213,10 +225,15 @@ def check_options(opts: SimulationOptions) -> None:
 
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code (errors are raised, not printed)."""
-    if opts.job != "pca":
+    if opts.job in ("svt", "query"):
         from dpfed.aggregator.simulate_queries import run_query_simulation
 
         return run_query_simulation(opts)
+    if opts.job == "synth":
+        from dpfed.aggregator.simulate_synth import run_synth_simulation
+
+        prepare_output(opts.out.resolve())
+        return run_synth_simulation(opts)
     check_options(opts)
     out = opts.out.resolve()
     prepare_output(out)
