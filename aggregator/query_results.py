@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import numpy as np
 import pandas as pd
@@ -27,8 +27,50 @@ def _check_kind(metadata: dict[str, Any], kind: str) -> None:
                               f"{metadata.get('kind')!r})")
 
 
+class _ResultFile:
+    """What both result classes share: the result-file format, CSV of their main table.
+
+    Subclasses are frozen dataclasses with ``arrays`` and ``metadata``, name their ``KIND``
+    and return the table a ``.csv`` path gets from :meth:`csv_table`.
+    """
+
+    KIND: ClassVar[str]
+    arrays: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+    def csv_table(self) -> pd.DataFrame:
+        """Return the table written when a ``.csv`` path is given to :meth:`save`."""
+        raise NotImplementedError
+
+    def to_bytes(self) -> bytes:
+        """Serialize to the result-file format."""
+        return encode_result(self.arrays, self.metadata)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the ``.npz`` result (or the main table as CSV if ``path`` ends in ``.csv``)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.suffix.lower() == ".csv":
+            self.csv_table().to_csv(p, index=False)
+        else:
+            p.write_bytes(self.to_bytes())
+        return p
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> Self:
+        """Read a result file (bytes or path)."""
+        arrays, metadata = decode_result(data)
+        _check_kind(metadata, cls.KIND)
+        return cls(arrays, metadata)  # type: ignore[call-arg]
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        """Read a result file from disk."""
+        return cls.from_bytes(str(path))
+
+
 @dataclass(frozen=True)
-class SVTJobResult:
+class SVTJobResult(_ResultFile):
     """One SVT batch across the federation.
 
     Attributes
@@ -41,8 +83,13 @@ class SVTJobResult:
         Job id, session, action, queries, sites, parameters.
     """
 
+    KIND: ClassVar[str] = "svt"
     arrays: dict[str, np.ndarray]
     metadata: dict[str, Any]
+
+    def csv_table(self) -> pd.DataFrame:
+        """Return the per-query table."""
+        return self.table
 
     @property
     def session(self) -> str:
@@ -76,35 +123,9 @@ class SVTJobResult:
         """One row per site: session progress after this batch."""
         return pd.DataFrame(self.metadata.get("sites", []))
 
-    def to_bytes(self) -> bytes:
-        """Serialize to the result-file format."""
-        return encode_result(self.arrays, self.metadata)
-
-    def save(self, path: str | Path) -> Path:
-        """Write the ``.npz`` result (or the table as CSV if ``path`` ends in ``.csv``)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if p.suffix.lower() == ".csv":
-            self.table.to_csv(p, index=False)
-        else:
-            p.write_bytes(self.to_bytes())
-        return p
-
-    @classmethod
-    def from_bytes(cls, data: bytes | str) -> SVTJobResult:
-        """Read a result file (bytes or path)."""
-        arrays, metadata = decode_result(data)
-        _check_kind(metadata, "svt")
-        return cls(arrays, metadata)
-
-    @classmethod
-    def load(cls, path: str | Path) -> SVTJobResult:
-        """Read a result file from disk."""
-        return cls.from_bytes(str(path))
-
 
 @dataclass(frozen=True)
-class QueryJobResult:
+class QueryJobResult(_ResultFile):
     """A workload answered by the matrix mechanism across the federation.
 
     Attributes
@@ -116,8 +137,13 @@ class QueryJobResult:
         Domain, workload, chosen strategy and noise, expected errors, sites.
     """
 
+    KIND: ClassVar[str] = "query"
     arrays: dict[str, np.ndarray]
     metadata: dict[str, Any]
+
+    def csv_table(self) -> pd.DataFrame:
+        """Return the workload answers."""
+        return self.answers
 
     @property
     def domain(self) -> Domain:
@@ -165,29 +191,3 @@ class QueryJobResult:
         names = query_names(domain, workload, int(self.metadata["workload"].get("k", 0)))
         return pd.DataFrame({"query": names, "estimate": self.arrays["answers"],
                              "std_error": self.arrays["answer_std_error"]})
-
-    def to_bytes(self) -> bytes:
-        """Serialize to the result-file format."""
-        return encode_result(self.arrays, self.metadata)
-
-    def save(self, path: str | Path) -> Path:
-        """Write the ``.npz`` result (or the answers as CSV if ``path`` ends in ``.csv``)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if p.suffix.lower() == ".csv":
-            self.answers.to_csv(p, index=False)
-        else:
-            p.write_bytes(self.to_bytes())
-        return p
-
-    @classmethod
-    def from_bytes(cls, data: bytes | str) -> QueryJobResult:
-        """Read a result file (bytes or path)."""
-        arrays, metadata = decode_result(data)
-        _check_kind(metadata, "query")
-        return cls(arrays, metadata)
-
-    @classmethod
-    def load(cls, path: str | Path) -> QueryJobResult:
-        """Read a result file from disk."""
-        return cls.from_bytes(str(path))
