@@ -68,6 +68,9 @@ MALFORMED_ROWS_KEY = "(rows with a wrong number of fields)"
 
 _HEADER_SAMPLE_BYTES = 1 << 20
 _BLOCK_BYTES = 1 << 20
+_MAX_BLOCK_BYTES = 8 << 20
+#: Cap on one chunk's float64 feature matrix: wide tables get fewer rows per chunk.
+MAX_CHUNK_BYTES = 128 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SQL_COMMENT = re.compile(r"\A\s*(?:--[^\n]*(?:\n|\Z)|/\*.*?\*/)", re.DOTALL)
 
@@ -259,9 +262,52 @@ class DataSource(abc.ABC):
         self.spec = spec
         self.schema = schema
 
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk: ``spec.chunk_rows``, fewer for wide tables.
+
+        A chunk's float64 matrix is kept under :data:`MAX_CHUNK_BYTES` (128 MiB): at
+        p = 5000 a 65536-row chunk would be 2.4 GiB, more than the p x p matrices of a PCA.
+        """
+        width = 8 * max(1, len(self.schema.columns))
+        return max(1, min(self.spec.chunk_rows, MAX_CHUNK_BYTES // width))
+
     @abc.abstractmethod
     def describe(self) -> str:
         """Kind and location of the data (never any data), for logs and error messages."""
+
+    def check_sample(self, rows: int = 1000) -> EncodingReport:
+        """Read and encode the first ``rows`` rows (at least one chunk's first rows).
+
+        What a site checks at start-up besides the columns that :func:`open_data_source`
+        checks: the values parse, and a row policy of "error" holds on the first rows. It
+        reads one chunk, never the whole table.
+
+        Raises
+        ------
+        DataError
+            As :meth:`iter_chunks`, for the rows read.
+        """
+        source = self.describe()
+        batches = self._batches()
+        total = EncodingReport()
+        try:
+            for batch, skipped in batches:
+                take = batch.slice(0, max(0, rows - total.rows_read))
+                _, report = encode_table(self.schema, take, policy=self.spec.policy,
+                                         row_offset=total.rows_read, source=source)
+                report.rows_read += skipped
+                report.dropped_invalid += skipped
+                total.merge(report)
+                if total.rows_read >= rows:
+                    break
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        if total.rows_read == 0:
+            raise DataError(f"{source}: contains no data rows")
+        return total
 
     @abc.abstractmethod
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
@@ -366,15 +412,19 @@ class CsvSource(DataSource):
         except (csv.Error, StopIteration):
             raise DataError(f"{self.describe()}: the header row is not valid CSV") from None
         header = [name.strip() for name in header]
-        # Block size: Arrow reads raw blocks ahead of the parser in a background thread,
-        # a fixed number of blocks deep (with 16 MiB blocks a 506 MiB file was buffered
-        # whole, bench/site_memory.py), so blocks stay small -- _BLOCK_BYTES, or room for
-        # several of the sample's longest lines (Arrow fails on a row longer than a block) --
-        # and _rebatch joins them into chunks of chunk_rows rows.
+        # Block size: Arrow reads raw blocks ahead of the parser a fixed number of blocks
+        # deep (with 16 MiB blocks a 506 MiB file was buffered whole, bench/site_memory.py),
+        # so blocks are sized by bytes per row to hold about chunk_rows rows, between
+        # _BLOCK_BYTES and _MAX_BLOCK_BYTES, and at least 4x the sample's longest line (Arrow
+        # fails on a row longer than a block). Each block is one chunk: blocks are never
+        # joined (at p = 5000 a 1 MiB block held ~36 rows and joining them cost more than
+        # parsing).
         body = sample[sample.find(b"\n") + 1:]
         ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == ord("\n"))
         longest = int(np.diff(ends, prepend=-1).max()) if ends.size else len(body)
-        return header, max(_BLOCK_BYTES, 4 * longest)
+        per_row = (int(ends[-1]) + 1) / ends.size if ends.size else float(len(body) or 1)
+        wanted = int(per_row * self.chunk_rows * 1.05)
+        return header, max(min(max(wanted, _BLOCK_BYTES), _MAX_BLOCK_BYTES), 4 * longest)
 
     def _decode(self, data: bytes) -> str:
         try:
@@ -481,7 +531,7 @@ class CsvSource(DataSource):
         )
 
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
-        return _rebatch(self._arrow_batches(), self.spec.chunk_rows)
+        return _split(self._arrow_batches(), self.chunk_rows)
 
 
 class _MalformedRows:
@@ -522,42 +572,21 @@ class _MalformedRows:
         self.replay_through = self.counted_through
 
 
-def _rebatch(batches: Iterator[tuple[pa.RecordBatch, int]],
-             chunk_rows: int) -> Iterator[tuple[pa.RecordBatch, int]]:
-    """Re-cut a stream of batches into chunks of exactly ``chunk_rows`` rows.
+def _split(batches: Iterator[tuple[pa.RecordBatch, int]],
+           chunk_rows: int) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Cut batches longer than ``chunk_rows`` into zero-copy slices; never join batches.
 
-    The last chunk may be shorter, and so may a chunk cut where the stream's column types
-    change (after the CSV reader switches to text). Skip counts travel with the next chunk.
+    Joining short batches into full chunks copied every value once more than the floor of a
+    pass does; chunks are therefore *at most* ``chunk_rows`` rows. Skip counts travel with
+    the first slice.
     """
-    buffer: list[pa.RecordBatch] = []
-    buffered = 0
-    skipped = 0
-
-    def flush() -> pa.RecordBatch:
-        nonlocal buffer, buffered
-        if len(buffer) == 1:
-            out = buffer[0]
-        else:
-            out = pa.Table.from_batches(buffer).combine_chunks().to_batches()[0]
-        buffer, buffered = [], 0
-        return out
-
     for batch, skip in batches:
-        skipped += skip
-        if buffer and batch.schema != buffer[0].schema:
-            yield flush(), skipped
-            skipped = 0
-        start = 0
-        while start < batch.num_rows:
-            take = min(chunk_rows - buffered, batch.num_rows - start)
-            buffer.append(batch.slice(start, take))
-            buffered += take
-            start += take
-            if buffered == chunk_rows:
-                yield flush(), skipped
-                skipped = 0
-    if buffered or skipped:
-        yield (flush() if buffer else batch.slice(0, 0)), skipped
+        if batch.num_rows <= chunk_rows:
+            yield batch, skip
+            continue
+        for start in range(0, batch.num_rows, chunk_rows):
+            yield batch.slice(start, chunk_rows), skip
+            skip = 0
 
 
 class ParquetSource(DataSource):
@@ -595,9 +624,10 @@ class ParquetSource(DataSource):
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         pf = self._open()
         try:
-            batches = pf.iter_batches(batch_size=self.spec.chunk_rows,
-                                      columns=list(self.schema.names), use_threads=False)
-            yield from _rebatch(((b, 0) for b in batches), self.spec.chunk_rows)
+            # Batches end at row-group boundaries; they are passed on as they come.
+            for batch in pf.iter_batches(batch_size=self.chunk_rows,
+                                         columns=list(self.schema.names), use_threads=False):
+                yield batch, 0
         except (pa.ArrowException, OSError) as exc:
             raise DataError(f"{self.describe()}: cannot be read ({type(exc).__name__})") from None
         finally:
@@ -692,7 +722,7 @@ class SqliteSource(DataSource):
             categorical = [not isinstance(c, ContinuousColumn) for c in self.schema.columns]
             while True:
                 try:
-                    rows = cursor.fetchmany(self.spec.chunk_rows)
+                    rows = cursor.fetchmany(self.chunk_rows)
                 except sqlite3.DatabaseError as exc:
                     raise DataError(f"{self.describe()}: {exc}") from None
                 if not rows:

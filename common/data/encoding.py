@@ -173,6 +173,25 @@ def _parse_floats(col: pa.Array, missing: np.ndarray) -> tuple[np.ndarray, np.nd
     return values, invalid
 
 
+def _clean_numbers(col: pa.Array, spec: ContinuousColumn) -> np.ndarray | None:
+    """Return a typed numeric column as float64 if it needs no row policy at all, else None.
+
+    The fast path of :func:`encode_table` for Parquet/SQL/typed-CSV float or integer columns:
+    no nulls, and the minimum and maximum inside the schema bounds (NaN propagates through
+    both and infinities lie outside finite bounds, so this one test also rules out missing
+    and invalid values). Float64 without nulls is read without a copy.
+    """
+    if col.null_count or not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
+        return None
+    if len(col) == 0:
+        return None
+    values: np.ndarray = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64)
+    low, high = values.min(), values.max()
+    if spec.min <= low and high <= spec.max:
+        return values
+    return None
+
+
 def _labels_of(col: pa.Array) -> pa.Array:
     """Render a column's values as the strings matched against levels/categories."""
     if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -251,6 +270,11 @@ def encode_table(schema: Schema, table: pa.Table | pa.RecordBatch | pd.DataFrame
     oor_masks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for col in schema.columns:
         arr = _column_from(table, col.name)
+        if isinstance(col, ContinuousColumn):
+            clean = _clean_numbers(arr, col)
+            if clean is not None:
+                raw[col.name] = clean
+                continue
         missing = _missing_mask(arr, schema.missing_values)
         if isinstance(col, ContinuousColumn):
             values, invalid = _parse_floats(arr, missing)
@@ -300,7 +324,8 @@ def encode_table(schema: Schema, table: pa.Table | pa.RecordBatch | pd.DataFrame
     all_kept = bool(keep.all())
     for col in schema.columns:
         values = raw[col.name] if all_kept else raw[col.name][keep]
-        if isinstance(col, ContinuousColumn) and policy.out_of_range == "clip":
+        if (isinstance(col, ContinuousColumn) and policy.out_of_range == "clip"
+                and col.name in oor_masks):
             low, high = oor_masks[col.name]
             n_clip = int(np.count_nonzero((low | high) & keep))
             if n_clip:

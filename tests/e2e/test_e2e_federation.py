@@ -66,7 +66,9 @@ def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederatio
     with fed.analyst() as coord:
         sites = coord.sites()
         assert [s.site_id for s in sites] == fed.site_ids
-        assert all(s.connected and s.row_count == 1500 for s in sites)
+        assert all(s.connected for s in sites)
+        # Sites connect before counting their rows and send the count right after.
+        _wait_until(lambda: all(s.row_count == 1500 for s in coord.sites()), 60, "row counts")
         result = coord.pca(3, epsilon=1000.0, delta=1e-5)
         job = coord.jobs(1)[0]
     assert job.state == "succeeded" and [s.status for s in job.sites] == ["ok"] * 3

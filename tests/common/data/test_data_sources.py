@@ -143,8 +143,11 @@ def test_chunk_size_does_not_change_results(tmp_path: Path, chunk_rows: int) -> 
                                   SCHEMA)
         chunks = list(source.iter_chunks())
         assert all(r.rows_read <= chunk_rows for _, r in chunks)
-        # Every chunk but the last is full.
-        assert all(r.rows_read == chunk_rows for _, r in chunks[:-1])
+        assert sum(r.rows_read for _, r in chunks) == 1000
+        if path.suffix != ".parquet":
+            # One CSV block holds this small file; SQLite fetches chunk_rows rows at a time.
+            # (Parquet chunks may also end at a row group: batches are never joined.)
+            assert all(r.rows_read == chunk_rows for _, r in chunks[:-1])
         parts, report = read_all(source)
         frames_equal(parts, whole)
         assert report_counts(report) == report_counts(whole_report)

@@ -1,0 +1,135 @@
+"""A site's DP-PCA pass against the streaming floor, measured in the same run.
+
+The floor is the least a site can do for one DPdisPCA release: stream the file with Arrow
+(Parquet ``iter_batches`` / CSV ``open_csv`` with float64 columns), copy each batch into a
+column-major float64 matrix, one BLAS ``dsyrk`` per batch, then the top-R eigenpairs of the
+p x p result. The site path is the real one: ``open_data_source`` (start-up checks), then
+``PCAHandler.prepare`` (schema validation, unit-ball map, Gram) and the release (noise,
+top-R eigenpairs), exactly as the site agent runs a task.
+
+Printed per format: floor seconds, site seconds, their ratio (goal <= 1.2 at 5M rows), and
+the start-up time of ``open_data_source`` (no full-data scan: it should be ~0).
+
+Run: ``python bench/site_path.py [--rows 5000000] [--p 50] [--fmt parquet csv]
+[--repeats 3] [--workdir DIR] [--profile]``. Data files are cached in ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.csv as pcsv  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from scipy import linalg  # noqa: E402
+from scipy.linalg import blas  # noqa: E402
+
+from dpfed.common.data.data_sources import open_data_source, spec_from_path  # noqa: E402
+from dpfed.common.data.demo_data import write_demo  # noqa: E402
+from dpfed.common.data.schema import Schema  # noqa: E402
+from dpfed.common.transport.protocol import Task  # noqa: E402
+from dpfed.site_agent.handlers.pca import PCAHandler  # noqa: E402
+
+SEED = 20260101
+CHUNK_ROWS = 65536
+
+
+def data_files(workdir: Path, rows: int, p: int, fmt: str) -> tuple[Path, Path]:
+    folder = workdir / f"demo_p{p}_n{rows}_{fmt}"
+    schema_path, data_path = folder / "schema.toml", folder / f"site_01.{fmt}"
+    if not (schema_path.exists() and data_path.exists()):
+        t = time.perf_counter()
+        schema_path, paths = write_demo(folder, 1, rows, p, seed=SEED, fmt=fmt)
+        data_path = paths[0]
+        print(f"  wrote {data_path} ({data_path.stat().st_size / 2**20:.0f} MiB) in "
+              f"{time.perf_counter() - t:.1f}s", flush=True)
+    return schema_path, data_path
+
+
+def _arrow_batches(path: Path, names: list[str], fmt: str) -> object:
+    if fmt == "parquet":
+        pf = pq.ParquetFile(str(path), pre_buffer=False)
+        return pf.iter_batches(batch_size=CHUNK_ROWS, columns=names, use_threads=False)
+    return pcsv.open_csv(
+        str(path), read_options=pcsv.ReadOptions(use_threads=False, block_size=8 << 20),
+        convert_options=pcsv.ConvertOptions(include_columns=names,
+                                            column_types=dict.fromkeys(names, pa.float64())))
+
+
+def floor(schema: Schema, path: Path, fmt: str, rank: int) -> float:
+    """Arrow batches -> column-major float64 -> dsyrk, then top-R eigenpairs."""
+    t = time.perf_counter()
+    names = list(schema.names)
+    p = len(names)
+    c = np.zeros((p, p), order="F")
+    for batch in _arrow_batches(path, names, fmt):  # type: ignore[attr-defined]
+        x = np.empty((batch.num_rows, p), order="F")
+        for j in range(p):
+            x[:, j] = batch.column(j).to_numpy(zero_copy_only=False)
+        c = blas.dsyrk(1.0, x, beta=1.0, c=c, trans=1, lower=0, overwrite_c=1)
+    linalg.eigh(c, subset_by_index=[p - rank, p - 1], overwrite_a=True, check_finite=False,
+                driver="evr")
+    return time.perf_counter() - t
+
+
+def site(schema: Schema, path: Path, rank: int) -> tuple[float, float]:
+    """(start-up seconds, task seconds) of the real site path."""
+    t = time.perf_counter()
+    source = open_data_source(spec_from_path(path, chunk_rows=CHUNK_ROWS), schema)
+    startup = time.perf_counter() - t
+    t = time.perf_counter()
+    task = Task("bench/pca", "bench", "pca", 1.0, 1e-5, {"n_components": rank // 2,
+                                                          "rank": rank})
+    prepared = PCAHandler().prepare(task, source)
+    prepared.release(np.random.default_rng(0))
+    return startup, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=5_000_000)
+    ap.add_argument("--p", type=int, default=50)
+    ap.add_argument("--rank", type=int, default=20)
+    ap.add_argument("--fmt", nargs="+", default=["parquet", "csv"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of one site pass")
+    args = ap.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dpfed-sitepath-"))
+    try:
+        for fmt in args.fmt:
+            schema_path, path = data_files(workdir, args.rows, args.p, fmt)
+            schema = Schema.load(schema_path)
+            floors, sites, startups = [], [], []
+            for _ in range(args.repeats):  # interleaved: both see the same machine load
+                floors.append(floor(schema, path, fmt, args.rank))
+                s, w = site(schema, path, args.rank)
+                startups.append(s)
+                sites.append(w)
+            f, w, s = min(floors), min(sites), min(startups)
+            print(f"{fmt}: {args.rows} rows x p={args.p}, best of {args.repeats}: "
+                  f"floor {f:.2f}s, site {w:.2f}s, ratio site/floor {w / f:.2f} "
+                  f"(goal <= 1.2); start-up {s * 1000:.0f} ms", flush=True)
+            if args.profile:
+                prof = cProfile.Profile()
+                prof.runcall(site, schema, path, args.rank)
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
