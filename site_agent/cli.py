@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 def data_spec(config: SiteConfig) -> DataSourceSpec:
     """Return the data source spec described by the config."""
     d = config.data
+    if d.format == "postgres":
+        return DataSourceSpec("postgres", None, table=d.table, query=d.query,
+                              chunk_rows=d.chunk_rows, policy=d.row_policy,
+                              conninfo=d.conninfo, password=d.password())
+    assert d.path is not None
     if d.format is None:
         return spec_from_path(d.path, table=d.table, query=d.query, delimiter=d.delimiter,
                               chunk_rows=d.chunk_rows, policy=d.row_policy)

@@ -54,7 +54,7 @@ from dpfed.common.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
-DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite")
+DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
 #: File extensions :func:`spec_from_path` understands (a compression suffix such as ``.gz``
 #: may follow a CSV extension; Arrow decompresses it while streaming).
 CSV_EXTENSIONS: tuple[str, ...] = (".csv", ".tsv", ".txt")
@@ -101,16 +101,24 @@ class DataSourceSpec:
     encoding : str
         CSV only: the text encoding of the file (Arrow transcodes anything but UTF-8, which is
         slower).
+    conninfo : str, optional
+        PostgreSQL only: a libpq connection string or URI without the password
+        (``"host=db port=5432 dbname=omop user=dpfed_reader sslmode=verify-full"``).
+    password : str, optional
+        PostgreSQL only: the password, read from an environment variable or a file by the
+        caller (never printed: it is left out of ``repr``).
     """
 
     kind: str
-    path: Path
+    path: Path | None
     table: str | None = None
     query: str | None = None
     delimiter: str = ","
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     policy: RowPolicy = field(default_factory=RowPolicy)
     encoding: str = "utf-8"
+    conninfo: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_SOURCE_KINDS:
@@ -118,28 +126,40 @@ class DataSourceSpec:
                 f"data source kind must be one of {', '.join(DATA_SOURCE_KINDS)}, "
                 f"got {self.kind!r}"
             )
-        if not isinstance(self.path, str | Path) or not str(self.path):
-            raise ConfigError(f"data source path must be a non-empty path, got {self.path!r}")
-        object.__setattr__(self, "path", Path(self.path))
+        if self.kind == "postgres":
+            if self.path is not None:
+                raise ConfigError("a postgres data source has no path; give its conninfo")
+            if not isinstance(self.conninfo, str):
+                raise ConfigError("a postgres data source needs a conninfo (libpq connection "
+                                  "string such as \"host=db dbname=omop user=reader\")")
+        else:
+            if not isinstance(self.path, str | Path) or not str(self.path):
+                raise ConfigError(
+                    f"data source path must be a non-empty path, got {self.path!r}")
+            object.__setattr__(self, "path", Path(self.path))
+            if self.conninfo is not None or self.password is not None:
+                raise ConfigError(f"'conninfo' and 'password' apply only to postgres data "
+                                  f"sources, not {self.kind} ({self.path})")
         if (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int)
                 or self.chunk_rows < 1):
             raise ConfigError(f"chunk_rows must be an integer >= 1, got {self.chunk_rows!r}")
         if not isinstance(self.policy, RowPolicy):
             raise ConfigError(f"policy must be a RowPolicy, got {type(self.policy).__name__}")
-        if self.kind == "sqlite":
+        if self.kind in ("sqlite", "postgres"):
+            where = self.path if self.kind == "sqlite" else "postgres"
             if (self.table is None) == (self.query is None):
                 raise ConfigError(
-                    f"an sqlite data source ({self.path}) needs exactly one of 'table' or "
+                    f"an {self.kind} data source ({where}) needs exactly one of 'table' or "
                     f"'query', got {'both' if self.table is not None else 'neither'}"
                 )
             if self.table is not None:
-                _check_identifier(self.table)
+                _check_identifier(self.table, self.kind)
             if self.query is not None:
-                _check_select(self.query)
+                _check_select(self.query, self.kind)
         elif self.table is not None or self.query is not None:
             raise ConfigError(
-                f"'table' and 'query' apply only to sqlite data sources, not {self.kind} "
-                f"({self.path})"
+                f"'table' and 'query' apply only to sqlite and postgres data sources, not "
+                f"{self.kind} ({self.path})"
             )
         if (not isinstance(self.delimiter, str) or len(self.delimiter) != 1
                 or self.delimiter in "\"\r\n"):
@@ -194,19 +214,23 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
                           chunk_rows=chunk_rows, policy=policy or RowPolicy(), encoding=encoding)
 
 
-def _check_identifier(name: Any) -> str:
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+def _check_identifier(name: Any, kind: str = "sqlite") -> str:
+    """Check a plain identifier; PostgreSQL also takes ``schema.table`` (OMOP CDM views)."""
+    parts = name.split(".") if isinstance(name, str) and kind == "postgres" else [name]
+    if not isinstance(name, str) or len(parts) > 2 or not all(
+            isinstance(p, str) and _IDENTIFIER.match(p) for p in parts):
+        qualified = " or schema.table" if kind == "postgres" else ""
         raise ConfigError(
-            f"sqlite table must be a plain identifier (letters, digits, underscore; not starting "
-            f"with a digit), got {name!r}; use 'query' for anything else"
+            f"{kind} table must be a plain identifier{qualified} (letters, digits, underscore; "
+            f"not starting with a digit), got {name!r}; use 'query' for anything else"
         )
     return name
 
 
-def _check_select(query: Any) -> str:
+def _check_select(query: Any, kind: str = "sqlite") -> str:
     """Refuse anything that is not one SELECT/WITH statement (the database is read-only too)."""
     if not isinstance(query, str) or not query.strip():
-        raise ConfigError(f"sqlite query must be a non-empty string, got {query!r}")
+        raise ConfigError(f"{kind} query must be a non-empty string, got {query!r}")
     text = query
     while True:
         m = _SQL_COMMENT.match(text)
@@ -216,12 +240,13 @@ def _check_select(query: Any) -> str:
     first = re.match(r"\s*([A-Za-z]+)", text)
     if not first or first.group(1).upper() not in ("SELECT", "WITH"):
         raise ConfigError(
-            "sqlite query must be a single read-only SELECT or WITH statement, "
+            f"{kind} query must be a single read-only SELECT or WITH statement, "
             f"got one starting with {(first.group(1) if first else text.strip()[:1])!r}"
         )
     body = text.strip().rstrip(";").rstrip()
     if ";" in body and _splits_into_statements(body):
-        raise ConfigError("sqlite query must be a single statement, got several separated by ';'")
+        raise ConfigError(f"{kind} query must be a single statement, got several separated by "
+                          "';'")
     return query
 
 
@@ -261,6 +286,13 @@ class DataSource(abc.ABC):
     def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
         self.spec = spec
         self.schema = schema
+
+    @property
+    def path(self) -> Path:
+        """The file of a file-based source."""
+        if self.spec.path is None:
+            raise ConfigError(f"a {self.spec.kind} data source has no file")
+        return self.spec.path
 
     @property
     def chunk_rows(self) -> int:
@@ -362,7 +394,7 @@ class CsvSource(DataSource):
                  typed_fast_path: bool = True) -> None:
         super().__init__(spec, schema)
         self.typed_fast_path = typed_fast_path
-        _check_readable_file(spec.path, "data file")
+        _check_readable_file(self.path, "data file")
         self.header, self.block_size = self._read_header()
         counts: dict[str, int] = {}
         for name in self.header:
@@ -383,11 +415,11 @@ class CsvSource(DataSource):
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
-        return f"csv file {self.spec.path}"
+        return f"csv file {self.path}"
 
     def _read_header(self) -> tuple[list[str], int]:
         """Parse the header row; return (column names, Arrow block size for ~chunk_rows rows)."""
-        path = self.spec.path
+        path = self.path
         try:
             with pa.input_stream(str(path), compression="detect") as stream:
                 sample = bytes(stream.read(_HEADER_SAMPLE_BYTES))
@@ -458,7 +490,7 @@ class CsvSource(DataSource):
                                       column_types=column_types,
                                       null_values=list(self.schema.missing_values),
                                       strings_can_be_null=True)
-        return pcsv.open_csv(str(self.spec.path), read_options=read, parse_options=parse,
+        return pcsv.open_csv(str(self.path), read_options=read, parse_options=parse,
                              convert_options=convert)
 
     def _arrow_batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
@@ -594,7 +626,7 @@ class ParquetSource(DataSource):
 
     def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
         super().__init__(spec, schema)
-        _check_readable_file(spec.path, "data file")
+        _check_readable_file(self.path, "data file")
         pf = self._open()
         try:
             names = list(pf.schema_arrow.names)
@@ -608,7 +640,7 @@ class ParquetSource(DataSource):
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
-        return f"parquet file {self.spec.path}"
+        return f"parquet file {self.path}"
 
     def _open(self) -> Any:
         try:
@@ -616,7 +648,7 @@ class ParquetSource(DataSource):
             # buffered column chunks of every row group read so far, so allocation grew with
             # the file (67 -> 195 MiB over a 2M-row file; cf. apache/arrow#39808). Without
             # it, it stays at ~one row group.
-            return pq.ParquetFile(str(self.spec.path), pre_buffer=False)
+            return pq.ParquetFile(str(self.path), pre_buffer=False)
         except (pa.ArrowException, OSError) as exc:
             raise DataError(f"{self.describe()}: not a readable Parquet file "
                             f"({type(exc).__name__})") from None
@@ -654,7 +686,7 @@ class SqliteSource(DataSource):
 
     def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
         super().__init__(spec, schema)
-        _check_readable_file(spec.path, "database file")
+        _check_readable_file(self.path, "database file")
         with self._connect() as conn:
             if spec.table is not None:
                 try:
@@ -681,11 +713,11 @@ class SqliteSource(DataSource):
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
         if self.spec.table is not None:
-            return f"sqlite table {self.spec.table!r} in {self.spec.path}"
-        return f"sqlite query on {self.spec.path}"
+            return f"sqlite table {self.spec.table!r} in {self.path}"
+        return f"sqlite query on {self.path}"
 
     def _connect(self) -> _ClosingConnection:
-        uri = self.spec.path.resolve().as_uri() + "?mode=ro"
+        uri = self.path.resolve().as_uri() + "?mode=ro"
         try:
             conn = sqlite3.connect(uri, uri=True)
         except sqlite3.Error as exc:
@@ -728,7 +760,7 @@ class SqliteSource(DataSource):
                 if not rows:
                     return
                 columns = list(zip(*rows, strict=True))
-                arrays = [_sqlite_array(columns[i], cat) for i, cat in zip(indexes, categorical,
+                arrays = [column_array(columns[i], cat) for i, cat in zip(indexes, categorical,
                                                                             strict=True)]
                 yield pa.RecordBatch.from_arrays(arrays, names), 0
 
@@ -746,8 +778,8 @@ class _ClosingConnection:
         self.conn.close()
 
 
-def _sqlite_array(values: Sequence[Any], categorical: bool) -> pa.Array:
-    """Arrow array of one fetched column; mixed or binary columns become text."""
+def column_array(values: Sequence[Any], categorical: bool) -> pa.Array:
+    """Arrow array of one column fetched from a database; mixed or binary columns become text."""
     try:
         arr = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
@@ -784,6 +816,11 @@ def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
         return CsvSource(spec, schema)
     if spec.kind == "parquet":
         return ParquetSource(spec, schema)
+    if spec.kind == "postgres":
+        # Imported here: the driver is the optional extra ``dpfed[postgres]``.
+        from dpfed.common.data.postgres import PostgresSource
+
+        return PostgresSource(spec, schema)
     return SqliteSource(spec, schema)
 
 
