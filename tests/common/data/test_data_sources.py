@@ -503,3 +503,36 @@ def test_spec_validation(kwargs: dict[str, object], match: str) -> None:
     args: dict[str, object] = {"kind": "csv", "path": "x.csv", **kwargs}
     with pytest.raises(ConfigError, match=match):
         DataSourceSpec(**args)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------- wide tables
+def test_wide_csv_blocks_are_sized_by_bytes_per_row_and_never_joined(tmp_path: Path) -> None:
+    p, n = 300, 3000
+    wide = Schema(tuple(ContinuousColumn(f"x{j}", -10, 10) for j in range(p)))
+    values = np.round(np.random.default_rng(3).uniform(-10, 10, (n, p)), 3)
+    path = tmp_path / "wide.csv"
+    np.savetxt(path, values, delimiter=",", fmt="%.3f",
+               header=",".join(wide.names), comments="")
+    per_row = path.stat().st_size / (n + 1)
+    source = open_data_source(spec_from_path(path, chunk_rows=2000), wide)
+    assert isinstance(source, CsvSource)
+    # ~2000 rows a block (a 1 MiB block held ~470 of these rows, and joining blocks into
+    # chunks cost more than parsing them at p = 5000).
+    assert 1.0 <= source.block_size / (per_row * 2000) <= 1.2
+    chunks = [t for t, _ in source.iter_chunks()]
+    assert sum(t.n_rows for t in chunks) == n
+    assert all(t.n_rows <= 2000 for t in chunks)
+    np.testing.assert_allclose(np.concatenate([t.columns["x7"] for t in chunks]), values[:, 7])
+
+
+def test_wide_tables_get_fewer_rows_per_chunk(tmp_path: Path) -> None:
+    def rows_per_chunk(p: int, chunk_rows: int) -> int:
+        schema = Schema(tuple(ContinuousColumn(f"x{j}", 0, 1) for j in range(p)))
+        path = tmp_path / f"w{p}.parquet"
+        pq.write_table(pa.table({n: [0.5] for n in schema.names}), path)
+        return open_data_source(spec_from_path(path, chunk_rows=chunk_rows), schema).chunk_rows
+
+    assert rows_per_chunk(50, 65536) == 65536
+    # A chunk's float64 matrix stays under 128 MiB: 3355 rows at p = 5000, not 65536 (2.4 GiB).
+    assert rows_per_chunk(5000, 65536) == (128 << 20) // (8 * 5000)
+    assert rows_per_chunk(5000, 100) == 100
