@@ -1,16 +1,18 @@
-"""Read a site's table in chunks: CSV, Parquet or SQLite, never the whole file at once.
+"""Read a site's table in chunks: CSV, Parquet, SQLite or PostgreSQL, never all at once.
 
 A site agent points a :class:`DataSourceSpec` at its data, and :func:`open_data_source`
 checks at once that the file (or table, or query) exists and has every schema column, so a
-wrong path or a missing column stops the agent at start-up with a message that names it. The
-source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_rows`` rows
-(:meth:`DataSource.iter_chunks`), each chunk validated by
-:func:`dpfed.common.data.encoding.encode_table`
-under the spec's :class:`~dpfed.common.data.encoding.RowPolicy`. Memory is bounded by
-``chunk_rows x columns`` whatever the size of the file, plus (CSV) Arrow's read-ahead of a
-fixed number of 1 MiB blocks, or (Parquet) one row group, whose size the file's writer chose.
-``bench/site_memory.py`` measures the peak RSS of a site's DP-PCA pass over 2M rows against
-200k rows.
+wrong path or a missing column stops the agent at start-up with a message that names it;
+:meth:`DataSource.check_sample` reads and validates the first rows (never the whole table).
+The source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_rows``
+rows (:meth:`DataSource.iter_chunks`), each chunk validated by
+:func:`dpfed.common.data.encoding.encode_table` under the spec's
+:class:`~dpfed.common.data.encoding.RowPolicy`. Chunks are never joined: a CSV block (sized
+to hold about ``chunk_rows`` rows, 1-8 MiB) or a Parquet batch is one chunk, cut if longer.
+Wide tables get fewer rows per chunk (:attr:`DataSource.chunk_rows`, a 128 MiB cap on the
+float64 chunk). Memory is bounded by the chunk whatever the size of the table
+(docs/data-sources.md; ``bench/site_memory.py`` and ``bench/wide_site.py`` measure it).
+PostgreSQL lives in :mod:`dpfed.common.data.postgres` (optional driver).
 
 Errors never echo data values: they name the source, the column and the row.
 
