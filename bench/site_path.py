@@ -68,17 +68,34 @@ def _arrow_batches(path: Path, names: list[str], fmt: str) -> object:
                                             column_types=dict.fromkeys(names, pa.float64())))
 
 
+MIN_SYRK_ROWS = 1024  # short batches (wide CSV) are gathered: small dsyrk calls are slow
+
+
 def floor(schema: Schema, path: Path, fmt: str, rank: int) -> float:
     """Arrow batches -> column-major float64 -> dsyrk, then top-R eigenpairs."""
     t = time.perf_counter()
     names = list(schema.names)
     p = len(names)
     c = np.zeros((p, p), order="F")
-    for batch in _arrow_batches(path, names, fmt):  # type: ignore[attr-defined]
-        x = np.empty((batch.num_rows, p), order="F")
+    pending: list[pa.RecordBatch] = []
+
+    def syrk(batches: list[pa.RecordBatch]) -> np.ndarray:
+        n = sum(b.num_rows for b in batches)
+        x = np.empty((n, p), order="F")
         for j in range(p):
-            x[:, j] = batch.column(j).to_numpy(zero_copy_only=False)
-        c = blas.dsyrk(1.0, x, beta=1.0, c=c, trans=1, lower=0, overwrite_c=1)
+            start = 0
+            for b in batches:
+                x[start:start + b.num_rows, j] = b.column(j).to_numpy(zero_copy_only=False)
+                start += b.num_rows
+        return blas.dsyrk(1.0, x, beta=1.0, c=c, trans=1, lower=0, overwrite_c=1)
+
+    for batch in _arrow_batches(path, names, fmt):  # type: ignore[attr-defined]
+        pending.append(batch)
+        if sum(b.num_rows for b in pending) >= MIN_SYRK_ROWS:
+            c = syrk(pending)
+            pending = []
+    if pending:
+        c = syrk(pending)
     linalg.eigh(c, subset_by_index=[p - rank, p - 1], overwrite_a=True, check_finite=False,
                 driver="evr")
     return time.perf_counter() - t

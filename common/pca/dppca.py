@@ -32,17 +32,25 @@ from dpfed.common.validation import check_finite_array, check_int
 
 
 class GramAccumulator:
-    """Accumulate ``G = sum_i x_i x_i^T`` over row chunks with one BLAS ``dsyrk`` per chunk.
+    """Accumulate ``G = sum_i x_i x_i^T`` over row chunks with BLAS ``dsyrk``.
 
     Only the upper triangle is accumulated (half the flops of ``X^T X``); :meth:`gram`
-    mirrors it. Memory is O(p^2) whatever the number of rows.
+    mirrors it. Memory is O(p^2) whatever the number of rows. Chunks shorter than
+    :data:`MIN_SYRK_ROWS` rows (wide CSV blocks hold a few hundred rows) are gathered into a
+    column-major buffer first: at p = 5000 a 290-row ``dsyrk`` ran at a third of the speed
+    of a 1000-row one.
     """
+
+    #: Rows per ``dsyrk`` below which chunks are buffered (the buffer is this x p floats).
+    MIN_SYRK_ROWS = 1024
 
     def __init__(self, n_features: int) -> None:
         self.n_features = check_int(n_features, "n_features", minimum=1)
         # Fortran order so dsyrk updates it in place.
         self._upper: np.ndarray | None = np.zeros((self.n_features, self.n_features),
                                                   dtype=np.float64, order="F")
+        self._buffer: np.ndarray | None = None
+        self._buffered = 0
         self.n_rows = 0
 
     def add(self, x: np.ndarray) -> None:
@@ -54,6 +62,30 @@ class GramAccumulator:
         if self._upper is None:
             raise ValidationError("gram() was called: this accumulator takes no more rows")
         x = np.asarray(x, dtype=np.float64)
+        n = x.shape[0]
+        if n >= self.MIN_SYRK_ROWS:
+            self._flush()
+            self._syrk(x)
+        else:
+            if self._buffer is None:
+                self._buffer = np.empty((self.MIN_SYRK_ROWS, self.n_features), order="F")
+            start = 0
+            while start < n:
+                take = min(n - start, self.MIN_SYRK_ROWS - self._buffered)
+                self._buffer[self._buffered:self._buffered + take] = x[start:start + take]
+                self._buffered += take
+                start += take
+                if self._buffered == self.MIN_SYRK_ROWS:
+                    self._flush()
+        self.n_rows += n
+
+    def _flush(self) -> None:
+        if self._buffered:
+            assert self._buffer is not None
+            self._syrk(self._buffer[:self._buffered])
+            self._buffered = 0
+
+    def _syrk(self, x: np.ndarray) -> None:
         if x.flags.f_contiguous:
             # C := 1.0 * A^T A + 1.0 * C with A = X (n x p, column-major).
             self._upper = blas.dsyrk(1.0, x, beta=1.0, c=self._upper, trans=1, lower=0,
@@ -63,7 +95,6 @@ class GramAccumulator:
             xt = x.T if x.T.flags.f_contiguous else np.asfortranarray(x.T)
             self._upper = blas.dsyrk(1.0, xt, beta=1.0, c=self._upper, trans=0, lower=0,
                                      overwrite_c=1)
-        self.n_rows += x.shape[0]
 
     def gram(self) -> np.ndarray:
         """Return the full symmetric ``G`` (C order) and hand it over: no p x p copy is made.
@@ -74,6 +105,8 @@ class GramAccumulator:
         """
         if self._upper is None:
             raise ValidationError("gram() was already called on this accumulator")
+        self._flush()
+        self._buffer = None
         g, self._upper = self._upper, None
         # The transpose of the Fortran-ordered G is C-ordered and, G being symmetric, equal.
         return mirror_upper(g).T

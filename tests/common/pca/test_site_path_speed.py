@@ -98,6 +98,19 @@ def test_gram_accumulator_either_order_and_hand_over(order: str) -> None:
         acc.add(x[:3])
 
 
+@pytest.mark.parametrize("sizes", [[3, 1500, 7, 2000, 1, 1], [700] * 5, [1024, 1023, 1]])
+def test_gram_accumulator_buffers_short_chunks_exactly(sizes: list[int]) -> None:
+    rng = np.random.default_rng(len(sizes))
+    x = np.asfortranarray(rng.standard_normal((sum(sizes), 9)))
+    acc = GramAccumulator(9)
+    start = 0
+    for n in sizes:
+        acc.add(x[start:start + n])
+        start += n
+    assert acc.n_rows == x.shape[0]
+    np.testing.assert_allclose(acc.gram(), x.T @ x, rtol=1e-12, atol=1e-10)
+
+
 @pytest.mark.parametrize("p", [1, 2, 5, 600, 2100])
 def test_mirror_upper_equals_triu_formula(p: int) -> None:
     a = np.random.default_rng(p).standard_normal((p, p))
