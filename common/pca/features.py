@@ -62,12 +62,15 @@ class UnitBallMap:
     clip_norm: float | None = None
     names: tuple[str, ...] = field(init=False)
     norm: float = field(init=False)
+    clips_nothing: bool = field(init=False)
 
     def __post_init__(self) -> None:
         norm = max_feature_norm(self.schema) if self.clip_norm is None else check_positive(
             self.clip_norm, "clip_norm")
         object.__setattr__(self, "norm", float(norm))
         object.__setattr__(self, "names", feature_names(self.schema))
+        # No row can exceed the norm after step 1 (the default clip_norm): step 2 is a no-op.
+        object.__setattr__(self, "clips_nothing", self.norm >= max_feature_norm(self.schema))
 
     @property
     def n_features(self) -> int:
@@ -108,11 +111,6 @@ class UnitBallMap:
                 block[np.arange(n), values] = factor
                 j += col.n_categories
         return out
-
-    @property
-    def clips_nothing(self) -> bool:
-        """True when no row can exceed ``norm`` after step 1 (the default ``clip_norm``)."""
-        return self.norm >= max_feature_norm(self.schema)
 
     def transform(self, table: EncodedTable) -> tuple[np.ndarray, int]:
         """Return (features with every row norm <= 1, number of rows that were clipped).
