@@ -109,3 +109,33 @@ async def test_hello_goes_out_before_the_count_and_is_updated_after(tmp_path: Pa
         await asyncio.wait_for(running, 20)
         await coordinator.stop(0.5)
         ledger.close()
+
+
+def test_site_start_up_reads_a_sample_not_the_table(tmp_path: Path) -> None:
+    from dpfed.site_agent.cli import _prepare
+    from dpfed.site_agent.config import load_site_config
+
+    schema_path, data = _demo(tmp_path, 5000)
+    lines = data.read_text().splitlines()
+    last = lines[-1].split(",")
+    last[0] = "not-a-number"  # a bad value in the last row
+    lines[-1] = ",".join(last)
+    data.write_text("\n".join(lines) + "\n")
+    site_toml = tmp_path / "site.toml"
+    site_toml.write_text(f"""
+[coordinator]
+address = "127.0.0.1:1"
+[tls]
+insecure = true
+[data]
+path = "{data}"
+schema = "{schema_path}"
+on_invalid = "error"
+[budget]
+epsilon = 1.0
+delta = 1e-5
+""")
+    prepared = _prepare(load_site_config(site_toml))  # the first rows are fine: no error
+    assert prepared.data.row_count is None
+    with pytest.raises(DataError, match="data row 5000 has invalid values"):
+        prepared.data.ensure_counted()  # the full pass (after connecting) finds it
