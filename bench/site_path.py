@@ -58,14 +58,18 @@ def data_files(workdir: Path, rows: int, p: int, fmt: str) -> tuple[Path, Path]:
     return schema_path, data_path
 
 
-def _arrow_batches(path: Path, names: list[str], fmt: str) -> object:
+def _arrow_batches(path: Path, schema: Schema, fmt: str) -> object:
+    names = list(schema.names)
     if fmt == "parquet":
         pf = pq.ParquetFile(str(path), pre_buffer=False)
         return pf.iter_batches(batch_size=CHUNK_ROWS, columns=names, use_threads=False)
+    # The schema's missing markers, as the site reads them (Arrow's default list of null
+    # spellings is longer and made the floor slower than the site).
     return pcsv.open_csv(
         str(path), read_options=pcsv.ReadOptions(use_threads=False, block_size=8 << 20),
         convert_options=pcsv.ConvertOptions(include_columns=names,
-                                            column_types=dict.fromkeys(names, pa.float64())))
+                                            column_types=dict.fromkeys(names, pa.float64()),
+                                            null_values=list(schema.missing_values)))
 
 
 MIN_SYRK_ROWS = 1024  # short batches (wide CSV) are gathered: small dsyrk calls are slow
@@ -94,7 +98,7 @@ def floor_times(schema: Schema, path: Path, fmt: str, rank: int) -> tuple[float,
                 start += b.num_rows
         return blas.dsyrk(1.0, x, beta=1.0, c=c, trans=1, lower=0, overwrite_c=1)
 
-    for batch in _arrow_batches(path, names, fmt):  # type: ignore[attr-defined]
+    for batch in _arrow_batches(path, schema, fmt):  # type: ignore[attr-defined]
         pending.append(batch)
         if sum(b.num_rows for b in pending) >= MIN_SYRK_ROWS:
             c = syrk(pending)

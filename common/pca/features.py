@@ -88,7 +88,8 @@ class UnitBallMap:
 
     def _fill(self, table: EncodedTable, factor: float) -> np.ndarray:
         """Step 1 followed by a multiplication by ``factor``, in one pass per column."""
-        if table.schema.digest() != self.schema.digest():
+        # Identity first: the digest serialises the whole schema (34 ms at p = 2000).
+        if table.schema is not self.schema and table.schema.digest() != self.schema.digest():
             raise ValidationError("table was encoded with a different schema than this map")
         n = table.n_rows
         out = np.empty((n, self.n_features), dtype=np.float64, order="F")
