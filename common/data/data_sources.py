@@ -311,11 +311,12 @@ class DataSource(abc.ABC):
         """Kind and location of the data (never any data), for logs and error messages."""
 
     def check_sample(self, rows: int = 1000) -> EncodingReport:
-        """Read and encode the first ``rows`` rows (at least one chunk's first rows).
+        """Read and encode at most the first ``rows`` rows of the first chunk.
 
         What a site checks at start-up besides the columns that :func:`open_data_source`
         checks: the values parse, and a row policy of "error" holds on the first rows. It
-        reads one chunk, never the whole table.
+        reads one chunk (one CSV block, one Parquet batch, one fetch), never the whole table:
+        at p = 5000 a CSV block holds ~300 rows and reading 1000 took 5 s.
 
         Raises
         ------
@@ -333,7 +334,7 @@ class DataSource(abc.ABC):
                 report.rows_read += skipped
                 report.dropped_invalid += skipped
                 total.merge(report)
-                if total.rows_read >= rows:
+                if total.rows_read > 0:
                     break
         finally:
             close = getattr(batches, "close", None)

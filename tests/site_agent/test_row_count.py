@@ -46,7 +46,10 @@ def test_counted_data_records_the_count_of_any_full_pass(tmp_path: Path) -> None
 def test_check_sample_reads_only_the_first_rows(tmp_path: Path) -> None:
     schema_path, data = _demo(tmp_path, 5000)
     schema = Schema.load(schema_path)
+    # At most `rows` rows of the first chunk: never more than one chunk.
     report = open_data_source(spec_from_path(data, chunk_rows=64), schema).check_sample(200)
+    assert report.rows_read == 64
+    report = open_data_source(spec_from_path(data), schema).check_sample(200)
     assert report.rows_read == 200
     # A bad value in the first rows stops the site at start-up under on_invalid = "error".
     lines = data.read_text().splitlines()
