@@ -71,6 +71,7 @@ MALFORMED_ROWS_KEY = "(rows with a wrong number of fields)"
 _HEADER_SAMPLE_BYTES = 1 << 20
 _BLOCK_BYTES = 1 << 20
 _MAX_BLOCK_BYTES = 8 << 20
+_BLOCK_ROWS = 1024
 #: Cap on one chunk's float64 feature matrix: wide tables get fewer rows per chunk.
 MAX_CHUNK_BYTES = 128 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -447,18 +448,19 @@ class CsvSource(DataSource):
         except (csv.Error, StopIteration):
             raise DataError(f"{self.describe()}: the header row is not valid CSV") from None
         header = [name.strip() for name in header]
-        # Block size: Arrow reads raw blocks ahead of the parser a fixed number of blocks
-        # deep (with 16 MiB blocks a 506 MiB file was buffered whole, bench/site_memory.py),
-        # so blocks are sized by bytes per row to hold about chunk_rows rows, between
-        # _BLOCK_BYTES and _MAX_BLOCK_BYTES, and at least 4x the sample's longest line (Arrow
-        # fails on a row longer than a block). Each block is one chunk: blocks are never
-        # joined (at p = 5000 a 1 MiB block held ~36 rows and joining them cost more than
-        # parsing).
+        # Block size, by bytes per row: enough for _BLOCK_ROWS rows (per-column work is
+        # paid per block: at p = 2000 a 1 MiB block held ~90 rows and the pass took 3x as
+        # long as with 8 MiB), within [_BLOCK_BYTES, _MAX_BLOCK_BYTES] (Arrow keeps a fixed
+        # number of blocks in flight, so memory grows with the block: ~40 MiB at 1 MiB,
+        # ~290 MiB at 8 MiB; narrow tables are also parsed fastest in 1 MiB blocks), at most
+        # chunk_rows rows' worth, and at least 4x the sample's longest line (Arrow fails on
+        # a row longer than a block). Each block is one chunk: blocks are never joined (at
+        # p = 5000 joining 1 MiB blocks into chunks cost more than parsing them).
         body = sample[sample.find(b"\n") + 1:]
         ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == ord("\n"))
         longest = int(np.diff(ends, prepend=-1).max()) if ends.size else len(body)
         per_row = (int(ends[-1]) + 1) / ends.size if ends.size else float(len(body) or 1)
-        wanted = int(per_row * self.chunk_rows * 1.05)
+        wanted = int(per_row * min(self.chunk_rows, _BLOCK_ROWS) * 1.05)
         return header, max(min(max(wanted, _BLOCK_BYTES), _MAX_BLOCK_BYTES), 4 * longest)
 
     def _decode(self, data: bytes) -> str:

@@ -516,12 +516,14 @@ def test_wide_csv_blocks_are_sized_by_bytes_per_row_and_never_joined(tmp_path: P
     per_row = path.stat().st_size / (n + 1)
     source = open_data_source(spec_from_path(path, chunk_rows=2000), wide)
     assert isinstance(source, CsvSource)
-    # ~2000 rows a block (a 1 MiB block held ~470 of these rows, and joining blocks into
-    # chunks cost more than parsing them at p = 5000).
-    assert 1.0 <= source.block_size / (per_row * 2000) <= 1.2
+    # ~1024 rows a block (a 1 MiB block held ~470 of these rows), never joined into chunks.
+    assert 1.0 <= source.block_size / (per_row * 1024) <= 1.2
     chunks = [t for t, _ in source.iter_chunks()]
     assert sum(t.n_rows for t in chunks) == n
-    assert all(t.n_rows <= 2000 for t in chunks)
+    assert all(900 <= t.n_rows <= 1100 for t in chunks[:-1])
+    # No block below 1 MiB, whatever chunk_rows asks for.
+    narrow = open_data_source(spec_from_path(path, chunk_rows=10), wide)
+    assert isinstance(narrow, CsvSource) and narrow.block_size == 1 << 20
     np.testing.assert_allclose(np.concatenate([t.columns["x7"] for t in chunks]), values[:, 7])
 
 
