@@ -7,7 +7,13 @@ Sub-commands::
                       [--ca-validity-days N] [--force]
     dpfed certs issue --ca-dir DIR (--site ID | --analyst ID | --coordinator HOST [HOST ...])
                       [--validity-days N] [--force]
+    dpfed certs revoke --ca-dir DIR NAME [--reason TEXT]
     dpfed certs show  PATH [PATH ...]
+
+``init`` and ``issue`` also maintain the coordinator's allow-lists
+(``coordinator/access.toml``); ``issue --force`` and ``revoke`` add the replaced or revoked
+certificate to the revocation list that the coordinator and the sites read again without a
+restart (``docs/operations.md``, "Certificates, allow-lists and revocation").
 
 They print the paths they wrote, never key material, and return an exit code from
 :mod:`dpfed.common.exit_codes`: ``CONFIG_ERROR`` for bad flags or a refusal to overwrite,
@@ -97,7 +103,41 @@ def _run_issue(args: argparse.Namespace) -> int:
     except (ConfigError, ValidationError, OSError) as exc:
         return _fail("issue", exc)
     _print_issued(issued)
-    print("No other file was changed; the coordinator and other sites need no new files.")
+    print(f"The coordinator's allow-list ({args.ca_dir / 'coordinator' / 'access.toml'}) "
+          "now admits it; copy that file to the coordinator (read without a restart).")
+    if args.force:
+        print("The certificate it replaced is revoked; copy revoked.toml to the sites too.")
+    return exit_codes.OK
+
+
+def _resolve_name(ca_dir: Path, name: str) -> tuple[str, str | None]:
+    """Turn ``site/ID``, ``analyst/ID``, ``coordinator`` or a bare id into (role, id)."""
+    if name == certs.COORDINATOR_NAME:
+        return "coordinator", None
+    role, sep, rest = name.partition("/")
+    if sep:
+        if role not in certs.CLIENT_ROLES:
+            raise ValidationError(f"NAME must be site/ID, analyst/ID or coordinator, got {name!r}")
+        return role, rest
+    found = [r for r in certs.CLIENT_ROLES
+             if certs.kit_paths(ca_dir, certs.Principal(r, name))[0].exists()]
+    if len(found) != 1:
+        what = "no site or analyst kit" if not found else "both a site and an analyst kit"
+        raise ValidationError(f"{ca_dir} has {what} named {name!r}; write site/{name} or "
+                              f"analyst/{name}")
+    return found[0], name
+
+
+def _run_revoke(args: argparse.Namespace) -> int:
+    try:
+        role, name = _resolve_name(args.ca_dir, args.name)
+        fp = certs.revoke_certificate(args.ca_dir, role=role, name=name, reason=args.reason)
+    except (ConfigError, ValidationError, OSError) as exc:
+        return _fail("revoke", exc)
+    label = "coordinator" if role == "coordinator" else f"{role}/{name}"
+    print(f"{label:<24} revoked (sha256 {fp})")
+    print(f"Copy {args.ca_dir / 'coordinator' / 'access.toml'} to the coordinator and "
+          f"revoked.toml to every site kit; they take effect without a restart.")
     return exit_codes.OK
 
 
@@ -114,7 +154,7 @@ def _run_show(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``certs`` command and its ``init``/``issue``/``show`` sub-commands.
+    """Add the ``certs`` command and its ``init``/``issue``/``revoke``/``show`` sub-commands.
 
     Parameters
     ----------
@@ -127,7 +167,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Create the federation CA and certificates, add a site or analyst "
         "later without re-provisioning the others, or show what a certificate contains.",
     )
-    commands = parser.add_subparsers(dest="certs_command", metavar="{init,issue,show}")
+    commands = parser.add_subparsers(dest="certs_command", metavar="{init,issue,revoke,show}")
     commands.required = True
 
     init = commands.add_parser(
@@ -207,6 +247,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     issue.add_argument("--force", action="store_true", help="replace this principal's kit")
     issue.set_defaults(func=_run_issue)
+
+    revoke = commands.add_parser(
+        "revoke",
+        help="revoke a site's, analyst's or the coordinator's current certificate",
+        description="Add the principal's current certificate to the revocation list and "
+        "remove its id from the coordinator's allow-list. The coordinator and the sites read "
+        "the updated files without a restart; live connections of the revoked peer are "
+        "dropped. Issue a new certificate later with 'certs issue'.",
+    )
+    revoke.add_argument(
+        "--ca-dir",
+        required=True,
+        type=Path,
+        help="federation directory holding ca.pem and ca.key (the --out of 'certs init')",
+    )
+    revoke.add_argument(
+        "name",
+        metavar="NAME",
+        help="site/ID, analyst/ID, coordinator, or an id that names exactly one kit",
+    )
+    revoke.add_argument("--reason", default="revoked with 'dpfed certs revoke'",
+                        help="recorded with the revocation")
+    revoke.set_defaults(func=_run_revoke)
 
     show = commands.add_parser(
         "show",

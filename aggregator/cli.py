@@ -6,7 +6,10 @@
     dpfed sites [--all]                  connected sites, rows and remaining budgets
     dpfed budgets                        every known site's budget
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
-              [--min-sites M] [--clip-norm C] [--wait-sites N] --out pca.npz
+              [--min-sites M] [--clip-norm auto|schema|C] [--centering mean|none]
+              [--site-weighting size|equal] [--aggregation site|secure] [--wait-sites N]
+              --out pca.npz [--report HTML]
+    dpfed report pca.npz [--out report.html]   the HTML report of a result file
     dpfed jobs                           recent jobs
     dpfed job ID [--watch]               one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
@@ -23,6 +26,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpfed.aggregator.certs_cli import register as register_certs
 from dpfed.aggregator.client import Coordinator
@@ -32,7 +36,11 @@ from dpfed.common.errors import (
     ConfigError,
     DpfedError,
 )
+from dpfed.common.job_params import CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
 from dpfed.common.transport.protocol import JobEvent
+
+if TYPE_CHECKING:
+    from dpfed.aggregator.pca_result import PCAResult
 
 ENV = {"coordinator": "DPFED_COORDINATOR", "ca": "DPFED_CA", "cert": "DPFED_CERT",
        "key": "DPFED_KEY", "server_name": "DPFED_SERVER_NAME"}
@@ -114,14 +122,43 @@ def cmd_pca(args: argparse.Namespace) -> int:
             coord.wait_for_sites(args.wait_sites, timeout=args.wait_timeout)
         result = coord.pca(args.k, epsilon=args.epsilon, delta=args.delta, rank=args.rank,
                            calibration=args.calibration, clip_norm=args.clip_norm,
+                           aggregation=args.aggregation,
                            min_sites=args.min_sites, deadline_seconds=args.deadline,
-                           on_event=print_event)
+                           on_event=print_event, centering=args.centering,
+                           site_weighting=args.site_weighting,
+                           clip_quantile=args.clip_quantile)
     path = result.save(args.out)
+    if args.report:
+        report = write_pca_report(result, args.report)
+        print(f"wrote {report}")
     meta = result.metadata
     print(f"wrote {path}: {result.n_components_} components over {len(result.feature_names_in_)} "
           f"features from {len(meta.get('sites', []))} site(s), "
           f"{meta.get('n_rows_total', '?')} rows; explained variance ratio (top 5): "
           + ", ".join(f"{v:.3f}" for v in result.explained_variance_ratio_[:5]))
+    return exit_codes.OK
+
+
+def write_pca_report(result: PCAResult, out: str | Path) -> Path:
+    """Write the HTML report of ``result`` to ``out``."""
+    from dpfed.aggregator.pca_report import pca_report
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(pca_report(result).render(), encoding="utf-8")
+    return path
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write the HTML report of a saved result file."""
+    from dpfed.aggregator.pca_result import PCAResult
+
+    try:
+        result = PCAResult.load(args.result)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{exc} (the file `dpfed pca --out` or `dpfed fetch` wrote)") from None
+    path = write_pca_report(result, args.out)
+    print(f"wrote {path}")
     return exit_codes.OK
 
 
@@ -216,10 +253,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pca", help="run a DP-PCA job (DPdisPCA) and save pca.npz")
     p.add_argument("--k", type=int, required=True, help="number of components K")
     p.add_argument("--rank", type=int, help="eigenpairs each site sends (default 2K)")
-    p.add_argument("--epsilon", type=float, required=True, help="epsilon spent at each site")
+    p.add_argument("--epsilon", type=float, required=True,
+                   help="epsilon spent at each site, over all the job's rounds")
     p.add_argument("--delta", type=float, required=True, help="delta spent at each site")
     p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
-    p.add_argument("--clip-norm", type=float, help="public row-norm bound (default: no clipping)")
+    p.add_argument("--clip-norm", type=parse_clip_norm, default=None, metavar="auto|schema|C",
+                   help="row-norm bound: auto = a DP quantile of the row norms (default), "
+                   "schema = the worst case the schema allows, or a number")
+    p.add_argument("--clip-quantile", type=float, default=None, metavar="Q",
+                   help="quantile of the row norms --clip-norm auto uses (default 0.9)")
+    p.add_argument("--centering", choices=list(CENTERINGS), default=None,
+                   help="mean = centred PCA around a DP mean (default); none = uncentred")
+    p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default=None,
+                   help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
+    p.add_argument("--report", metavar="HTML", help="also write the HTML report here")
+    p.add_argument("--aggregation", choices=["site", "secure"], default=None,
+                   help="site: each site noises its own release (default); secure: a secure "
+                        "sum with distributed noise (pooled-data utility)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")
@@ -228,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds for --wait-sites")
     _connection_args(p)
     p.set_defaults(func=cmd_pca)
+
+    p = sub.add_parser("report", help="write the HTML report of a pca.npz result file")
+    p.add_argument("result", help="the result file (pca.npz)")
+    p.add_argument("--out", default="report.html", help="output HTML (default report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20)

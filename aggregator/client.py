@@ -240,10 +240,18 @@ class Coordinator:
         raise CoordinatorUnavailableError(f"the result of job {job_id} arrived incomplete")
 
     def pca(self, n_components: int, *, epsilon: float, delta: float, rank: int | None = None,
-            calibration: str = "analytic", clip_norm: float | None = None, min_sites: int = 0,
-            deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
-            on_event: Callable[[JobEvent], None] | None = None) -> PCAResult:
+            calibration: str = "analytic", clip_norm: float | str | None = None,
+            min_sites: int = 0, deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+            on_event: Callable[[JobEvent], None] | None = None,
+            centering: str | None = None, site_weighting: str | None = None,
+            clip_quantile: float | None = None, aggregation: str | None = None) -> PCAResult:
         """Run a DP-PCA job and return its result.
+
+        ``clip_norm``: ``"auto"`` (a DP quantile of the row norms, the job default when None),
+        ``"schema"`` (the worst case) or a number; ``centering``: ``"mean"`` (default) or
+        ``"none"``; ``site_weighting``: ``"size"`` (default) or ``"equal"``; ``aggregation``:
+        ``"site"`` (default) or ``"secure"`` (a secure sum with distributed noise: pooled-data
+        utility, the coordinator sees only the noisy sum). See docs/pca.md.
 
         Raises
         ------
@@ -253,8 +261,10 @@ class Coordinator:
         params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
         if rank is not None:
             params["rank"] = rank
-        if clip_norm is not None:
-            params["clip_norm"] = clip_norm
+        optional = {"clip_norm": clip_norm, "centering": centering,
+                    "site_weighting": site_weighting, "clip_quantile": clip_quantile,
+                    "aggregation": aggregation}
+        params.update({k: v for k, v in optional.items() if v is not None})
         job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         return self.pca_result(job)

@@ -12,7 +12,15 @@ Example (paths relative to the file)::
 
     [federation]
     schema = "schema.toml"
-    allowed_sites = []          # empty: any site with a certificate from the federation CA
+    access_list = "certs/coordinator/access.toml"  # written by 'dpfed certs'; re-read on change
+    allowed_sites = []          # more site ids admitted besides the access list's
+    allowed_analysts = []       # more analyst ids admitted besides the access list's
+    # allow_any_site = false    # labs only: admit any site the federation CA signed (logged)
+    # allow_any_analyst = false # labs only: admit any analyst the federation CA signed (logged)
+    access_reload_s = 1.0       # how often live sessions are checked against the lists
+
+A site or analyst is admitted only if its id is on an allow-list (``access_list`` or the
+inline lists) and its certificate is not revoked; with no list at all nobody is admitted.
 
     [jobs]
     min_sites = 2               # default quorum
@@ -52,6 +60,11 @@ class AggregatorConfig:
     log_level: str = "INFO"
     log_file: Path | None = None
     port_file: Path | None = None
+    access_list: Path | None = None
+    allowed_analysts: tuple[str, ...] = ()
+    allow_any_site: bool = False
+    allow_any_analyst: bool = False
+    access_reload_s: float = 1.0
 
 
 def load_aggregator_config(path: str | Path,
@@ -81,6 +94,11 @@ def load_aggregator_config(path: str | Path,
     fed = root.section("federation", required=True)
     schema_path = fed.path("schema", required=True)
     allowed = tuple(fed.str_list("allowed_sites", []))
+    access_list = fed.path("access_list")
+    allowed_analysts = tuple(fed.str_list("allowed_analysts", []))
+    allow_any_site = fed.boolean("allow_any_site", False)
+    allow_any_analyst = fed.boolean("allow_any_analyst", False)
+    access_reload_s = fed.number("access_reload_s", 1.0, positive=True)
     fed.check_unknown()
 
     jobs = root.section("jobs")
@@ -105,5 +123,10 @@ def load_aggregator_config(path: str | Path,
     root.check_unknown()
     assert schema_path is not None and store_path is not None
     assert min_sites is not None and deadline is not None and resume_wait is not None
+    assert access_reload_s is not None
     return AggregatorConfig(str(p), listen, tls, schema_path, allowed, min_sites, deadline,
-                            max(resume_wait, 0.0), store_path, level, log_file, port_file)
+                            max(resume_wait, 0.0), store_path, level, log_file, port_file,
+                            access_list=access_list, allowed_analysts=allowed_analysts,
+                            allow_any_site=bool(allow_any_site),
+                            allow_any_analyst=bool(allow_any_analyst),
+                            access_reload_s=access_reload_s)

@@ -43,6 +43,8 @@ class SiteSettings:
     max_epsilon_per_task: float | None = None
     connect_timeout_s: float = 60.0
     noise_seed: int | None = None
+    #: ``[budget.analysts]``: per-analyst epsilon shares, as (analyst id, epsilon) pairs.
+    analyst_budgets: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -139,7 +141,8 @@ class LocalFederation:
             "[server]\nlisten = \"127.0.0.1:0\"\n\n"
             f"[tls]\nca = {_q(self.certs / 'ca.pem')}\ncert = {_q(c / 'coordinator.pem')}\n"
             f"key = {_q(c / 'coordinator.key')}\n\n"
-            f"[federation]\nschema = {_q(self.schema_path)}\n\n"
+            f"[federation]\nschema = {_q(self.schema_path)}\n"
+            f"access_list = {_q(c / 'access.toml')}\n\n"
             f"[jobs]\nmin_sites = {self.min_sites}\ntask_deadline_s = {self.task_deadline_s}\n"
             f"resume_wait_s = {self.resume_wait_s}\n\n"
             f"[store]\npath = {_q(self.store)}\n")
@@ -152,17 +155,19 @@ class LocalFederation:
         policy = f"[policy]\nallowed_jobs = {json.dumps(list(s.allowed_jobs))}\n"
         if s.max_epsilon_per_task is not None:
             policy += f"max_epsilon_per_task = {s.max_epsilon_per_task}\n"
+        shares = "".join(f"{name} = {eps}\n" for name, eps in s.analyst_budgets)
+        analysts = f"\n[budget.analysts]\n{shares}" if shares else ""
         testing = ("" if s.noise_seed is None else
                    f"\n[testing]\ndeterministic_noise_seed = {s.noise_seed}\n")
         self.site_config(site_id).write_text(
             f"[coordinator]\naddress = \"127.0.0.1:1\"\n"
             f"connect_timeout_s = {s.connect_timeout_s}\n\n"
             f"[tls]\nca = {_q(kit / 'ca.pem')}\ncert = {_q(kit / 'site.pem')}\n"
-            f"key = {_q(kit / 'site.key')}\n\n"
+            f"key = {_q(kit / 'site.key')}\nrevocation_list = {_q(kit / 'revoked.toml')}\n\n"
             f"[data]\npath = {_q(self.data_paths[site_id])}\nschema = {_q(self.schema_path)}\n\n"
             f"[ledger]\npath = {_q(self.ledger_path(site_id))}\n\n"
             f"[budget]\nepsilon = {s.budget_epsilon}\ndelta = {s.budget_delta}\n"
-            f"accountant = \"{s.accountant}\"\n\n{policy}{testing}")
+            f"accountant = \"{s.accountant}\"\n{analysts}\n{policy}{testing}")
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:

@@ -23,6 +23,17 @@ from dpfed.common.validation import check_delta, check_epsilon, check_int, check
 
 log = logging.getLogger(__name__)
 
+
+def analyst_id_of(submitted_by: str) -> str:
+    """Return the analyst id in a job's ``submitted_by`` (``analyst/<id>``), else "".
+
+    ``submitted_by`` is the principal of the analyst's verified certificate, so the id that
+    travels with every task of the job is the coordinator's attribution, not the analyst's
+    claim.
+    """
+    role, sep, name = submitted_by.partition("/")
+    return name if sep and role == "analyst" else ""
+
 TERMINAL_STATES = ("succeeded", "failed")
 
 
@@ -99,7 +110,9 @@ class JobManager:
         ctx = JobContext(job_id=job_id, spec=job.spec, params=job.spec.params,
                          federation=self.federation, registry=self.registry,
                          emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
-                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0)
+                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
+                         resumed=resumed,
+                         analyst_id=analyst_id_of(job.submitted_by))
         try:
             output = await self._job_type(job.spec.kind).run(ctx)
             data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)

@@ -1,4 +1,4 @@
-"""The simulation's HTML report: summary tables and plots embedded as PNG (no external files)."""
+"""HTML reports: summary tables and plots embedded as PNG (one self-contained file)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 import numpy as np  # noqa: E402
 
+#: ``plt`` is re-exported so plotting modules get pyplot with the Agg backend already chosen.
+__all__ = ["Report", "figure_to_data_uri", "plt"]
+
 
 def figure_to_data_uri(fig: Any) -> str:
     """Render a matplotlib figure as an embeddable ``data:image/png`` URI."""
@@ -22,37 +25,6 @@ def figure_to_data_uri(fig: Any) -> str:
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def scree_plot(dp_eigenvalues: np.ndarray, exact_eigenvalues: np.ndarray, *,
-               title: str) -> str:
-    """DP vs non-private eigenvalues (log scale), as a data URI."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    k_exact = np.arange(1, len(exact_eigenvalues) + 1)
-    k_dp = np.arange(1, len(dp_eigenvalues) + 1)
-    ax.semilogy(k_exact, np.maximum(exact_eigenvalues, 1e-12), "o-", ms=3,
-                label="non-private pooled PCA")
-    ax.semilogy(k_dp, np.maximum(dp_eigenvalues, 1e-12), "s-", ms=4,
-                label="DP (DPdisPCA, released)")
-    ax.set_xlabel("component")
-    ax.set_ylabel("eigenvalue of the second-moment matrix")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    return figure_to_data_uri(fig)
-
-
-def captured_energy_plot(k: np.ndarray, dp: np.ndarray, exact: np.ndarray) -> str:
-    """Cumulative captured energy of the DP vs the non-private subspace."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(k, exact, "o-", ms=3, label="non-private top-k subspace")
-    ax.plot(k, dp, "s-", ms=4, label="DP top-k subspace")
-    ax.set_xlabel("k (components kept)")
-    ax.set_ylabel("captured energy tr(V_k^T A V_k)")
-    ax.set_title("Energy of the pooled data captured by the first k components")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return figure_to_data_uri(fig)
 
 
 @dataclass
@@ -77,9 +49,10 @@ class Report:
                        for r in rows)
         self.sections.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
-    def key_values(self, items: Mapping[str, Any]) -> None:
-        """Add a two-column table."""
-        self.table(("", ""), [(k, v) for k, v in items.items()])
+    def key_values(self, items: Mapping[str, Any],
+                   header: tuple[str, str] = ("item", "value")) -> None:
+        """Add a two-column table with a real header row."""
+        self.table(header, [(k, v) for k, v in items.items()])
 
     def image(self, data_uri: str, alt: str) -> None:
         """Add an embedded image."""
@@ -101,6 +74,6 @@ class Report:
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, float):
+    if isinstance(value, float | np.floating):
         return f"{value:.6g}"
     return str(value)

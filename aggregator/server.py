@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dpfed.aggregator.access_control import AccessControl
 from dpfed.aggregator.config import AggregatorConfig
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.orchestrator import JobManager
@@ -44,9 +45,12 @@ class RunningCoordinator:
     registry: SiteRegistry
     jobs: JobManager
     health: health.aio.HealthServicer
+    access_watch: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful stop: NOT_SERVING, cancel jobs, close streams, stop the server."""
+        if self.access_watch is not None:
+            self.access_watch.cancel()
         await self.health.enter_graceful_shutdown()
         await self.jobs.shutdown()
         self.registry.close_all("coordinator shutting down")
@@ -59,16 +63,19 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
     schema = Schema.load(config.schema_path)
     federation = Federation(schema, min_sites=config.min_sites,
                             task_deadline_s=config.task_deadline_s,
-                            allowed_sites=frozenset(config.allowed_sites),
                             resume_wait_s=config.resume_wait_s)
+    access = AccessControl(access_list=config.access_list, sites=config.allowed_sites,
+                           analysts=config.allowed_analysts,
+                           allow_any_site=config.allow_any_site,
+                           allow_any_analyst=config.allow_any_analyst)
     store = JobStore(config.store_path)
     registry = SiteRegistry()
     jobs = JobManager(store, registry, federation)
-    auth = Authenticator(insecure=config.tls is None)
+    auth = Authenticator(insecure=config.tls is None, access=access)
 
     server = grpc.aio.server(options=server_options())
-    site_link_pb2_grpc.add_SiteLinkServicer_to_server(
-        SiteLinkServicer(registry, store, federation, auth), server)
+    site_link = SiteLinkServicer(registry, store, federation, auth)
+    site_link_pb2_grpc.add_SiteLinkServicer_to_server(site_link, server)
     analyst_pb2_grpc.add_AnalystServicer_to_server(
         AnalystServicer(registry, store, jobs, federation, auth), server)
     health_servicer = health.aio.HealthServicer()
@@ -100,7 +107,26 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
     log.info("[Coordinator.start] listening on %s (port %d), schema %s..., store %s, "
              "%d job(s) resumed", config.listen, port, schema.digest()[:12], config.store_path,
              resumed)
-    return RunningCoordinator(server, port, store, registry, jobs, health_servicer)
+    watch = asyncio.create_task(_watch_access(access, site_link, config.access_reload_s))
+    return RunningCoordinator(server, port, store, registry, jobs, health_servicer, watch)
+
+
+async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,
+                        interval_s: float) -> None:
+    """Re-read the access file when it changes and drop the sessions it now refuses.
+
+    Live sessions are checked at every tick, not only when this loop saw the file change: a
+    new connection may have read the change first.
+    """
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            access.reload()
+            closed = site_link.enforce_access()
+            if closed:
+                log.info("[Coordinator.access] %d session(s) dropped by the access list", closed)
+        except Exception:  # noqa: BLE001 -- the watcher must outlive any one bad reload
+            log.exception("[Coordinator.access] checking the access list failed")
 
 
 async def serve(config: AggregatorConfig) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from dpfed import __version__
+from dpfed.aggregator.access_control import AccessControl
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.orchestrator import JobManager
 from dpfed.aggregator.registry import SiteRegistry, SiteSession
@@ -31,7 +32,11 @@ from dpfed.common.transport.certs import Principal
 from dpfed.common.transport.grpc_errors import details_for, status_for
 from dpfed.common.transport.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteInfo
-from dpfed.common.transport.tls import principal_from_auth_context, require_role
+from dpfed.common.transport.tls import (
+    peer_fingerprint,
+    principal_from_auth_context,
+    require_role,
+)
 from dpfed.common.transport.wire import (
     Reassembler,
     budget_from_proto,
@@ -55,10 +60,15 @@ INSECURE_PRINCIPAL_KEY = "x-dpfed-insecure-principal"
 
 
 class Authenticator:
-    """Turns a call's context into a :class:`Principal` (certificate only, unless insecure)."""
+    """Turns a call's context into a :class:`Principal` (certificate only, unless insecure).
 
-    def __init__(self, *, insecure: bool = False) -> None:
+    With an :class:`AccessControl`, :meth:`require` also refuses revoked certificates and
+    ids that are not on the allow-list of their role (PERMISSION_DENIED).
+    """
+
+    def __init__(self, *, insecure: bool = False, access: AccessControl | None = None) -> None:
         self.insecure = insecure
+        self.access = access
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """Return the authenticated caller (raises AuthenticationError)."""
@@ -70,10 +80,19 @@ class Authenticator:
             raise AuthenticationError(f"insecure mode: send metadata {INSECURE_PRINCIPAL_KEY}")
         return principal_from_auth_context(context.auth_context())
 
+    def fingerprint(self, context: grpc.aio.ServicerContext) -> str | None:
+        """SHA-256 fingerprint of the caller's certificate (None in insecure mode)."""
+        return None if self.insecure else peer_fingerprint(context.auth_context())
+
     async def require(self, context: grpc.aio.ServicerContext, role: str) -> Principal:
-        """Authenticate and check the role, aborting the call with the right status if not."""
+        """Authenticate and check the role and admission, aborting the call if refused."""
         try:
-            return require_role(self.principal(context), role)  # type: ignore[arg-type]
+            principal = require_role(self.principal(context), role)  # type: ignore[arg-type]
+            if self.access is not None:
+                refusal = self.access.check(principal, self.fingerprint(context))
+                if refusal is not None:
+                    raise PermissionDeniedError(refusal)
+            return principal
         except (AuthenticationError, PermissionDeniedError) as exc:
             log.warning("[Auth] %s: %s (peer %s)", type(exc).__name__, exc, context.peer())
             await context.abort(status_for(exc), details_for(exc))
@@ -95,19 +114,19 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
         self.store = store
         self.federation = federation
         self.auth = auth
+        # Live streams (by id(session)) and the certificate each was opened with, so that
+        # enforce_access can drop a peer that is revoked or removed from the allow-list.
+        self._live: dict[int, tuple[SiteSession, Principal, str | None]] = {}
+        self._refused: dict[int, str] = {}
 
     # grpc.aio allows a stream-stream handler to use context.read()/write() and return None;
     # the generated stub types only the iterator style, hence the override ignore.
     async def Connect(self, request_iterator: Any,  # type: ignore[override]  # noqa: N802
                       context: grpc.aio.ServicerContext) -> None:
         """Authenticate the site, check its Hello, then pump tasks down and results up."""
-        principal = await self.auth.require(context, "site")
+        principal = await self.auth.require(context, "site")  # allow-list and revocation
         site_id = principal.name
-        if not self.federation.admits(site_id):
-            log.warning("[SiteLink.Connect] site=%s is not in allowed_sites", site_id)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"site {site_id!r} is not admitted to this federation "
-                                "(coordinator's federation.allowed_sites)")
+        fingerprint = self.auth.fingerprint(context)
         try:
             first = await asyncio.wait_for(context.read(), HELLO_TIMEOUT_S)
         except TimeoutError:
@@ -137,6 +156,7 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                                           protocol_version=PROTOCOL_VERSION, site_id=site_id)))
         reader = asyncio.create_task(self._read_loop(context, session))
         reason = "stream ended"
+        self._live[id(session)] = (session, principal, fingerprint)
         try:
             while not session.closed.is_set():
                 get = asyncio.ensure_future(session.outbox.get())
@@ -153,9 +173,36 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                     err = reader.exception()
                     reason = f"read error: {err}" if err else "the site closed the stream"
                 break
+            refusal = self._refused.pop(id(session), None)
+            if refusal is not None:  # dropped by enforce_access: tell the site why
+                reason = refusal
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         finally:
+            self._live.pop(id(session), None)
+            self._refused.pop(id(session), None)
             reader.cancel()
             await self.registry.detach(session, reason)
+
+    def enforce_access(self) -> int:
+        """Close the live sessions the access rules now refuse; return how many were closed.
+
+        Called when the access file changed (a revocation, an id removed from the
+        allow-list): the site's stream ends with PERMISSION_DENIED and its pending tasks fail
+        at once, as if it had disconnected.
+        """
+        access = self.auth.access
+        if access is None:
+            return 0
+        closed = 0
+        for session, principal, fingerprint in list(self._live.values()):
+            refusal = access.check(principal, fingerprint)
+            if refusal is not None and not session.closed.is_set():
+                log.warning("[SiteLink.enforce_access] dropping site=%s: %s", session.site_id,
+                            refusal)
+                self._refused[id(session)] = refusal
+                session.close(refusal)
+                closed += 1
+        return closed
 
     async def _read_loop(self, context: grpc.aio.ServicerContext, session: SiteSession) -> None:
         reassembler = Reassembler(MAX_TRANSFER_BYTES)
@@ -237,8 +284,16 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
             out.append(b)
         return analyst_pb2.GetBudgetsResponse(budgets=out)
 
-    async def _stream_job(self, job_id: str) -> AsyncIterator[analyst_pb2.JobEvent]:
+    async def _stream_job(self, job_id: str, context: grpc.aio.ServicerContext | None = None,
+                          principal: Principal | None = None,
+                          ) -> AsyncIterator[analyst_pb2.JobEvent]:
+        fingerprint = None if context is None else self.auth.fingerprint(context)
         async for event in self.jobs.follow(job_id):
+            # A long stream is re-checked at each event: a revoked analyst stops receiving.
+            if context is not None and principal is not None and self.auth.access is not None:
+                refusal = self.auth.access.check(principal, fingerprint)
+                if refusal is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
             yield job_event_to_proto(event)
 
     async def SubmitJob(self, request: analyst_pb2.SubmitJobRequest,  # noqa: N802
@@ -252,19 +307,19 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
         except Exception as exc:  # noqa: BLE001 -- mapped to a status code
             await _abort(context, exc)
             return
-        async for event in self._stream_job(job.job_id):
+        async for event in self._stream_job(job.job_id, context, principal):
             yield event
 
     async def WatchJob(self, request: analyst_pb2.WatchJobRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
         """Replay and follow a job's progress."""
-        await self.auth.require(context, "analyst")
+        principal = await self.auth.require(context, "analyst")
         try:
             self.store.get_job(request.job_id)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
             return
-        async for event in self._stream_job(request.job_id):
+        async for event in self._stream_job(request.job_id, context, principal):
             yield event
 
     async def GetJob(self, request: analyst_pb2.GetJobRequest,  # noqa: N802

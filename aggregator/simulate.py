@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from dpfed.aggregator.describe import describe_job
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.pca_report import PooledReference, captured_fraction, pca_report
 from dpfed.aggregator.pca_result import PCAResult
-from dpfed.aggregator.report import Report, captured_energy_plot, scree_plot
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ConfigError, DpfedError, JobFailedError
-from dpfed.common.pca.dppca import GramAccumulator, captured_energy, top_components
+from dpfed.common.job_params import CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
+from dpfed.common.pca.dppca import GramAccumulator
 from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.privacy.accounting import BudgetStatus
 from dpfed.common.transport.protocol import JobEvent, JobInfo
@@ -53,7 +53,10 @@ class SimulationOptions:
     delta: float = 1e-5
     calibration: str = "analytic"
     min_sites: int = 0
-    clip_norm: float | None = None
+    clip_norm: float | str | None = None  # None: the job's default (auto; schema if secure)
+    centering: str = "mean"
+    site_weighting: str = "size"
+    aggregation: str = "site"
     seed: int | None = None
     data: list[Path] = field(default_factory=list)
     schema: Path | None = None
@@ -76,7 +79,17 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta", type=float, default=1e-5, help="delta per site for the job")
     p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: all sites)")
-    p.add_argument("--clip-norm", type=float, help="public row-norm bound (default: none)")
+    p.add_argument("--clip-norm", type=parse_clip_norm, default=None, metavar="auto|schema|C",
+                   help="row-norm bound: auto = a DP quantile of the row norms (default; "
+                   "schema with --aggregation secure), "
+                   "schema = the worst case the schema allows, or a number")
+    p.add_argument("--centering", choices=list(CENTERINGS), default="mean",
+                   help="mean = centred PCA around a DP mean (default); none = uncentred")
+    p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default="size",
+                   help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
+    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+                   help="site = each site noises its own release (default); secure = a secure "
+                        "sum with distributed noise (pooled-data utility)")
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
                    "only: the noise is then not private)")
     p.add_argument("--data", type=Path, action="append", default=[],
@@ -107,7 +120,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
     return SimulationOptions(out=out, sites=n_sites, rows=args.rows, features=args.features,
                              k=args.k, rank=args.rank, epsilon=args.epsilon, delta=args.delta,
                              calibration=args.calibration, min_sites=args.min_sites,
-                             clip_norm=args.clip_norm, seed=args.seed, data=list(args.data),
+                             clip_norm=args.clip_norm, centering=args.centering,
+                             site_weighting=args.site_weighting, aggregation=args.aggregation,
+                             seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
                              deadline=args.deadline)
@@ -117,19 +132,36 @@ def _say(step: str, text: str) -> None:
     print(f"[simulate] {step:<12} {text}", flush=True)
 
 
-def pooled_second_moment(schema: Schema, paths: list[Path],
-                         clip_norm: float | None) -> tuple[np.ndarray, list[int]]:
-    """Non-private reference: the average of the sites' G_s/N_s, as DPdisPCA's A_c estimates."""
-    unit_ball = UnitBallMap(schema, clip_norm)
-    total = np.zeros((unit_ball.n_features, unit_ball.n_features))
+def pooled_reference(schema: Schema, paths: list[Path], *, centred: bool) -> PooledReference:
+    """Non-private target from the REAL pooled rows (every site's rows together).
+
+    Rows are mapped to ``u`` (each column to [-1, 1] by the schema bounds, nothing clipped);
+    the matrix is their covariance about the true pooled mean (``centred``) or their second
+    moment about the schema midpoints -- ``sum_s G_s / sum_s N_s``, so a 9,000-row site counts
+    nine times a 1,000-row one, as in pooled PCA.
+    """
+    unit_ball = UnitBallMap(schema)
+    p = unit_ball.n_features
+    gram = GramAccumulator(p)
+    total = np.zeros(p)
     counts = []
     for path in paths:
-        acc = GramAccumulator(unit_ball.n_features)
+        before = gram.n_rows
         for table, _ in open_data_source(spec_from_path(path), schema).iter_chunks():
-            acc.add(unit_ball.transform(table)[0])
-        total += acc.gram() / max(acc.n_rows, 1)
-        counts.append(acc.n_rows)
-    return total / len(paths), counts
+            u = unit_ball.scaled(table)
+            total += u.sum(axis=0)
+            gram.add(u)
+        counts.append(gram.n_rows - before)
+    n = max(gram.n_rows, 1)
+    matrix = gram.gram() / n
+    what = ("second moment about the schema midpoints" if not centred else
+            "covariance about their true mean")
+    if centred:
+        mean = total / n
+        matrix -= np.outer(mean, mean)
+    label = (f"non-private PCA of the real pooled rows (all {sum(counts)} rows of the "
+             f"{len(paths)} sites together, columns scaled by the schema bounds, {what})")
+    return PooledReference(matrix, counts, label)
 
 
 MARKER = ".dpfed-simulation"
@@ -188,7 +220,9 @@ def run_simulation(opts: SimulationOptions) -> int:
             try:
                 result = coord.pca(opts.k, epsilon=opts.epsilon, delta=opts.delta,
                                    rank=opts.rank, calibration=opts.calibration,
-                                   clip_norm=opts.clip_norm, min_sites=opts.min_sites,
+                                   clip_norm=opts.clip_norm, centering=opts.centering,
+                                   site_weighting=opts.site_weighting,
+                                   min_sites=opts.min_sites, aggregation=opts.aggregation,
                                    on_event=progress)
             except JobFailedError as exc:
                 _say("pca", f"FAILED: {exc}")
@@ -203,20 +237,26 @@ def run_simulation(opts: SimulationOptions) -> int:
     finally:
         fed.stop_all()
 
-    _say("evaluate", "non-private pooled PCA on the same (unit-ball) features, for comparison")
+    _say("evaluate", "non-private PCA of the real pooled rows (all sites together), for "
+         "comparison")
     paths = [fed.data_paths[s] for s in fed.site_ids]
-    reference, counts = pooled_second_moment(schema, paths, opts.clip_norm)
-    energy = _write_report(out, opts, result, reference, counts, budgets,
-                           jobs[0] if jobs else None, job_seconds)
+    reference = pooled_reference(schema, paths, centred=result.centering == "mean")
+    counts = reference.counts
+    energy = _write_report(out, opts, result, reference, budgets, jobs[0] if jobs else None,
+                           job_seconds)
     print()
     print(f"dpfed simulate: {len(fed.site_ids)} sites, {sum(counts)} rows, "
-          f"{len(result.feature_names_in_)} features, K={result.n_components_}")
+          f"{result.n_features_in_} features, K={result.n_components_}, centering "
+          f"{result.centering}, clip radius {result.clip_radius:.3g} "
+          f"({result.metadata.get('clip_norm_requested')})")
     for site_id, _connected, b in budgets:
         if b is not None:
             print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "
                   f"delta {b.delta_spent:.3g} of {b.delta_cap:g} ({b.events} release(s))")
-    print(f"  captured energy of the DP subspace relative to non-private PCA: {energy:.3f} "
-          f"(epsilon={opts.epsilon:g}, delta={opts.delta:g}, {opts.calibration})")
+    print(f"  captured energy of the DP subspace relative to non-private PCA of the real pooled "
+          f"rows: {energy:.3f} (K={result.n_components_}, epsilon={opts.epsilon:g}, "
+          f"delta={opts.delta:g}, {opts.calibration})")
+    print(f"    compared with: {reference.label}")
     print(f"  job time {job_seconds:.1f}s, total {time.monotonic() - t0:.1f}s")
     data_dir = "" if opts.data else "data/, "
     print(f"  results in {out}: pca.npz, report.html, certs/, {data_dir}sites/*/ledger.sqlite, "
@@ -224,66 +264,33 @@ def run_simulation(opts: SimulationOptions) -> int:
     return exit_codes.OK
 
 
-def _write_report(out: Path, opts: SimulationOptions, result: PCAResult, reference: np.ndarray,
-                  counts: list[int], budgets: list[tuple[str, bool, BudgetStatus | None]],
+def _write_report(out: Path, opts: SimulationOptions, result: PCAResult,
+                  reference: PooledReference,
+                  budgets: list[tuple[str, bool, BudgetStatus | None]],
                   job: JobInfo | None, job_seconds: float) -> float:
-    k = result.n_components_
-    p = reference.shape[0]
-    exact_vectors = top_components(reference, min(p, max(k, 10)))
-    q_dp = captured_energy(result.components_, reference)
-    q_np = captured_energy(exact_vectors[:k], reference)
-    ratio = q_dp / q_np if q_np > 0 else float("nan")
-    exact_eigs = np.sort(np.linalg.eigvalsh(reference))[::-1]
-    ks = np.arange(1, k + 1)
-    dp_cum = np.array([captured_energy(result.components_[:i], reference) for i in ks])
-    np_cum = np.array([captured_energy(exact_vectors[:i], reference) for i in ks])
-
-    rep = Report("dpfed simulation report")
-    rep.paragraph(f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC. A coordinator and "
-                  f"{len(counts)} hospital site agents ran as separate processes over gRPC with "
-                  "mutual TLS; every value that left a site was noised and charged to that "
-                  "site's ledger first.")
-    rep.heading("Summary")
-    rep.key_values({
-        "sites": len(counts), "rows (total)": sum(counts), "features p": p,
-        "components K": k, "rank R sent per site": result.metadata.get("rank"),
-        "epsilon per site": opts.epsilon, "delta per site": opts.delta,
-        "calibration": opts.calibration,
-        "captured energy, DP / non-private (q/q_o)": ratio,
-        "job wall time (s)": round(job_seconds, 2),
-        "seeded (reproducible, not private)": opts.seed is not None,
-    })
-    rep.heading("Scree plot")
-    shown = max(2 * k, 10)
-    rep.image(scree_plot(result.spectrum_[:shown], exact_eigs[:shown],
-                         title=f"Eigenvalues, epsilon={opts.epsilon:g} per site"), "scree plot")
-    rep.heading("Captured energy")
-    rep.image(captured_energy_plot(ks, dp_cum, np_cum), "captured energy")
-    rep.heading("Sites")
-    rows = []
-    sites_meta = {s["site_id"]: s for s in result.metadata.get("sites", [])}
-    for site_id, _connected, b in budgets:
-        m = sites_meta.get(site_id, {})
-        rows.append((site_id, m.get("n_rows", "?"), m.get("noise_sigma", "?"),
-                     b.epsilon_spent if b else "?", b.epsilon_cap if b else "?",
-                     b.delta_spent if b else "?", b.events if b else "?"))
-    rep.table(("site", "rows N_s", "noise sigma", "epsilon spent", "epsilon cap",
-               "delta spent", "releases"), rows)
-    rep.heading("Components (DP)")
-    names = list(result.feature_names_in_)
-    top = []
-    for i, comp in enumerate(result.components_):
-        order = np.argsort(-np.abs(comp))[:5]
-        top.append((i + 1, f"{result.explained_variance_ratio_[i]:.3f}",
-                    ", ".join(f"{names[j]} ({comp[j]:+.2f})" for j in order)))
-    rep.table(("component", "explained variance ratio", "largest loadings"), top)
+    fraction = captured_fraction(result, reference)
+    intro = (f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC. A coordinator and "
+             f"{len(reference.counts)} hospital site agents ran as separate processes over gRPC "
+             "with mutual TLS; every value that left a site was noised and charged to that "
+             "site's ledger first.")
+    extra = {"job wall time (s)": round(job_seconds, 2),
+             "seeded (reproducible, not private)": opts.seed is not None,
+             "captured energy at K, DP / non-private pooled": float(fraction[-1])}
+    rep = pca_report(result, title="dpfed simulation report", reference=reference,
+                     intro=intro, extra=extra)
+    rep.heading("Ledgers")
+    rep.table(("site", "epsilon spent", "epsilon cap", "delta spent", "delta cap", "releases"),
+              [(site_id, b.epsilon_spent, b.epsilon_cap, b.delta_spent, b.delta_cap, b.events)
+               for site_id, _c, b in budgets if b is not None])
     if job is not None:
         rep.heading("Job")
-        rep.preformatted(describe_job(job))
+        rep.table(("job id", "state", "submitted", "updated", "sites ok"),
+                  [(job.job_id, job.state, job.created, job.updated,
+                    f"{sum(1 for o in job.sites if o.status == 'ok')}/{len(job.sites)}")])
     rep.heading("Files")
     rep.preformatted("\n".join(sorted(str(p.relative_to(out)) for p in out.rglob("*")
                                       if p.is_file() and p.suffix in (".npz", ".toml", ".sqlite",
                                                                       ".log", ".csv", ".parquet",
                                                                       ".pem"))))
     (out / "report.html").write_text(rep.render(), encoding="utf-8")
-    return float(ratio)
+    return float(fraction[-1])

@@ -13,9 +13,13 @@ the product never takes a bound from the data). Its random-subspace floor (~0.31
 to the published synthetic floor (~0.29), so the numbers are comparable in shape.
 
 Calibration: "analytic" is dpfed's default (Balle & Wang); "classic" is the paper's
-sqrt(2 ln(1.25/delta)) / (N_s epsilon). Where the classic sigma is not DP (epsilon = 10 at
-delta = 0.01) dpfed refuses it; the bench then computes the paper's sigma itself and labels
-the point "not DP".
+sqrt(2 ln(1.25/delta)) times the sensitivity over epsilon. Both use the sensitivity dpfed's
+relation gives, replace-one with N_s public: sqrt(2)/N_s on the upper triangle of G_s/N_s
+(``dpfed.common.pca.dppca.pca_mechanism``, docs/privacy.md). Where the classic sigma is not DP
+(epsilon = 10 at delta = 0.01) dpfed refuses it; the bench then computes the paper's sigma
+itself and labels the point "not DP". The column "analytic @ 1/N" is the calibration dpfed
+used before the relation was fixed (sensitivity 1/N_s, *not* DP under replace-one), on the
+same data in the same run, so the utility the correct calibration costs is read off directly.
 
 Run: ``python bench/dppca_utility.py [--quick] [--runs N]``.
 """
@@ -28,7 +32,13 @@ import time
 import numpy as np
 from scipy import linalg
 
-from dpfed.common.pca.dppca import captured_energy, combine, top_components
+from dpfed.common.pca.dppca import (
+    UNCENTRED_GRAM_SENSITIVITY,
+    captured_energy,
+    combine,
+    pca_mechanism,
+    top_components,
+)
 from dpfed.common.privacy.mechanisms import (
     classic_calibration_is_dp,
     classic_gaussian_sigma,
@@ -80,25 +90,37 @@ def main() -> None:
         random_basis = np.linalg.qr(rng.standard_normal((d, k)))[0].T
         floors.append(captured_energy(random_basis, a) / q_o)
         for eps in epsilons:
-            for cal in ("analytic", "classic"):
+            for cal in ("analytic", "classic", "old"):
                 if cal == "analytic":
+                    sigma = pca_mechanism(n_per, eps, delta).sigma
+                elif cal == "classic" and classic_calibration_is_dp(eps, delta):
+                    sigma = pca_mechanism(n_per, eps, delta, "classic").sigma
+                elif cal == "classic":  # the paper's formula, computed even where dpfed refuses
+                    sigma = classic_gaussian_sigma(eps, delta,
+                                                   UNCENTRED_GRAM_SENSITIVITY) / n_per
+                else:  # the pre-fix calibration: sensitivity 1/N_s (not DP under replace-one)
                     sigma = gaussian_sigma(eps, delta) / n_per
-                else:  # the paper's formula, computed here even where dpfed refuses it
-                    sigma = classic_gaussian_sigma(eps, delta) / n_per
                 factors = [site_factor(g, sigma, r, rng) for g in grams]
                 est = combine(factors, k)
                 results.setdefault((cal, eps), []).append(
                     captured_energy(est.components, a) / q_o)
     print(f"DPdisPCA utility, D={d}, S={n_sites}, N_s={n_per}, K={k}, R={r}, delta={delta}, "
           f"{runs} runs; random-subspace floor {np.mean(floors):.3f}")
-    print(f"{'epsilon':>8} {'analytic q/q_o':>16} {'classic q/q_o':>22} {'sigma ratio':>12} "
-          f"{'paper DPdisPCA':>15} {'paper pooled':>13}")
+    print("q/q_o: captured energy over non-private pooled PCA; 'above floor' = (q/q_o - floor) "
+          "of the analytic column over that of the old 1/N column")
+    print(f"{'epsilon':>8} {'analytic q/q_o':>16} {'analytic @ 1/N':>16} {'above floor':>12} "
+          f"{'classic q/q_o':>22} {'sigma ratio':>12} {'paper DPdisPCA':>15} "
+          f"{'paper pooled':>13}")
+    floor = float(np.mean(floors))
     for eps in epsilons:
         an = np.array(results[("analytic", eps)])
+        old = np.array(results[("old", eps)])
         cl = np.array(results[("classic", eps)])
         label = "" if classic_calibration_is_dp(eps, delta) else " (not DP)"
         ratio = classic_gaussian_sigma(eps, delta) / gaussian_sigma(eps, delta)
-        print(f"{eps:>8g} {an.mean():>9.3f} ± {an.std():.3f} {cl.mean():>9.3f} ± {cl.std():.3f}"
+        kept = (an.mean() - floor) / (old.mean() - floor)
+        print(f"{eps:>8g} {an.mean():>9.3f} ± {an.std():.3f} {old.mean():>9.3f} ± "
+              f"{old.std():.3f} {kept:>11.2f}x {cl.mean():>9.3f} ± {cl.std():.3f}"
               f"{label:<9} {ratio:>11.2f}x {PAPER_DPDISPCA[eps]:>15.2f} "
               f"{PAPER_POOLED[eps]:>13.2f}")
         if classic_calibration_is_dp(eps, delta):
@@ -126,6 +148,8 @@ def save_plot(path: str, epsilons: list[float], results: dict[tuple[str, float],
             bad = [e for e in epsilons if not classic_calibration_is_dp(e, delta)]
             ax.plot(bad, [np.mean(results[(cal, e)]) for e in bad], "s", mfc="white", ms=10,
                     color="C1", label="classic, not DP here")
+    ax.plot(epsilons, [np.mean(results[("old", e)]) for e in epsilons], "^:", color="grey",
+            label="analytic at 1/N (before the fix; not DP)")
     ax.plot(epsilons, [PAPER_DPDISPCA[e] for e in epsilons], "k--", label="paper, DPdisPCA")
     ax.plot(epsilons, [PAPER_POOLED[e] for e in epsilons], "k:", label="paper, pooled DP")
     ax.axhline(floor, color="grey", lw=0.8, label="random subspace")

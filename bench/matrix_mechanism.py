@@ -95,7 +95,7 @@ def main() -> None:
             pinv = inverse_gram(a)
             var = {z: mm.noise_variance(a, epsilon=EPSILON, delta=NOISE_DELTA[z], noise=z)
                    for z in mm.NOISES}
-            l2 = mm.sensitivity(a, "l2")
+            l2 = mm.column_norm(a, "l2")  # HDMM's normalisation, for its published table
             for wname, w in workloads.items():
                 factor = float(np.sum(pinv * w.gram)) / w.n_queries
                 for z in mm.NOISES:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ from dpfed.common.transport.wire import (
     refusal_to_proto,
     task_from_bytes,
 )
+from dpfed.site_agent.coordinator_check import CoordinatorCheck, CoordinatorRevokedError
 from dpfed.site_agent.runner import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,9 @@ class SiteAgent:
         TLS name to verify when the address is not in the coordinator's certificate.
     insecure_principal : str, optional
         ``site/<id>`` sent as metadata in --insecure mode only.
+    coordinator_check : CoordinatorCheck, optional
+        Refuse a coordinator whose certificate is on the site's revocation list, before each
+        connection and while connected (``dpfed.site_agent.coordinator_check``).
     after_connect : callable, optional
         Run on the task thread after each connection, before any task; when it returns
         True the agent sends a fresh Hello on the same stream (the site counts its rows
@@ -94,6 +99,7 @@ class SiteAgent:
     def __init__(self, *, address: str, credentials: grpc.ChannelCredentials | None,
                  runner: TaskRunner, hello: Callable[[], SiteHello], connect_timeout_s: float,
                  server_name: str | None = None, insecure_principal: str | None = None,
+                 coordinator_check: CoordinatorCheck | None = None,
                  after_connect: Callable[[], bool] | None = None) -> None:
         self.address = address
         self.credentials = credentials
@@ -102,6 +108,7 @@ class SiteAgent:
         self.connect_timeout_s = connect_timeout_s
         self.server_name = server_name
         self.insecure_principal = insecure_principal
+        self.coordinator_check = coordinator_check
         self.after_connect = after_connect
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
@@ -141,6 +148,14 @@ class SiteAgent:
                         return exit_codes.REJECTED_BY_COORDINATOR
                     log.warning("[SiteAgent.run] connection to %s failed: %s", self.address,
                                 last_error)
+                except CoordinatorRevokedError as exc:
+                    # Not fatal: the coordinator may come back with a new certificate.
+                    last_error = str(exc)
+                    log.error("[SiteAgent.run] %s", exc)
+                except (OSError, ssl.SSLError) as exc:  # the revocation check's handshake
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("[SiteAgent.run] connection to %s failed: %s", self.address,
+                                last_error)
                 except (ProtocolError, TimeoutError) as exc:
                     last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("[SiteAgent.run] session with %s ended: %s", self.address,
@@ -169,6 +184,9 @@ class SiteAgent:
         metadata = None
         if self.credentials is None and self.insecure_principal:
             metadata = (("x-dpfed-insecure-principal", self.insecure_principal),)
+        coordinator_fp = None
+        if self.coordinator_check is not None:
+            coordinator_fp = await self.coordinator_check.check(self.address)
         async with self._channel() as channel:
             stub = site_link_pb2_grpc.SiteLinkStub(channel)
             call = stub.Connect(metadata=metadata)
@@ -195,15 +213,24 @@ class SiteAgent:
                 running.add(t)
                 t.add_done_callback(running.discard)
             stop_wait = asyncio.ensure_future(self._stop.wait())
+            revoked: asyncio.Future[None] = (
+                asyncio.ensure_future(self.coordinator_check.wait_until_revoked(coordinator_fp))
+                if self.coordinator_check is not None and coordinator_fp is not None
+                else asyncio.get_running_loop().create_future())
             try:
                 while True:
                     read = asyncio.ensure_future(call.read())
-                    done, _ = await asyncio.wait({read, stop_wait},
+                    done, _ = await asyncio.wait({read, stop_wait, revoked},
                                                  return_when=asyncio.FIRST_COMPLETED)
                     if stop_wait in done:
                         read.cancel()
                         call.cancel()
                         return
+                    if revoked in done:
+                        read.cancel()
+                        call.cancel()
+                        assert self.coordinator_check is not None and coordinator_fp
+                        self.coordinator_check.refuse_if_revoked(coordinator_fp)
                     msg = read.result()
                     if msg is grpc.aio.EOF:
                         code = await call.code()
@@ -227,6 +254,7 @@ class SiteAgent:
                                  msg.cancel.task_id, msg.cancel.reason)
             finally:
                 stop_wait.cancel()
+                revoked.cancel()
                 for t in running:
                     t.cancel()
 

@@ -29,13 +29,17 @@ from dpfed.common.data.data_sources import (
     spec_from_path,
 )
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import DpfedError
+from dpfed.common.errors import ConfigError, DpfedError
 from dpfed.common.logs import configure_logging
+from dpfed.common.transport.access import WatchedAccessList, read_access_list
 from dpfed.common.transport.certs import Role
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
 from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
 from dpfed.site_agent.agent import SiteAgent
 from dpfed.site_agent.config import SiteConfig, load_site_config
+from dpfed.site_agent.coordinator_check import CoordinatorCheck
+from dpfed.site_agent.handlers import HANDLERS, TaskHandler
+from dpfed.site_agent.handlers.secagg import SUM_KINDS, SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
 from dpfed.site_agent.row_count import CountedData
 from dpfed.site_agent.runner import TaskRunner
@@ -106,6 +110,20 @@ def _prepare(config: SiteConfig) -> _Prepared:
     return _Prepared(config, schema, source, CountedData(source))
 
 
+def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
+    """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
+    handlers: dict[str, TaskHandler] = dict(HANDLERS)
+    kinds = config.allowed_jobs
+    if config.secure.mode != "off" and config.tls is not None:
+        identity = SiteIdentity.load(config.tls.ca, config.tls.cert, config.tls.key)
+        handlers["secagg"] = SecureAggregationHandler(identity, config.secure)
+        kinds = (*kinds, "secagg")
+    elif config.secure.mode == "required":
+        raise ConfigError(f"{config.source}: policy.secure_aggregation = \"required\" needs TLS "
+                          "certificates (secure rounds are signed with the site's key)")
+    return handlers, kinds
+
+
 def _run(config: SiteConfig) -> int:
     if config.deterministic_noise_seed is not None:
         log.warning("[Site.start] testing.deterministic_noise_seed is set: noise is "
@@ -117,22 +135,31 @@ def _run(config: SiteConfig) -> int:
         credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
                                                role="site")
     prepared = _prepare(config)
-    ledger = Ledger(config.ledger_path, config.budget)
-    runner = TaskRunner(prepared.data, ledger, config.allowed_jobs,
-                        deterministic_noise_seed=config.deterministic_noise_seed)
+    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
+    handlers, allowed_kinds = _handlers(config)
+    runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
+                        deterministic_noise_seed=config.deterministic_noise_seed,
+                        secure_required_kinds=(SUM_KINDS if config.secure.mode == "required"
+                                               else ()))
 
     def hello() -> SiteHello:
         # 0 until the first full pass: "not counted yet" (docs/data-sources.md, "Start-up").
         return SiteHello(__version__, PROTOCOL_VERSION, prepared.schema.digest(),
-                         prepared.data.row_count or 0, config.allowed_jobs,
+                         prepared.data.row_count or 0, allowed_kinds,
                          config.budget.max_epsilon_per_task, ledger.status())
 
     status = ledger.status()
     log.info("[Site.start] ledger %s: %d event(s), epsilon spent %.6g of %g", config.ledger_path,
              status.events, status.epsilon_spent, status.epsilon_cap)
+    check = None
+    if config.tls is not None and config.revocation_list is not None:
+        check = CoordinatorCheck(WatchedAccessList(config.revocation_list), config.tls.ca,
+                                 config.tls.cert, config.tls.key, config.server_name)
+        log.info("[Site.start] coordinator certificates are checked against %s",
+                 config.revocation_list)
     agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
-                      server_name=config.server_name,
+                      server_name=config.server_name, coordinator_check=check,
                       after_connect=prepared.data.ensure_counted)
 
     async def main() -> int:
@@ -153,16 +180,24 @@ def _check(config: SiteConfig) -> int:
         material = check_tls_files(config.tls.ca, config.tls.cert, config.tls.key, use="client",
                                    roles=site_role)
         print(f"certificate: {material.principal}, valid until {material.not_after:%Y-%m-%d}")
+    if config.revocation_list is not None:
+        revoked = read_access_list(config.revocation_list).revoked
+        print(f"revocation list: {config.revocation_list}: {len(revoked)} revoked certificate(s)")
     prepared = _prepare(config)
     print(f"schema: {len(prepared.schema.columns)} columns, digest "
           f"{prepared.schema.digest()[:12]}...")
     prepared.data.ensure_counted()  # an explicit check may read the whole table
     print(f"data: {prepared.source.describe()}: {prepared.data.row_count} valid rows")
-    ledger = Ledger(config.ledger_path, config.budget)
+    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
     try:
         s = ledger.status()
         print(f"ledger: {config.ledger_path}: {s.events} event(s); epsilon spent "
               f"{s.epsilon_spent:.6g} of {s.epsilon_cap:g} ({s.accountant})")
+        for analyst in sorted(config.analyst_budgets):
+            share = ledger.analyst_status(analyst)
+            assert share is not None
+            print(f"  analyst {analyst}: epsilon spent {share.epsilon_spent:.6g} of its share "
+                  f"{share.epsilon_cap:g}")
     finally:
         ledger.close()
     print(f"coordinator: {config.coordinator_address}")

@@ -11,6 +11,7 @@ Example (paths are relative to the file)::
     ca = "kit/ca.pem"
     cert = "kit/site.pem"
     key = "kit/site.key"
+    revocation_list = "kit/revoked.toml"  # from 'dpfed certs'; re-read when it changes
 
     [data]
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
@@ -34,9 +35,15 @@ Example (paths are relative to the file)::
     delta = 1e-5
     accountant = "basic"        # basic | zcdp
 
+    [budget.analysts]           # optional: the most epsilon each analyst may spend here
+    alice = 2.0                 # (same accountant and delta as the total; ids as certified)
+
     [policy]
     allowed_jobs = ["pca"]
     max_epsilon_per_task = 2.0
+    secure_aggregation = "allowed"   # off | allowed | required
+    secure_min_participants = 2      # refuse secure rounds with fewer verified sites
+    secure_tolerated_colluders = 1   # other parties (coordinator counted) that may collude
 
     [logging]
     level = "INFO"
@@ -50,7 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +65,8 @@ from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.transport.certs import check_principal_id
+from dpfed.site_agent.handlers.secagg import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +141,16 @@ class SiteConfig:
     ledger_path: Path
     budget: BudgetPolicy
     allowed_jobs: tuple[str, ...]
+    secure: SecureAggregationPolicy = SecureAggregationPolicy()
     log_level: str = "INFO"
     log_file: Path | None = None
     #: Test/demo only: derive noise deterministically from this seed and the task id. Never
     #: reachable from the network; the agent logs a warning when it is set.
     deterministic_noise_seed: int | None = None
+    #: The site's copy of the federation's revocation list (``revoked.toml``), if any.
+    revocation_list: Path | None = None
+    #: Per-analyst epsilon caps (analyst id -> epsilon), within the total budget.
+    analyst_budgets: dict[str, float] = field(default_factory=dict)
 
     @property
     def insecure(self) -> bool:
@@ -176,6 +190,9 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     tls_section = root.section("tls")
     insecure = bool(overrides.get("insecure")) or tls_section.boolean("insecure", False)
     tls = tls_from_section(tls_section, insecure)
+    revocation_list = tls_section.path("revocation_list")
+    if revocation_list is not None and tls is None:
+        raise ConfigError(f"{source}: tls.revocation_list needs TLS (remove insecure)")
     tls_section.check_unknown()
 
     data = root.section("data", required=True)
@@ -243,12 +260,21 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
     allowed = policy.str_list("allowed_jobs", list(KNOWN_JOB_KINDS))
     unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "
                           f"known: {list(KNOWN_JOB_KINDS)}")
+    try:
+        secure = SecureAggregationPolicy(
+            mode=policy.string("secure_aggregation", "allowed") or "allowed",
+            min_participants=policy.integer("secure_min_participants", 2, minimum=2) or 2,
+            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0) or 0,
+        )
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: [policy] {exc}") from None
     policy.check_unknown()
 
     logging_section = root.section("logging")
@@ -268,6 +294,26 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     return SiteConfig(
         source=source, coordinator_address=address, server_name=server_name,
         connect_timeout_s=timeout, tls=tls, data=data_cfg, ledger_path=ledger_path,
-        budget=budget_policy, allowed_jobs=tuple(allowed), log_level=level.upper(),
-        log_file=log_file, deterministic_noise_seed=seed,
+        budget=budget_policy, allowed_jobs=tuple(allowed), secure=secure,
+        log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
+        revocation_list=revocation_list, analyst_budgets=analyst_budgets,
     )
+
+
+def _analyst_budgets(section: Section, total: BudgetPolicy) -> dict[str, float]:
+    """Read ``[budget.analysts]``: analyst id -> epsilon cap, each in (0, budget.epsilon]."""
+    caps: dict[str, float] = {}
+    for name in list(section.data):
+        try:
+            check_principal_id(name, "analyst")
+        except ValidationError as exc:
+            raise ConfigError(f"{section.source}: [{section.name}] {exc}") from None
+        cap = section.number(name, required=True, positive=True)
+        assert cap is not None
+        if cap > total.epsilon:
+            raise ConfigError(f"{section.source}: {section.name}.{name} = {cap:g} exceeds "
+                              f"budget.epsilon = {total.epsilon:g}; a share cannot be larger "
+                              "than the whole")
+        caps[name] = cap
+    section.check_unknown()
+    return caps

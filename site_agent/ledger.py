@@ -86,7 +86,7 @@ import logging
 import os
 import re
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -171,6 +171,24 @@ _SCHEMA: tuple[str, ...] = (
     )""",
 )
 _REQUIRED_TABLES = frozenset({_SCHEMA_TABLE, _EVENTS_TABLE, _REFUSALS_TABLE})
+
+# Which analyst each charged task was attributed to (by the coordinator, from the analyst's
+# certificate). A separate table, added to older files when they are opened, so the layout
+# of ledger_events (and SCHEMA_VERSION) is unchanged; rows are written in the same
+# transaction as their event and are append-only like it.
+_ANALYSTS_TABLE = "ledger_task_analysts"
+_ANALYST_SCHEMA: tuple[str, ...] = (
+    f"""CREATE TABLE IF NOT EXISTS {_ANALYSTS_TABLE} (
+        task_id TEXT PRIMARY KEY NOT NULL REFERENCES {_EVENTS_TABLE}(task_id),
+        analyst TEXT NOT NULL CHECK (length(analyst) BETWEEN 1 AND {MAX_ID_LENGTH})
+    )""",
+    f"""CREATE INDEX IF NOT EXISTS ledger_task_analysts_by_analyst
+        ON {_ANALYSTS_TABLE}(analyst)""",
+    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_analysts_no_update BEFORE UPDATE
+        ON {_ANALYSTS_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_analysts_no_delete BEFORE DELETE
+        ON {_ANALYSTS_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+)
 
 _EVENT_COLUMNS = ("seq, task_id, job_id, kind, mechanism, epsilon, delta, rho, sensitivity, "
                   "noise_scale, payload_digest, result_digest, length(result), created_at")
@@ -309,6 +327,11 @@ class Ledger:
     busy_timeout_s : float
         How long a writer waits for another writer's transaction (including that writer's
         ``release()``) before giving up with ``sqlite3.OperationalError``.
+    analyst_budgets : mapping of str to float, optional
+        Per-analyst epsilon caps (``[budget.analysts]`` of ``site.toml``): the tasks
+        attributed to an analyst may together spend at most this much, composed with the
+        policy's accountant at its delta, besides fitting the total. Checked in the same
+        transaction as the total cap. Analysts without an entry are bound by the total only.
 
     Raises
     ------
@@ -323,7 +346,8 @@ class Ledger:
     """
 
     def __init__(self, path: str | Path, policy: BudgetPolicy, *,
-                 busy_timeout_s: float = 120.0) -> None:
+                 busy_timeout_s: float = 120.0,
+                 analyst_budgets: Mapping[str, float] | None = None) -> None:
         if not isinstance(policy, BudgetPolicy):
             raise ValidationError(
                 "policy must be a dpfed.common.privacy.accounting.BudgetPolicy, "
@@ -333,6 +357,11 @@ class Ledger:
         self._path = Path(os.fsdecode(path))
         self._policy = policy
         self._busy_timeout_s = check_positive(busy_timeout_s, "busy_timeout_s")
+        self._analyst_policies = {
+            _check_id(name, "analyst id"): BudgetPolicy(
+                epsilon=min(check_positive(cap, f"analyst_budgets[{name!r}]"), policy.epsilon),
+                delta=policy.delta, accountant=policy.accountant)
+            for name, cap in (analyst_budgets or {}).items()}
         self._closed = False
         if self._path.is_dir():
             raise ConfigError(f"ledger path {self._path} is a directory, expected a file")
@@ -472,6 +501,8 @@ class Ledger:
                     "VALUES (1, ?, ?, ?)", (APPLICATION, SCHEMA_VERSION, _utc_now()))
                 logger.info("[Ledger.open] created ledger %s (schema version %d)",
                             self._path, SCHEMA_VERSION)
+            for statement in _ANALYST_SCHEMA:  # no-ops when the table is already there
+                conn.execute(statement)
             conn.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
             raise ConfigError(
@@ -483,7 +514,8 @@ class Ledger:
     # ------------------------------------------------------------------ charging
 
     def charge_and_release(self, *, task_id: str, job_id: str, kind: str, payload_digest: str,
-                           cost: PrivacyCost, release: Callable[[], bytes]) -> LedgerOutcome:
+                           cost: PrivacyCost, release: Callable[[], bytes],
+                           analyst: str = "") -> LedgerOutcome:
         """Charge ``cost`` for ``task_id`` and release its bytes, at most once per task id.
 
         Parameters
@@ -503,6 +535,10 @@ class Ledger:
             Draws the noise and returns the bytes to send. Called at most once, only after the
             budget check passed, while the ledger's write lock is held; it must not use this
             ledger itself (it would wait for its own lock).
+        analyst : str
+            The analyst the task is attributed to ("" when unknown). It is stored with the
+            charge, and when ``analyst_budgets`` names it, the analyst's share is checked
+            under the same write lock as the total (refused like an over-budget task).
 
         Returns
         -------
@@ -540,6 +576,8 @@ class Ledger:
         data (only that the budget, which is public to the operator, ran out).
         """
         request = _validate_request(task_id, job_id, kind, payload_digest, cost)
+        if analyst:
+            _check_id(analyst, "analyst")
         if not callable(release):
             raise ValidationError(f"release must be callable, got {type(release).__name__}")
         with self._connection() as conn:
@@ -560,6 +598,7 @@ class Ledger:
             spent, n_events = _spent_from(conn)  # step 2: derived from events, under the lock
             try:
                 self._policy.check(spent, request.cost)
+                self._check_analyst_share(conn, analyst, request.cost)
             except BudgetExceededError as exc:
                 conn.execute("ROLLBACK")  # nothing was drawn, nothing is charged
                 self._record_refusal(conn, request, REFUSAL_BUDGET, str(exc))
@@ -588,12 +627,45 @@ class Ledger:
                 (event.task_id, event.seq, event.job_id, event.kind, event.mechanism,
                  event.epsilon, event.delta, event.rho, event.sensitivity, event.noise_scale,
                  event.payload_digest, result, event.result_digest, event.created_at))
+            if analyst:
+                conn.execute(f"INSERT INTO {_ANALYSTS_TABLE} (task_id, analyst) VALUES (?, ?)",
+                             (event.task_id, analyst))
             conn.execute("COMMIT")  # durable (WAL fsync) before the bytes are handed back
         logger.info("[Ledger.charge_and_release] charged task %s (job %s, %s, %s): epsilon "
                     "%.6g, delta %.3g, rho %.6g; %d events before it", event.task_id,
                     event.job_id, event.kind, event.mechanism, event.epsilon, event.delta,
                     event.rho, n_events)
         return LedgerOutcome(result, False, event)
+
+    def _check_analyst_share(self, conn: sqlite3.Connection, analyst: str,
+                             cost: PrivacyCost) -> None:
+        """Raise BudgetExceededError if ``cost`` does not fit ``analyst``'s share."""
+        policy = self._analyst_policies.get(analyst) if analyst else None
+        if policy is None:
+            return
+        try:
+            policy.check(_analyst_spent_from(conn, analyst)[0], cost)
+        except BudgetExceededError as exc:
+            raise BudgetExceededError(
+                f"analyst {analyst!r} would exceed the share of this site's budget the site "
+                f"grants them (epsilon {policy.epsilon:g} of {self._policy.epsilon:g}): "
+                f"{exc}") from None
+
+    def analyst_status(self, analyst: str) -> BudgetStatus | None:
+        """Spent and remaining share of ``analyst`` (None if the site sets no share)."""
+        policy = self._analyst_policies.get(analyst)
+        if policy is None:
+            return None
+        with self._connection() as conn:
+            spent, n_events = _analyst_spent_from(conn, analyst)
+        return policy.status(spent, n_events)
+
+    def analyst_of(self, task_id: str) -> str:
+        """Return the analyst a charged task was attributed to ("" if none)."""
+        with self._connection() as conn:
+            row = conn.execute(f"SELECT analyst FROM {_ANALYSTS_TABLE} WHERE task_id = ?",
+                               (task_id,)).fetchone()
+        return "" if row is None else str(row[0])
 
     def _replay(self, conn: sqlite3.Connection, request: _Request, event: LedgerEvent,
                 result: bytes) -> LedgerOutcome:
@@ -815,6 +887,14 @@ def _spent_from(conn: sqlite3.Connection) -> tuple[PrivacyCost, int]:
     """Compose every stored event's cost, oldest first (the one definition of "spent")."""
     rows = conn.execute(
         f"SELECT epsilon, delta, rho FROM {_EVENTS_TABLE} ORDER BY seq").fetchall()
+    return PrivacyCost.total(PrivacyCost(e, d, r) for e, d, r in rows), len(rows)
+
+
+def _analyst_spent_from(conn: sqlite3.Connection, analyst: str) -> tuple[PrivacyCost, int]:
+    """Compose the cost of the events attributed to ``analyst``, oldest first."""
+    rows = conn.execute(
+        f"SELECT e.epsilon, e.delta, e.rho FROM {_EVENTS_TABLE} e JOIN {_ANALYSTS_TABLE} a "
+        "ON a.task_id = e.task_id WHERE a.analyst = ? ORDER BY e.seq", (analyst,)).fetchall()
     return PrivacyCost.total(PrivacyCost(e, d, r) for e, d, r in rows), len(rows)
 
 

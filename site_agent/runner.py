@@ -47,6 +47,9 @@ class TaskRunner:
         Job kinds the site operator allows.
     handlers : dict, optional
         kind -> handler (default: every registered handler).
+    secure_required_kinds : tuple of str
+        Job kinds whose site-level release this site refuses (its policy requires secure
+        aggregation for them).
     deterministic_noise_seed : int, optional
         Demo/test only (a local config key, never settable over the network): derive each
         release's generator from this seed and the task id so a simulation is reproducible.
@@ -54,8 +57,10 @@ class TaskRunner:
 
     def __init__(self, data: DataAccess, ledger: Ledger, allowed_kinds: tuple[str, ...], *,
                  handlers: dict[str, TaskHandler] | None = None,
-                 deterministic_noise_seed: int | None = None) -> None:
+                 deterministic_noise_seed: int | None = None,
+                 secure_required_kinds: tuple[str, ...] = ()) -> None:
         self.data = data
+        self.secure_required_kinds = secure_required_kinds
         self.ledger = ledger
         self.allowed_kinds = allowed_kinds
         self.handlers = handlers if handlers is not None else HANDLERS
@@ -80,6 +85,21 @@ class TaskRunner:
             return Refusal(task.task_id, "not_allowed",
                            f"this site does not run {task.kind!r} jobs "
                            f"(allowed: {', '.join(self.allowed_kinds)})")
+        handler = self.handlers[task.kind]
+        if (task.kind in self.secure_required_kinds
+                and task.params.get("aggregation", "site") != "secure"):
+            log.warning("[TaskRunner.run] %s refused: policy requires secure aggregation", tag)
+            return Refusal(task.task_id, "not_allowed",
+                           f"this site's policy requires secure aggregation for {task.kind!r} "
+                           "jobs (--aggregation secure)")
+        if handler.responds_without_data(task):
+            try:
+                answer = handler.respond(task)
+            except ValidationError as exc:
+                log.warning("[TaskRunner.run] %s refused as invalid: %s", tag, exc)
+                return Refusal(task.task_id, "invalid", str(exc))
+            log.info("[TaskRunner.run] %s answered without data (nothing charged)", tag)
+            return result_to_bytes(answer)
         digest = task.digest()
         stored = self.ledger.lookup(task.task_id)
         if stored is not None:
@@ -94,12 +114,13 @@ class TaskRunner:
         if deadline_unix is not None and time.time() > deadline_unix:
             return Refusal(task.task_id, "deadline", "the task's deadline passed before it started")
         try:
-            prepared = self.handlers[task.kind].prepare(task, self.data)
+            prepared = handler.prepare(task, self.data)
             rng = self._rng(task.kind)
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
                 cost=prepared.cost,
                 release=lambda: result_to_bytes(prepared.release(rng)),
+                analyst=task.analyst_id,
             )
         except BudgetExceededError as exc:
             log.warning("[TaskRunner.run] %s refused: %s", tag, exc)

@@ -10,10 +10,11 @@ enforces the quorum. The job then combines the releases -- post-processing only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,7 +46,9 @@ class JobContext:
 
     def __init__(self, *, job_id: str, spec: JobSpec, params: Mapping[str, Any],
                  federation: Federation, registry: SiteRegistry,
-                 emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0) -> None:
+                 emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0,
+                 resumed: bool = False,
+                 analyst_id: str = "") -> None:
         self.job_id = job_id
         self.spec = spec
         self.params = params
@@ -54,6 +57,10 @@ class JobContext:
         self.emit = emit
         self.outcomes: dict[str, SiteOutcome] = {}
         self.wait_for_quorum_s = wait_for_quorum_s
+        self.resumed = resumed
+        self._over_budget: set[str] = set()
+        #: The submitting analyst's id (from their certificate); sent with every task.
+        self.analyst_id = analyst_id
 
     @property
     def min_sites(self) -> int:
@@ -65,12 +72,40 @@ class JobContext:
         """Per-task deadline in seconds."""
         return self.spec.deadline_seconds or self.federation.task_deadline_s
 
-    def _targets(self, kind: str) -> list[str]:
+    def refuse_over_budget(self) -> None:
+        """Before a multi-round job's first round, leave out sites that cannot pay for all of it.
+
+        A site whose last reported budget (basic accountant) has less than the job's whole
+        (epsilon, delta) left would refuse a later round after paying for the earlier ones; it
+        is recorded as refused now and sent no round. Not applied to a resumed job (its sites
+        already paid for the rounds they replay). The site's ledger stays the authority.
+        """
+        if self.resumed:
+            return
+        eps, delta = self.spec.epsilon, self.spec.delta
+        for s in self.registry.connected():
+            b = s.hello.budget
+            if b is None or b.accountant != "basic":
+                continue
+            if eps > b.epsilon_remaining * (1 + 1e-9) or delta > b.delta_remaining * (1 + 1e-9):
+                self._over_budget.add(s.site_id)
+                self.outcomes[s.site_id] = SiteOutcome(
+                    s.site_id, "refused",
+                    f"budget_exceeded: the job needs epsilon={eps:g}, delta={delta:g} over all "
+                    f"its rounds; the site reports {b.epsilon_remaining:g}, "
+                    f"{b.delta_remaining:g} left", row_count=s.hello.row_count)
+
+    def _targets(self, kind: str, only: Collection[str] | None = None) -> list[str]:
         sessions = self.registry.connected()
         wanted = set(self.spec.sites)
         targets = []
         for s in sessions:
-            if wanted and s.site_id not in wanted:
+            if (wanted and s.site_id not in wanted) or s.site_id in self._over_budget:
+                continue
+            earlier = self.outcomes.get(s.site_id)
+            if earlier is not None and earlier.status != "ok":
+                continue  # failed an earlier round of this job: later rounds go without it
+            if only is not None and s.site_id not in only:
                 continue
             if kind not in s.hello.allowed_kinds:
                 self.outcomes[s.site_id] = SiteOutcome(
@@ -85,13 +120,18 @@ class JobContext:
                        check_result: Callable[[TaskResult], None] | None = None,
                        progress: tuple[float, float] = (0.0, 0.9),
                        epsilon: float | None = None, delta: float | None = None,
+                       only: Collection[str] | None = None,
                        ) -> dict[str, TaskResult]:
         """Run one round: the same task at every eligible site; return the ok results.
 
         ``epsilon`` / ``delta`` are this round's share of the job's budget (default: all of
         it, for one-round jobs); a site's reported spend is checked against them. The task
         id is ``<job id>/<round_name>``, so a resumed job re-sends the same ids and every site
-        replays its ledger's stored answer instead of charging again.
+        replays its ledger's stored answer instead of charging again. A site that did not
+        answer an earlier round of this job successfully (or was left out by
+        :meth:`refuse_over_budget`) is not sent later rounds; each site's outcome accumulates
+        its spend over the job's rounds. ``only`` restricts the round to these sites (e.g. the
+        participants of a secure sum).
 
         Raises
         ------
@@ -100,15 +140,17 @@ class JobContext:
         """
         if self.wait_for_quorum_s > 0:
             await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
-        targets = self._targets(kind)
+        targets = self._targets(kind, only)
         if len(targets) < self.min_sites:
+            refused = "; ".join(f"{o.site_id}: {o.reason}" for o in self.outcomes.values()
+                                if o.status == "refused")
             raise QuorumError(
                 f"{len(targets)} eligible site(s) connected ({', '.join(targets) or 'none'}); "
-                f"this job needs min_sites={self.min_sites}")
+                f"this job needs min_sites={self.min_sites}" + (f". {refused}" if refused else ""))
         round_eps = self.spec.epsilon if epsilon is None else epsilon
         round_delta = self.spec.delta if delta is None else delta
         task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, round_eps,
-                    round_delta, dict(params), dict(arrays or {}))
+                    round_delta, dict(params), dict(arrays or {}), self.analyst_id)
         payload = task_to_bytes(task)
         deadline = time.time() + self.deadline_s
         lo, hi = progress
@@ -120,7 +162,7 @@ class JobContext:
         async def one(site_id: str) -> None:
             nonlocal done
             outcome = await self._run_at_site(site_id, task, payload, deadline, check_result)
-            self.outcomes[site_id] = outcome[0]
+            self.outcomes[site_id] = _with_earlier_spend(outcome[0], self.outcomes.get(site_id))
             if outcome[1] is not None:
                 results[site_id] = outcome[1]
             done += 1
@@ -183,6 +225,15 @@ class JobContext:
             n = answer.metadata.get("n_rows", rows)
             return SiteOutcome(site_id, "ok", "", answer.spend,
                                int(n) if isinstance(n, int) else rows), answer
+
+
+def _with_earlier_spend(outcome: SiteOutcome, earlier: SiteOutcome | None) -> SiteOutcome:
+    """Return ``outcome`` with the site's spend over all of the job's rounds so far."""
+    if earlier is None or earlier.spend is None:
+        return outcome
+    if outcome.spend is None:
+        return dataclasses.replace(outcome, spend=earlier.spend)
+    return dataclasses.replace(outcome, spend=earlier.spend + outcome.spend)
 
 
 class JobType(ABC):

@@ -18,6 +18,8 @@ eigenvalues of the noisy matrix are clipped to 0 before taking square roots.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +31,11 @@ from dpfed.common.linalg import mirror_upper
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.mechanisms import SymmetricGaussianMechanism
 from dpfed.common.validation import check_finite_array, check_int
+
+#: L2 sensitivity of the upper triangle (with diagonal) of ``G_s`` for unit-ball rows under
+#: replace-one (docs/privacy.md); that of ``G_s / N_s`` is this over ``N_s``. Attained by
+#: x = e1 replaced with y = e2.
+UNCENTRED_GRAM_SENSITIVITY = math.sqrt(2.0)
 
 
 class GramAccumulator:
@@ -127,26 +134,38 @@ def pca_mechanism(n_rows: int, epsilon: float, delta: float,
 
     Privacy
     -------
-    Neighbouring relation: add/remove one row at this site; ``N_s`` is public metadata (as in
-    DPdisPCA) and is used as the normaliser. Bounds: every row has ||x||_2 <= 1
-    (``dpfed.common.pca.features.UnitBallMap``). Sensitivity: one row changes ``G_s / N_s`` by
-    ``x x^T / N_s``, whose upper triangle (with diagonal) has L2 norm <= ||x||^2 / N_s <= 1/N_s.
-    Calibration: Gaussian with that sensitivity, analytic (Balle & Wang 2018) by default, so
-    ``tau = sigma(epsilon, delta, 1) / N_s``; ``calibration="classic"`` reproduces the paper's
-    ``tau = sqrt(2 ln(1.25/delta)) / (N_s epsilon)`` where that is DP.
+    Neighbouring relation: replace-one (bounded DP, docs/privacy.md): neighbouring site tables
+    have the same number of rows ``N_s`` and differ in one row, so ``N_s`` is public (it is sent
+    in Hello) and is used as the normaliser. Bounds: every row has ||x||_2 <= 1
+    (``dpfed.common.pca.features.UnitBallMap``, public schema bounds and public ``clip_norm``).
+    Sensitivity: replacing row x by y changes ``G_s / N_s`` by ``D = (x x^T - y y^T) / N_s``;
+    the L2 norm of its upper triangle (with diagonal) is at most ``||D||_F <=
+    sqrt(||x||^4 + ||y||^4 - 2 (x.y)^2) / N_s <= sqrt(2) / N_s``, attained by x = e1, y = e2
+    (:data:`UNCENTRED_GRAM_SENSITIVITY`). Calibration: symmetric Gaussian with that
+    sensitivity, analytic (Balle & Wang 2018) by default, so ``tau = sigma(epsilon, delta, 1)
+    sqrt(2) / N_s``; ``calibration="classic"`` uses the paper's formula with the same
+    sensitivity, ``tau = sqrt(2) sqrt(2 ln(1.25/delta)) / (N_s epsilon)``, where that is DP.
+    (Releases made before this relation was fixed used ``1/N_s``: docs/release-notes.md.)
     """
     n = check_int(n_rows, "n_rows", minimum=1)
-    return SymmetricGaussianMechanism(epsilon, delta, 1.0 / n, calibration)
+    return SymmetricGaussianMechanism(epsilon, delta, UNCENTRED_GRAM_SENSITIVITY / n, calibration)
 
 
 def site_cost(n_rows: int, epsilon: float, delta: float,
               calibration: str = "analytic") -> PrivacyCost:
-    """Return the cost of :func:`site_release` (computable before any noise is drawn)."""
+    """Return the cost of :func:`site_release` (computable before any noise is drawn).
+
+    Privacy
+    -------
+    The cost of :func:`pca_mechanism` (replace-one, sensitivity ``sqrt(2)/N_s``); charge it
+    to the ledger before :func:`site_release` runs.
+    """
     return pca_mechanism(n_rows, epsilon, delta, calibration).cost()
 
 
 def site_release(gram: np.ndarray, n_rows: int, *, epsilon: float, delta: float, rank: int,
-                 rng: np.random.Generator, calibration: str = "analytic") -> SitePCARelease:
+                 rng: np.random.Generator, calibration: str = "analytic",
+                 mechanism: SymmetricGaussianMechanism | None = None) -> SitePCARelease:
     """DPdisPCA site step: ``A_s = G_s/N_s + E``; return ``P_s = U_R Sigma_R^{1/2}``.
 
     Parameters
@@ -162,17 +181,24 @@ def site_release(gram: np.ndarray, n_rows: int, *, epsilon: float, delta: float,
     rng : numpy.random.Generator
         Noise source (``dpfed.common.privacy.rng.production_rng()`` in production).
     calibration : {"analytic", "classic"}
+    mechanism : SymmetricGaussianMechanism, optional
+        The noise for ``G_s / N_s`` when the rows are not the uncentred unit-ball rows
+        (centred rows: :func:`dpfed.common.pca.centring.centred_pca_mechanism`); default
+        :func:`pca_mechanism`.
 
     Privacy
     -------
-    See :func:`pca_mechanism`; ``P_s`` is post-processing of the noisy ``A_s``.
+    See :func:`pca_mechanism` (or the given ``mechanism``): replace-one with ``N_s`` public,
+    unit-ball rows, L2 sensitivity ``sqrt(2)/N_s`` of the upper triangle of ``G_s/N_s``,
+    symmetric Gaussian noise (analytic calibration by default); (epsilon, delta)-DP. ``P_s`` is
+    post-processing of the noisy ``A_s``.
     """
     g = check_finite_array(gram, "gram", ndim=2)
     p = g.shape[0]
     if g.shape != (p, p):
         raise ValidationError(f"gram must be square, got shape {g.shape}")
     r = check_int(rank, "rank", minimum=1, maximum=p)
-    mech = pca_mechanism(n_rows, epsilon, delta, calibration)
+    mech = mechanism or pca_mechanism(n_rows, epsilon, delta, calibration)
     noisy = mech.release(g / n_rows, rng)  # Alg. step 2-3: A_s + E, E symmetric
     # Top-R eigenpairs only (LAPACK syevr on an index range): cheaper than a full eigh. The
     # noisy matrix is exactly symmetric, so its transpose -- a Fortran-ordered view -- is the
@@ -213,11 +239,14 @@ def _flip_signs(components: np.ndarray) -> np.ndarray:
     return np.asarray(components * signs[:, None])
 
 
-def combine(factors: list[np.ndarray], n_components: int) -> PCAEstimate:
-    """DPdisPCA aggregator step: top-K eigenvectors of ``A_c = (1/S) sum_s P_s P_s^T``.
+def combine(factors: list[np.ndarray], n_components: int,
+            weights: Sequence[float] | None = None) -> PCAEstimate:
+    """DPdisPCA aggregator step: top-K eigenvectors of ``A_c = sum_s w_s P_s P_s^T``.
 
-    Computed as the top-K left singular vectors of ``M = [P_1 ... P_S]`` (p x SR): the
-    eigenvalues of ``A_c`` are ``s_k^2 / S``. Pure post-processing of the sites' releases.
+    ``weights`` default to the paper's ``w_s = 1/S``; size weighting passes ``N_s / N``
+    (:func:`site_weights`). Computed as the top-K left singular vectors of
+    ``M = [sqrt(w_1) P_1 ... sqrt(w_S) P_S]`` (p x SR): the eigenvalues of ``A_c`` are
+    ``s_k^2``. Pure post-processing of the sites' releases (and of the public ``N_s``).
     """
     if not factors:
         raise ValidationError("combine needs at least one site's factor")
@@ -225,14 +254,28 @@ def combine(factors: list[np.ndarray], n_components: int) -> PCAEstimate:
     for i, f in enumerate(factors):
         if f.ndim != 2 or f.shape[0] != p:
             raise ValidationError(f"factor {i} has shape {f.shape}; expected ({p}, R)")
-    m = np.hstack([np.asarray(f, dtype=np.float64) for f in factors])
+    n_sites = len(factors)
+    w = np.full(n_sites, 1.0 / n_sites) if weights is None else np.asarray(weights, float)
+    if w.shape != (n_sites,) or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValidationError(f"weights must be {n_sites} finite non-negative numbers")
+    m = np.hstack([np.asarray(f, dtype=np.float64) * np.sqrt(wi) for f, wi in zip(factors, w,
+                                                                                 strict=True)])
     k = check_int(n_components, "n_components", minimum=1, maximum=min(p, m.shape[1]))
     u, s, _ = linalg.svd(m, full_matrices=False, check_finite=False, lapack_driver="gesdd")
-    n_sites = len(factors)
-    eigenvalues = (s[:k] ** 2) / n_sites
-    total = float(np.sum(s ** 2) / n_sites)  # trace(A_c) = ||M||_F^2 / S
+    eigenvalues = s[:k] ** 2
+    total = float(np.sum(s ** 2))  # trace(A_c) = ||M||_F^2
     return PCAEstimate(_flip_signs(np.ascontiguousarray(u[:, :k].T)), eigenvalues, total,
-                       (s ** 2) / n_sites)
+                       s ** 2)
+
+
+def site_weights(n_rows: Sequence[int], weighting: str) -> np.ndarray:
+    """``N_s / N`` for ``"size"``, ``1/S`` for ``"equal"`` (the paper's rule)."""
+    n = np.asarray(n_rows, dtype=np.float64)
+    if weighting == "equal":
+        return np.full(len(n), 1.0 / len(n))
+    if weighting != "size":
+        raise ValidationError(f"site_weighting must be 'size' or 'equal', got {weighting!r}")
+    return np.asarray(n / n.sum())
 
 
 def captured_energy(components: np.ndarray, second_moment: np.ndarray) -> float:

@@ -45,6 +45,27 @@ def max_feature_norm(schema: Schema) -> float:
     return math.sqrt(len(schema.columns))
 
 
+def feature_affine(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``(offset, scale)`` with ``raw = offset + scale * u`` for step 1's ``u``, per feature.
+
+    Raw units: a continuous column's own unit, an ordinal column's level code (0 .. M-1), a
+    one-hot's indicator (so a mean is the category's share). The inverse of step 1.
+    """
+    offset: list[float] = []
+    scale: list[float] = []
+    for col in schema.columns:
+        if isinstance(col, ContinuousColumn):
+            offset.append(col.center)
+            scale.append(col.half_range)
+        elif isinstance(col, OrdinalColumn):
+            offset.append((col.n_levels - 1) / 2.0)
+            scale.append((col.n_levels - 1) / 2.0)
+        else:
+            offset.extend([0.0] * col.n_categories)
+            scale.extend([1.0] * col.n_categories)
+    return np.asarray(offset), np.asarray(scale)
+
+
 @dataclass(frozen=True)
 class UnitBallMap:
     """Schema-driven map from encoded rows to features with ||x||_2 <= 1.

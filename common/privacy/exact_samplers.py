@@ -359,19 +359,19 @@ class DiscreteLaplaceMechanism:
     epsilon : float
         Privacy parameter, finite and > 0.
     sensitivity : int or float
-        L1 sensitivity of the released integer vector (1 for a count under add/remove-one).
+        L1 sensitivity of the released integer vector (2 for a histogram under replace-one).
     scale : Fraction
         The exact noise scale ``Fraction(sensitivity) / Fraction(epsilon)`` (derived).
 
     Privacy
     -------
-    Neighbouring relation: the caller's (dpfed default: add/remove one record, under which a
-    count moves by at most 1). Sensitivity: L1 norm of the largest change of the released
-    integer vector. Calibration: discrete Laplace with scale t = Delta/epsilon; for integer
-    outputs the probability ratio is ``exp(||q(x) - q(x')||_1 / t) <= exp(epsilon)``, so the
-    release is pure epsilon-DP (as zCDP, epsilon^2/2). Exact sampler: CKS (2020) Alg. 2;
-    epsilon and sensitivity floats are converted to rationals exactly, so the scale is
-    exactly the ratio of the two values given.
+    Neighbouring relation: the caller's (dpfed's is replace-one record with N public,
+    docs/privacy.md: one count moves by at most 1, a histogram by 2 in L1). Sensitivity: L1 norm
+    of the largest change of the released integer vector. Calibration: discrete Laplace with
+    scale t = Delta/epsilon; for integer outputs the probability ratio is ``exp(||q(x) -
+    q(x')||_1 / t) <= exp(epsilon)``, so the release is pure epsilon-DP (as zCDP, epsilon^2/2).
+    Exact sampler: CKS (2020) Alg. 2; epsilon and sensitivity floats are converted to rationals
+    exactly, so the scale is exactly the ratio of the two values given.
     """
 
     epsilon: float
@@ -424,7 +424,7 @@ class DiscreteGaussianMechanism:
 
     Privacy
     -------
-    Neighbouring relation: the caller's (dpfed default: add/remove one record). Sensitivity:
+    Neighbouring relation: the caller's (dpfed's is replace-one, docs/privacy.md). Sensitivity:
     L2 norm of the largest change of the released integer vector. Calibration: the discrete
     Gaussian N_Z(0, sigma2) is rho-zCDP with rho = Delta^2/(2 sigma2), exactly as the
     continuous one (CKS Thm. 4 and Thm. 14). We take the largest rho whose zCDP -> (epsilon,

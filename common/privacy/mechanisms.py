@@ -258,9 +258,10 @@ class SymmetricGaussianMechanism:
     -------
     Neighbouring relation and sensitivity are the caller's: ``sensitivity`` must bound the L2
     norm of the change in the *upper triangle including the diagonal* of A. For
-    ``A = (1/N) sum_i x_i x_i^T`` with ||x_i||_2 <= 1, N public, under add/remove-one that is
-    ||x x^T||_F / N <= 1/N, because the upper triangle is a subset of the entries of x x^T.
-    Calibration: :func:`gaussian_sigma` on that vector.
+    ``A = (1/N) sum_i x_i x_i^T`` with ||x_i||_2 <= 1 under dpfed's relation, replace-one with
+    N public (docs/privacy.md), that is ``||upper(x x^T - y y^T)||_2 / N <= ||x x^T - y y^T||_F
+    / N <= sqrt(2)/N`` (attained by x = e1, y = e2). Calibration: :func:`gaussian_sigma` on
+    that vector.
     """
 
     epsilon: float

@@ -11,8 +11,10 @@ The pipeline
    ``x`` of ``n`` cells: :func:`strategy` (identity, hierarchical H2, Haar wavelet, prefix, or
    an HDMM-style optimised p-Identity). The choice depends only on the public workload.
 2. Release ``y = A x + noise`` (:class:`MatrixMechanism`, :func:`release`): Laplace with
-   ``Delta_1 = max column L1 norm of A`` (the seed's) or Gaussian with
-   ``Delta_2 = max column L2 norm`` and analytic calibration.
+   ``Delta_1 = max_{i != j} ||a_i - a_j||_1`` or Gaussian with ``Delta_2 = max_{i != j}
+   ||a_i - a_j||_2`` (analytic calibration), ``a_j`` the columns of A: the sensitivity under
+   the system's relation, replace-one record (:func:`sensitivity`). The seed's max column
+   norm is the add/remove-one figure and under-noises by up to 2x.
 3. Reconstruct ``x_hat = A^+ y`` by least squares (:func:`reconstruct`), optionally followed
    by a non-negativity step: NNLS, or the seed's ``min ||y - A x||_1 s.t. x >= 0`` (a linear
    programme solved by HiGHS).
@@ -40,14 +42,16 @@ and unit-variance noise**: ``Delta_2 * ||W A^+||_F / sqrt(m)`` (:func:`unit_nois
 i.e. the Gaussian mechanism up to the common factor ``sigma / Delta_2``. This module
 reproduces them exactly for identity, H2 and wavelet (9.27 / 3.84 / 3.51).
 
-With the seed's **Laplace** noise the sensitivities are L1 column norms, and the tree-shaped
-strategies pay ``log2(n) + 1`` in L1 instead of ``sqrt(log2(n) + 1)`` in L2: at ``n = 256``
-H2 and wavelet are *worse* than identity under Laplace (per-query RMSE at epsilon = 1:
-identity 13.1, H2 16.3, wavelet 14.9), and they win only on larger domains (wavelet 1.6x,
-H2 1.5x better than identity at ``n = 2048``). The optimised p-Identity strategy is optimised
-for the noise's own sensitivity norm and beats identity under both: on all ranges at
-``n = 256`` by 1.62x (Laplace, RMSE 8.08) and 2.84x (Gaussian; unit-noise 3.27 against
-wavelet 3.51 and the published convex optimum 2.90), and by 2.9x / 5.9x at ``n = 2048``.
+With the seed's **Laplace** noise the sensitivities are L1, and the tree-shaped strategies
+pay about ``2 log2(n)`` in L1 (replace-one; ``log2(n) + 1`` per column) instead of
+``sqrt(2 log2(n))`` in L2: at ``n = 256`` H2 and wavelet are *worse* than (or level with)
+identity under Laplace (per-query RMSE at epsilon = 1, replace-one: identity 26.2, H2 28.9,
+wavelet 26.4), and they win only on larger domains (wavelet 1.6x, H2 1.5x better than
+identity at ``n = 2048``). The optimised p-Identity strategy is optimised for the noise's own
+norm and beats identity under both: on all ranges at ``n = 256`` by 1.62x (Laplace, RMSE
+16.2) and 2.84x (Gaussian; unit-noise 3.27 in HDMM's column-norm normalisation against
+wavelet 3.51 and the published convex optimum 2.90), and by 2.9x / 5.9x at ``n = 2048``
+(measured with column-norm sensitivities before the relation was fixed).
 It does not pay on the identity workload or, under Laplace, on 2-way marginals (HDMM uses
 a marginals template there); then the identity is returned. Bench figures:
 ``bench/matrix_mechanism.py``. :func:`best_strategy` picks the strategy and noise with the
@@ -60,9 +64,15 @@ Deviations from the seed and the papers
   table measures).
 * HDMM's released code does no non-negativity step; the NNLS option follows Ektelo, and the
   seed's L1 programme is offered as ``nonnegative="l1"``. Both are post-processing.
-* HDMM's p-Identity normalises *columns* of ``[I; Theta]`` so the sensitivity is exactly 1
-  (it is the column norm that is the sensitivity); we do the same, in L1 for Laplace and in L2
-  for Gaussian. HDMM optimises only the L1 form; the L2 form is our extension.
+* HDMM's p-Identity normalises *columns* of ``[I; Theta]`` so the add/remove sensitivity
+  (the max column norm, :func:`column_norm`) is exactly 1; we do the same, in L1 for Laplace
+  and in L2 for Gaussian, and optimise that proxy. The release then pays its replace-one
+  sensitivity (between 1 and 2 in L1, 1 and sqrt(2) in L2), and the comparison with the
+  identity (which pays 2, resp. sqrt(2)) uses the replace-one figures. HDMM optimises only
+  the L1 form; the L2 form is our extension.
+* Sensitivities are replace-one (docs/privacy.md), not the papers' add/remove column norms;
+  :func:`unit_noise_rmse` keeps HDMM's column-norm normalisation only to compare with the
+  published table.
 * Least squares uses ``numpy.linalg.lstsq`` (SVD), so rank-deficient strategies give the
   minimum-norm solution, which is ``A^+ y``.
 """
@@ -109,6 +119,13 @@ _DEFAULT_OPTIMIZER_SEED = 0
 # ranges it keeps all but 0.2% of the RMSE gain (n = 256: 1.622x vs 1.627x for Laplace) in
 # a tenth (n = 256) to a third (n = 1024) of the iterations.
 _OPTIMIZER_FTOL = 1e-5
+# Largest (pairs of columns) x (rows) for which the exact L1 replace-one sensitivity is
+# computed (about a second of scipy cdist); above it the 2 x max-column-norm bound is used.
+_EXACT_L1_WORK = 3e8
+# The same for L2 (one Gram matrix A^T A, BLAS): k n^2 multiply-adds.
+_EXACT_L2_WORK = 2e10
+#: How :func:`sensitivity_with_method` obtained a figure.
+SENSITIVITY_METHODS: tuple[str, ...] = ("exact-pairs", "2x-max-column")
 
 
 # --------------------------------------------------------------------------- validation
@@ -164,8 +181,70 @@ def _as_workload(workload: Any, n: int | None = None) -> Workload:
 # --------------------------------------------------------------------------- sensitivity
 
 
+def column_norm(strategy_matrix: Any, norm: str = "l1") -> float:
+    """Return the largest column norm of ``A`` (L1 or L2).
+
+    This is the sensitivity of ``x -> A x`` under *add/remove* one record (one cell moves by
+    1; Li et al. 2010, Prop. 4), the normalisation of the papers and of HDMM's published
+    table. dpfed's releases use :func:`sensitivity` (replace-one), which is at most twice it.
+    """
+    a = _check_strategy_matrix(strategy_matrix)
+    check_choice(norm, "norm", NORMS)
+    if norm == "l1":
+        return float(np.abs(a).sum(axis=0).max())
+    return float(np.sqrt((a * a).sum(axis=0)).max())
+
+
+def _max_pair_distance_l1(a: np.ndarray) -> float:
+    """``max_{i < j} ||a_i - a_j||_1`` over the columns, in blocks of rows of ``A^T``."""
+    from scipy.spatial import distance  # local: only needed here
+
+    columns = np.ascontiguousarray(a.T)
+    n = columns.shape[0]
+    block = max(1, int(4_000_000 // max(n, 1)))
+    worst = 0.0
+    for start in range(0, n - 1, block):
+        stop = min(n - 1, start + block)
+        # Every entry is the distance of two columns (0 where a column meets itself).
+        d = distance.cdist(columns[start:stop], columns[start + 1:], "cityblock")
+        worst = max(worst, float(d.max()))
+    return worst
+
+
+def _max_pair_distance_l2(a: np.ndarray) -> float:
+    """``max_{i < j} ||a_i - a_j||_2`` from the Gram matrix ``A^T A``."""
+    gram = a.T @ a
+    sq = np.diag(gram).copy()
+    d2 = sq[:, None] + sq[None, :] - 2.0 * gram
+    np.fill_diagonal(d2, 0.0)
+    return math.sqrt(max(float(d2.max()), 0.0))
+
+
+def sensitivity_with_method(strategy_matrix: Any, norm: str = "l1") -> tuple[float, str]:
+    """Return the replace-one sensitivity of ``x -> A x`` and how it was obtained.
+
+    ``"exact-pairs"``: ``max_{i != j} ||a_i - a_j||`` over the columns, computed whenever it is
+    affordable (L2 from one Gram matrix when ``k n^2 <= 2e10``; L1 by pairwise distances when
+    ``k n (n - 1) / 2 <= 3e8``). ``"2x-max-column"``: otherwise the bound ``2 max_j ||a_j||``
+    (triangle inequality), which is never below the exact value. Both parties derive it from
+    the same matrix with the same rule, so they always agree. See :func:`sensitivity`.
+    """
+    a = _check_strategy_matrix(strategy_matrix)
+    check_choice(norm, "norm", NORMS)
+    k, n = a.shape
+    bound = 2.0 * column_norm(a, norm)
+    if n < 2:
+        # One cell: a replacement leaves the histogram unchanged (its count is the public N).
+        return 0.0, "exact-pairs"
+    if norm == "l1" and k * n * (n - 1) / 2 <= _EXACT_L1_WORK:
+        return min(_max_pair_distance_l1(a), bound), "exact-pairs"
+    if norm == "l2" and k * n * n <= _EXACT_L2_WORK:
+        return min(_max_pair_distance_l2(a), bound), "exact-pairs"
+    return bound, "2x-max-column"
+
+
 def sensitivity(strategy_matrix: Any, norm: str = "l1") -> float:
-    """Return the sensitivity of ``x -> A x``: the largest column norm of ``A``.
+    """Return the sensitivity of ``x -> A x`` under replace-one record.
 
     Parameters
     ----------
@@ -176,16 +255,16 @@ def sensitivity(strategy_matrix: Any, norm: str = "l1") -> float:
 
     Privacy
     -------
-    Neighbouring relation: add/remove one record, which changes exactly one histogram cell
-    ``j`` by 1, so ``A x - A x' = +-A e_j``, the ``j``-th column of ``A``. The largest change
-    in the chosen norm over all neighbours is therefore the largest column norm (Li et al.
-    2010, Prop. 4; seed 004 section 1). Replace-one would change two cells and double it.
+    Neighbouring relation: replace-one record with the record count public (docs/privacy.md).
+    ``x`` is a histogram in which each record adds 1 to exactly one cell (its bin, from the
+    public schema), so replacing a record moves one count from cell ``i`` to cell ``j``:
+    ``x' = x - e_i + e_j`` and ``A x' - A x = a_j - a_i``. The largest change in the chosen
+    norm is therefore ``max_{i != j} ||a_i - a_j||`` (0 for a single cell), at most twice the
+    largest column norm (:func:`column_norm`, the add/remove figure of Li et al. 2010) and
+    equal to it only when no two columns can be told apart by more. Computed exactly where
+    affordable, else the 2x bound: :func:`sensitivity_with_method` says which.
     """
-    a = _check_strategy_matrix(strategy_matrix)
-    check_choice(norm, "norm", NORMS)
-    if norm == "l1":
-        return float(np.abs(a).sum(axis=0).max())
-    return float(np.sqrt((a * a).sum(axis=0)).max())
+    return sensitivity_with_method(strategy_matrix, norm)[0]
 
 
 # --------------------------------------------------------------------------- fixed strategies
@@ -290,13 +369,15 @@ class OptimizedStrategy:
     Attributes
     ----------
     matrix : ndarray, shape (n + p, n) or (n, n)
-        The strategy (sensitivity 1 in ``norm``); the identity when optimisation did not beat it.
+        The strategy (largest column norm 1 in ``norm``); the identity when optimisation did
+        not beat it.
     norm : {"l1", "l2"}
         Sensitivity norm it was optimised for (L1 for Laplace, L2 for Gaussian).
     p : int
         Number of extra rows of the p-Identity template.
     squared_error : float
-        ``Delta^2 ||W A^+||_F^2`` of ``matrix`` (total squared error at unit noise variance).
+        ``Delta^2 ||W A^+||_F^2`` of ``matrix`` (total squared error at unit noise variance,
+        ``Delta`` the replace-one :func:`sensitivity`).
     identity_squared_error : float
         The same for the identity strategy (``||W||_F^2``).
     used_identity : bool
@@ -499,7 +580,10 @@ class MatrixMechanism:
     noise : {"laplace", "gaussian"}
         Noise distribution.
     sensitivity : float
-        Max column L1 norm (Laplace) or L2 norm (Gaussian) of ``A``.
+        Replace-one sensitivity of ``A x``: ``max_{i != j} ||a_i - a_j||`` in L1 (Laplace) or
+        L2 (Gaussian), or the bound twice the max column norm (:func:`sensitivity`).
+    sensitivity_method : {"exact-pairs", "2x-max-column"}
+        Which of the two ``sensitivity`` is.
     noise_scale : float
         Laplace scale ``b = Delta_1 / epsilon`` or Gaussian ``sigma``.
     noise_variance : float
@@ -507,14 +591,16 @@ class MatrixMechanism:
 
     Privacy
     -------
-    Neighbouring relation: add/remove one record of this site's data. ``x`` is a histogram
-    of counts in which each record adds 1 to exactly one cell (its bin, from the public
-    schema), so neighbours differ by ``+-e_j`` and ``A x`` by ``+-A e_j``, column ``j`` of
-    ``A``. Sensitivity: ``Delta_1 = max_j ||A e_j||_1`` for Laplace, ``Delta_2 =
-    max_j ||A e_j||_2`` for Gaussian (:func:`sensitivity`). Calibration: iid
+    Neighbouring relation: replace-one record of this site's data, the record count public
+    (docs/privacy.md). ``x`` is a histogram of counts in which each record adds 1 to exactly
+    one cell (its bin, from the public schema), so neighbours differ by ``e_j - e_i`` and
+    ``A x`` by ``a_j - a_i``. Sensitivity: ``Delta_1 = max_{i != j} ||a_i - a_j||_1`` for
+    Laplace, ``Delta_2 = max_{i != j} ||a_i - a_j||_2`` for Gaussian, or ``2 max_j ||a_j||``
+    where the exact maximum is too costly (:func:`sensitivity`). Calibration: iid
     ``Lap(Delta_1 / epsilon)`` per entry gives epsilon-DP (seed 004; Li et al. 2010, Prop.
-    4); iid ``N(0, sigma^2)`` with ``sigma = gaussian_sigma(epsilon, delta, Delta_2)``
-    (analytic, Balle & Wang 2018) gives (epsilon, delta)-DP (Li et al., VLDB J. 2015).
+    4, with the replace-one sensitivity); iid ``N(0, sigma^2)`` with ``sigma =
+    gaussian_sigma(epsilon, delta, Delta_2)`` (analytic, Balle & Wang 2018) gives
+    (epsilon, delta)-DP (Li et al., VLDB J. 2015).
     Everything after the release (least squares, NNLS, L1, workload answers, summing sites)
     is post-processing. Floating-point grade noise (IEEE doubles).
     """
@@ -526,6 +612,7 @@ class MatrixMechanism:
     sensitivity: float = field(init=False)
     noise_scale: float = field(init=False)
     noise_variance: float = field(init=False)
+    sensitivity_method: str = field(init=False)
 
     def __post_init__(self) -> None:
         a = _check_strategy_matrix(self.strategy_matrix)
@@ -533,7 +620,13 @@ class MatrixMechanism:
         a = a.copy()
         a.setflags(write=False)
         norm = _NOISE_NORM[noise]
-        delta_a = sensitivity(a, norm)                        # step 2: Delta_A, column norms
+        # Step 2: Delta_A, replace-one (max over column pairs, or the 2x column-norm bound).
+        delta_a, method = sensitivity_with_method(a, norm)
+        if delta_a == 0.0:
+            raise ValidationError(
+                "strategy_matrix has no two different columns, so A x depends only on the "
+                "public row count (replace-one leaves it unchanged): there is nothing to "
+                "release; use a strategy that tells at least two cells apart")
         if noise == "laplace":
             scale = delta_a / eps                             # seed: Lap(Delta_A / epsilon)
             variance = 2.0 * scale * scale
@@ -543,7 +636,7 @@ class MatrixMechanism:
             variance = scale * scale
         for key, value in (("strategy_matrix", a), ("epsilon", eps), ("delta", delta),
                            ("noise", noise), ("sensitivity", delta_a), ("noise_scale", scale),
-                           ("noise_variance", variance)):
+                           ("noise_variance", variance), ("sensitivity_method", method)):
             object.__setattr__(self, key, value)
 
     @property
@@ -587,9 +680,10 @@ def release(x: Any, strategy_matrix: Any, *, epsilon: float, delta: float | None
 
     Privacy
     -------
-    As :class:`MatrixMechanism`: add/remove one record changes one cell of ``x`` by 1, so the
-    sensitivity of ``A x`` is the max column L1 (Laplace, epsilon-DP) or L2 (Gaussian,
-    (epsilon, delta)-DP, analytic sigma) norm of ``A``. Li et al., PODS 2010.
+    As :class:`MatrixMechanism`: replacing one record moves one count from cell ``i`` to
+    cell ``j``, so the sensitivity of ``A x`` is ``max_{i != j} ||a_i - a_j||`` in L1
+    (Laplace, epsilon-DP) or L2 (Gaussian, (epsilon, delta)-DP, analytic sigma), or twice the
+    max column norm where that maximum is too costly (:func:`sensitivity`).
     """
     mech = MatrixMechanism(strategy_matrix, epsilon, delta, noise)
     return mech.release(x, rng)
@@ -755,7 +849,8 @@ def squared_error(workload: Workload | np.ndarray, strategy_matrix: Any, *,
     """Return ``||W A^+||_F^2 = tr((A^T A)^+ W^T W)``, times ``Delta^2`` if ``norm`` is given.
 
     Without ``norm`` this is the total squared error of least squares for unit-variance noise
-    on ``A x``; with it, the strategy is first scaled to sensitivity 1 in that norm. Only the
+    on ``A x``; with it, the strategy is first scaled to (replace-one) sensitivity 1 in that
+    norm (:func:`sensitivity`), so strategies compare at the noise they really need. Only the
     Gram matrix of the workload is used.
     """
     a = _check_strategy_matrix(strategy_matrix)
@@ -769,16 +864,19 @@ def squared_error(workload: Workload | np.ndarray, strategy_matrix: Any, *,
 
 def unit_noise_rmse(workload: Workload | np.ndarray, strategy_matrix: Any, *,
                     norm: str = "l2") -> float:
-    """Per-query RMSE at unit noise: ``Delta * ||W A^+||_F / sqrt(m)`` (HDMM's normalisation).
+    """Per-query RMSE at unit noise: ``C * ||W A^+||_F / sqrt(m)`` (HDMM's normalisation).
 
-    This is the figure HDMM's ``oned.csv`` tabulates (``norm="l2"``): the strategy scaled to
-    sensitivity 1, noise of variance 1 per entry. Identity on all ranges over ``n`` cells
-    gives ``sqrt((n + 2) / 3)`` (9.27 at ``n = 256``). Multiply by ``sigma / Delta_2`` (or by
-    ``sqrt(2) / epsilon`` for Laplace with ``norm="l1"``) to get the RMSE at a given privacy.
+    ``C`` is the largest column norm (:func:`column_norm`, the *add/remove* sensitivity of
+    the papers). This is the figure HDMM's ``oned.csv`` tabulates (``norm="l2"``): the
+    strategy scaled to column norm 1, noise of variance 1 per entry. Identity on all ranges
+    over ``n`` cells gives ``sqrt((n + 2) / 3)`` (9.27 at ``n = 256``). It is for comparison
+    with published figures only: a dpfed release pays the replace-one sensitivity
+    (:func:`sensitivity`, up to 2x larger); :func:`expected_rmse` gives its real error.
     """
     check_choice(norm, "norm", NORMS)
     w = _as_workload(workload)
-    return math.sqrt(squared_error(w, strategy_matrix, norm=norm) / w.n_queries)
+    a = _check_strategy_matrix(strategy_matrix)
+    return math.sqrt(squared_error(w, a) * column_norm(a, norm) ** 2 / w.n_queries)
 
 
 def noise_variance(strategy_matrix: Any, *, epsilon: float, delta: float | None = None,
@@ -792,7 +890,8 @@ def expected_rmse(workload: Workload | np.ndarray, strategy_matrix: Any, *, epsi
     """Return the closed-form per-query RMSE of the matrix mechanism with least squares.
 
     ``sqrt(n_sites * Var * ||W A^+||_F^2 / m)`` with ``Var = 2 (Delta_1 / epsilon)^2``
-    (Laplace) or ``sigma(epsilon, delta, Delta_2)^2`` (Gaussian), and
+    (Laplace) or ``sigma(epsilon, delta, Delta_2)^2`` (Gaussian), ``Delta`` the replace-one
+    sensitivity the release itself uses (:attr:`MatrixMechanism.sensitivity`), and
     ``||W A^+||_F^2 = tr(A^+^T W^T W A^+)`` computed from the Gram matrix only (Li et al.
     2010, Prop. 7). Exact for the unbiased least-squares estimate; the non-negative steps
     change it in a data-dependent way.

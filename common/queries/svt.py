@@ -52,6 +52,18 @@ risk of floating-point attacks (Mironov 2012) documented in
 In the federation each site runs SVT over its own rows for the analyst's query stream (for
 example "which diagnoses exceed T cases this week") and returns only its outcomes; the
 coordinator combines them per query. Each site charges its own ledger epsilon (+ epsilon_3).
+
+Neighbouring relation and monotonicity
+--------------------------------------
+dpfed's relation is replace-one record with the record count public (docs/privacy.md). A
+counting query still has ``Delta = 1`` under it, but a *set* of counting queries is not
+monotonic: replacing a record of diagnosis A by one of diagnosis B lowers count(A) and raises
+count(B). So the default is the non-monotonic query noise ``Lap(2 c Delta / epsilon_2)``.
+``monotonic=True`` is correct only for query sets that provably move one way for every
+replacement, for example nested counts ``#{age <= t_1} , #{age <= t_2}, ...`` (``S_1 c S_2
+c ...``): replacing a value ``v`` by ``w`` changes every one of them by ``1[w <= t] - 1[v <=
+t]``, which has the sign of ``v - w`` for all ``t``. The caller must be able to prove that;
+the library cannot check it.
 """
 
 from __future__ import annotations
@@ -122,8 +134,9 @@ class SVTCalibration:
     sensitivity : float
         Delta: bound on |q_i(D) - q_i(D')| for every query and neighbouring D, D'.
     monotonic : bool
-        True only if, for every neighbouring pair, all queries move in the same direction
-        (e.g. counts under add/remove-one).
+        True only if, for every neighbouring (replace-one) pair, all queries move in the same
+        direction (e.g. nested counts ``#{age <= t_k}``; not a set of disjoint counts, see
+        the module docstring).
     numeric_epsilon : float or None
         epsilon_3 for noisy values of the positive queries; None releases none.
     threshold_epsilon, query_epsilon : float
@@ -135,12 +148,13 @@ class SVTCalibration:
 
     Privacy
     -------
-    Neighbouring relation: add/remove one record (docs/privacy.md, invariant 1); the caller
-    guarantees every query has sensitivity ``sensitivity`` under it. The transcript is
-    (epsilon_1 + epsilon_2)-DP (Lyu et al., proof of Alg. 1): shifting rho by Delta (cost epsilon_1)
-    keeps every "below" answer, and each of the at most c "above" answers needs nu_i moved
-    by at most 2 Delta, costing 2 Delta / (2 c Delta / epsilon_2) = epsilon_2 / c each
-    (Delta for monotonic queries, with half the noise). Numeric values: at most c Laplace
+    Neighbouring relation: replace-one record with the record count public (docs/privacy.md);
+    the caller guarantees every query has sensitivity ``sensitivity`` under it (1 for a count)
+    and, if ``monotonic``, that all queries move the same way for every replacement. The
+    transcript is (epsilon_1 + epsilon_2)-DP (Lyu et al., proof of Alg. 1): shifting rho by
+    Delta (cost epsilon_1) keeps every "below" answer, and each of the at most c "above" answers
+    needs nu_i moved by at most 2 Delta, costing 2 Delta / (2 c Delta / epsilon_2) = epsilon_2 /
+    c each (Delta for monotonic queries, with half the noise). Numeric values: at most c Laplace
     releases of sensitivity Delta at scale c Delta/epsilon_3 compose to epsilon_3.
     """
 
@@ -311,10 +325,11 @@ def sparse_vector(answers: Any, *, threshold: float, epsilon: float, cutoff: int
     cutoff : int
         c >= 1: halt after the c-th positive answer.
     sensitivity : float
-        Delta, the sensitivity of every query under add/remove-one.
+        Delta, the sensitivity of every query under replace-one (1 for a count).
     monotonic : bool
-        Assert that all queries move in the same direction between neighbours (e.g. counts
-        under add/remove-one); halves the query noise.
+        Assert that all queries move in the same direction between every pair of
+        replace-one neighbours (nested counts do; a set of disjoint counts does not); halves
+        the query noise. Leave False unless it is provable.
     numeric_epsilon : float or None
         epsilon_3 > 0 to also release noisy values of the positive queries (fresh
         Lap(c Delta/epsilon_3) noise); None to release only indices.
@@ -335,18 +350,18 @@ def sparse_vector(answers: Any, *, threshold: float, epsilon: float, cutoff: int
 
     Privacy
     -------
-    Neighbouring relation: add/remove one record; every query has sensitivity Delta under it
-    (the caller's guarantee; counts have Delta = 1). The answers are never released, only
-    whether q_i + nu_i >= T + rho. Cost: (epsilon_1 + epsilon_2)-DP for the transcript,
-    whatever the number of queries (Lyu, Su & Li, "Understanding the Sparse Vector
+    Neighbouring relation: replace-one record, record count public (docs/privacy.md); every
+    query has sensitivity Delta under it (the caller's guarantee; counts have Delta = 1) and the
+    queries are monotonic only where the caller proves it (module docstring). The answers are
+    never released, only whether q_i + nu_i >= T + rho. Cost: (epsilon_1 + epsilon_2)-DP for the
+    transcript, whatever the number of queries (Lyu, Su & Li, "Understanding the Sparse Vector
     Technique for Differential Privacy", PVLDB 10(6), 2017, Alg. 1 and its proof), plus
-    epsilon_3 for numeric values with fresh Lap(c Delta/epsilon_3) noise (as there).
-    Seed 001 is wrong twice here: a Yes/No-only run does *not* cost only epsilon_1 (the
-    comparisons are what epsilon_2 pays for; without query noise SVT is not private, Lyu
-    Alg. 5), and "c*epsilon_1 + epsilon_2" is the cost of no SVT with c positives (with rho
-    drawn once the per-positive cost sits in the query noise, giving epsilon_1 +
-    c*epsilon_2 at Lap(2 Delta/epsilon_2); Alg. 1 scales that noise with c instead). See the
-    module docstring for details.
+    epsilon_3 for numeric values with fresh Lap(c Delta/epsilon_3) noise (as there). Seed 001 is
+    wrong twice here: a Yes/No-only run does *not* cost only epsilon_1 (the comparisons are what
+    epsilon_2 pays for; without query noise SVT is not private, Lyu Alg. 5), and "c*epsilon_1 +
+    epsilon_2" is the cost of no SVT with c positives (with rho drawn once the per-positive cost
+    sits in the query noise, giving epsilon_1 + c*epsilon_2 at Lap(2 Delta/epsilon_2); Alg. 1
+    scales that noise with c instead). See the module docstring for details.
     """
     runs = sparse_vector_runs(answers, 1, threshold=threshold, epsilon=epsilon, cutoff=cutoff,
                               sensitivity=sensitivity, monotonic=monotonic,

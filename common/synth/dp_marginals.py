@@ -10,7 +10,8 @@ Site (holds rows, spends budget)
     of codes with exact discrete Laplace noise, and for every continuous column (when asked)
     the sums ``(sum v, sum v^2)`` of its values scaled to ``v in [-1, 1]`` by the schema
     bounds with (floating-point) Laplace noise. Every entry gets the same noise scale
-    ``Delta_1 / epsilon`` with ``Delta_1`` the L1 sensitivity of the whole vector.
+    ``Delta_1 / epsilon`` with ``Delta_1`` the L1 sensitivity of the whole vector under the
+    system's neighbouring relation, replace-one with ``N_s`` public (docs/privacy.md).
 Coordinator (sees only releases)
     :func:`sum_releases` adds the sites' noisy vectors (post-processing);
     :func:`proportions_from_counts` and :func:`mean_variance_from_moments` turn the sums into
@@ -42,10 +43,12 @@ from dpfed.common.privacy.exact_samplers import DiscreteLaplaceMechanism
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.validation import check_epsilon, check_int, check_nonnegative, check_probability
 
-#: L1 sensitivity of one histogram of codes under add/remove-one row.
-HISTOGRAM_SENSITIVITY = 1.0
-#: L1 sensitivity of ``(sum v, sum v^2)`` with ``v in [-1, 1]`` under add/remove-one row.
-MOMENTS_SENSITIVITY = 2.0
+#: L1 sensitivity of one histogram of codes under replace-one row: one cell loses 1, another
+#: gains 1 (its L2 sensitivity is sqrt(2)).
+HISTOGRAM_SENSITIVITY = 2.0
+#: L1 sensitivity of ``(sum v, sum v^2)`` with ``v in [-1, 1]`` under replace-one row:
+#: ``max |v - w| (1 + |v + w|) = 9/4`` over ``v, w in [-1, 1]``, attained at v = 1, w = -1/2.
+MOMENTS_SENSITIVITY = 2.25
 
 
 def _categorical(schema: Schema) -> tuple[OrdinalColumn | NominalColumn, ...]:
@@ -61,12 +64,16 @@ def _n_cells(col: OrdinalColumn | NominalColumn) -> int:
 
 
 def marginals_sensitivity(schema: Schema, *, moments: bool = True) -> float:
-    """L1 sensitivity of the whole marginal vector under add/remove-one row.
+    """L1 sensitivity of the whole marginal vector under replace-one row (``N`` public).
 
-    A row falls in exactly one cell of each categorical column's histogram (1 per histogram)
-    and contributes ``(v, v^2)`` with ``|v| + v^2 <= 2`` to each continuous column's moments.
-    So ``Delta_1 = n_categorical + 2 n_continuous`` (the second term only when ``moments``).
-    Returns 0.0 when nothing would be released.
+    Replacing a row moves it from one cell to another in each categorical column's histogram
+    (L1 change 2 per histogram, 0 if the cell is the same) and changes each continuous
+    column's ``(sum v, sum v^2)`` from ``(v, v^2)`` to ``(w, w^2)``: L1 change
+    ``|v - w| (1 + |v + w|) <= 9/4`` (with ``a = |v - w|``, ``|v + w| <= 2 - a``, so
+    ``a (3 - a) <= 9/4``; attained at v = 1, w = -1/2). The columns are independent, so the
+    worst row pair attains every term at once: ``Delta_1 = 2 n_categorical + 9/4
+    n_continuous`` (the second term only when ``moments``). Returns 0.0 when nothing would be
+    released.
     """
     n_cont = len(_continuous(schema)) if moments else 0
     return HISTOGRAM_SENSITIVITY * len(_categorical(schema)) + MOMENTS_SENSITIVITY * n_cont
@@ -119,12 +126,12 @@ def histogram_mechanism(schema: Schema, epsilon: float) -> DiscreteLaplaceMechan
 
     Privacy
     -------
-    Neighbouring relation: add/remove one row at this site. Bounds: codes lie in ``0..M-1``
-    (schema levels/categories). Sensitivity: a row falls in exactly one cell of each of the
-    ``n_categorical`` histograms, so the concatenated count vector moves by
-    ``Delta_1 = n_categorical`` in L1 (2 per histogram under replace-one). Calibration:
-    discrete Laplace of scale ``Delta_1 / epsilon`` on every cell, pure epsilon-DP (exact
-    sampler, CKS 2020 Alg. 2).
+    Neighbouring relation: replace-one row at this site (``N`` public). Bounds: codes lie in
+    ``0..M-1`` (schema levels/categories). Sensitivity: replacing a row moves one count down
+    and another up in each of the ``n_categorical`` histograms, so the concatenated count
+    vector moves by ``Delta_1 = 2 n_categorical`` in L1. Calibration: discrete Laplace of
+    scale ``Delta_1 / epsilon`` on every cell, pure epsilon-DP (exact sampler, CKS 2020
+    Alg. 2).
     """
     n_cat = len(_categorical(schema))
     if n_cat == 0:
@@ -137,12 +144,12 @@ def moments_mechanism(schema: Schema, epsilon: float) -> LaplaceMechanism:
 
     Privacy
     -------
-    Neighbouring relation: add/remove one row at this site; ``N`` is public metadata
-    (docs/privacy.md, invariant 1). Bounds: encoding clips values to the schema's ``[min, max]``;
-    ``v = (y - centre) / half_range in [-1, 1]``. Sensitivity: a row adds ``(v, v^2)`` to each
-    continuous column's pair, ``|v| + v^2 <= 2``, so ``Delta_1 = 2 n_continuous``.
-    Calibration: Laplace of scale ``Delta_1 / epsilon`` on every entry, pure epsilon-DP
-    (floating-point Laplace).
+    Neighbouring relation: replace-one row at this site; ``N`` is public (docs/privacy.md).
+    Bounds: encoding clips values to the schema's ``[min, max]``; ``v = (y - centre) /
+    half_range in [-1, 1]``. Sensitivity: replacing a row changes each continuous column's
+    pair by ``(v - w, v^2 - w^2)``, L1 norm ``|v - w| (1 + |v + w|) <= 9/4``
+    (:data:`MOMENTS_SENSITIVITY`), so ``Delta_1 = 9/4 n_continuous``. Calibration: Laplace of
+    scale ``Delta_1 / epsilon`` on every entry, pure epsilon-DP (floating-point Laplace).
     """
     n_cont = len(_continuous(schema))
     if n_cont == 0:
@@ -237,11 +244,12 @@ def release_marginals(table: EncodedTable, *, epsilon: float, rng: np.random.Gen
 
     Privacy
     -------
-    Add/remove-one row. ``epsilon`` is split by :func:`split_marginals_epsilon`: the
-    histograms (:func:`histogram_mechanism`: exact discrete Laplace, ``Delta_1 =
-    n_categorical``) and the moments (:func:`moments_mechanism`: Laplace, ``Delta_1 =
-    2 n_continuous``) both get scale ``(n_categorical + 2 n_continuous) / epsilon``; by
-    basic composition the release is epsilon-DP. The row count is public metadata.
+    Replace-one row with ``N`` public (docs/privacy.md). ``epsilon`` is split by
+    :func:`split_marginals_epsilon`: the histograms (:func:`histogram_mechanism`: exact
+    discrete Laplace, ``Delta_1 = 2 n_categorical``) and the moments
+    (:func:`moments_mechanism`: Laplace, ``Delta_1 = 9/4 n_continuous``) both get scale
+    ``(2 n_categorical + 9/4 n_continuous) / epsilon``; by basic composition the release is
+    epsilon-DP. The row count is public under the relation.
     """
     eps_hist, eps_mom = split_marginals_epsilon(table.schema, epsilon, moments=moments)
     exact = exact_marginals(table, moments=moments)
@@ -357,8 +365,9 @@ def dp_histogram(codes: np.ndarray, n_levels: int, *, epsilon: float,
 
     Privacy
     -------
-    Add/remove-one row changes one cell by 1: ``Delta_1 = 1``. Exact discrete Laplace of
-    scale ``1/epsilon`` on every cell, epsilon-DP (2 epsilon under replace-one).
+    Replace-one row (``N`` public) moves one count down and another up: ``Delta_1 = 2``
+    (L2 ``sqrt(2)``). Exact discrete Laplace of scale ``2/epsilon`` on every cell,
+    epsilon-DP.
     """
     m = check_int(n_levels, "n_levels", minimum=1)
     c = np.asarray(codes)
@@ -380,8 +389,9 @@ def dp_mean_variance(values: np.ndarray, lower: float, upper: float, *, epsilon:
     Privacy
     -------
     Values are clipped to the public ``[lower, upper]`` and scaled to ``v in [-1, 1]``.
-    Add/remove-one row changes ``(sum v, sum v^2)`` by ``(v, v^2)``, L1 norm ``<= 2``:
-    Laplace scale ``2/epsilon`` on both sums, epsilon-DP. ``N`` is public.
+    Replace-one row (``N`` public) changes ``(sum v, sum v^2)`` by ``(v - w, v^2 - w^2)``,
+    L1 norm ``<= 9/4`` (:data:`MOMENTS_SENSITIVITY`): Laplace scale ``(9/4)/epsilon`` on both
+    sums, epsilon-DP.
     """
     if not (math.isfinite(lower) and math.isfinite(upper) and lower < upper):
         raise ValidationError(f"need finite lower < upper, got [{lower!r}, {upper!r}]")

@@ -181,10 +181,11 @@ def central_dp_pca(unit_rows: np.ndarray, *, epsilon: float, delta: float,
 
     Privacy
     -------
-    :func:`dpfed.common.pca.dppca.pca_mechanism`: add/remove-one row with ``N`` public, ``||x|| <=
-    1``,
-    L2 sensitivity ``1/N`` of the upper triangle of ``G/N``, symmetric Gaussian noise with the
-    analytic calibration; (epsilon, delta)-DP. The eigenpairs are post-processing.
+    :func:`dpfed.common.pca.dppca.pca_mechanism`: replace-one row with ``N`` public,
+    ``||x|| <= 1``, L2 sensitivity ``sqrt(2)/N`` of the upper triangle of ``G/N``, symmetric
+    Gaussian noise with the analytic calibration; (epsilon, delta)-DP. The eigenpairs are
+    post-processing. The latent rows are a per-row randomised map of the data, so neighbouring
+    tables give unit-ball latent tables that differ in one row.
     """
     x = _check_unit_rows(unit_rows, "unit_rows")
     n, p = x.shape
@@ -275,8 +276,9 @@ def factor_mechanism(rank: int, epsilon: float) -> LaplaceMechanism:
 
     Privacy
     -------
-    Neighbouring relation: **replace-one** row. The release is row-aligned (output row i is
-    a noisy copy of input row i), so the natural relation keeps N fixed and swaps a row.
+    Neighbouring relation: replace-one row, the system's relation (docs/privacy.md). The
+    release is row-aligned (output row i is a noisy copy of input row i), so it needs N fixed
+    and public, which replace-one gives.
     Bounds: ``||x_i||_2 <= 1`` (unit-ball latent rows); ``V~`` has orthonormal columns and is
     a DP release made before (public to this step). Sensitivity: replacing ``x_i`` by
     ``x_i'`` changes only row i of ``X V~``, by ``V~^T (x_i - x_i')``, whose L2 norm is at most
@@ -673,12 +675,12 @@ class FactorModelSynthesizer:
 
     Privacy
     -------
-    ``marginals`` (Laplace, add/remove-one, epsilon-DP) + ``pca`` (Gaussian, add/remove-one
-    with N public, (epsilon, delta)-DP) + ``factors`` (row-aligned only: Laplace,
-    replace-one, epsilon-DP). ``privacy_cost_`` adds them (basic composition). For the
-    replace-one relation the add/remove parts count twice (a replacement is a removal plus
-    an addition): :attr:`privacy_cost_replace_one_` reports that figure. Nothing is charged
-    to any ledger: this is library use.
+    One relation for every release, replace-one row with ``N`` public (docs/privacy.md):
+    ``marginals`` (Laplace, ``Delta_1 = 2`` per histogram and ``9/4`` per continuous moment
+    pair, epsilon-DP) + ``pca`` (Gaussian, ``sqrt(2)/N``, (epsilon, delta)-DP) + ``factors``
+    (row-aligned only: Laplace, ``2 sqrt(r)``, epsilon-DP). ``privacy_cost_`` adds them (basic
+    composition) and is the true cost under that relation. Nothing is charged to any ledger:
+    this is library use.
     """
 
     def __init__(self, schema: Schema, *, epsilon: float, delta: float = 1e-6,
@@ -843,22 +845,14 @@ class FactorModelSynthesizer:
 
     @property
     def privacy_cost_replace_one_(self) -> PrivacyCost:
-        """The total under replace-one: add/remove-one releases count as a group of two.
+        """The total under replace-one: the same as :attr:`privacy_cost_`.
 
-        An (epsilon, delta) add/remove-one release is (2 epsilon, (1 + e^epsilon) delta)
-        under replace-one (group privacy of size 2); the factor release is already
-        replace-one.
+        Every release is calibrated to replace-one (docs/privacy.md), so no conversion is
+        needed. Kept for callers written when the marginals and the PCA were calibrated to
+        add/remove-one and this property doubled them (docs/release-notes.md).
         """
         self._check_fitted()
-        eps = delta = 0.0
-        for key, cost in self.privacy_costs_.items():
-            if key == "factors":
-                eps += cost.epsilon
-                delta += cost.delta
-            else:
-                eps += 2.0 * cost.epsilon
-                delta += (1.0 + math.exp(cost.epsilon)) * cost.delta
-        return PrivacyCost(eps, min(delta, 1.0 - 1e-15), 0.0, "composed")
+        return self.privacy_cost_
 
     def _check_fitted(self) -> None:
         if not self._fitted:

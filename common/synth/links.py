@@ -589,10 +589,10 @@ def fit_link_statistics(table: EncodedTable, *, epsilon: float, rng: np.random.G
 
     Privacy
     -------
-    :func:`dpfed.common.synth.dp_marginals.release_marginals`: add/remove-one row, Laplace on every
-    entry
-    with ``Delta_1 = n_categorical + 2 n_continuous`` (``2 n_continuous`` only with "dp"),
-    scale ``Delta_1 / epsilon``, pure epsilon-DP.
+    :func:`dpfed.common.synth.dp_marginals.release_marginals`: replace-one row with ``N``
+    public (docs/privacy.md), Laplace on every entry with ``Delta_1 = 2 n_categorical +
+    9/4 n_continuous`` (the continuous term only with "dp"), scale ``Delta_1 / epsilon``, pure
+    epsilon-DP.
     """
     check_choice(continuous_scaling, "continuous_scaling", CONTINUOUS_SCALINGS)
     return dp_marginals.release_marginals(table, epsilon=epsilon, rng=rng,

@@ -22,10 +22,17 @@ Layout written by :func:`init_federation` (and extended by :func:`issue_certific
             analyst.pem               client certificate (clientAuth)
             analyst.key               0600
             ca.pem                    copy of the CA certificate
+        coordinator/access.toml       allow-lists (site and analyst ids) and revocations
+        revoked.toml                  the revocation list, also copied to sites/<id>/
+
+The two access files are described in :mod:`dpfed.common.transport.access`: ``init`` writes
+them with the ids it issues, ``issue`` adds its id (and under ``force`` revokes the
+certificate it replaces), :func:`revoke_certificate` revokes one.
 
 Each kit directory is self-contained, so it can be copied to the machine that uses it. A site
 or analyst added later with :func:`issue_certificate` gets a new kit signed by the same CA;
-no other file changes, so nothing has to be re-provisioned (a known pain point of NVFlare,
+no other kit changes (only the coordinator's allow-list gains its id), so nothing has to be
+re-provisioned (a known pain point of NVFlare,
 where adding a participant meant re-running provisioning: ``docs/references.md``).
 
 Identity encoding
@@ -704,6 +711,12 @@ def init_federation(
             not_before=now,
         )
         issued.append(_write_kit(root, principal, cert, key, ca_pem))
+    # The allow-lists name exactly the issued ids; a new CA starts with no revocations.
+    from dpfed.common.transport import access  # access imports this module
+
+    access.publish_federation_access(root, access.AccessList().with_ids(
+        "site", [p.name for p in principals if p.role == "site"]).with_ids(
+        "analyst", [p.name for p in principals if p.role == "analyst"]))
     logger.info("[Certs.Init] federation CA and %d certificates written to %s", len(issued), root)
     return Federation(root / "ca.pem", root / "ca.key", tuple(issued))
 
@@ -840,8 +853,9 @@ def issue_certificate(
     """Issue one more certificate with an existing federation CA, touching no other file.
 
     This is how a hospital joins after the federation was set up: its kit
-    (``sites/<id>/``) is written next to the others and signed by the same CA, so neither the
-    coordinator nor any other site needs new files.
+    (``sites/<id>/``) is written next to the others and signed by the same CA, and its id is
+    added to the coordinator's allow-list (``coordinator/access.toml``, which the coordinator
+    reads again without a restart); no other site needs new files.
 
     Parameters
     ----------
@@ -881,6 +895,7 @@ def issue_certificate(
     ca_cert, ca_key = load_ca(root)
     if not force:
         _refuse_existing(kit_paths(root, principal), "force=True (--force)")
+    replaced = _current_fingerprint(kit_paths(root, principal)[0])
     start = _now() - CLOCK_SKEW
     end = start + dt.timedelta(days=days)
     if end > ca_cert.not_valid_after_utc:
@@ -898,8 +913,60 @@ def issue_certificate(
         not_after=end,
     )
     issued = _write_kit(root, principal, cert, key, certificate_pem(ca_cert))
+    # Admit the new id; a replaced certificate is revoked so that it stops working.
+    from dpfed.common.transport import access  # access imports this module
+
+    access.record_issued(root, principal, replaced)
     logger.info("[Certs.Issue] issued %s, valid until %s", principal, issued.not_after)
     return issued
+
+
+def _current_fingerprint(cert_path: Path) -> str | None:
+    """Fingerprint of the certificate at ``cert_path``, or None if there is no readable one."""
+    if not cert_path.is_file():
+        return None
+    try:
+        return fingerprint(parse_certificates(cert_path.read_bytes(), cert_path,
+                                              "certificate")[0])
+    except (OSError, CertificateError):
+        logger.warning("[Certs.Issue] %s cannot be read; it is replaced without being revoked",
+                       cert_path)
+        return None
+
+
+def revoke_certificate(ca_dir: str | os.PathLike[str], *, role: str, name: str | None = None,
+                       reason: str = "revoked with 'dpfed certs revoke'") -> str:
+    """Revoke the current certificate of a principal of the federation in ``ca_dir``.
+
+    Its SHA-256 fingerprint is added to the revocation list (``coordinator/access.toml``,
+    ``revoked.toml`` and every site kit's ``revoked.toml``) and its id is removed from the
+    coordinator's allow-list; the coordinator and the sites honour the change without a
+    restart once they see the updated files (see :mod:`dpfed.common.transport.access`).
+
+    Returns
+    -------
+    str
+        The revoked certificate's fingerprint.
+
+    Raises
+    ------
+    ValidationError
+        Invalid role or id.
+    CertificateError
+        The CA is unusable, or the principal has no readable certificate under ``ca_dir``.
+    """
+    principal = make_principal(role, name)
+    root = Path(ca_dir)
+    load_ca(root)  # the same directory check as 'issue': this is a federation directory
+    cert_path = kit_paths(root, principal)[0]
+    cert = parse_certificates(read_pem_file(cert_path, "certificate"), cert_path,
+                              "certificate")[0]
+    fp = fingerprint(cert)
+    from dpfed.common.transport import access  # access imports this module
+
+    access.record_revoked(root, principal, fp, reason)
+    logger.info("[Certs.Revoke] %s revoked (sha256 %s)", principal, fp)
+    return fp
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,6 +48,10 @@ class Task:
     delta: float
     params: Mapping[str, Any] = field(default_factory=dict)
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    #: The analyst the coordinator attributes the task to (from their certificate); "" if none.
+    #: Not part of :meth:`digest`: it does not change the release, and a task resent after an
+    #: upgrade keeps its digest. A replay keeps the attribution of the first charge.
+    analyst_id: str = ""
 
     def digest(self) -> str:
         """SHA-256 over everything that determines the release (not the task id)."""

@@ -71,6 +71,7 @@ from dpfed.common.transport.certs import (
     certificate_uris,
     check_host,
     check_role,
+    fingerprint,
     is_ca_certificate,
     is_signed_by,
     key_matches_certificate,
@@ -87,6 +88,7 @@ __all__ = [
     "check_tls_files",
     "load_channel_credentials",
     "load_server_credentials",
+    "peer_fingerprint",
     "principal_from_auth_context",
     "require_role",
     "target_name_options",
@@ -441,3 +443,25 @@ def require_role(principal: Principal, *roles: Role) -> Principal:
             f"{principal} may not call this method; it is for role {wanted} only"
         )
     return principal
+
+
+def peer_fingerprint(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
+    """Return the SHA-256 fingerprint of the verified peer certificate, or None without one.
+
+    The fingerprint has the form ``dpfed certs show`` prints (``AB:CD:...``), the form the
+    revocation list stores (:mod:`dpfed.common.transport.access`).
+
+    Raises
+    ------
+    AuthenticationError
+        If gRPC reports a peer certificate that cannot be parsed.
+    """
+    pems = _values(auth_context, "x509_pem_cert")
+    if not pems:
+        return None
+    try:
+        cert = x509.load_pem_x509_certificate(pems[0])
+    except ValueError:
+        raise AuthenticationError(
+            "the peer certificate reported by gRPC cannot be parsed") from None
+    return fingerprint(cert)

@@ -163,7 +163,7 @@ def task_to_bytes(task: Task) -> bytes:
     msg = types_pb2.TaskSpec(task_id=task.task_id, job_id=task.job_id, kind=task.kind,
                              epsilon=task.epsilon, delta=task.delta,
                              params=struct_to_proto(task.params),
-                             arrays=arrays_to_proto(task.arrays))
+                             arrays=arrays_to_proto(task.arrays), analyst_id=task.analyst_id)
     return msg.SerializeToString(deterministic=True)
 
 
@@ -177,7 +177,7 @@ def task_from_bytes(data: bytes) -> Task:
     if not msg.task_id or not msg.kind:
         raise ProtocolError("task payload lacks task_id or kind")
     return Task(msg.task_id, msg.job_id, msg.kind, msg.epsilon, msg.delta,
-                struct_from_proto(msg.params), arrays_from_proto(msg.arrays))
+                struct_from_proto(msg.params), arrays_from_proto(msg.arrays), msg.analyst_id)
 
 
 def result_to_bytes(result: TaskResult) -> bytes:

@@ -43,6 +43,18 @@ class TaskHandler(ABC):
 
     kind: ClassVar[str]
 
+    def responds_without_data(self, task: Task) -> bool:
+        """Return True if ``task`` is answered without reading data (nothing to charge).
+
+        Such a task (e.g. the key exchange of a secure round) is answered by :meth:`respond`
+        and bypasses the ledger: its answer must not depend on the site's rows.
+        """
+        return False
+
+    def respond(self, task: Task) -> TaskResult:
+        """Answer a task for which :meth:`responds_without_data` is True."""
+        raise NotImplementedError(f"{type(self).__name__} answers every task from data")
+
     @abstractmethod
     def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
         """Validate ``task``, compute the exact statistic, and return the pending release.

@@ -55,3 +55,30 @@ def test_simulate_end_to_end_is_reproducible_with_a_seed(tmp_path: Path) -> None
     assert second.returncode == 0, second.stderr
     r1, r2 = PCAResult.load(a / "pca.npz"), PCAResult.load(tmp_path / "b" / "pca.npz")
     np.testing.assert_array_equal(r1.components_, r2.components_)  # --seed: reproducible
+
+
+def test_pooled_reference_is_the_real_pooled_rows_not_an_average_of_sites(
+        tmp_path: Path) -> None:
+    """9,000 and 1,000 rows with different structure: the reference weights every row once."""
+    import pandas as pd
+
+    from dpfed.aggregator.simulate import pooled_reference
+    from dpfed.common.data.schema import Schema
+
+    schema = Schema.from_toml("".join(f'[[columns]]\nname = "c{j}"\ntype = "continuous"\n'
+                                      'min = -4\nmax = 4\n' for j in range(3)))
+    rng = np.random.default_rng(0)
+    big = rng.normal(0, 1, (9000, 3)) * [1.0, 0.1, 0.1] + [1, 0, 0]
+    small = rng.normal(0, 1, (1000, 3)) * [0.1, 0.1, 1.0]
+    paths = []
+    for name, x in (("a.csv", big), ("b.csv", small)):
+        pd.DataFrame(x.clip(-4, 4), columns=["c0", "c1", "c2"]).to_csv(tmp_path / name,
+                                                                       index=False)
+        paths.append(tmp_path / name)
+    u = np.vstack([big, small]).clip(-4, 4) / 4
+    centred = pooled_reference(schema, paths, centred=True)
+    np.testing.assert_allclose(centred.matrix, np.cov(u, rowvar=False, bias=True), atol=1e-9)
+    assert centred.counts == [9000, 1000] and "real pooled rows" in centred.label
+    uncentred = pooled_reference(schema, paths, centred=False)
+    np.testing.assert_allclose(uncentred.matrix, u.T @ u / len(u), atol=1e-9)
+    assert "midpoints" in uncentred.label

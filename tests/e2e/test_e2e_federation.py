@@ -17,15 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.pca_result import PCAResult
-from dpfed.aggregator.simulate import pooled_second_moment
+from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import JobFailedError
 from dpfed.common.pca.dppca import captured_energy, top_components
+from dpfed.common.pca.features import feature_affine, max_feature_norm
 from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.privacy.mechanisms import gaussian_sigma
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.site_agent.ledger import Ledger
 
@@ -69,11 +72,14 @@ def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederatio
         assert all(s.connected for s in sites)
         # Sites connect before counting their rows and send the count right after.
         _wait_until(lambda: all(s.row_count == 1500 for s in coord.sites()), 60, "row counts")
-        result = coord.pca(3, epsilon=1000.0, delta=1e-5)
+        # Today's one-round DPdisPCA (uncentred, worst-case bound); the centred default with
+        # its three rounds: test_centred_auto_job_survives_a_coordinator_restart_between_rounds.
+        result = coord.pca(3, epsilon=1000.0, delta=1e-5, centering="none", clip_norm="schema")
         job = coord.jobs(1)[0]
     assert job.state == "succeeded" and [s.status for s in job.sites] == ["ok"] * 3
     schema = Schema.load(fed.schema_path)
-    reference, counts = pooled_second_moment(schema, list(fed.data_paths.values()), None)
+    pooled = pooled_reference(schema, list(fed.data_paths.values()), centred=False)
+    reference, counts = pooled.matrix, pooled.counts
     assert counts == [1500] * 3
     exact = top_components(reference, 3)
     ratio = captured_energy(result.components_, reference) / captured_energy(exact, reference)
@@ -104,10 +110,14 @@ def test_cli_commands_against_a_running_federation(fed: LocalFederation, tmp_pat
             str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
     dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
     out = tmp_path / "cli-pca.npz"
+    report = tmp_path / "cli-report.html"
     run = subprocess.run([*dpfed, "pca", "--k", "2", "--epsilon", "2", "--delta", "1e-5",
-                          "--out", str(out), *conn], capture_output=True, text=True, timeout=120)
+                          "--out", str(out), "--report", str(report), *conn],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "site hospital-1: result received" in run.stdout and out.exists()
+    assert f"wrote {report}" in run.stdout
+    assert report.read_text().count("data:image/png;base64,") == 3
     sites = subprocess.run([*dpfed, "sites", *conn], capture_output=True, text=True, timeout=60)
     assert sites.returncode == 0 and sites.stdout.count("connected") == 3
     jobs = subprocess.run([*dpfed, "jobs", *conn], capture_output=True, text=True, timeout=60)
@@ -136,7 +146,7 @@ def test_killed_site_and_quorum(fed: LocalFederation) -> None:
         offline = {s.site_id: s.connected for s in coord.sites(include_disconnected=True)}
     assert offline == {"hospital-1": True, "hospital-2": True, "hospital-3": False}
     assert ledger_events(fed, "hospital-3") == 0
-    assert ledger_events(fed, "hospital-1") == 1
+    assert ledger_events(fed, "hospital-1") == 3  # mean, norms, pca
 
 
 def test_unresponsive_site_times_out_and_job_proceeds(fed: LocalFederation) -> None:
@@ -168,7 +178,7 @@ def test_coordinator_restart_sites_reconnect(fed: LocalFederation) -> None:
         assert jobs[0].job_id == first.metadata["job_id"]  # the store survived
         second = coord.pca(2, epsilon=1.0, delta=1e-5)
     assert second.metadata["job_id"] != first.metadata["job_id"]
-    assert all(ledger_events(fed, s) == 2 for s in fed.site_ids)
+    assert all(ledger_events(fed, s) == 6 for s in fed.site_ids)  # 2 jobs x 3 rounds
     for s in fed.site_ids:
         fed.check_alive(s)
 
@@ -200,8 +210,72 @@ def test_coordinator_crash_mid_job_resumes_without_double_charge(fed: LocalFeder
         final = coord.watch(job_id)
     assert final.state == "succeeded", final.error
     assert [s.status for s in final.sites] == ["ok"] * 3
-    # Same task id after the restart: the two sites replayed their stored release.
-    assert [ledger_events(fed, s) for s in fed.site_ids] == [1, 1, 1]
+    # Same task ids after the restart: the two sites replayed their stored release of the
+    # first round (mean) instead of paying again; then norms and pca once each.
+    assert [ledger_events(fed, s) for s in fed.site_ids] == [3, 3, 3]
+
+
+def ledger_task_ids(fed: LocalFederation, site_id: str) -> list[str]:
+    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
+        return sorted(e.task_id for e in ledger.events())
+
+
+def test_centred_auto_job_survives_a_coordinator_restart_between_rounds(
+        fed: LocalFederation) -> None:
+    """The default job (DP mean, DP clip radius, PCA): killed after round 1, resumed.
+
+    Every site is charged exactly once per round; the resumed job re-sends byte-identical
+    tasks (a different payload under the same task id would be refused as a conflict).
+    """
+    fed.signal("hospital-3", signal.SIGSTOP)  # holds the job in round 1 (min_sites=3)
+    port = fed.port
+    outcome: dict[str, object] = {}
+
+    def submit() -> None:
+        try:
+            with fed.analyst() as coord:
+                outcome["job"] = coord.submit(JobSpec("pca", 2.0, 1e-5, {"n_components": 2},
+                                                      min_sites=3))
+        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
+            outcome["error"] = exc
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    _wait_until(lambda: ledger_events(fed, "hospital-1") == 1 and
+                ledger_events(fed, "hospital-2") == 1, 60, "two sites to pay for round 1")
+    fed.signal("hospital-3", signal.SIGCONT)
+    _wait_until(lambda: ledger_events(fed, "hospital-3") >= 1, 60, "round 1 to complete")
+    fed.signal("coordinator", signal.SIGKILL)  # between round 1 and the end of round 2
+    fed.wait("coordinator")
+    t.join(30)
+    fed.start_coordinator(port=port)
+    with fed.analyst() as coord:
+        job_id = coord.jobs(1)[0].job_id
+        final = coord.watch(job_id)
+        result = coord.pca_result(final)
+    assert final.state == "succeeded", final.error
+    assert [s.status for s in final.sites] == ["ok"] * 3
+    for s in fed.site_ids:
+        assert ledger_task_ids(fed, s) == sorted(f"{job_id}/{r}" for r in ("mean", "norms",
+                                                                           "pca"))
+    assert [o.spend.epsilon for o in final.sites if o.spend] == [pytest.approx(2.0)] * 3
+    meta = result.metadata
+    assert meta["centering"] == "mean" and meta["clip_norm_requested"] == "auto"
+    assert [r["round"] for r in meta["rounds"]] == ["mean", "norms", "pca"]
+    assert sum(r["epsilon"] for r in meta["rounds"]) == pytest.approx(2.0)
+    # The DP mean is close to the real pooled mean and the components to pooled PCA.
+    schema = Schema.load(fed.schema_path)
+    pooled = pooled_reference(schema, list(fed.data_paths.values()), centred=True)
+    exact = top_components(pooled.matrix, 2)
+    ratio = (captured_energy(result.components_, pooled.matrix)
+             / captured_energy(exact, pooled.matrix))
+    assert ratio > 0.9
+    frames = [pd.read_csv(p) for p in fed.data_paths.values()]
+    raw_mean = pd.concat(frames)[list(schema.names)].mean().to_numpy()
+    _offset, scale = feature_affine(schema)
+    # noise sd of the DP mean in the scaled space: sigma(0.2, 1e-6, 2) sqrt(3 sites) B / N
+    sd = gaussian_sigma(0.2, 1e-6, 2.0) * np.sqrt(3) * max_feature_norm(schema) / 4500
+    assert np.all(np.abs(result.mean_ - raw_mean) < 5 * sd * scale)
 
 
 def test_over_budget_job_is_refused_and_nothing_is_charged(fed: LocalFederation) -> None:

@@ -39,8 +39,12 @@ def make_runner(tmp_path: Path, rows: list[tuple[str, str]], *, on_invalid: str 
     return TaskRunner(source, ledger, ("pca",))
 
 
+#: One uncentred round, schema bound (centred rounds: tests/site_agent/test_pca_rounds.py).
+ONE_ROUND = {"n_components": 1, "rank": 2, "centering": "none", "clip_norm": "schema"}
+
+
 def pca_task(task_id: str = "job-1/pca", epsilon: float = 1.0) -> Task:
-    return Task(task_id, "job-1", "pca", epsilon, 1e-5, {"n_components": 1, "rank": 2})
+    return Task(task_id, "job-1", "pca", epsilon, 1e-5, ONE_ROUND)
 
 
 GOOD = [(str(20 + i % 60), str(15 + i % 40)) for i in range(300)]
@@ -54,7 +58,7 @@ def test_release_then_replay_without_recharge(tmp_path: Path) -> None:
     assert result.arrays["factor"].shape == (2, 2) and result.metadata["n_rows"] == 300
     assert runner.run(pca_task()) == first  # identical bytes, no fresh noise
     assert len(runner.ledger.events()) == 1
-    other = Task("job-1/pca", "job-1", "pca", 2.0, 1e-5, {"n_components": 1, "rank": 2})
+    other = Task("job-1/pca", "job-1", "pca", 2.0, 1e-5, ONE_ROUND)
     conflict = runner.run(other)
     assert isinstance(conflict, Refusal) and conflict.code == "conflict"
     assert len(runner.ledger.events()) == 1

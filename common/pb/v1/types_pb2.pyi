@@ -192,6 +192,7 @@ class TaskSpec(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
     ARRAYS_FIELD_NUMBER: _builtins.int
+    ANALYST_ID_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """idempotency key at the site's ledger"""
     job_id: _builtins.str
@@ -199,6 +200,10 @@ class TaskSpec(_message.Message):
     """"pca", ..."""
     epsilon: _builtins.float
     delta: _builtins.float
+    analyst_id: _builtins.str
+    """The analyst whose job this task belongs to, taken by the coordinator from the analyst's
+    verified certificate (never from a request field); sites charge per-analyst shares to it.
+    """
     @_builtins.property
     def params(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -213,10 +218,11 @@ class TaskSpec(_message.Message):
         delta: _builtins.float = ...,
         params: _struct_pb2.Struct | None = ...,
         arrays: _abc.Iterable[Global___NamedArray] | None = ...,
+        analyst_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrays", b"arrays", "delta", b"delta", "epsilon", b"epsilon", "job_id", b"job_id", "kind", b"kind", "params", b"params", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["analyst_id", b"analyst_id", "arrays", b"arrays", "delta", b"delta", "epsilon", b"epsilon", "job_id", b"job_id", "kind", b"kind", "params", b"params", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

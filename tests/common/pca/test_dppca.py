@@ -79,23 +79,18 @@ def test_gram_accumulator_matches_dense_product_over_chunks() -> None:
         acc.add(np.zeros((3, 6)))
 
 
-def test_sensitivity_of_normalised_gram_is_at_most_one_over_n() -> None:
-    """Add/remove one unit-ball row: the upper triangle of G/N moves by <= 1/N (L2)."""
-    rng = np.random.default_rng(2)
-    enc, _ = encode_table(SCHEMA, _table(200))
-    x, _ = UnitBallMap(SCHEMA).transform(enc)
+def test_pca_mechanism_is_calibrated_to_replace_one() -> None:
+    """sqrt(2)/N on the upper triangle of G/N (the worst case is searched in
+    tests/common/privacy/test_sensitivity_search.py)."""
     n = 200
-    worst = 0.0
-    for _ in range(200):
-        extra = rng.standard_normal(x.shape[1])
-        extra /= max(np.linalg.norm(extra), 1.0)  # any row in the unit ball
-        diff = np.outer(extra, extra) / n
-        worst = max(worst, float(np.linalg.norm(diff[np.triu_indices(x.shape[1])])))
-    assert worst <= 1.0 / n + 1e-15
     mech = pca_mechanism(n, 1.0, 1e-5)
-    assert mech.sensitivity == pytest.approx(1 / n)
-    assert mech.sigma == pytest.approx(gaussian_sigma(1.0, 1e-5) / n)
-    assert site_cost(n, 1.0, 1e-5).rho == pytest.approx(1 / (2 * gaussian_sigma(1.0, 1e-5) ** 2))
+    assert mech.sensitivity == pytest.approx(np.sqrt(2.0) / n)
+    assert mech.sigma == pytest.approx(gaussian_sigma(1.0, 1e-5) * np.sqrt(2.0) / n)
+    assert site_cost(n, 1.0, 1e-5).rho == pytest.approx(
+        1 / (2 * gaussian_sigma(1.0, 1e-5) ** 2))
+    classic = pca_mechanism(n, 0.5, 1e-5, "classic")
+    assert classic.sigma == pytest.approx(
+        np.sqrt(2.0) * np.sqrt(2 * np.log(1.25 / 1e-5)) / (n * 0.5))
 
 
 def test_site_release_shape_and_psd_factor() -> None:

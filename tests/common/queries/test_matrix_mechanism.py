@@ -127,12 +127,16 @@ def test_shapes_are_checked_everywhere() -> None:
 
 
 def test_unsupported_workload_is_refused() -> None:
-    # The total alone cannot estimate single cells without bias.
+    # The total and one cell cannot estimate every single cell without bias.
+    partial = np.vstack([np.ones(4), [1.0, 0.0, 0.0, 0.0]])
     with pytest.raises(ValidationError, match="does not support the workload"):
-        mm.expected_rmse(wl.identity_workload(4), np.ones((1, 4)), epsilon=1.0)
-    # ...but it does support the total query itself.
-    rmse = mm.expected_rmse(np.ones((1, 4)), np.ones((1, 4)), epsilon=1.0)
+        mm.expected_rmse(wl.identity_workload(4), partial, epsilon=1.0)
+    # ...but they do support the total query: sensitivity ||e_0||_1 = 1 (cell 0 vs another).
+    rmse = mm.expected_rmse(np.ones((1, 4)), partial, epsilon=1.0)
     assert rmse == pytest.approx(math.sqrt(2.0))
+    # The total alone is a function of the public row count under replace-one: refused.
+    with pytest.raises(ValidationError, match="public row count"):
+        mm.MatrixMechanism(np.ones((1, 4)), 1.0)
 
 
 def test_workload_validation() -> None:
@@ -156,6 +160,13 @@ def test_workload_validation() -> None:
 # --------------------------------------------------------------------------- arithmetic
 
 
+def _brute_force_replace_one(a: np.ndarray, order: int) -> float:
+    """Largest ||A x' - A x|| over x' = x - e_i + e_j (every replace-one pair of cells)."""
+    n = a.shape[1]
+    return max((float(np.linalg.norm(a[:, j] - a[:, i], ord=order))
+                for i in range(n) for j in range(n) if i != j), default=0.0)
+
+
 @pytest.mark.parametrize("n", POW2)
 def test_tree_strategies_have_the_textbook_sensitivity(n: int) -> None:
     levels = int(math.log2(n)) + 1
@@ -164,16 +175,31 @@ def test_tree_strategies_have_the_textbook_sensitivity(n: int) -> None:
     assert h2.shape == (2 * n - 1, n)
     assert wav.shape == (n, n)
     for a in (h2, wav):
-        assert mm.sensitivity(a, "l1") == levels  # every column: one entry per tree level
-        assert mm.sensitivity(a, "l2") == pytest.approx(math.sqrt(levels))
+        # The papers' (add/remove) figure: the largest column norm.
+        assert mm.column_norm(a, "l1") == levels  # every column: one entry per tree level
+        assert mm.column_norm(a, "l2") == pytest.approx(math.sqrt(levels))
         # ...and it is every column, not just the largest (balanced tree).
         np.testing.assert_array_equal(np.abs(a).sum(axis=0), levels)
+        # Replace-one: two leaves under different children of the root share only the root,
+        # so the exact L1 figure is 2 (levels - 1); the bound 2 levels where not computed.
+        value, method = mm.sensitivity_with_method(a, "l1")
+        if n == 1:
+            assert value == 0.0
+        elif method == "exact-pairs":
+            assert value == 2 * (levels - 1)
+        else:
+            assert (value, n) == (2 * levels, 1024)
     # Haar rows are mutually orthogonal.
     gram = wav @ wav.T
     np.testing.assert_allclose(gram, np.diag(np.diag(gram)))
-    assert mm.sensitivity(mm.prefix_strategy(n), "l1") == n
-    assert mm.sensitivity(mm.prefix_strategy(n), "l2") == pytest.approx(math.sqrt(n))
-    assert mm.sensitivity(mm.identity_strategy(n), "l1") == 1
+    assert mm.column_norm(mm.prefix_strategy(n), "l1") == n
+    assert mm.column_norm(mm.prefix_strategy(n), "l2") == pytest.approx(math.sqrt(n))
+    assert mm.column_norm(mm.identity_strategy(n), "l1") == 1
+    if 1 < n < 1024:
+        # Prefix: cell 0 is in every prefix, cell n-1 in one: they differ in n - 1 rows.
+        assert mm.sensitivity(mm.prefix_strategy(n), "l1") == n - 1
+        assert mm.sensitivity(mm.identity_strategy(n), "l1") == 2
+        assert mm.sensitivity(mm.identity_strategy(n), "l2") == pytest.approx(math.sqrt(2))
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7, 12, 100])
@@ -182,22 +208,41 @@ def test_tree_strategies_for_other_domain_sizes(n: int) -> None:
     h2 = mm.h2_strategy(n)
     wav = mm.wavelet_strategy(n)
     assert h2.shape == (2 * n - 1, n)
-    assert mm.sensitivity(h2, "l1") == depth
-    assert mm.sensitivity(wav, "l1") <= depth
+    assert mm.column_norm(h2, "l1") == depth
+    assert mm.column_norm(wav, "l1") <= depth
     for a in (h2, wav):
+        assert mm.sensitivity(a, "l1") <= 2 * mm.column_norm(a, "l1")
         assert np.linalg.matrix_rank(a) == n  # full column rank: supports any workload
         assert not np.any(np.all(a == 0, axis=1))
 
 
-def test_sensitivity_is_the_largest_change_between_neighbours() -> None:
-    # Brute force over add/remove-one neighbours (one cell +-1) of a random strategy.
+@pytest.mark.parametrize("name", ["identity", "h2", "wavelet", "prefix"])
+@pytest.mark.parametrize("n", [2, 5, 16])
+def test_sensitivity_is_the_largest_change_between_replace_one_neighbours(name: str,
+                                                                          n: int) -> None:
+    # Brute force over every replace-one pair of cells (x - e_i + e_j) of the strategy.
+    a = mm.strategy(name, n)
+    for norm, order in (("l1", 1), ("l2", 2)):
+        value, method = mm.sensitivity_with_method(a, norm)
+        assert method == "exact-pairs"
+        assert value == pytest.approx(_brute_force_replace_one(a, order), rel=1e-12)
+
+
+def test_sensitivity_of_a_random_strategy_and_the_bound() -> None:
     rng = np.random.default_rng(7)
     a = rng.normal(size=(9, 6))
-    x = rng.integers(0, 5, size=6).astype(np.float64)
     for norm, order in (("l1", 1), ("l2", 2)):
-        worst = max(np.linalg.norm(a @ (x + e) - a @ x, ord=order)
-                    for e in np.vstack([np.eye(6), -np.eye(6)]))
+        worst = _brute_force_replace_one(a, order)
         assert mm.sensitivity(a, norm) == pytest.approx(worst)
+        assert worst <= 2 * mm.column_norm(a, norm)
+    # Opposite columns attain the 2x bound exactly.
+    b = np.array([[1.0, -1.0], [2.0, -2.0]])
+    assert mm.sensitivity(b, "l1") == 2 * mm.column_norm(b, "l1") == 6.0
+    # Above the work budget the bound is used, and it is never below the exact value.
+    big = mm.h2_strategy(1024)
+    assert mm.sensitivity_with_method(big, "l1") == (22.0, "2x-max-column")
+    assert mm.sensitivity_with_method(big, "l2")[1] == "exact-pairs"
+    assert mm.sensitivity(big, "l2") == pytest.approx(math.sqrt(2 * 10))
 
 
 def test_seed_worked_example() -> None:
@@ -218,21 +263,24 @@ def test_seed_worked_example() -> None:
 
 def test_laplace_cost_and_scale() -> None:
     mech = mm.MatrixMechanism(mm.h2_strategy(16), 0.5)
-    assert mech.sensitivity == 5.0
-    assert mech.noise_scale == 10.0
-    assert mech.noise_variance == 200.0
+    assert mech.sensitivity == 8.0  # replace-one: two leaves sharing only the root
+    assert mech.sensitivity_method == "exact-pairs"
+    assert mech.noise_scale == 16.0
+    assert mech.noise_variance == 512.0
     cost = mech.cost()
-    assert cost == PrivacyCost(0.5, 0.0, 0.125, "matrix-laplace", 5.0, 10.0)
+    assert cost == PrivacyCost(0.5, 0.0, 0.125, "matrix-laplace", 8.0, 16.0)
 
 
 def test_gaussian_cost_and_scale() -> None:
     mech = mm.MatrixMechanism(mm.wavelet_strategy(16), 1.0, 1e-5, "gaussian")
-    assert mech.sensitivity == pytest.approx(math.sqrt(5.0))
-    sigma = gaussian_sigma(1.0, 1e-5, math.sqrt(5.0))
-    assert mech.noise_scale == sigma
+    # Replace-one: leaves in different halves share the total, differ by 2 in the top detail
+    # row and by 1 + 1 in each of the 3 lower levels: sqrt(4 + 2 * 3).
+    assert mech.sensitivity == pytest.approx(math.sqrt(10.0))
+    sigma = gaussian_sigma(1.0, 1e-5, math.sqrt(10.0))
+    assert mech.noise_scale == pytest.approx(sigma, rel=1e-12)
     cost = mech.cost()
     assert (cost.epsilon, cost.delta, cost.mechanism) == (1.0, 1e-5, "matrix-gaussian")
-    assert cost.rho == pytest.approx(5.0 / (2.0 * sigma * sigma))
+    assert cost.rho == pytest.approx(10.0 / (2.0 * sigma * sigma))
     assert mm.noise_variance(mm.wavelet_strategy(16), epsilon=1.0, delta=1e-5,
                              noise="gaussian") == pytest.approx(sigma**2)
 
@@ -268,9 +316,10 @@ def test_rank_deficient_strategy_uses_the_pseudo_inverse() -> None:
     y = np.array([4.0, 3.0])
     np.testing.assert_allclose(mm.reconstruct(y, a), np.linalg.pinv(a) @ y)
     total = np.ones((1, 3))  # supported: sum of the two rows
-    # W A^+ = [1, 1]: two unit-scale Laplace draws (variance 2 each) -> RMSE 2.
+    # W A^+ = [1, 1]; replace-one L1 sensitivity 2 (cell 0 vs cell 2): two Laplace draws of
+    # scale 2 (variance 8 each) -> RMSE 4.
     assert np.linalg.norm(total @ np.linalg.pinv(a)) ** 2 == pytest.approx(2.0)
-    assert mm.expected_rmse(total, a, epsilon=1.0) == pytest.approx(2.0)
+    assert mm.expected_rmse(total, a, epsilon=1.0) == pytest.approx(4.0)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -378,8 +427,8 @@ def test_pidentity_gradient_matches_finite_differences(norm: str) -> None:
     assert err <= 1e-5 * np.linalg.norm(grad(theta))
     # The O(p n^2) Woodbury loss equals the generic formula on the built matrix.
     a = mm._pidentity_matrix(theta.reshape(3, 24), norm)
-    assert mm.sensitivity(a, norm) == pytest.approx(1.0)
-    assert loss(theta) * np.trace(w.gram) == pytest.approx(mm.squared_error(w, a, norm=norm))
+    assert mm.column_norm(a, norm) == pytest.approx(1.0)
+    assert loss(theta) * np.trace(w.gram) == pytest.approx(mm.squared_error(w, a))
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +446,9 @@ def test_optimized_beats_identity_under_both_noises(optimized_256: dict[str, np.
                                                     min_gain: float) -> None:
     w = wl.all_range_workload(256)
     a = optimized_256[noise]
-    assert mm.sensitivity(a, "l1" if noise == "laplace" else "l2") == pytest.approx(1.0)
+    norm = "l1" if noise == "laplace" else "l2"
+    assert mm.column_norm(a, norm) == pytest.approx(1.0)
+    assert 1.0 <= mm.sensitivity(a, norm) <= 2.0 + 1e-9
     identity = mm.expected_rmse(w, np.eye(256), epsilon=1.0, delta=delta, noise=noise)
     optimized = mm.expected_rmse(w, a, epsilon=1.0, delta=delta, noise=noise)
     assert identity / optimized >= min_gain
@@ -421,7 +472,8 @@ def test_optimization_is_deterministic_and_reports_itself() -> None:
     assert first.restarts == 2 and 0 < first.iterations <= 80
     assert not first.used_identity and first.improvement > 1.0
     assert first.squared_error == pytest.approx(mm.squared_error(w, first.matrix, norm="l1"))
-    assert first.identity_squared_error == pytest.approx(np.trace(w.gram))
+    # The identity pays the replace-one L1 sensitivity 2: 4 x ||W||_F^2.
+    assert first.identity_squared_error == pytest.approx(4 * np.trace(w.gram))
 
 
 def test_optimization_falls_back_to_identity_where_it_does_not_pay() -> None:

@@ -162,18 +162,19 @@ def test_sum_releases_checks_shapes() -> None:
 
 def test_marginal_sensitivity_and_cost_arithmetic() -> None:
     schema = make_schema()  # 2 continuous, 3 categorical
-    assert dm.marginals_sensitivity(schema) == 3 + 2 * 2
-    assert dm.marginals_sensitivity(schema, moments=False) == 3
+    # Replace-one: 2 per histogram, 9/4 per continuous (sum v, sum v^2) pair.
+    assert dm.marginals_sensitivity(schema) == 2 * 3 + 2.25 * 2
+    assert dm.marginals_sensitivity(schema, moments=False) == 2 * 3
     eps_h, eps_m = dm.split_marginals_epsilon(schema, 1.4)
-    assert eps_h == pytest.approx(0.6) and eps_m == pytest.approx(0.8)
+    assert eps_h == pytest.approx(0.8) and eps_m == pytest.approx(0.6)
     # Both parts get the scale Delta_1 / epsilon of the whole vector.
-    assert float(dm.histogram_mechanism(schema, eps_h).scale) == pytest.approx(7 / 1.4)
-    assert dm.moments_mechanism(schema, eps_m).scale == pytest.approx(7 / 1.4)
+    assert float(dm.histogram_mechanism(schema, eps_h).scale) == pytest.approx(10.5 / 1.4)
+    assert dm.moments_mechanism(schema, eps_m).scale == pytest.approx(10.5 / 1.4)
     cost = lk.link_statistics_cost(schema, 1.4)
     assert cost.epsilon == pytest.approx(1.4) and cost.delta == 0.0
     bounds_only = lk.link_statistics_cost(schema, 0.5, "bounds")
     assert bounds_only.epsilon == 0.5 and bounds_only.mechanism == "discrete-laplace"
-    assert bounds_only.noise_scale == pytest.approx(3 / 0.5)
+    assert bounds_only.noise_scale == pytest.approx(6 / 0.5)
 
 
 def test_release_reports_its_cost_and_scale() -> None:
@@ -181,7 +182,7 @@ def test_release_reports_its_cost_and_scale() -> None:
     table = make_table(100, rng)
     release, cost = lk.fit_link_statistics(table, epsilon=0.7, rng=rng)
     assert cost.epsilon == pytest.approx(0.7)
-    assert release.noise_scale == pytest.approx(7 / 0.7)
+    assert release.noise_scale == pytest.approx(10.5 / 0.7)
     assert set(release.counts) == {"severity", "ward", "sex"}
     assert set(release.moments) == {"age", "bmi"}
     for v in release.counts.values():
@@ -461,15 +462,15 @@ def histogram_noise(mechanism_factory: Callable[..., object], reps: int) -> np.n
 
 
 def half_noise_histogram(schema: Schema, epsilon: float) -> object:
-    """Planted bug: half the sensitivity, hence half the noise scale."""
-    return DiscreteLaplaceMechanism(epsilon, 0.5 * len(schema.columns[2:]))
+    """Planted bug: the old add/remove calibration, L1 = 1 per histogram (half the noise)."""
+    return DiscreteLaplaceMechanism(epsilon, 1.0 * len(schema.columns[2:]))
 
 
 @pytest.mark.parametrize("factory, ok", [(dm.histogram_mechanism, True),
                                          (half_noise_histogram, False)])
 def test_histogram_noise_has_the_declared_scale(factory: Callable[..., object], ok: bool) -> None:
     noise = histogram_noise(factory, 400)  # 400 releases x 10 cells
-    expected = discrete_laplace_mean_abs(3 / 1.5)  # Delta_1 = 3 histograms
+    expected = discrete_laplace_mean_abs(6 / 1.5)  # Delta_1 = 2 x 3 histograms (replace-one)
     ratio = float(np.mean(np.abs(noise))) / expected
     # E|X| has relative standard error ~ sqrt(Var|X|)/E|X|/sqrt(4000) ~ 1.7%.
     if ok:
@@ -491,10 +492,10 @@ def test_moment_noise_has_the_declared_scale(half: bool, ok: bool) -> None:
             diff = rel.moments[k] - exact.moments[k]
             noise.append(diff * (0.5 if half else 1.0))
     b = float(np.mean(np.abs(np.concatenate(noise))))  # Laplace: E|X| = b
-    if ok:
-        assert b == pytest.approx(7 / 2.0, rel=0.08)
+    if ok:  # Delta_1 = 2 x 3 histograms + 9/4 x 2 moment pairs = 10.5
+        assert b == pytest.approx(10.5 / 2.0, rel=0.08)
     else:
-        assert b < 0.75 * 7 / 2.0
+        assert b < 0.75 * 10.5 / 2.0
 
 
 def test_dp_mean_variance_and_histogram_converge_in_the_non_private_limit() -> None:
@@ -504,7 +505,7 @@ def test_dp_mean_variance_and_histogram_converge_in_the_non_private_limit() -> N
     clipped = np.clip(y, 0, 100)
     assert mean == pytest.approx(clipped.mean(), rel=1e-6)
     assert var == pytest.approx(clipped.var(), rel=1e-5)
-    assert cost.epsilon == 1e9 and cost.sensitivity == 2.0
+    assert cost.epsilon == 1e9 and cost.sensitivity == 2.25
     counts, cost = dm.dp_histogram(np.array([0, 1, 1, 2]), 3, epsilon=1e9, rng=rng)
     np.testing.assert_array_equal(counts, [1, 2, 1])
 

@@ -83,6 +83,11 @@ def test_init_writes_the_documented_layout(fed: Path) -> None:
         "analysts/x/analyst.pem",
         "analysts/x/analyst.key",
         "analysts/x/ca.pem",
+        # The coordinator's allow-lists and the revocation lists (root and every site kit).
+        "coordinator/access.toml",
+        "revoked.toml",
+        "sites/a/revoked.toml",
+        "sites/b/revoked.toml",
     }
     assert set(_hashes(fed)) == expected
     # Every kit carries a byte-identical copy of the CA certificate.
@@ -265,13 +270,15 @@ def test_a_federation_may_start_without_sites(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ issuing later
 
 
-def test_issue_a_new_site_touches_no_other_file(fed: Path) -> None:
+def test_issue_a_new_site_touches_only_its_kit_and_the_allow_list(fed: Path) -> None:
     before = _hashes(fed)
     issued = certs.issue_certificate(fed, role="site", name="c")
     after = _hashes(fed)
     new = set(after) - set(before)
-    assert new == {"sites/c/site.pem", "sites/c/site.key", "sites/c/ca.pem"}
-    assert {k: after[k] for k in before} == before  # every other file byte-identical
+    assert new == {"sites/c/site.pem", "sites/c/site.key", "sites/c/ca.pem",
+                   "sites/c/revoked.toml"}
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"coordinator/access.toml"}  # every other file byte-identical
     assert _mode(issued.key_path) == 0o600 and _mode(issued.kit_dir) == 0o700
     ca = _load(fed / "ca.pem")
     store = Store([ca])
@@ -295,7 +302,9 @@ def test_issue_refuses_to_overwrite_unless_forced(fed: Path) -> None:
     renewed = certs.issue_certificate(fed, role="site", name="a", force=True)
     after = _hashes(fed)
     changed = {k for k in before if before[k] != after[k]}
-    assert changed == {"sites/a/site.pem", "sites/a/site.key"}
+    # The replaced certificate is revoked: every copy of the revocation list changes.
+    assert changed == {"sites/a/site.pem", "sites/a/site.key", "coordinator/access.toml",
+                       "revoked.toml", "sites/a/revoked.toml", "sites/b/revoked.toml"}
     assert certs.is_signed_by(_load(renewed.cert_path), _load(fed / "ca.pem"))
 
 
@@ -573,7 +582,8 @@ def test_cli_init_issue_show(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     printed = capsys.readouterr()
     assert "site/d" in printed.out and "PRIVATE KEY" not in printed.out
     after = _hashes(out)
-    assert {k: after[k] for k in before} == before
+    assert {k: after[k] for k in before if k != "coordinator/access.toml"} == {
+        k: v for k, v in before.items() if k != "coordinator/access.toml"}
 
     assert certs_main(["certs", "show", str(out / "sites" / "d" / "site.pem")]) == exit_codes.OK
     shown = capsys.readouterr().out

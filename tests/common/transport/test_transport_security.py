@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -165,7 +166,9 @@ async def test_invalid_job_is_rejected_with_invalid_argument(running) -> None:  
         for spec, match in [(JobSpec("pca", -1.0, 1e-5, {"n_components": 2}), "epsilon"),
                             (JobSpec("pca", 1.0, 1e-5, {"n_components": 99}), "n_components"),
                             (JobSpec("pca", 10.0, 1e-5, {"n_components": 2,
-                                                         "calibration": "classic"}),
+                                                         "calibration": "classic",
+                                                         "centering": "none",
+                                                         "clip_norm": "schema"}),
                              "not differentially private"),
                             (JobSpec("kmeans", 1.0, 1e-5, {}), "unknown job kind")]:
             error = await submit_error(stub, spec)
@@ -196,7 +199,7 @@ async def test_health_and_reflection(running) -> None:  # type: ignore[no-untype
 
 async def test_sites_not_in_the_allow_list_are_refused(tmp_path: Path) -> None:
     fed = LocalFederation.create(tmp_path / "fed", n_sites=1, rows=50, features=3, seed=1)
-    text = fed.aggregator_config.read_text().replace(
+    text = re.sub(r"access_list = .*\n", "", fed.aggregator_config.read_text()).replace(
         "[federation]\n", "[federation]\nallowed_sites = [\"somebody-else\"]\n")
     fed.aggregator_config.write_text(text)
     config = dataclasses.replace(load_aggregator_config(fed.aggregator_config),
@@ -230,7 +233,7 @@ async def test_insecure_mode_only_when_asked_and_still_needs_a_principal(tmp_pat
                 await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             ok = await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT,
-                                      metadata=(("x-dpfed-insecure-principal", "analyst/dev"),))
+                                      metadata=(("x-dpfed-insecure-principal", "analyst/analyst"),))
             assert list(ok.sites) == []
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ListSites(analyst_pb2.ListSitesRequest(), timeout=TIMEOUT,

@@ -1,0 +1,175 @@
+"""The Skellam mechanism: integer noise for sums computed under secure aggregation.
+
+A symmetric Skellam variable ``Sk(mu)`` is the difference of two independent Poisson(mu/2)
+variables: integer-valued, mean 0, variance ``mu``. A sum of independent Skellams is a
+Skellam whose variance is the sum of the variances, so S sites that each add ``Sk(mu/S)`` to
+their integer contribution give a masked sum carrying exactly ``Sk(mu)`` — the property that
+lets every site add only a share of the noise when the coordinator sees nothing but the sum.
+
+Privacy
+-------
+Agarwal, Kairouz & Liu, *The Skellam Mechanism for Differentially Private Federated
+Learning*, NeurIPS 2021, Theorem 3.5 / Corollary 3.6: for an integer-valued query whose L2 and
+L1 sensitivities are ``l2`` and ``l1``, adding ``Sk(mu)`` to every coordinate is
+``(alpha, epsilon_alpha)``-RDP for every integer ``alpha > 1`` with
+
+    epsilon_alpha = alpha l2^2 / (2 mu) + min( ((2 alpha - 1) l2^2 + 6 l1) / (4 mu^2),
+                                              3 l1 / (2 mu) ).
+
+The first term is the Gaussian mechanism's; the second is the price of integer noise and
+vanishes as ``mu`` grows. Sensitivities and ``mu`` are in the *integer* domain (after the
+fixed-point scaling of :mod:`dpfed.common.secagg.fixed_point`). RDP is converted to
+``(epsilon, delta)`` with Canonne, Kamath & Steinke (2020, Prop. 12):
+``epsilon = epsilon_alpha + ln(1 - 1/alpha) - (ln delta + ln alpha) / (alpha - 1)``, minimised
+over the integer orders in :data:`ORDERS`.
+
+For the zCDP accountant the same bound gives a valid rho: for every ``alpha >= 1`` the
+surcharge is at most ``alpha`` times ``min((l2^2 + 3 l1) / (2 mu^2), 3 l1 / (2 mu))``, so the
+release is ``rho``-zCDP with ``rho = l2^2/(2 mu) + min((l2^2 + 3 l1)/(2 mu^2), 3 l1/(2 mu))``.
+
+Sampling uses numpy's Poisson sampler from a per-release generator: floating-point grade, like
+every other matrix release in dpfed (exact samplers are used for scalar counts only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpfed.common.errors import ValidationError
+from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.validation import check_delta, check_int, check_positive
+
+__all__ = [
+    "ORDERS",
+    "SkellamCalibration",
+    "skellam_calibrate",
+    "skellam_epsilon",
+    "skellam_noise",
+    "skellam_rdp",
+    "skellam_rho",
+    "skellam_share",
+]
+
+#: Integer Renyi orders the (epsilon, delta) conversion minimises over.
+ORDERS: tuple[int, ...] = (tuple(range(2, 65)) + tuple(range(72, 257, 8))
+                           + (384, 512, 768, 1024, 1536, 2048, 4096))
+
+
+def _check_sensitivities(l2: float, l1: float) -> tuple[float, float]:
+    l2 = check_positive(l2, "l2_sensitivity")
+    l1 = check_positive(l1, "l1_sensitivity")
+    if l1 < l2 * (1 - 1e-12):
+        raise ValidationError(f"l1_sensitivity ({l1:g}) cannot be smaller than "
+                              f"l2_sensitivity ({l2:g})")
+    return l2, l1
+
+
+def skellam_rdp(alpha: int, mu: float, l2: float, l1: float) -> float:
+    """Return the RDP epsilon of ``Sk(mu)`` noise at integer order ``alpha`` (see module doc)."""
+    a = check_int(alpha, "alpha", minimum=2)
+    m = check_positive(mu, "mu")
+    l2, l1 = _check_sensitivities(l2, l1)
+    surcharge = min(((2 * a - 1) * l2 * l2 + 6 * l1) / (4 * m * m), 3 * l1 / (2 * m))
+    return a * l2 * l2 / (2 * m) + surcharge
+
+
+def skellam_epsilon(mu: float, delta: float, l2: float, l1: float) -> float:
+    """Return the epsilon at which ``Sk(mu)`` noise on a query of these sensitivities is DP."""
+    dl = check_delta(delta)
+    best = math.inf
+    for a in ORDERS:
+        rdp = skellam_rdp(a, mu, l2, l1)
+        eps = rdp + math.log1p(-1.0 / a) - (math.log(dl) + math.log(a)) / (a - 1)
+        best = min(best, eps)
+    return max(0.0, best)
+
+
+def skellam_rho(mu: float, l2: float, l1: float) -> float:
+    """Return a zCDP rho valid for ``Sk(mu)`` noise on a query of these sensitivities."""
+    m = check_positive(mu, "mu")
+    l2, l1 = _check_sensitivities(l2, l1)
+    return l2 * l2 / (2 * m) + min((l2 * l2 + 3 * l1) / (2 * m * m), 3 * l1 / (2 * m))
+
+
+@dataclass(frozen=True)
+class SkellamCalibration:
+    """The noise variance that makes one release ``(epsilon, delta)``-DP.
+
+    Attributes
+    ----------
+    mu : float
+        Total variance per coordinate (integer domain) the released sum must carry.
+    epsilon, delta : float
+        The target; ``achieved_epsilon <= epsilon``.
+    l2_sensitivity, l1_sensitivity : float
+        Sensitivities in the integer domain.
+    achieved_epsilon : float
+        The accountant's epsilon at ``mu``.
+    """
+
+    mu: float
+    epsilon: float
+    delta: float
+    l2_sensitivity: float
+    l1_sensitivity: float
+    achieved_epsilon: float
+
+    def cost(self) -> PrivacyCost:
+        """Return the cost a ledger records (epsilon, delta and a valid rho)."""
+        return PrivacyCost(self.epsilon, self.delta,
+                           skellam_rho(self.mu, self.l2_sensitivity, self.l1_sensitivity),
+                           "skellam", self.l2_sensitivity, math.sqrt(self.mu))
+
+
+def skellam_calibrate(epsilon: float, delta: float, l2: float, l1: float) -> SkellamCalibration:
+    """Return the smallest variance ``mu`` (to 1e-9 relative) with epsilon(mu) <= ``epsilon``."""
+    eps = check_positive(epsilon, "epsilon")
+    dl = check_delta(delta)
+    l2, l1 = _check_sensitivities(l2, l1)
+    lo = l2 * l2 * 1e-6
+    hi = max(l2 * l2, 1.0)
+    while skellam_epsilon(hi, dl, l2, l1) > eps:
+        hi *= 2.0
+        if hi > 1e300:
+            raise ValidationError(f"no Skellam variance reaches epsilon={eps:g} at delta={dl:g}")
+    while skellam_epsilon(lo, dl, l2, l1) <= eps and lo > 1e-300:
+        lo /= 2.0
+    for _ in range(200):  # bisection in log space; epsilon(mu) decreases in mu
+        mid = math.sqrt(lo * hi)
+        if skellam_epsilon(mid, dl, l2, l1) <= eps:
+            hi = mid
+        else:
+            lo = mid
+        if hi / lo < 1 + 1e-10:
+            break
+    return SkellamCalibration(hi, eps, dl, l2, l1, skellam_epsilon(hi, dl, l2, l1))
+
+
+def skellam_share(mu_total: float, n_parties: int, tolerated: int) -> float:
+    """Variance one site adds so that any ``n_parties - tolerated`` honest sites reach ``mu_total``.
+
+    A site that tolerates ``tolerated`` colluding parties (the coordinator counted among them)
+    assumes that many of the other shares may be known to an adversary and subtracted; the
+    honest shares alone must still sum to ``mu_total``.
+    """
+    mu = check_positive(mu_total, "mu_total")
+    n = check_int(n_parties, "n_parties", minimum=1)
+    t = check_int(tolerated, "tolerated", minimum=0)
+    if t >= n:
+        raise ValidationError(f"tolerating {t} colluding parties needs more than {t} "
+                              f"participating sites, got {n}")
+    return mu / (n - t)
+
+
+def skellam_noise(shape: int | tuple[int, ...], mu: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Draw int64 ``Sk(mu)`` noise (difference of two Poisson(mu/2)) of the given shape."""
+    m = check_positive(mu, "mu")
+    if m / 2 > 2.0 ** 52:  # beyond it float64 (numpy's large-mean sampler) skips integers
+        raise ValidationError(f"Skellam variance {m:g} is too large to sample accurately")
+    a = rng.poisson(m / 2, size=shape).astype(np.int64)
+    b = rng.poisson(m / 2, size=shape).astype(np.int64)
+    return a - b

@@ -1,0 +1,106 @@
+"""Ephemeral key agreement keys, signed with each site's certificate key.
+
+For every secure round each site makes a fresh X25519 key pair and signs its public half with
+the ECDSA key of its federation certificate. The coordinator only relays the signed keys; each
+site checks every peer's certificate against the federation CA, that the certificate names the
+site id the key claims, and the signature over (domain tag, job, round, task, site id, public
+key). A coordinator that substitutes a key — to sit in the middle of a pair and unmask one
+site's contribution — cannot produce a valid signature, so the site refuses the round before it
+releases anything. Revocation of site certificates is enforced by the coordinator's connection
+checks; the signature check here is what protects the masks from the coordinator itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from dpfed.common.errors import AuthenticationError, ProtocolError
+from dpfed.common.secagg.masking import MaskContext
+from dpfed.common.transport.certs import is_signed_by, principal_from_certificate
+
+__all__ = ["SignedKey", "generate_ephemeral", "sign_ephemeral", "verify_signed_key"]
+
+_TAG = b"dpfed-secagg-key-v1"
+
+
+@dataclass(frozen=True)
+class SignedKey:
+    """A site's ephemeral public key for one secure round, with proof of who made it."""
+
+    site_id: str
+    public_key: bytes
+    signature: bytes
+    certificate_pem: bytes
+
+
+def _message(site_id: str, public_key: bytes, context: MaskContext) -> bytes:
+    sid = site_id.encode("utf-8")
+    return (_TAG + context.encode() + len(sid).to_bytes(4, "big") + sid
+            + len(public_key).to_bytes(4, "big") + public_key)
+
+
+def generate_ephemeral() -> tuple[X25519PrivateKey, bytes]:
+    """Return a fresh X25519 key pair (private key, 32-byte raw public key)."""
+    key = X25519PrivateKey.generate()
+    public = key.public_key().public_bytes(serialization.Encoding.Raw,
+                                           serialization.PublicFormat.Raw)
+    return key, public
+
+
+def sign_ephemeral(*, site_id: str, public_key: bytes, context: MaskContext,
+                   signing_key: ec.EllipticCurvePrivateKey,
+                   certificate_pem: bytes) -> SignedKey:
+    """Sign ``public_key`` for ``context`` with the site's certificate key."""
+    signature = signing_key.sign(_message(site_id, public_key, context),
+                                 ec.ECDSA(hashes.SHA256()))
+    return SignedKey(site_id, public_key, signature, certificate_pem)
+
+
+def verify_signed_key(signed: SignedKey, *, context: MaskContext, ca: x509.Certificate,
+                      now: dt.datetime | None = None) -> bytes:
+    """Return the verified raw public key, or raise if anything does not check out.
+
+    Raises
+    ------
+    AuthenticationError
+        The certificate does not chain to the federation CA, is not valid now, or names
+        another principal than ``signed.site_id``.
+    ProtocolError
+        The public key is malformed or the signature does not verify (e.g. a substituted key,
+        or a key signed for another round).
+    """
+    try:
+        cert = x509.load_pem_x509_certificate(signed.certificate_pem)
+    except ValueError:
+        raise AuthenticationError(f"the certificate sent for {signed.site_id!r} is not a PEM "
+                                  "certificate") from None
+    if not is_signed_by(cert, ca):
+        raise AuthenticationError(f"the certificate for {signed.site_id!r} is not issued by the "
+                                  "federation CA")
+    at = now or dt.datetime.now(dt.UTC)
+    if not cert.not_valid_before_utc <= at <= cert.not_valid_after_utc:
+        raise AuthenticationError(f"the certificate for {signed.site_id!r} is not valid now")
+    principal = principal_from_certificate(cert, source=f"certificate of {signed.site_id!r}")
+    if principal.role != "site" or principal.name != signed.site_id:
+        raise AuthenticationError(f"a key claimed for site {signed.site_id!r} comes with the "
+                                  f"certificate of {principal}")
+    if len(signed.public_key) != 32:
+        raise ProtocolError(f"the ephemeral key of {signed.site_id!r} has "
+                            f"{len(signed.public_key)} bytes, expected 32")
+    public = cert.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise AuthenticationError(f"the certificate of {signed.site_id!r} has no EC key")
+    try:
+        public.verify(signed.signature, _message(signed.site_id, signed.public_key, context),
+                      ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        raise ProtocolError(f"the ephemeral key of {signed.site_id!r} is not signed by that "
+                            "site for this round (substituted or replayed)") from None
+    return signed.public_key

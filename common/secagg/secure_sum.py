@@ -1,0 +1,287 @@
+"""A secure, distributed-noise sum of integer site statistics: the site step and the decode.
+
+One secure round, as a job runs it:
+
+1. *Keys.* Every participating site makes an ephemeral X25519 key pair, signs the public half
+   with its certificate key (:mod:`dpfed.common.secagg.keys`) and sends it; the coordinator
+   relays all signed keys, the sorted participant list and the public :class:`SecureSumPlan`.
+2. *Contribution* (:func:`site_contribution`). Each site refuses unless the plan meets its
+   policy (enough verified participants, a collusion tolerance at least its own), verifies every
+   peer's signed key, computes its exact integer statistic, adds its share of Skellam noise and
+   its pairwise masks, and sends the masked vector — which on its own is uniform in Z_(2^64).
+3. *Decode* (:func:`decode_sum`). The coordinator adds the masked vectors; the masks cancel and
+   it learns only the noisy pooled statistic. A participant missing from step 3 leaves masks
+   uncancelled: the round is aborted and retried with fresh keys (see
+   :mod:`dpfed.common.secagg.masking`).
+
+Privacy
+-------
+Replace-one at one site. With every row rounded into the public integer ball ``||z|| <= B``
+(:func:`dpfed.common.secagg.fixed_point.conditional_round`), the sensitivities of the pooled
+integer statistic are those of one row's contribution: a sum of rows has L2 ``2 B`` and L1
+``2 B sqrt(d)``; the upper triangle of a Gram matrix ``sum z z^T`` has L2 ``sqrt(2) B^2`` (two
+orthogonal rows on the sphere of radius B) and L1 ``(d + 1) B^2``. The plan's ``mu_total`` is
+calibrated with the Skellam accountant for those sensitivities; each site adds
+``Sk(mu_total / (n - t))`` so that the honest sites' shares alone, ``n - t`` of them, carry at
+least ``mu_total`` even if ``t`` other parties (the coordinator among them) pool what they know.
+Every site charges the pooled guarantee ``(epsilon, delta)`` to its own ledger.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from scipy.linalg.blas import dsyrk
+
+from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
+from dpfed.common.secagg.fixed_point import (
+    conditional_round_float,
+    from_ring,
+    max_scale,
+    rounded_norm_bound,
+    to_ring,
+)
+from dpfed.common.secagg.keys import SignedKey, verify_signed_key
+from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_seed, sum_masked
+from dpfed.common.validation import check_int, check_positive
+
+__all__ = [
+    "SecureSumPlan",
+    "decode_sum",
+    "integer_gram_upper",
+    "integer_row_sum",
+    "plan_from_scale",
+    "plan_gram",
+    "plan_row_sum",
+    "site_contribution",
+]
+
+#: Rows per float64 BLAS block: keeps every partial sum of integer products below 2^53.
+_EXACT = 2.0 ** 52
+#: Largest total Skellam variance: each Poisson mean stays below 2^52, where float64 still holds
+#: every integer (numpy samples large means in floating point); and a
+#: larger scale buys no accuracy (rounding error is already far below the noise).
+MU_MAX = 2.0 ** 50
+
+
+@dataclass(frozen=True)
+class SecureSumPlan:
+    """Everything public about one secure sum; sent with the task and checked by every site.
+
+    Attributes
+    ----------
+    statistic : {"gram", "row_sum"}
+        What each site contributes.
+    dim : int
+        Row dimension d.
+    scale : float
+        Fixed-point scale s (rows are multiplied by s before rounding).
+    bound : float
+        Public bound B on the norm of a rounded row.
+    mu_total : float
+        Skellam variance per coordinate the honest shares must carry (integer domain).
+    tolerated : int
+        How many colluding parties (coordinator included) the shares are sized for.
+    participants : tuple of str
+        The sorted site ids whose masks must cancel.
+    calibration : SkellamCalibration
+        The (epsilon, delta) and sensitivities ``mu_total`` was calibrated for.
+    """
+
+    statistic: str
+    dim: int
+    scale: float
+    bound: float
+    mu_total: float
+    tolerated: int
+    participants: tuple[str, ...]
+    calibration: SkellamCalibration
+
+    @property
+    def n_values(self) -> int:
+        """Length of the contributed vector."""
+        d = self.dim
+        return d * (d + 1) // 2 if self.statistic == "gram" else d
+
+    @property
+    def share(self) -> float:
+        """Variance each site adds."""
+        return self.mu_total / (len(self.participants) - self.tolerated)
+
+
+def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float]:
+    if statistic == "gram":
+        return math.sqrt(2.0) * bound * bound, (dim + 1) * bound * bound
+    if statistic == "row_sum":
+        return 2.0 * bound, 2.0 * bound * math.sqrt(dim)
+    raise ValidationError(f"statistic must be 'gram' or 'row_sum', got {statistic!r}")
+
+
+def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
+                    epsilon: float, delta: float, participants: Sequence[str],
+                    tolerated: int) -> SecureSumPlan:
+    """Return the plan for a fixed-point scale: bound, sensitivities, noise from public inputs.
+
+    A site calls this itself with the scale the coordinator chose, so the noise it adds never
+    depends on numbers it cannot check: whatever the scale, the bound and the calibration follow
+    from it, the schema's dimension and the job's (epsilon, delta).
+    """
+    d = check_int(dim, "dim", minimum=1)
+    s = check_positive(scale, "scale")
+    ids = tuple(sorted(set(participants)))
+    if len(ids) != len(participants):
+        raise ValidationError("participants must be distinct site ids")
+    t = check_int(tolerated, "tolerated", minimum=0)
+    if len(ids) <= t:
+        raise ValidationError(f"a secure sum tolerating {t} colluding parties needs more than "
+                              f"{t} participants, got {len(ids)}")
+    bound = rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d)
+    l2, l1 = _sensitivities(statistic, d, bound)
+    cal = skellam_calibrate(epsilon, delta, l2, l1)
+    if cal.mu > MU_MAX * 1.01:
+        raise ValidationError(f"the scale {s:g} needs noise variance {cal.mu:.3g}, above the "
+                              f"sampler's limit {MU_MAX:.3g}")
+    return SecureSumPlan(statistic, d, s, bound, cal.mu, t, ids, cal)
+
+
+def _plan(statistic: str, *, dim: int, total_rows: int, row_norm: float, epsilon: float,
+          delta: float, participants: Sequence[str], tolerated: int) -> SecureSumPlan:
+    d = check_int(dim, "dim", minimum=1)
+    _sensitivities(statistic, d, 1.0)  # validates the statistic's name
+    degree = 2 if statistic == "gram" else 1
+    n_values = d * (d + 1) // 2 if degree == 2 else d
+    # The largest scale that cannot wrap: the noise grows with the scale (sensitivity ~
+    # s^degree) and the room the ring leaves shrinks with the noise, so iterate to a fixed
+    # point; the scale is also capped so the noise variance stays below MU_MAX (mu ~ s^(2 deg)).
+    mu = 1.0
+    cap = math.inf
+    plan: SecureSumPlan | None = None
+    for _ in range(40):
+        scale = min(cap, max_scale(row_norm=row_norm, dim=d, total_rows=total_rows,
+                                   degree=degree, mu=mu, n_values=n_values))
+        bound = rounded_norm_bound(scale * row_norm, d)
+        l2, l1 = _sensitivities(statistic, d, bound)
+        mu_needed = skellam_calibrate(epsilon, delta, l2, l1).mu
+        if mu_needed > MU_MAX:
+            cap = scale * (MU_MAX / mu_needed) ** (1 / (2 * degree)) * 0.99
+            continue
+        if mu_needed <= mu * (1 + 1e-9):
+            plan = plan_from_scale(statistic, dim=d, scale=scale, row_norm=row_norm,
+                                   epsilon=epsilon, delta=delta, participants=participants,
+                                   tolerated=tolerated)
+            break
+        mu = max(mu, mu_needed)
+    if plan is None:
+        raise ValidationError("no fixed-point scale fits this secure sum in a 64-bit ring")
+    return plan
+
+
+def plan_gram(*, dim: int, total_rows: int, epsilon: float, delta: float,
+              participants: Sequence[str], tolerated: int = 0,
+              row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a secure sum of the sites' Gram matrices of rows in the ball of radius ``row_norm``."""
+    return _plan("gram", dim=dim, total_rows=total_rows, row_norm=row_norm, epsilon=epsilon,
+                 delta=delta, participants=participants, tolerated=tolerated)
+
+
+def plan_row_sum(*, dim: int, total_rows: int, epsilon: float, delta: float,
+                 participants: Sequence[str], tolerated: int = 0,
+                 row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a secure sum of the sites' row sums (e.g. for a pooled DP mean)."""
+    return _plan("row_sum", dim=dim, total_rows=total_rows, row_norm=row_norm,
+                 epsilon=epsilon, delta=delta, participants=participants, tolerated=tolerated)
+
+
+def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
+                       rng: np.random.Generator) -> np.ndarray:
+    """Exact int64 upper triangle (row-major) of ``sum z z^T`` over rounded rows of all chunks."""
+    d = plan.dim
+    block = max(1, int(_EXACT // max(plan.bound ** 2, 1.0)))
+    total = np.zeros((d, d), dtype=np.int64)
+    for chunk in chunks:
+        x = np.asarray(chunk, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != d:
+            raise ValidationError(f"rows must have {d} columns, got shape {x.shape}")
+        for start in range(0, x.shape[0], block):
+            z = conditional_round_float(x[start:start + block], plan.scale, plan.bound, rng)
+            # exact: integer entries, every partial sum < 2^53; upper triangle filled
+            total += np.rint(np.triu(dsyrk(1.0, z, trans=1, lower=0))).astype(np.int64)
+    iu = np.triu_indices(d)
+    return total[iu]
+
+
+def integer_row_sum(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Exact int64 sum of the rounded rows of all chunks."""
+    total = np.zeros(plan.dim, dtype=np.int64)
+    for chunk in chunks:
+        x = np.asarray(chunk, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != plan.dim:
+            raise ValidationError(f"rows must have {plan.dim} columns, got shape {x.shape}")
+        total += np.rint(conditional_round_float(x, plan.scale, plan.bound, rng).sum(
+            axis=0)).astype(np.int64)  # exact: |sum| < 2^53 by the no-wrap scale
+    return total
+
+
+def site_contribution(statistic: np.ndarray, *, plan: SecureSumPlan, own_id: str,
+                      own_key: X25519PrivateKey, signed_keys: Mapping[str, SignedKey],
+                      context: MaskContext, ca: x509.Certificate, min_participants: int,
+                      tolerated: int, rng: np.random.Generator,
+                      now: dt.datetime | None = None) -> np.ndarray:
+    """Noise and mask this site's exact integer statistic for the secure sum.
+
+    ``min_participants`` and ``tolerated`` are the site's own policy: the site refuses a plan
+    with fewer verified participants, or sized for fewer colluders, than it requires.
+
+    Raises
+    ------
+    ValidationError
+        The plan does not meet the site's policy or the statistic has the wrong shape.
+    ProtocolError, AuthenticationError
+        A peer's key does not verify (e.g. substituted by the coordinator).
+    """
+    if own_id not in plan.participants:
+        raise ValidationError(f"site {own_id!r} is not among the plan's participants")
+    if len(plan.participants) < min_participants:
+        raise ValidationError(f"the secure round has {len(plan.participants)} participants; "
+                              f"this site's policy requires at least {min_participants}")
+    if plan.tolerated < tolerated:
+        raise ValidationError(f"the secure round sizes noise for {plan.tolerated} colluding "
+                              f"parties; this site's policy requires {tolerated}")
+    if set(signed_keys) != set(plan.participants):
+        raise ProtocolError("the relayed keys do not match the plan's participants")
+    stat = np.asarray(statistic)
+    if stat.dtype != np.int64 or stat.shape != (plan.n_values,):
+        raise ValidationError(f"statistic must be int64 of shape ({plan.n_values},), "
+                              f"got {stat.dtype} {stat.shape}")
+    seeds = {}
+    for peer in plan.participants:
+        if peer == own_id:
+            continue
+        public = verify_signed_key(signed_keys[peer], context=context, ca=ca, now=now)
+        seeds[peer] = derive_pair_seed(own_key, public, own_id=own_id, peer_id=peer,
+                                       context=context)
+    noisy = stat + skellam_noise(plan.n_values, plan.share, rng)
+    return apply_masks(to_ring(noisy), own_id=own_id, seeds=seeds)
+
+
+def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndarray:
+    """Sum every participant's masked vector and decode the noisy pooled statistic (real units).
+
+    Returns the Gram's upper triangle divided by ``scale^2`` (or the row sum divided by
+    ``scale``), i.e. in the units of the original rows.
+    """
+    if set(masked) != set(plan.participants):
+        missing = sorted(set(plan.participants) - set(masked))
+        raise ProtocolError(f"secure sum incomplete: no contribution from {missing}; the masks "
+                            "cannot cancel, retry the round with fresh keys")
+    total = from_ring(sum_masked([masked[s] for s in plan.participants]))
+    degree = 2 if plan.statistic == "gram" else 1
+    return total.astype(np.float64) / plan.scale ** degree
