@@ -4,6 +4,7 @@ Example (paths relative to the file)::
 
     [server]
     listen = "0.0.0.0:50051"
+    keepalive_s = 10            # a silent (dead or hung) site is dropped within this time
 
     [tls]
     ca = "certs/ca.pem"
@@ -42,6 +43,11 @@ from typing import Any
 
 from dpfed.common.errors import ConfigError
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
+from dpfed.common.transport.grpc_options import (
+    DEFAULT_KEEPALIVE_S,
+    MAX_KEEPALIVE_S,
+    MIN_KEEPALIVE_S,
+)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class AggregatorConfig:
     allow_any_site: bool = False
     allow_any_analyst: bool = False
     access_reload_s: float = 1.0
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
 
 
 def load_aggregator_config(path: str | Path,
@@ -82,6 +89,10 @@ def load_aggregator_config(path: str | Path,
     assert listen is not None
     if ":" not in listen.rsplit("]", 1)[-1]:
         raise ConfigError(f"{p}: server.listen must be host:port, got {listen!r}")
+    keepalive_s = server.number("keepalive_s", DEFAULT_KEEPALIVE_S)
+    if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
+        raise ConfigError(f"{p}: server.keepalive_s must be between {MIN_KEEPALIVE_S:g} and "
+                          f"{MAX_KEEPALIVE_S:g} seconds, got {keepalive_s!r}")
     file_port_file = server.path("port_file")
     port_file = Path(overrides["port_file"]) if overrides.get("port_file") else file_port_file
     server.check_unknown()
@@ -129,4 +140,5 @@ def load_aggregator_config(path: str | Path,
                             access_list=access_list, allowed_analysts=allowed_analysts,
                             allow_any_site=bool(allow_any_site),
                             allow_any_analyst=bool(allow_any_analyst),
-                            access_reload_s=access_reload_s)
+                            access_reload_s=access_reload_s,
+                            keepalive_s=keepalive_s)

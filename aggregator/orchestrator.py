@@ -12,8 +12,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
+
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
+from dpfed.aggregator.jobs.base import JobOutput
+from dpfed.aggregator.jobs.validators import check_finite_values
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
@@ -35,6 +39,25 @@ def analyst_id_of(submitted_by: str) -> str:
     return name if sep and role == "analyst" else ""
 
 TERMINAL_STATES = ("succeeded", "failed")
+#: Bounds of an analyst's request (docs/hardening.md).
+MIN_DELTA = 1e-300
+MAX_DEADLINE_S = 30 * 86400.0
+MAX_SITES = 10_000
+MAX_REQUEST_ID = 200
+
+
+def _non_finite(output: JobOutput) -> str:
+    """Describe the first non-finite value in a job's output ("" when all are finite)."""
+    for name, array in output.arrays.items():
+        a = np.asarray(array)
+        if a.dtype.kind in "fc" and not np.all(np.isfinite(a)):
+            return f"array {name!r} holds NaN or infinite values"
+    for what, value in (("summary", output.summary), ("metadata", output.metadata)):
+        try:
+            check_finite_values(dict(value), what)
+        except ValueError as exc:
+            return str(exc)
+    return ""
 
 
 class JobManager:
@@ -56,18 +79,55 @@ class JobManager:
             raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
 
     def validate(self, spec: JobSpec) -> JobSpec:
-        """Return the spec with canonical parameters (raises ValidationError)."""
+        """Return the spec with canonical parameters (raises ValidationError).
+
+        Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
+        its name, never an internal error later (docs/hardening.md).
+        """
         job_type = self._job_type(spec.kind)
         check_epsilon(spec.epsilon)
         check_delta(spec.delta)
-        check_int(spec.min_sites, "min_sites", minimum=0)
+        if spec.delta < MIN_DELTA:
+            raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
+                                  f"calibrated in double precision), got {spec.delta!r}")
+        check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
         check_nonnegative(spec.deadline_seconds, "deadline_seconds")
-        params = job_type.validate(spec, self.federation)
+        if spec.deadline_seconds > MAX_DEADLINE_S:
+            raise ValidationError(f"deadline_seconds must be <= {MAX_DEADLINE_S:g} (30 days), "
+                                  f"got {spec.deadline_seconds!r}")
+        if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
+            raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
+                                  "characters")
+        for key, value in spec.params.items():
+            try:
+                check_finite_values(value, f"params.{key}")
+            except ValueError as exc:
+                raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
+                                      "finite JSON numbers, strings, booleans or lists") from None
+        try:
+            params = job_type.validate(spec, self.federation)
+        except DpfedError:
+            raise
+        except (ArithmeticError, ValueError) as exc:
+            raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
+                                  f"delta={spec.delta!r}: the noise cannot be calibrated "
+                                  f"({type(exc).__name__}: {exc})") from None
         return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
                        spec.deadline_seconds, spec.sites)
 
     def submit(self, spec: JobSpec, *, submitted_by: str, request_id: str = "") -> JobInfo:
-        """Validate, persist and start a job (an already-seen request id returns its job)."""
+        """Validate, persist and start a job (an already-seen request id returns its job).
+
+        Raises
+        ------
+        ValidationError
+            For an invalid spec or request id.
+        IdempotencyConflictError
+            When ``request_id`` was already used for a different job spec.
+        """
+        if len(request_id) > MAX_REQUEST_ID:
+            raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID} characters, "
+                                  f"got {len(request_id)}")
         canonical = self.validate(spec)
         job, created = self.store.create_job(canonical, submitted_by=submitted_by,
                                              request_id=request_id)
@@ -115,6 +175,11 @@ class JobManager:
                          analyst_id=analyst_id_of(job.submitted_by))
         try:
             output = await self._job_type(job.spec.kind).run(ctx)
+            problem = _non_finite(output)
+            if problem:
+                self._fail(job_id, ctx, f"the job's output is not finite ({problem}); nothing "
+                           "was stored")
+                return
             data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)
             await asyncio.to_thread(self.store.save_result, job_id, data)
             self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),

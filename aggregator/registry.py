@@ -4,6 +4,11 @@ A session owns the stream's outbox (messages to the site) and the futures of the
 down it. When the stream ends, every pending task of that session fails with
 :class:`SiteDisconnected`; the job layer may resend the *same* task id once the site is back
 (the site's ledger then replays the stored release instead of charging again).
+
+A session also bounds what the site can make the coordinator hold (docs/hardening.md):
+result chunks are accepted only for a task pending at this session, one transfer per task,
+each capped at the size the job expects for that task; a partial transfer is dropped when its
+task ends; budget reports are rate-limited (a token bucket).
 """
 
 from __future__ import annotations
@@ -13,17 +18,46 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from dpfed.common.errors import ProtocolError
 from dpfed.common.pb.v1 import site_link_pb2
+from dpfed.common.pb.v1.types_pb2 import Chunk as ProtoChunk
 from dpfed.common.privacy.accounting import BudgetStatus
-from dpfed.common.transport.grpc_options import CHUNK_BYTES
+from dpfed.common.transport.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES
 from dpfed.common.transport.protocol import Refusal, SiteHello, TaskResult
-from dpfed.common.transport.wire import iter_chunks
+from dpfed.common.transport.wire import Reassembler, iter_chunks
 
 log = logging.getLogger(__name__)
 
 
+#: Budget reports a site may send in a burst, and how many per second after that.
+BUDGET_BURST = 10
+BUDGET_PER_S = 2.0
+
+
 class SiteDisconnected(Exception):
     """The site's stream ended while a task was outstanding."""
+
+
+@dataclass
+class TokenBucket:
+    """A token bucket: ``allow()`` is True at most ``burst`` times at once, then ``rate``/s."""
+
+    burst: float
+    rate: float
+    tokens: float = -1.0
+    stamp: float = field(default_factory=time.monotonic)
+
+    def allow(self) -> bool:
+        """Take one token if there is one."""
+        now = time.monotonic()
+        if self.tokens < 0:
+            self.tokens = self.burst
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 @dataclass
@@ -37,15 +71,28 @@ class SiteSession:
     pending: dict[str, asyncio.Future[TaskResult | Refusal]] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     close_reason: str = ""
+    #: Largest result (bytes) accepted for each pending task.
+    result_limits: dict[str, int] = field(default_factory=dict)
+    transfers: Reassembler = field(default_factory=lambda: Reassembler(MAX_TRANSFER_BYTES))
+    budget_bucket: TokenBucket = field(
+        default_factory=lambda: TokenBucket(BUDGET_BURST, BUDGET_PER_S))
+    #: Budget reports accepted / dropped by the rate limit (logged when the session ends).
+    budget_accepted: int = 0
+    budget_dropped: int = 0
 
-    async def submit(self, task_id: str, payload: bytes,
-                     deadline_unix: float) -> TaskResult | Refusal:
+    async def submit(self, task_id: str, payload: bytes, deadline_unix: float, *,
+                     max_result_bytes: int = MAX_TRANSFER_BYTES) -> TaskResult | Refusal:
         """Send a serialized task and wait for its result or refusal (no timeout here).
+
+        ``max_result_bytes`` caps the site's answer: a longer transfer fails the task with
+        :class:`ProtocolError` as soon as it is declared or exceeded.
 
         Raises
         ------
         SiteDisconnected
             If the stream closes before the answer arrives.
+        ProtocolError
+            If the site's answer cannot be accepted (too large, malformed).
         """
         if self.closed.is_set():
             raise SiteDisconnected(self.close_reason or "stream closed")
@@ -53,6 +100,7 @@ class SiteSession:
         if fut is None or fut.done():
             fut = asyncio.get_running_loop().create_future()
             self.pending[task_id] = fut
+            self.result_limits[task_id] = max_result_bytes
             for chunk in iter_chunks(task_id, payload, CHUNK_BYTES):
                 msg = site_link_pb2.CoordinatorMessage(
                     task=site_link_pb2.TaskChunk(deadline_unix_ms=int(deadline_unix * 1000),
@@ -61,8 +109,41 @@ class SiteSession:
         try:
             return await asyncio.shield(fut)
         finally:
-            if fut.done():
-                self.pending.pop(task_id, None)
+            if fut.done() or self.pending.get(task_id) is fut:
+                # Answered, or the waiter gave up (deadline): nothing more is accepted for it.
+                self._forget(task_id)
+
+    def _forget(self, task_id: str) -> None:
+        self.pending.pop(task_id, None)
+        self.result_limits.pop(task_id, None)
+        self.transfers.discard(task_id)
+
+    def add_result_chunk(self, chunk: ProtoChunk) -> bytes | None:
+        """Accept one result chunk; return the whole payload when it is complete.
+
+        Chunks of a transfer that does not answer a task pending at this session (late,
+        unknown, or forged ids) are dropped without being stored. A transfer that breaks the
+        chunking rules or exceeds the task's limit fails that task (the site is reported as
+        misbehaving) and is dropped.
+        """
+        task_id = chunk.transfer_id
+        fut = self.pending.get(task_id)
+        if fut is None or fut.done():
+            return None
+        try:
+            return self.transfers.add(chunk, self.result_limits.get(task_id, 0))
+        except ProtocolError as exc:
+            self.transfers.discard(task_id)
+            self.fail(task_id, exc)
+            return None
+
+    def allow_budget_report(self) -> bool:
+        """Rate limit of budget reports (a site sends one per task)."""
+        if self.budget_bucket.allow():
+            self.budget_accepted += 1
+            return True
+        self.budget_dropped += 1
+        return False
 
     def resolve(self, task_id: str, outcome: TaskResult | Refusal) -> bool:
         """Deliver a site's answer; False if nobody is waiting for it (late or unknown)."""
@@ -70,6 +151,15 @@ class SiteSession:
         if fut is None or fut.done():
             return False
         fut.set_result(outcome)
+        return True
+
+    def fail(self, task_id: str, error: ProtocolError) -> bool:
+        """Fail a pending task because the site's answer broke the protocol."""
+        fut = self.pending.get(task_id)
+        if fut is None or fut.done():
+            return False
+        fut.set_exception(error)
+        fut.exception()  # the waiter re-raises it; never "exception was never retrieved"
         return True
 
     def update_budget(self, budget: BudgetStatus) -> None:
@@ -92,6 +182,8 @@ class SiteSession:
                 fut.set_exception(SiteDisconnected(reason))
                 fut.exception()  # mark retrieved: a waiter may already have given up
         self.pending.clear()
+        self.result_limits.clear()
+        self.transfers = Reassembler(MAX_TRANSFER_BYTES)
 
 
 class SiteRegistry:
@@ -121,6 +213,10 @@ class SiteRegistry:
                 del self._sessions[session.site_id]
             self._changed.notify_all()
         log.info("[SiteRegistry.detach] site=%s reason=%s", session.site_id, reason)
+        if session.budget_dropped:
+            log.warning("[SiteRegistry.detach] site=%s sent budget reports too fast: %d "
+                        "dropped, %d accepted", session.site_id, session.budget_dropped,
+                        session.budget_accepted)
 
     def get(self, site_id: str) -> SiteSession | None:
         """Return the live session of a site, if connected."""

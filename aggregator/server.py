@@ -73,7 +73,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
     jobs = JobManager(store, registry, federation)
     auth = Authenticator(insecure=config.tls is None, access=access)
 
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(config.keepalive_s))
     site_link = SiteLinkServicer(registry, store, federation, auth)
     site_link_pb2_grpc.add_SiteLinkServicer_to_server(site_link, server)
     analyst_pb2_grpc.add_AnalystServicer_to_server(

@@ -30,15 +30,14 @@ from dpfed.common.errors import (
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport.certs import Principal
 from dpfed.common.transport.grpc_errors import details_for, status_for
-from dpfed.common.transport.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES
-from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteInfo
+from dpfed.common.transport.grpc_options import CHUNK_BYTES
+from dpfed.common.transport.protocol import PROTOCOL_VERSION, Refusal, SiteInfo
 from dpfed.common.transport.tls import (
     peer_fingerprint,
     principal_from_auth_context,
     require_role,
 )
 from dpfed.common.transport.wire import (
-    Reassembler,
     budget_from_proto,
     budget_to_proto,
     hello_from_proto,
@@ -55,6 +54,9 @@ log = logging.getLogger(__name__)
 
 #: How long a newly connected site has to send its Hello.
 HELLO_TIMEOUT_S = 30.0
+#: Longest refusal code / reason kept from a site (the rest is cut).
+MAX_REFUSAL_CODE = 64
+MAX_REFUSAL_REASON = 2000
 #: Metadata key naming the caller in --insecure mode only (development; never with TLS).
 INSECURE_PRINCIPAL_KEY = "x-dpfed-insecure-principal"
 
@@ -150,14 +152,18 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                                 f"{self.federation.schema_digest[:12]}...; "
                                 "every site must use the federation's schema.toml")
         session = await self.registry.attach(site_id, hello)
-        self.store.record_site(site_id, hello)
-        await context.write(site_link_pb2.CoordinatorMessage(
-            welcome=site_link_pb2.Welcome(coordinator_version=__version__,
-                                          protocol_version=PROTOCOL_VERSION, site_id=site_id)))
-        reader = asyncio.create_task(self._read_loop(context, session))
+        reader: asyncio.Task[None] | None = None
         reason = "stream ended"
+        # Everything after attach() is inside try/finally: a site that drops while we record
+        # it or write Welcome (the write raises, or the call is cancelled) is detached too.
         self._live[id(session)] = (session, principal, fingerprint)
         try:
+            self.store.record_site(site_id, hello)
+            await context.write(site_link_pb2.CoordinatorMessage(
+                welcome=site_link_pb2.Welcome(coordinator_version=__version__,
+                                              protocol_version=PROTOCOL_VERSION,
+                                              site_id=site_id)))
+            reader = asyncio.create_task(self._read_loop(context, session))
             while not session.closed.is_set():
                 get = asyncio.ensure_future(session.outbox.get())
                 closed = asyncio.ensure_future(session.closed.wait())
@@ -177,10 +183,14 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
             if refusal is not None:  # dropped by enforce_access: tell the site why
                 reason = refusal
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        except asyncio.CancelledError:
+            reason = "the call was cancelled (the site went away)"
+            raise
         finally:
             self._live.pop(id(session), None)
             self._refused.pop(id(session), None)
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             await self.registry.detach(session, reason)
 
     def enforce_access(self) -> int:
@@ -205,24 +215,38 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
         return closed
 
     async def _read_loop(self, context: grpc.aio.ServicerContext, session: SiteSession) -> None:
-        reassembler = Reassembler(MAX_TRANSFER_BYTES)
+        """Read the site's messages; hold nothing the session did not ask for."""
         while True:
             msg = await context.read()
             if msg is grpc.aio.EOF:
                 return
             which = msg.WhichOneof("body")
             if which == "result_chunk":
-                payload = reassembler.add(msg.result_chunk)
-                if payload is not None:
+                task_id = msg.result_chunk.transfer_id
+                payload = session.add_result_chunk(msg.result_chunk)
+                if payload is None:
+                    continue
+                try:
                     result = result_from_bytes(payload)
-                    if not session.resolve(result.task_id, result):
-                        log.info("[SiteLink] site=%s late or unknown result %s ignored",
-                                 session.site_id, result.task_id)
+                    if result.task_id != task_id:
+                        raise ProtocolError(f"a result for task {result.task_id[:80]!r} "
+                                            f"arrived in the transfer of {task_id!r}")
+                except ProtocolError as exc:
+                    log.warning("[SiteLink] site=%s sent an undecodable result for %s: %s",
+                                session.site_id, task_id, exc)
+                    session.fail(task_id, exc)
+                    continue
+                session.resolve(task_id, result)
             elif which == "refusal":
                 refusal = refusal_from_proto(msg.refusal)
-                reassembler.discard(refusal.task_id)
-                session.resolve(refusal.task_id, refusal)
+                session.resolve(refusal.task_id, Refusal(
+                    refusal.task_id, refusal.code[:MAX_REFUSAL_CODE],
+                    refusal.reason[:MAX_REFUSAL_REASON]))
             elif which == "budget":
+                if not session.allow_budget_report():
+                    log.debug("[SiteLink] site=%s budget report dropped (rate limit)",
+                              session.site_id)
+                    continue
                 budget = budget_from_proto(msg.budget)
                 if budget is not None:
                     session.update_budget(budget)

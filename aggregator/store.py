@@ -9,6 +9,7 @@ same and sites replay the releases they already charged instead of spending agai
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import sqlite3
@@ -20,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dpfed.common.errors import ConfigError, NotFoundError
+from dpfed.common.errors import ConfigError, IdempotencyConflictError, NotFoundError
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteHello, SiteOutcome
 
@@ -70,6 +71,17 @@ def utc_now() -> str:
 def new_job_id() -> str:
     """Return a sortable, unguessable job id, e.g. ``20261122T101500-3fa9c2``."""
     return f"{datetime.now(UTC):%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
+
+
+def _finite_only(value: Any) -> Any:
+    """Replace NaN/Infinity (stored by an older version) by None, so every reader survives."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_only(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_only(v) for v in value]
+    return value
 
 
 def _cost_dict(cost: PrivacyCost | None) -> dict[str, Any] | None:
@@ -161,6 +173,13 @@ class JobStore:
                                  (request_id,)).fetchone()
             if row is not None:
                 job_id, created = row[0], False
+                stored = db.execute("SELECT spec_json FROM jobs WHERE job_id=?",
+                                    (job_id,)).fetchone()[0]
+                if json.loads(stored) != json.loads(_spec_to_json(spec)):
+                    raise IdempotencyConflictError(
+                        f"request_id {request_id!r} was already used for job {job_id} with a "
+                        "different job spec; resubmit the same spec to follow that job, or use "
+                        "a new request_id for a new job")
             else:
                 job_id, created = new_job_id(), True
                 db.execute(
@@ -174,8 +193,8 @@ class JobStore:
         (job_id, _req, _kind, spec_json, state, created, updated, error, sites_json, summary_json,
          submitted_by, _file, size) = row
         return JobInfo(job_id, _spec_from_json(spec_json), state, created, updated, error,
-                       _outcomes_from_json(sites_json), json.loads(summary_json), submitted_by,
-                       int(size))
+                       _outcomes_from_json(sites_json), _finite_only(json.loads(summary_json)),
+                       submitted_by, int(size))
 
     def get_job(self, job_id: str) -> JobInfo:
         """Return a job (NotFoundError if unknown)."""
@@ -215,7 +234,7 @@ class JobStore:
             args.append(_outcomes_to_json(sites))
         if summary is not None:
             sets.append("summary_json=?")
-            args.append(json.dumps(summary))
+            args.append(json.dumps(summary, allow_nan=False))  # never store NaN/Infinity
         with self._tx() as db:
             cur = db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id=?", (*args, job_id))
             if cur.rowcount == 0:

@@ -28,6 +28,7 @@ import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -35,7 +36,12 @@ from dpfed.common import exit_codes
 from dpfed.common.errors import ProtocolError
 from dpfed.common.pb.v1 import site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport.grpc_errors import tls_hint
-from dpfed.common.transport.grpc_options import CHUNK_BYTES, MAX_TRANSFER_BYTES, channel_options
+from dpfed.common.transport.grpc_options import (
+    CHUNK_BYTES,
+    DEFAULT_KEEPALIVE_S,
+    MAX_TRANSFER_BYTES,
+    channel_options,
+)
 from dpfed.common.transport.protocol import Refusal, SiteHello
 from dpfed.common.transport.wire import (
     Reassembler,
@@ -100,6 +106,7 @@ class SiteAgent:
                  runner: TaskRunner, hello: Callable[[], SiteHello], connect_timeout_s: float,
                  server_name: str | None = None, insecure_principal: str | None = None,
                  coordinator_check: CoordinatorCheck | None = None,
+                 keepalive_s: float = DEFAULT_KEEPALIVE_S,
                  after_connect: Callable[[], bool] | None = None) -> None:
         self.address = address
         self.credentials = credentials
@@ -109,6 +116,7 @@ class SiteAgent:
         self.server_name = server_name
         self.insecure_principal = insecure_principal
         self.coordinator_check = coordinator_check
+        self.keepalive_s = keepalive_s
         self.after_connect = after_connect
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
@@ -121,7 +129,7 @@ class SiteAgent:
         self._stop.set()
 
     def _channel(self) -> grpc.aio.Channel:
-        options = channel_options(self.server_name)
+        options = channel_options(self.server_name, self.keepalive_s)
         if self.credentials is None:
             return grpc.aio.insecure_channel(self.address, options=options)
         return grpc.aio.secure_channel(self.address, self.credentials, options=options)
@@ -207,11 +215,13 @@ class SiteAgent:
             log.info("[SiteAgent.session] connected to %s as site %s (coordinator %s)",
                      self.address, self.site_id, first.welcome.coordinator_version)
             reassembler = Reassembler(MAX_TRANSFER_BYTES)
-            running: set[asyncio.Task[None]] = set()
+            running: set[asyncio.Future[Any]] = set()
             if self.after_connect is not None:
-                t = asyncio.ensure_future(self._after_connect(call, write_lock))
-                running.add(t)
-                t.add_done_callback(running.discard)
+                # Submitted to the task thread before any task can be: the count runs first,
+                # and the fresh Hello is written before any task's answer (the lock is FIFO).
+                counting = asyncio.ensure_future(self._after_connect(call, write_lock))
+                running.add(counting)
+                counting.add_done_callback(running.discard)
             stop_wait = asyncio.ensure_future(self._stop.wait())
             revoked: asyncio.Future[None] = (
                 asyncio.ensure_future(self.coordinator_check.wait_until_revoked(coordinator_fp))
@@ -241,12 +251,24 @@ class SiteAgent:
                         return
                     which = msg.WhichOneof("body")
                     if which == "task":
-                        payload = reassembler.add(msg.task.chunk)
+                        transfer_id = msg.task.chunk.transfer_id
+                        try:
+                            payload = reassembler.add(msg.task.chunk)
+                        except ProtocolError as exc:
+                            # Every task gets an answer: refuse the broken transfer by its id.
+                            log.warning("[SiteAgent.session] broken task transfer: %s", exc)
+                            payload = None
+                            if transfer_id:
+                                refuse = asyncio.ensure_future(self._send(call, write_lock, [
+                                    _refusal(transfer_id, f"the task's chunks are invalid: "
+                                                          f"{exc}")]))
+                                running.add(refuse)
+                                refuse.add_done_callback(running.discard)
                         if payload is None:
                             continue
                         deadline = msg.task.deadline_unix_ms / 1000.0 or None
                         t = asyncio.ensure_future(
-                            self._serve_task(call, write_lock, payload, deadline))
+                            self._serve_task(call, write_lock, transfer_id, payload, deadline))
                         running.add(t)
                         t.add_done_callback(running.discard)
                     elif which == "cancel":
@@ -255,8 +277,8 @@ class SiteAgent:
             finally:
                 stop_wait.cancel()
                 revoked.cancel()
-                for t in running:
-                    t.cancel()
+                for unfinished in running:
+                    unfinished.cancel()
 
     async def _after_connect(self, call: grpc.aio.StreamStreamCall,
                              write_lock: asyncio.Lock) -> None:
@@ -281,28 +303,50 @@ class SiteAgent:
                         "next connection): %s", exc)
 
     async def _serve_task(self, call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,
-                          payload: bytes, deadline: float | None) -> None:
+                          transfer_id: str, payload: bytes, deadline: float | None) -> None:
+        """Run one task and send its answer -- a result or a refusal, whatever the task held.
+
+        The answer is written as soon as the ledger committed it; the budget report that
+        follows is read on its own thread, so a result never waits behind queued tasks.
+        """
         try:
             task = task_from_bytes(payload)
-        except ProtocolError as exc:
-            log.warning("[SiteAgent.task] undecodable task: %s", exc)
+        except Exception as exc:  # noqa: BLE001 -- any decoding failure is refused, not dropped
+            log.warning("[SiteAgent.task] undecodable task %.80r: %s", transfer_id, exc)
+            await self._send(call, write_lock, [_refusal(
+                transfer_id, f"the task cannot be decoded: {str(exc)[:500]}")])
             return
         loop = asyncio.get_running_loop()
         outcome = await loop.run_in_executor(self._executor, self.runner.run, task, deadline)
-        messages: list[site_link_pb2.SiteMessage] = []
         if isinstance(outcome, Refusal):
-            messages.append(site_link_pb2.SiteMessage(refusal=refusal_to_proto(outcome)))
+            messages = [site_link_pb2.SiteMessage(refusal=refusal_to_proto(outcome))]
         else:
-            messages.extend(site_link_pb2.SiteMessage(result_chunk=c)
-                            for c in iter_chunks(task.task_id, outcome, CHUNK_BYTES))
-        budget = await loop.run_in_executor(self._executor, self.runner.ledger.status)
-        messages.append(site_link_pb2.SiteMessage(budget=budget_to_proto(budget)))
+            messages = [site_link_pb2.SiteMessage(result_chunk=c)
+                        for c in iter_chunks(task.task_id, outcome, CHUNK_BYTES)]
+        if not await self._send(call, write_lock, messages):
+            # The stream dropped after the ledger committed: the charge and bytes are stored,
+            # so the coordinator's resend of the same task id is answered by replay.
+            log.warning("[SiteAgent.task] could not send the answer to %.80r (stored in the "
+                        "ledger, will be replayed on resend)", task.task_id)
+            return
+        budget = await asyncio.to_thread(self.runner.ledger.status)
+        await self._send(call, write_lock,
+                         [site_link_pb2.SiteMessage(budget=budget_to_proto(budget))])
+
+    @staticmethod
+    async def _send(call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,
+                    messages: list[site_link_pb2.SiteMessage]) -> bool:
+        """Write messages in order under the stream's write lock; False if the stream is gone."""
         try:
             async with write_lock:
                 for m in messages:
                     await call.write(m)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            # The stream dropped after the ledger committed: the charge and bytes are stored,
-            # so the coordinator's resend of the same task id is answered by replay.
-            log.warning("[SiteAgent.task] could not send the answer to %s (stored in the "
-                        "ledger, will be replayed on resend): %s", task.task_id, exc)
+            log.warning("[SiteAgent.send] the stream is gone: %s", exc)
+            return False
+        return True
+
+
+def _refusal(task_id: str, reason: str) -> site_link_pb2.SiteMessage:
+    return site_link_pb2.SiteMessage(
+        refusal=refusal_to_proto(Refusal(task_id, "invalid", reason)))

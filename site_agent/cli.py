@@ -160,6 +160,7 @@ def _run(config: SiteConfig) -> int:
     agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
                       server_name=config.server_name, coordinator_check=check,
+                      keepalive_s=config.keepalive_s,
                       after_connect=prepared.data.ensure_counted)
 
     async def main() -> int:

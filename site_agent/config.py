@@ -6,6 +6,7 @@ Example (paths are relative to the file)::
     address = "coordinator.example.org:50051"
     # server_name = "coordinator.example.org"   # TLS name, when dialling an IP address
     connect_timeout_s = 120     # give up (exit 6) if never connected within this time
+    keepalive_s = 10            # a silent coordinator link is dropped (and redialled) within this
 
     [tls]
     ca = "kit/ca.pem"
@@ -66,6 +67,11 @@ from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.certs import check_principal_id
+from dpfed.common.transport.grpc_options import (
+    DEFAULT_KEEPALIVE_S,
+    MAX_KEEPALIVE_S,
+    MIN_KEEPALIVE_S,
+)
 from dpfed.site_agent.handlers.secagg import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
@@ -151,6 +157,7 @@ class SiteConfig:
     revocation_list: Path | None = None
     #: Per-analyst epsilon caps (analyst id -> epsilon), within the total budget.
     analyst_budgets: dict[str, float] = field(default_factory=dict)
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
 
     @property
     def insecure(self) -> bool:
@@ -185,6 +192,11 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: coordinator.address must be host:port, got {address!r}")
     server_name = coord.string("server_name") or None
     timeout = coord.number("connect_timeout_s", 120.0, positive=True)
+    keepalive_s = coord.number("keepalive_s", DEFAULT_KEEPALIVE_S)
+    if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
+        raise ConfigError(f"{source}: coordinator.keepalive_s must be between "
+                          f"{MIN_KEEPALIVE_S:g} and {MAX_KEEPALIVE_S:g} seconds, "
+                          f"got {keepalive_s!r}")
     coord.check_unknown()
 
     tls_section = root.section("tls")
@@ -297,6 +309,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         budget=budget_policy, allowed_jobs=tuple(allowed), secure=secure,
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
+        keepalive_s=keepalive_s,
     )
 
 

@@ -86,6 +86,7 @@ import logging
 import os
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -515,7 +516,8 @@ class Ledger:
 
     def charge_and_release(self, *, task_id: str, job_id: str, kind: str, payload_digest: str,
                            cost: PrivacyCost, release: Callable[[], bytes],
-                           analyst: str = "") -> LedgerOutcome:
+                           analyst: str = "",
+                           deadline_unix: float | None = None) -> LedgerOutcome:
         """Charge ``cost`` for ``task_id`` and release its bytes, at most once per task id.
 
         Parameters
@@ -539,6 +541,12 @@ class Ledger:
             The analyst the task is attributed to ("" when unknown). It is stored with the
             charge, and when ``analyst_budgets`` names it, the analyst's share is checked
             under the same write lock as the total (refused like an over-budget task).
+        deadline_unix : float, optional
+            The task's deadline (seconds since the epoch). Checked inside the transaction,
+            after the write lock is taken and again after ``release`` returned: a task whose
+            deadline passed is never charged (the coordinator no longer waits for it), and
+            drawn bytes that were not committed never leave the site. A replay of an already
+            charged task is still answered (it costs nothing).
 
         Returns
         -------
@@ -559,6 +567,8 @@ class Ledger:
             (no noise is drawn); a refusal row is recorded, no event.
         LedgerCorruptionError
             The stored bytes of a replayed task no longer match their digest.
+        TaskExpiredError
+            ``deadline_unix`` passed before the charge could be committed; nothing charged.
         sqlite3.OperationalError
             The write lock stayed taken longer than ``busy_timeout_s``; nothing was charged.
         Exception
@@ -595,6 +605,7 @@ class Ledger:
                 conn.execute("ROLLBACK")
                 return self._replay(conn, request, *stored)
 
+            _check_deadline(deadline_unix, request.task_id)
             spent, n_events = _spent_from(conn)  # step 2: derived from events, under the lock
             try:
                 self._policy.check(spent, request.cost)
@@ -612,6 +623,7 @@ class Ledger:
             if not isinstance(result, bytes):
                 raise ValidationError(
                     f"release() must return bytes, got {type(result).__name__}")
+            _check_deadline(deadline_unix, request.task_id)  # rolled back: nothing charged
             event = LedgerEvent(
                 seq=_next_seq(conn), task_id=request.task_id, job_id=request.job_id,
                 kind=request.kind, mechanism=request.cost.mechanism,
@@ -798,6 +810,16 @@ class Ledger:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class TaskExpiredError(DpfedError):
+    """A task's deadline passed before it was charged; nothing was charged or released."""
+
+
+def _check_deadline(deadline_unix: float | None, task_id: str) -> None:
+    if deadline_unix is not None and time.time() > deadline_unix:
+        raise TaskExpiredError(f"task {task_id!r}: its deadline passed "
+                               f"{time.time() - deadline_unix:.3f}s ago; not charged")
 
 
 def _rollback_quietly(conn: sqlite3.Connection) -> None:

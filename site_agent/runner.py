@@ -29,7 +29,7 @@ from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_to_bytes
 from dpfed.site_agent.handlers import HANDLERS, DataAccess, TaskHandler
-from dpfed.site_agent.ledger import Ledger
+from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,23 @@ class TaskRunner:
             np.random.PCG64DXSM(np.random.SeedSequence([self.noise_seed, tag, n_before])))
 
     def run(self, task: Task, deadline_unix: float | None = None) -> bytes | Refusal:
-        """Return the released bytes (a serialized TaskResult) or a Refusal."""
-        tag = f"task={task.task_id} job={task.job_id} kind={task.kind}"
+        """Return the released bytes (a serialized TaskResult) or a Refusal -- always one.
+
+        Nothing a coordinator sends makes this raise: a malformed task id, parameters or
+        arrays are refused with a reason, anything unexpected with code "internal".
+        """
+        try:
+            return self._run(task, deadline_unix)
+        except ValidationError as exc:
+            log.warning("[TaskRunner.run] task=%.80r refused as invalid: %s", task.task_id, exc)
+            return Refusal(task.task_id, "invalid", str(exc))
+        except Exception:
+            log.exception("[TaskRunner.run] task=%.80r failed", task.task_id)
+            return Refusal(task.task_id, "internal",
+                           "the site failed to run the task (see its log)")
+
+    def _run(self, task: Task, deadline_unix: float | None) -> bytes | Refusal:
+        tag = f"task={task.task_id[:80]!r} job={task.job_id[:80]!r} kind={task.kind[:40]!r}"
         if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
             log.warning("[TaskRunner.run] %s refused: kind not allowed by local policy", tag)
             return Refusal(task.task_id, "not_allowed",
@@ -121,7 +136,12 @@ class TaskRunner:
                 cost=prepared.cost,
                 release=lambda: result_to_bytes(prepared.release(rng)),
                 analyst=task.analyst_id,
+                deadline_unix=deadline_unix,
             )
+        except TaskExpiredError as exc:
+            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            return Refusal(task.task_id, "deadline", "the task's deadline passed before it "
+                           "could be charged; nothing was charged or released")
         except BudgetExceededError as exc:
             log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
             return Refusal(task.task_id, "budget_exceeded", str(exc))

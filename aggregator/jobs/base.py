@@ -21,15 +21,18 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.registry import SiteDisconnected, SiteRegistry
+from dpfed.aggregator.registry import SiteDisconnected, SiteRegistry, SiteSession
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.transport.protocol import JobSpec, Refusal, SiteOutcome, Task, TaskResult
 from dpfed.common.transport.wire import task_to_bytes
 
 log = logging.getLogger(__name__)
 
-#: Extra seconds the coordinator waits past a task's deadline for a result in flight.
-DEADLINE_GRACE_S = 2.0
+#: Extra seconds the coordinator waits past a task's deadline for a result in flight (a site
+#: never charges a task whose deadline has passed, so this only covers the transfer).
+DEADLINE_GRACE_S = 0.5
+#: Default cap on one site's answer to one task when the job kind does not give a tighter one.
+DEFAULT_MAX_RESULT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class JobContext:
         self._over_budget: set[str] = set()
         #: The submitting analyst's id (from their certificate); sent with every task.
         self.analyst_id = analyst_id
+        #: Targets of the current round that are disconnected and awaited back.
+        self._absent: set[str] = set()
+        self._changed = asyncio.Event()
 
     @property
     def min_sites(self) -> int:
@@ -121,6 +127,7 @@ class JobContext:
                        progress: tuple[float, float] = (0.0, 0.9),
                        epsilon: float | None = None, delta: float | None = None,
                        only: Collection[str] | None = None,
+                       max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
                        ) -> dict[str, TaskResult]:
         """Run one round: the same task at every eligible site; return the ok results.
 
@@ -131,7 +138,14 @@ class JobContext:
         answer an earlier round of this job successfully (or was left out by
         :meth:`refuse_over_budget`) is not sent later rounds; each site's outcome accumulates
         its spend over the job's rounds. ``only`` restricts the round to these sites (e.g. the
-        participants of a secure sum).
+        participants of a secure sum). ``max_result_bytes`` caps each site's serialized answer
+        (give the kind's expected size plus a margin). ``check_result`` raises
+        :class:`ProtocolError` for a release no honest site could have sent (see
+        ``dpfed.aggregator.jobs.validators``); that site's outcome is "error".
+
+        The round ends when every target answered, when the deadline (plus a short grace for
+        a transfer in flight) passed, or at once when the quorum is met and every target still
+        outstanding is disconnected (a dead site is not awaited until the deadline).
 
         Raises
         ------
@@ -159,19 +173,53 @@ class JobContext:
         done = 0
         results: dict[str, TaskResult] = {}
 
-        async def one(site_id: str) -> None:
+        def record(outcome: SiteOutcome, result: TaskResult | None) -> None:
             nonlocal done
-            outcome = await self._run_at_site(site_id, task, payload, deadline, check_result)
-            self.outcomes[site_id] = _with_earlier_spend(outcome[0], self.outcomes.get(site_id))
-            if outcome[1] is not None:
-                results[site_id] = outcome[1]
+            self.outcomes[outcome.site_id] = _with_earlier_spend(
+                outcome, self.outcomes.get(outcome.site_id))
+            if result is not None:
+                results[outcome.site_id] = result
             done += 1
-            o = outcome[0]
-            detail = "result received" if o.status == "ok" else f"{o.status}: {o.reason}"
-            self.emit("site", f"site {site_id}: {detail} ({done}/{len(targets)})",
+            detail = ("result received" if outcome.status == "ok"
+                      else f"{outcome.status}: {outcome.reason}")
+            self.emit("site", f"site {outcome.site_id}: {detail} ({done}/{len(targets)})",
                       lo + (hi - lo) * done / len(targets))
 
-        await asyncio.gather(*(one(s) for s in targets))
+        async def one(site_id: str) -> None:
+            outcome = await self._run_at_site(site_id, task, payload, deadline, check_result,
+                                              max_result_bytes)
+            record(*outcome)
+
+        running = {asyncio.ensure_future(one(s)): s for s in targets}
+        pending = set(running)
+        self._absent.clear()
+        try:
+            while pending:
+                self._changed.clear()
+                changed = asyncio.ensure_future(self._changed.wait())
+                try:
+                    finished, _ = await asyncio.wait({*pending, changed},
+                                                     return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                pending -= finished
+                for t in finished & set(running):
+                    t.result()  # re-raise a bug in one() instead of hiding it
+                waiting = {running[t] for t in pending}
+                if pending and len(results) >= self.min_sites and waiting <= self._absent:
+                    for t in pending:
+                        t.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    for site_id in sorted(waiting):
+                        record(SiteOutcome(site_id, "disconnected",
+                                           "the site disconnected; the round completed without "
+                                           "it (every other site had answered)",
+                                           row_count=self.outcomes.get(site_id, SiteOutcome(
+                                               site_id, "")).row_count), None)
+                    pending = set()
+        finally:
+            for t in pending:
+                t.cancel()
         if len(results) < self.min_sites:
             failed = "; ".join(f"{o.site_id}: {o.status} ({o.reason})"
                                for o in self.outcomes.values() if o.status != "ok")
@@ -179,8 +227,18 @@ class JobContext:
                               f"this job needs min_sites={self.min_sites}. {failed}")
         return results
 
+    async def _wait_for_return(self, site_id: str, remaining: float) -> SiteSession | None:
+        """Wait for a disconnected target to come back, marked absent meanwhile."""
+        self._absent.add(site_id)
+        self._changed.set()
+        try:
+            return await self.registry.wait_for_site(site_id, remaining)
+        finally:
+            self._absent.discard(site_id)
+
     async def _run_at_site(self, site_id: str, task: Task, payload: bytes, deadline: float,
                            check_result: Callable[[TaskResult], None] | None,
+                           max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
                            ) -> tuple[SiteOutcome, TaskResult | None]:
         task_id = task.task_id
         rows = 0
@@ -191,15 +249,16 @@ class JobContext:
                                    row_count=rows), None
             session = self.registry.get(site_id)
             if session is None:
-                session = await self.registry.wait_for_site(site_id, remaining)
+                session = await self._wait_for_return(site_id, remaining)
                 if session is None:
                     return SiteOutcome(site_id, "disconnected",
                                        "the site disconnected and did not come back before the "
                                        "deadline", row_count=rows), None
             rows = session.hello.row_count
             try:
-                answer = await asyncio.wait_for(session.submit(task_id, payload, deadline),
-                                                remaining)
+                answer = await asyncio.wait_for(
+                    session.submit(task_id, payload, deadline, max_result_bytes=max_result_bytes),
+                    remaining)
             except TimeoutError:
                 return SiteOutcome(site_id, "timeout", "no answer before the deadline",
                                    row_count=rows), None
@@ -207,6 +266,10 @@ class JobContext:
                 log.info("[JobContext] site=%s disconnected during %s; will resend if it returns",
                          site_id, task_id)
                 continue
+            except ProtocolError as exc:
+                log.warning("[JobContext] site=%s misbehaved on %s: %s", site_id, task_id, exc)
+                return SiteOutcome(site_id, "error", f"invalid result: {exc}",
+                                   row_count=rows), None
             if isinstance(answer, Refusal):
                 return SiteOutcome(site_id, "refused", f"{answer.code}: {answer.reason}",
                                    row_count=rows), None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +13,20 @@ from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
 from dpfed.aggregator.jobs.pca_secure import run_secure_pca
+from dpfed.aggregator.jobs.validators import (
+    NOISE_BOUND_TAIL,
+    RESULT_ENVELOPE_BYTES,
+    check_gram_factor,
+    require_array,
+    require_positive_int,
+    symmetric_gaussian_norm_bound,
+)
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common.errors import ProtocolError
 from dpfed.common.job_params import PCAParams
-from dpfed.common.pca.centring import dp_mean
-from dpfed.common.pca.clipping import dp_quantile, norm_bound, norm_grid
-from dpfed.common.pca.dppca import combine, site_weights
+from dpfed.common.pca.centring import dp_mean, mean_sum_mechanism
+from dpfed.common.pca.clipping import dp_quantile, norm_bound, norm_grid, norm_histogram_mechanism
+from dpfed.common.pca.dppca import combine, pca_mechanism, site_weights
 from dpfed.common.pca.features import max_feature_norm
 from dpfed.common.transport.protocol import JobSpec, TaskResult
 from dpfed.common.validation import check_delta, check_epsilon
@@ -67,8 +76,10 @@ class PCAJob(JobType):
 
         if centred:
             eps, dl = budget["mean"]
+            mean_sigma = mean_sum_mechanism(eps, dl, params.calibration).sigma
             res = await ctx.dispatch("pca", {**base, "stage": "mean"}, round_name="mean",
-                                     epsilon=eps, delta=dl, check_result=_check_vector("sum", p),
+                                     epsilon=eps, delta=dl,
+                                     check_result=_check_vector("sum", p, mean_sigma),
                                      progress=(start, start + span))
             start += span
             record("mean", res)
@@ -83,7 +94,10 @@ class PCAJob(JobType):
             edges = norm_grid(norm_bound(schema, centred))
             res = await ctx.dispatch("pca", {**base, "stage": "norms"}, round_name="norms",
                                      arrays=arrays, epsilon=eps, delta=dl,
-                                     check_result=_check_vector("histogram", len(edges)),
+                                     check_result=_check_vector(
+                                         "histogram", len(edges),
+                                         norm_histogram_mechanism(
+                                             eps, dl, params.calibration).sigma),
                                      progress=(start, start + span))
             start += span
             record("norms", res)
@@ -96,20 +110,22 @@ class PCAJob(JobType):
         clip_used = clip if clip is not None else norm_bound(schema, centred)
 
         def check(result: TaskResult) -> None:
-            factor = result.arrays.get("factor")
-            if factor is None or factor.shape != (p, params.rank) or factor.dtype != np.float64:
-                shape = None if factor is None else factor.shape
-                raise ProtocolError(f"expected a float64 factor of shape ({p}, {params.rank}), "
-                                    f"got {shape}")
-            if not np.all(np.isfinite(factor)):
-                raise ProtocolError("the factor holds non-finite values")
-            _check_rows(result)
+            factor = require_array(result, "factor", (p, params.rank))
+            n = require_positive_int(result.metadata, "n_rows")
+            # What an honest P_s can be: ||z z^T|| <= 1 for every row (unit-ball rows, centred
+            # or not) plus the noise, whose sigma is public (the round's epsilon and delta,
+            # the calibration and the site's N_s; both PCA releases have sensitivity sqrt2/N_s).
+            sigma = pca_mechanism(n, eps, dl, params.calibration).sigma
+            check_gram_factor(factor, "P_s", trace_bound=1.0,
+                              noise_norm_bound=symmetric_gaussian_norm_bound(sigma, p))
 
         eps, dl = budget["pca"]
+        # The answer is P_s (p x R float64) plus a small envelope (metadata, spend).
+        expected = p * params.rank * 8
         results = await ctx.dispatch(
             "pca", {**base, "clip_norm": "schema" if clip is None else clip, "stage": "pca"},
             round_name="pca", arrays=arrays, epsilon=eps, delta=dl, check_result=check,
-            progress=(start, 0.9))
+            progress=(start, 0.9), max_result_bytes=expected + RESULT_ENVELOPE_BYTES)
         record("pca", results)
         ctx.emit("combine", f"combining {len(results)} site factor(s) (p={p}, "
                  f"R={params.rank}) into K={params.n_components} components "
@@ -158,16 +174,21 @@ def _check_rows(result: TaskResult) -> None:
         raise ProtocolError("result lacks a positive n_rows")
 
 
-def _check_vector(name: str, length: int) -> Callable[[TaskResult], None]:
-    """Return a check for a finite float64 vector ``name`` of ``length`` and n_rows > 0."""
+def _check_vector(name: str, length: int, sigma: float) -> Callable[[TaskResult], None]:
+    """Return a check for a site's noisy vector ``name``: what an honest release can be.
+
+    Both vector rounds release a sum over the site's rows of vectors of norm at most 1 (the
+    rows scaled into the unit ball; one-hot norm histograms), so the exact part has norm at most
+    ``N_s``; the Gaussian noise's norm is at most ``sigma (sqrt(length) + NOISE_BOUND_TAIL)``
+    with overwhelming probability.
+    """
 
     def check(result: TaskResult) -> None:
-        v = result.arrays.get(name)
-        if v is None or v.shape != (length,) or v.dtype != np.float64:
-            shape = None if v is None else v.shape
-            raise ProtocolError(f"expected a float64 {name!r} of shape ({length},), got {shape}")
-        if not np.all(np.isfinite(v)) or float(np.max(np.abs(v), initial=0.0)) > 1e12:
-            raise ProtocolError(f"{name!r} holds non-finite or absurd values")
-        _check_rows(result)
+        v = require_array(result, name, (length,))
+        n = require_positive_int(result.metadata, "n_rows")
+        bound = n + sigma * (math.sqrt(length) + NOISE_BOUND_TAIL)
+        if float(np.linalg.norm(v)) > bound:
+            raise ProtocolError(f"{name!r} has norm {float(np.linalg.norm(v)):.4g}, more than "
+                                f"an honest release can have ({bound:.4g})")
 
     return check

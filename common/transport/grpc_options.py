@@ -9,9 +9,13 @@ Message size
     leave headroom for a chunk plus its envelope; a larger message fails with
     RESOURCE_EXHAUSTED instead of hanging.
 Keepalive
-    The site pings every ``KEEPALIVE_TIME_MS`` so a coordinator restart or a dead NAT mapping is
-    noticed within about a minute; the server is told to accept pings that often (otherwise it
-    answers GOAWAY "too_many_pings", see grpc/doc/keepalive.md), and pings idle sites itself.
+    Both ends send HTTP/2 pings every half ``keepalive_s`` and drop the connection when a ping
+    is not answered within the other half, so a dead or hung peer (a crashed host, a stopped
+    process, a dead NAT mapping) is noticed within ``keepalive_s`` seconds
+    (``DEFAULT_KEEPALIVE_S``; ``[server] keepalive_s`` in aggregator.toml, ``[coordinator]
+    keepalive_s`` in site.toml). The server accepts pings as often as once a second and never
+    answers them with GOAWAY "too_many_pings" (grpc/doc/keepalive.md), so the two settings
+    need not agree.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_TRANSFER_BYTES = 1 << 30
 
-KEEPALIVE_TIME_MS = 30_000
-KEEPALIVE_TIMEOUT_MS = 20_000
+#: Default seconds within which a silent peer is declared gone (pings every half of it).
+DEFAULT_KEEPALIVE_S = 10.0
+#: Smallest and largest keepalive accepted in a config file (seconds).
+MIN_KEEPALIVE_S = 1.0
+MAX_KEEPALIVE_S = 3600.0
 
 #: Default per-call timeout of unary analyst calls (seconds).
 DEFAULT_RPC_TIMEOUT_S = 30.0
@@ -29,34 +36,39 @@ DEFAULT_RPC_TIMEOUT_S = 30.0
 Options = list[tuple[str, int | str]]
 
 
-def _common() -> Options:
+def _common(keepalive_s: float) -> Options:
+    half_ms = max(500, int(keepalive_s * 500))
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", half_ms),
+        ("grpc.keepalive_timeout_ms", half_ms),
+        # gRPC core >= 1.5x times an unanswered ping out after grpc.http2.ping_timeout_ms
+        # (default one minute) whatever keepalive_timeout_ms says: set both.
+        ("grpc.http2.ping_timeout_ms", half_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
-def server_options() -> Options:
-    """Options for the coordinator's server."""
-    return _common() + [
-        # Accept the clients' keepalive pings (they ping every KEEPALIVE_TIME_MS).
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 3),
+def server_options(keepalive_s: float = DEFAULT_KEEPALIVE_S) -> Options:
+    """Options for the coordinator's server (pings each site every ``keepalive_s / 2``)."""
+    return _common(keepalive_s) + [
+        # Accept the clients' keepalive pings whatever their own keepalive_s.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),
     ]
 
 
-def channel_options(server_name: str | None = None) -> Options:
+def channel_options(server_name: str | None = None,
+                    keepalive_s: float = DEFAULT_KEEPALIVE_S) -> Options:
     """Options for channels from sites and analysts to the coordinator.
 
     ``server_name`` overrides the TLS name checked against the coordinator's certificate
     (useful when dialling an IP address that is not in the certificate).
     """
-    opts = _common() + [
+    opts = _common(keepalive_s) + [
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", 10_000),
     ]

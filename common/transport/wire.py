@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from dpfed.common.errors import ProtocolError
 from dpfed.common.pb.v1 import analyst_pb2, site_link_pb2, types_pb2
@@ -113,11 +113,29 @@ def struct_to_proto(data: Mapping[str, Any]) -> struct_pb2.Struct:
     return s
 
 
+def _value_from_proto(value: struct_pb2.Value) -> Any:
+    which = value.WhichOneof("kind")
+    if which == "number_value":
+        return _normalise(value.number_value)
+    if which == "string_value":
+        return value.string_value
+    if which == "bool_value":
+        return value.bool_value
+    if which == "struct_value":
+        return {k: _value_from_proto(v) for k, v in value.struct_value.fields.items()}
+    if which == "list_value":
+        return [_value_from_proto(v) for v in value.list_value.values]
+    return None
+
+
 def struct_from_proto(msg: struct_pb2.Struct) -> dict[str, Any]:
-    """Decode a Struct to plain Python values (integral numbers as ints)."""
-    result = _normalise(json_format.MessageToDict(msg))
-    assert isinstance(result, dict)
-    return result
+    """Decode a Struct to plain Python values (integral numbers as ints).
+
+    Walks the message itself instead of ``json_format.MessageToDict``, which raises on a NaN
+    or infinite number: a peer's non-finite value decodes to a float NaN/inf here and is then
+    rejected by the validator of the field it sits in, with that field's name.
+    """
+    return {k: _value_from_proto(v) for k, v in msg.fields.items()}
 
 
 # --------------------------------------------------------------------------- privacy
@@ -228,16 +246,20 @@ class Reassembler:
         self._parts: dict[str, list[bytes]] = {}
         self._sizes: dict[str, int] = {}
 
-    def add(self, chunk: ProtoChunk) -> bytes | None:
-        """Add one chunk; return the whole payload when its last chunk arrives."""
+    def add(self, chunk: ProtoChunk, limit: int | None = None) -> bytes | None:
+        """Add one chunk; return the whole payload when its last chunk arrives.
+
+        ``limit`` (optional) lowers the size limit for this transfer, e.g. to what the
+        receiver expects for the task the transfer answers.
+        """
         tid = chunk.transfer_id
         if not tid:
             raise ProtocolError("chunk without transfer_id")
-        if chunk.total_size > self.max_bytes:
-            self._parts.pop(tid, None)
+        cap = self.max_bytes if limit is None else min(limit, self.max_bytes)
+        if chunk.total_size > cap:
+            self.discard(tid)
             raise ProtocolError(
-                f"transfer {tid!r} declares {chunk.total_size} bytes; "
-                f"the limit is {self.max_bytes}")
+                f"transfer {tid!r} declares {chunk.total_size} bytes; the limit is {cap}")
         parts = self._parts.setdefault(tid, [])
         if chunk.index != len(parts):
             self.discard(tid)

@@ -181,7 +181,8 @@ async def _run_job(fed: LocalFederation, analyst: str, eps: float) -> JobInfo:
     kit = fed.certs / "analysts" / analyst
     creds = load_channel_credentials(kit / "ca.pem", kit / "analyst.pem", kit / "analyst.key")
     async with grpc.aio.secure_channel(fed.address, creds, options=channel_options()) as ch:
-        spec = JobSpec("pca", eps, 1e-6, {"n_components": 2}, min_sites=1)
+        one_round = {"n_components": 2, "centering": "none", "clip_norm": "schema"}
+        spec = JobSpec("pca", eps, 1e-6, one_round, min_sites=1)
         last = None
         async for event in analyst_pb2_grpc.AnalystStub(ch).SubmitJob(
                 analyst_pb2.SubmitJobRequest(spec=job_spec_to_proto(spec)), timeout=TIMEOUT):
