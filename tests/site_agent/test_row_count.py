@@ -67,7 +67,7 @@ async def test_hello_goes_out_before_the_count_and_is_updated_after(tmp_path: Pa
     schema_path, data = _demo(tmp_path, 900)
     schema = Schema.load(schema_path)
     config = AggregatorConfig(source="test", listen="127.0.0.1:0", tls=None,
-                              schema_path=schema_path, allowed_sites=(), min_sites=1,
+                              schema_path=schema_path, allowed_sites=("hospital-a",), min_sites=1,
                               task_deadline_s=30.0, resume_wait_s=0.0,
                               store_path=tmp_path / "store")
     coordinator = await start_coordinator(config)

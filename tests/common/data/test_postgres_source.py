@@ -167,7 +167,8 @@ def test_site_config_reads_the_password_from_env_or_file(
     assert READER_PASSWORD not in repr(spec) and READER_PASSWORD not in repr(config)
     source = open_data_source(spec, SCHEMA)
     # The site's PCA task runs on it like on a file.
-    task = Task("j/pca", "j", "pca", 1.0, 1e-5, {"n_components": 2})
+    task = Task("j/pca", "j", "pca", 1.0, 1e-5,
+                {"n_components": 2, "centering": "none", "clip_norm": "schema"})
     prepared = PCAHandler().prepare(task, source)
     assert math.isclose(prepared.cost.epsilon, 1.0)
     secret = tmp_path / "pg_password"
