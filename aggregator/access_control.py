@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 
 from dpfed.common.transport.access import AccessList, WatchedAccessList
-from dpfed.common.transport.certs import Principal
+from dpfed.common.transport.identity import Principal
 
 log = logging.getLogger(__name__)
 

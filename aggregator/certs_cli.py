@@ -30,10 +30,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpfed.common import exit_codes
 from dpfed.common.errors import CertificateError, ConfigError, ValidationError
-from dpfed.common.transport import certs
+from dpfed.common.transport.cert_defaults import DEFAULT_CA_VALIDITY_DAYS, DEFAULT_VALIDITY_DAYS
+
+if TYPE_CHECKING:
+    from dpfed.common.transport import certs
 
 
 def _id_list(text: str) -> list[str]:
@@ -64,6 +68,8 @@ def _print_issued(issued: certs.IssuedCertificate) -> None:
 
 
 def _run_init(args: argparse.Namespace) -> int:
+    from dpfed.common.transport import certs
+
     try:
         federation = certs.init_federation(
             args.out,
@@ -85,6 +91,8 @@ def _run_init(args: argparse.Namespace) -> int:
 
 
 def _run_issue(args: argparse.Namespace) -> int:
+    from dpfed.common.transport import certs
+
     if args.coordinator is not None:
         role, name, hosts = "coordinator", None, args.coordinator
     elif args.site is not None:
@@ -112,6 +120,8 @@ def _run_issue(args: argparse.Namespace) -> int:
 
 def _resolve_name(ca_dir: Path, name: str) -> tuple[str, str | None]:
     """Turn ``site/ID``, ``analyst/ID``, ``coordinator`` or a bare id into (role, id)."""
+    from dpfed.common.transport import certs
+
     if name == certs.COORDINATOR_NAME:
         return "coordinator", None
     role, sep, rest = name.partition("/")
@@ -129,6 +139,8 @@ def _resolve_name(ca_dir: Path, name: str) -> tuple[str, str | None]:
 
 
 def _run_revoke(args: argparse.Namespace) -> int:
+    from dpfed.common.transport import certs
+
     try:
         role, name = _resolve_name(args.ca_dir, args.name)
         fp = certs.revoke_certificate(args.ca_dir, role=role, name=name, reason=args.reason)
@@ -142,6 +154,8 @@ def _run_revoke(args: argparse.Namespace) -> int:
 
 
 def _run_show(args: argparse.Namespace) -> int:
+    from dpfed.common.transport import certs
+
     for i, path in enumerate(args.paths):
         try:
             info = certs.describe_certificate(path)
@@ -199,16 +213,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     init.add_argument(
         "--validity-days",
         type=int,
-        default=certs.DEFAULT_VALIDITY_DAYS,
+        default=DEFAULT_VALIDITY_DAYS,
         metavar="N",
-        help=f"lifetime of the issued certificates (default {certs.DEFAULT_VALIDITY_DAYS})",
+        help=f"lifetime of the issued certificates (default {DEFAULT_VALIDITY_DAYS})",
     )
     init.add_argument(
         "--ca-validity-days",
         type=int,
-        default=certs.DEFAULT_CA_VALIDITY_DAYS,
+        default=DEFAULT_CA_VALIDITY_DAYS,
         metavar="N",
-        help=f"lifetime of the CA (default {certs.DEFAULT_CA_VALIDITY_DAYS})",
+        help=f"lifetime of the CA (default {DEFAULT_CA_VALIDITY_DAYS})",
     )
     init.add_argument(
         "--force",
@@ -241,9 +255,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     issue.add_argument(
         "--validity-days",
         type=int,
-        default=certs.DEFAULT_VALIDITY_DAYS,
+        default=DEFAULT_VALIDITY_DAYS,
         metavar="N",
-        help=f"lifetime in days (default {certs.DEFAULT_VALIDITY_DAYS}; capped at the CA's)",
+        help=f"lifetime in days (default {DEFAULT_VALIDITY_DAYS}; capped at the CA's)",
     )
     issue.add_argument("--force", action="store_true", help="replace this principal's kit")
     issue.set_defaults(func=_run_issue)

@@ -3,20 +3,23 @@
     dpfed simulate [--sites N --rows R --features P --k K --epsilon E --delta D --seed S --out DIR]
     dpfed certs init|issue|show ...
     dpfed demo-data --out DIR [--sites N --rows R --features P --seed S]
-    dpfed sites [--all]                  connected sites, rows and remaining budgets
-    dpfed budgets                        every known site's budget
+    dpfed sites [--all] [--json]         connected sites, rows and remaining budgets
+    dpfed budgets [--json]               every known site's budget
     dpfed pca --k K --epsilon E --delta D [--rank R] [--calibration analytic|classic]
               [--min-sites M] [--clip-norm auto|schema|C] [--centering mean|none]
               [--site-weighting size|equal] [--aggregation site|secure] [--wait-sites N]
               --out pca.npz [--report HTML]
-    dpfed report pca.npz [--out report.html]   the HTML report of a result file
-    dpfed jobs                           recent jobs
-    dpfed job ID [--watch]               one job (follow its progress with --watch)
+    dpfed svt --queries Q.toml --epsilon E --threshold T [--session ID] ...   (docs/queries.md)
+    dpfed query --columns C[,C2] --workload W --epsilon E [--bins C=EDGES] ...
+    dpfed report RESULT [--out report.html]   the HTML report of a result file
+    dpfed jobs [--limit N] [--json]      recent jobs
+    dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
 
 Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
 the environment variables DPFED_COORDINATOR, DPFED_CA, DPFED_CERT, DPFED_KEY,
-DPFED_SERVER_NAME).
+DPFED_SERVER_NAME). Every command exits with a code of ``dpfed.common.exit_codes`` (table in
+docs/cli.md); ``--json`` field names are documented there too.
 """
 
 from __future__ import annotations
@@ -26,18 +29,28 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from dpfed.aggregator.certs_cli import register as register_certs
-from dpfed.aggregator.client import Coordinator
-from dpfed.aggregator.describe import describe_job
 from dpfed.common import exit_codes
-from dpfed.common.errors import (
-    ConfigError,
-    DpfedError,
+from dpfed.common.cli_support import (
+    LazyArgumentParser,
+    add_json_flag,
+    add_version,
+    address,
+    check_address,
+    format_table,
+    parse_args,
+    print_json,
+    run_command,
 )
-from dpfed.common.job_params import CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
-from dpfed.common.transport.protocol import JobEvent
+from dpfed.common.errors import ConfigError
+from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
+
+# Start-up time matters (``dpfed --help`` < 0.3 s): numpy, pandas, scipy, grpc and
+# cryptography are imported inside the commands that use them, never at module level.
+if TYPE_CHECKING:
+    from dpfed.aggregator.client import Coordinator
+    from dpfed.common.transport.protocol import JobEvent
 
 if TYPE_CHECKING:
     from dpfed.aggregator.pca_result import PCAResult
@@ -48,7 +61,8 @@ ENV = {"coordinator": "DPFED_COORDINATOR", "ca": "DPFED_CA", "cert": "DPFED_CERT
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection (or environment variables DPFED_*)")
-    g.add_argument("--coordinator", help="coordinator HOST:PORT [$DPFED_COORDINATOR]")
+    g.add_argument("--coordinator", type=address("--coordinator"), metavar="HOST:PORT",
+                   help="coordinator address [$DPFED_COORDINATOR]")
     g.add_argument("--ca", help="federation CA certificate [$DPFED_CA]")
     g.add_argument("--cert", help="analyst certificate [$DPFED_CERT]")
     g.add_argument("--key", help="analyst private key [$DPFED_KEY]")
@@ -59,10 +73,14 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
 
 def connect(args: argparse.Namespace) -> Coordinator:
     """Open a connection from flags or environment; ConfigError names what is missing."""
+    from dpfed.aggregator.client import Coordinator
+
     values = {k: getattr(args, k, None) or os.environ.get(env) for k, env in ENV.items()}
     if not values["coordinator"]:
         raise ConfigError("no coordinator address: pass --coordinator HOST:PORT or set "
                           "DPFED_COORDINATOR")
+    if not getattr(args, "coordinator", None):
+        check_address(values["coordinator"] or "", "DPFED_COORDINATOR")
     missing = [f"--{k}" for k in ("ca", "cert", "key") if not values[k]]
     if missing:
         raise ConfigError(f"missing {', '.join(missing)} (an analyst certificate from "
@@ -82,28 +100,39 @@ def print_event(event: JobEvent) -> None:
 
 def cmd_sites(args: argparse.Namespace) -> int:
     """List sites."""
+    from dpfed.aggregator.json_views import site_json
+
     with connect(args) as coord:
         sites = coord.sites(include_disconnected=args.all)
+    if args.json:
+        print_json([site_json(s) for s in sites])
+        return exit_codes.OK
     if not sites:
         print("no sites connected")
         return exit_codes.OK
-    print(f"{'site':<16} {'state':<12} {'rows':>10} {'eps spent':>10} {'eps left':>10} "
-          f"{'delta left':>10}  jobs")
+    rows = []
     for s in sites:
         b = s.budget
-        spent = f"{b.epsilon_spent:.4g}" if b else "?"
-        left = f"{b.epsilon_remaining:.4g}" if b else "?"
-        dleft = f"{b.delta_remaining:.3g}" if b else "?"
-        state = "connected" if s.connected else "offline"
-        print(f"{s.site_id:<16} {state:<12} {s.row_count:>10} {spent:>10} {left:>10} "
-              f"{dleft:>10}  {','.join(s.allowed_kinds)}")
+        rows.append((s.site_id, "connected" if s.connected else "offline", s.row_count,
+                     f"{b.epsilon_spent:.4g}" if b else "?",
+                     f"{b.epsilon_remaining:.4g}" if b else "?",
+                     f"{b.delta_remaining:.3g}" if b else "?", ",".join(s.allowed_kinds)))
+    print(format_table(("site", "state", "rows", "eps spent", "eps left", "delta left", "jobs"),
+                       rows, right=(2, 3, 4, 5)))
     return exit_codes.OK
 
 
 def cmd_budgets(args: argparse.Namespace) -> int:
     """List every known site's budget."""
+    from dpfed.aggregator.json_views import budget_row_json
+
     with connect(args) as coord:
         rows = coord.budgets()
+    if args.json:
+        print_json([budget_row_json(site_id, connected, b) for site_id, connected, b in rows])
+        return exit_codes.OK
+    if not rows:
+        print("no sites known")
     for site_id, connected, b in rows:
         if b is None:
             print(f"{site_id}: no budget reported")
@@ -114,11 +143,17 @@ def cmd_budgets(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
+#: ``dpfed pca`` flags of the pca job's parameters (for error messages).
+PCA_FIELD_FLAGS = {"n_components": "--k", "rank": "--rank", "clip_norm": "--clip-norm",
+                   "calibration": "--calibration"}
+
+
 def cmd_pca(args: argparse.Namespace) -> int:
     """Run a DP-PCA job."""
     with connect(args) as coord:
         if args.wait_sites:
-            print(f"waiting for {args.wait_sites} site(s) to connect...", flush=True)
+            print(f"waiting for {args.wait_sites} site(s) to connect (up to "
+                  f"{args.wait_timeout:g}s)...", flush=True)
             coord.wait_for_sites(args.wait_sites, timeout=args.wait_timeout)
         result = coord.pca(args.k, epsilon=args.epsilon, delta=args.delta, rank=args.rank,
                            calibration=args.calibration, clip_norm=args.clip_norm,
@@ -132,10 +167,11 @@ def cmd_pca(args: argparse.Namespace) -> int:
         report = write_pca_report(result, args.report)
         print(f"wrote {report}")
     meta = result.metadata
-    print(f"wrote {path}: {result.n_components_} components over {len(result.feature_names_in_)} "
+    k = result.n_components_
+    ratios = ", ".join(f"{v:.3f}" for v in result.explained_variance_ratio_[:k])
+    print(f"wrote {path}: {k} components over {len(result.feature_names_in_)} "
           f"features from {len(meta.get('sites', []))} site(s), "
-          f"{meta.get('n_rows_total', '?')} rows; explained variance ratio (top 5): "
-          + ", ".join(f"{v:.3f}" for v in result.explained_variance_ratio_[:5]))
+          f"{meta.get('n_rows_total', '?')} rows; explained variance ratio: {ratios}")
     return exit_codes.OK
 
 
@@ -150,38 +186,58 @@ def write_pca_report(result: PCAResult, out: str | Path) -> Path:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Write the HTML report of a saved result file."""
-    from dpfed.aggregator.pca_result import PCAResult
+    """Write the HTML report of a saved result file (any kind)."""
+    from dpfed.aggregator.result_reports import report_for_result
 
-    try:
-        result = PCAResult.load(args.result)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{exc} (the file `dpfed pca --out` or `dpfed fetch` wrote)") from None
-    path = write_pca_report(result, args.out)
-    print(f"wrote {path}")
+    rep = report_for_result(args.result)
+    out = Path(args.out) if args.out else Path(args.result).with_suffix(".html")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(rep.render(), encoding="utf-8")
+    print(f"wrote {out}")
     return exit_codes.OK
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """List recent jobs."""
+    from dpfed.aggregator.json_views import job_json
+
     with connect(args) as coord:
         jobs = coord.jobs(args.limit)
+    if args.json:
+        print_json([job_json(j) for j in jobs])
+        return exit_codes.OK
     if not jobs:
         print("no jobs")
+        return exit_codes.OK
+    rows = []
     for j in jobs:
         ok = sum(1 for s in j.sites if s.status == "ok")
-        print(f"{j.job_id}  {j.spec.kind:<6} {j.state:<10} eps={j.spec.epsilon:<6g} "
-              f"sites ok={ok}/{len(j.sites)}  {j.created}  {j.error[:60]}")
+        rows.append((j.job_id, j.spec.kind, j.state, f"{j.spec.epsilon:g}",
+                     f"{ok}/{len(j.sites)}", j.created, j.error))
+    print(format_table(("job", "kind", "state", "epsilon", "sites ok", "created", "error"),
+                       rows, right=(3, 4)))
     return exit_codes.OK
 
 
 def cmd_job(args: argparse.Namespace) -> int:
     """Show (or follow) one job."""
+    from dpfed.aggregator.describe import describe_job
+    from dpfed.aggregator.json_views import job_json
+
     with connect(args) as coord:
-        job = coord.watch(args.job_id, on_event=print_event) if args.watch else coord.job(
-            args.job_id)
-    print(describe_job(job))
-    return exit_codes.OK if job.state != "failed" else exit_codes.JOB_FAILED
+        if args.watch:
+            job = coord.watch(args.job_id, on_event=None if args.json else print_event)
+        else:
+            job = coord.job(args.job_id)
+    if args.json:
+        print_json(job_json(job))
+    else:
+        print(describe_job(job))
+    if job.state == "failed":
+        from dpfed.aggregator.client import job_failure
+
+        return exit_codes.for_error(job_failure(job))
+    return exit_codes.OK
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -214,21 +270,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run_simulation(simulation_options_from_args(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the command-line interface."""
-    parser = argparse.ArgumentParser(
-        prog="dpfed", description="Federated differential privacy for hospital consortia.",
-        epilog="Run `dpfed COMMAND --help` for a command's options.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     from dpfed.aggregator.simulate import add_simulate_arguments
 
-    sim = sub.add_parser("simulate", help="coordinator + N hospitals as local processes over "
-                         "real mTLS gRPC, generated (or your) data, every job end to end")
-    add_simulate_arguments(sim)
-    sim.set_defaults(func=cmd_simulate)
+    add_simulate_arguments(parser)
 
-    register_certs(sub)
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the command-line interface.
+
+    A command sets ``func`` (``(args) -> exit code``) and, where its options map to job
+    parameters, ``field_flags`` (parameter name -> flag) so error messages name the flag.
+    """
+    parser = argparse.ArgumentParser(
+        prog="dpfed", description="Federated differential privacy for hospital consortia.",
+        epilog="Run `dpfed COMMAND --help` for a command's options. Exit codes: docs/cli.md.")
+    add_version(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=LazyArgumentParser)
+
+    sim = sub.add_parser("simulate", help="coordinator + N hospitals as local processes over "
+                         "real mTLS gRPC, generated (or your) data, every job end to end",
+                         populate=_simulate_arguments)
+    sim.set_defaults(func=cmd_simulate, field_flags=PCA_FIELD_FLAGS)
+
+    from dpfed.aggregator.certs_cli import register as register_certs
+
+    register_certs(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
 
     p = sub.add_parser("demo-data", help="generate demo hospital tables with a latent factor "
                        "structure and their schema.toml")
@@ -243,10 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sites", help="connected sites, rows and remaining budgets")
     p.add_argument("--all", action="store_true", help="include sites seen before but offline")
+    add_json_flag(p)
     _connection_args(p)
     p.set_defaults(func=cmd_sites)
 
     p = sub.add_parser("budgets", help="every known site's privacy budget")
+    add_json_flag(p)
     _connection_args(p)
     p.set_defaults(func=cmd_budgets)
 
@@ -267,31 +337,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default=None,
                    help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
     p.add_argument("--report", metavar="HTML", help="also write the HTML report here")
-    p.add_argument("--aggregation", choices=["site", "secure"], default=None,
+    p.add_argument("--aggregation", choices=list(AGGREGATIONS), default=None,
                    help="site: each site noises its own release (default); secure: a secure "
                         "sum with distributed noise (pooled-data utility)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")
     p.add_argument("--wait-sites", type=int, default=0, metavar="N",
-                   help="first wait until N sites are connected")
-    p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds for --wait-sites")
+                   help="first wait until N sites are connected (retrying while the "
+                   "coordinator starts)")
+    p.add_argument("--wait-timeout", type=float, default=300.0,
+                   help="seconds for --wait-sites (default 300)")
     _connection_args(p)
-    p.set_defaults(func=cmd_pca)
+    p.set_defaults(func=cmd_pca, field_flags=PCA_FIELD_FLAGS)
 
-    p = sub.add_parser("report", help="write the HTML report of a pca.npz result file")
-    p.add_argument("result", help="the result file (pca.npz)")
-    p.add_argument("--out", default="report.html", help="output HTML (default report.html)")
+    p = sub.add_parser("report", help="write the HTML report of a result file (pca, svt, "
+                       "query)")
+    p.add_argument("result", help="a result file (.npz) from dpfed pca/svt/query/fetch")
+    p.add_argument("--out", help="output HTML (default: the result's name with .html)")
     p.set_defaults(func=cmd_report)
 
+    from dpfed.aggregator.query_cli import register as register_queries
+
+    register_queries(sub, _connection_args, connect, print_event)
+
     p = sub.add_parser("jobs", help="recent jobs")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")
+    add_json_flag(p)
     _connection_args(p)
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("job", help="one job's state (--watch follows its progress)")
     p.add_argument("job_id")
-    p.add_argument("--watch", action="store_true")
+    p.add_argument("--watch", action="store_true", help="follow its progress until it ends")
+    add_json_flag(p)
     _connection_args(p)
     p.set_defaults(func=cmd_job)
 
@@ -305,14 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    try:
-        return func(args)
-    except (DpfedError, KeyboardInterrupt) as exc:
-        if not isinstance(exc, KeyboardInterrupt):
-            print(f"dpfed {args.command}: {exc}", file=sys.stderr)
-        return exit_codes.for_error(exc)
+    flags: dict[str, str] = getattr(args, "field_flags", None) or {}
+    return run_command(f"dpfed {args.command}", lambda: func(args), flags)
 
 
 if __name__ == "__main__":

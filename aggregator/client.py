@@ -24,21 +24,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from dpfed.aggregator.pca_result import PCAResult
+from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
 from dpfed.common.errors import (
     AuthenticationError,
     BudgetExceededError,
     CoordinatorUnavailableError,
     DpfedError,
+    JobBudgetExceededError,
     JobFailedError,
     NotFoundError,
     PermissionDeniedError,
     QuorumError,
+    SitesNotConnectedError,
     ValidationError,
 )
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc
 from dpfed.common.privacy.accounting import BudgetStatus
+from dpfed.common.queries.query_language import load_query_file
+from dpfed.common.queries.workload_spec import load_workload_matrix
 from dpfed.common.transport.grpc_errors import tls_hint
 from dpfed.common.transport.grpc_options import (
     DEFAULT_RPC_TIMEOUT_S,
@@ -82,6 +88,46 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> DpfedError:
     if code == grpc.StatusCode.FAILED_PRECONDITION and "budget" in details.lower():
         cls = BudgetExceededError
     return cls(details)
+
+
+#: The refusal code a site sends when its ledger has no budget left for a task.
+BUDGET_REFUSAL = "budget_exceeded"
+
+
+def job_failure(info: JobInfo) -> JobFailedError:
+    """Return the error that reports a job that did not succeed.
+
+    A :class:`JobBudgetExceededError` (exit code ``BUDGET_EXCEEDED``) when at least one site
+    refused for lack of budget and every other site that did not answer refused for the
+    same reason; a :class:`JobFailedError` otherwise.
+    """
+    failed = [s for s in info.sites if s.status != "ok"]
+    budget = [s for s in failed
+              if s.status == "refused" and s.reason.startswith(BUDGET_REFUSAL)]
+    message = f"job {info.job_id} {info.state}: {info.error}"
+    if budget and len(budget) == len(failed):
+        return JobBudgetExceededError(
+            f"{message} -- {len(budget)} site(s) have no privacy budget left for this request "
+            f"({', '.join(s.site_id for s in budget)}); `dpfed budgets` shows what is left")
+    return JobFailedError(message)
+
+
+def pca_params(n_components: int, *, rank: int | None = None, calibration: str = "analytic",
+               clip_norm: float | str | None = None, centering: str | None = None,
+               site_weighting: str | None = None, clip_quantile: float | None = None,
+               aggregation: str | None = None) -> dict[str, Any]:
+    """Return the ``params`` of a pca job spec (what :meth:`Coordinator.pca` submits).
+
+    Options left at None take the job's defaults (docs/pca.md).
+    """
+    params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
+    if rank is not None:
+        params["rank"] = rank
+    optional = {"clip_norm": clip_norm, "centering": centering,
+                "site_weighting": site_weighting, "clip_quantile": clip_quantile,
+                "aggregation": aggregation}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
 
 
 class Coordinator:
@@ -162,16 +208,40 @@ class Coordinator:
         return [(b.site_id, b.connected, budget_from_proto(b.budget)) for b in resp.budgets]
 
     def wait_for_sites(self, n: int, timeout: float = 60.0) -> list[SiteInfo]:
-        """Poll until at least ``n`` sites are connected (raises on timeout)."""
+        """Poll until at least ``n`` sites are connected.
+
+        While the coordinator is not answering yet (it may still be starting), keep polling
+        until ``timeout`` too.
+
+        Raises
+        ------
+        SitesNotConnectedError
+            The coordinator answered, but fewer than ``n`` sites connected in time.
+        CoordinatorUnavailableError
+            The coordinator never answered within ``timeout``.
+        """
         deadline = time.monotonic() + timeout
+        sites: list[SiteInfo] | None = None
         while True:
-            sites = self.sites()
-            if len(sites) >= n:
-                return sites
-            if time.monotonic() > deadline:
-                raise CoordinatorUnavailableError(
-                    f"only {len(sites)} of {n} site(s) connected after {timeout:g}s")
-            time.sleep(0.2)
+            try:
+                sites = self.sites()
+            except CoordinatorUnavailableError as exc:
+                if time.monotonic() > deadline:
+                    if sites is None:
+                        raise CoordinatorUnavailableError(
+                            f"{exc} (kept trying for {timeout:g}s)") from None
+                    raise
+            else:
+                if len(sites) >= n:
+                    return sites
+                if time.monotonic() > deadline:
+                    names = ", ".join(s.site_id for s in sites) or "none"
+                    raise SitesNotConnectedError(
+                        f"only {len(sites)} of {n} site(s) connected to {self.address} after "
+                        f"{timeout:g}s (connected: {names}); start the missing site agents "
+                        "(`dpfed-site check --config site.toml` tells a site what is wrong), "
+                        "wait longer with --wait-timeout, or ask for fewer with --wait-sites")
+            time.sleep(0.5 if sites is None else 0.2)
 
     # ------------------------------------------------------------------ jobs
     def _follow(self, stream: Iterator[analyst_pb2.JobEvent],
@@ -258,13 +328,10 @@ class Coordinator:
         JobFailedError
             If the job failed (e.g. quorum not reached); the message says why.
         """
-        params: dict[str, Any] = {"n_components": n_components, "calibration": calibration}
-        if rank is not None:
-            params["rank"] = rank
-        optional = {"clip_norm": clip_norm, "centering": centering,
-                    "site_weighting": site_weighting, "clip_quantile": clip_quantile,
-                    "aggregation": aggregation}
-        params.update({k: v for k, v in optional.items() if v is not None})
+        params = pca_params(n_components, rank=rank, calibration=calibration,
+                            clip_norm=clip_norm, centering=centering,
+                            site_weighting=site_weighting, clip_quantile=clip_quantile,
+                            aggregation=aggregation)
         job = self.submit(JobSpec("pca", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         return self.pca_result(job)
@@ -273,5 +340,98 @@ class Coordinator:
         """Fetch a finished pca job's result (raises JobFailedError if it failed)."""
         info = self.job(job) if isinstance(job, str) else job
         if info.state != "succeeded":
-            raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+            raise job_failure(info)
         return PCAResult.from_bytes(self.fetch_result(info.job_id))
+
+    # ------------------------------------------------------------------ svt / query
+    def svt(self, queries: Any = None, *, epsilon: float | None = None,
+            threshold: float | None = None, cutoff: int = 1,
+            numeric_epsilon: float | None = None, monotonic: bool = False,
+            session: str | None = None, close: bool = False, min_sites: int = 0,
+            deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+            on_event: Callable[[JobEvent], None] | None = None) -> SVTJobResult:
+        """Open, continue or close an SVT session; return this batch's combined transcript.
+
+        Parameters
+        ----------
+        queries : path, list or dict
+            A query set (TOML/JSON file or the same structure in Python); see docs/queries.md.
+        epsilon : float
+            Opening: the session's whole cost at each site, eps_1 + eps_2 (+ eps_3), charged
+            now. Continuing or closing: leave None (the session's, nothing new is charged).
+        threshold, cutoff, numeric_epsilon, monotonic
+            Opening only: T, c, eps_3 (part of ``epsilon``) and monotonic noise.
+        session : str, optional
+            Continue (or, with ``close=True``, close) the session opened by this job id.
+
+        Raises
+        ------
+        JobFailedError
+            The job failed (quorum, every site refused, ...); the message says why.
+        """
+        params: dict[str, Any] = {}
+        if queries is not None:
+            params["queries"] = (load_query_file(queries) if isinstance(queries, str | Path)
+                                 else queries)
+        if session:
+            params["session"] = session
+            if close:
+                params["close"] = True
+            if epsilon is None:
+                epsilon = self.job(session).spec.epsilon
+        else:
+            if threshold is not None:
+                params["threshold"] = threshold
+            params["cutoff"] = cutoff
+            if numeric_epsilon is not None:
+                params["numeric_epsilon"] = numeric_epsilon
+            if monotonic:
+                params["monotonic"] = True
+        if epsilon is None:
+            raise ValidationError("epsilon is required to open an SVT session (its whole cost "
+                                  "at each site)")
+        job = self.submit(JobSpec("svt", epsilon, 0.0, params, min_sites, deadline_seconds,
+                                  tuple(sites)), on_event=on_event)
+        info = job
+        if info.state != "succeeded":
+            raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+        return SVTJobResult.from_bytes(self.fetch_result(info.job_id))
+
+    def query(self, columns: str | list[str], *, epsilon: float, delta: float = 0.0,
+              bins: dict[str, Any] | None = None, workload: str = "identity",
+              k: int | None = None, workload_matrix: Any = None, strategy: str = "auto",
+              noise: str = "auto", reconstruction: str = "least_squares",
+              min_sites: int = 0, deadline_seconds: float = 0.0,
+              sites: tuple[str, ...] = (),
+              on_event: Callable[[JobEvent], None] | None = None) -> QueryJobResult:
+        """Answer a linear workload over a histogram domain with the matrix mechanism.
+
+        Parameters
+        ----------
+        columns : str or list of str
+            1-3 columns; continuous ones need ``bins`` (count or edges).
+        workload : {"identity", "all_range", "prefix", "marginals", "custom"}
+            ``k`` for marginals; ``workload_matrix`` (array, or a .npy/.csv path) for custom.
+        strategy : {"auto", "identity", "h2", "wavelet", "prefix", "optimized"}
+        noise : {"auto", "laplace", "gaussian"}
+            Gaussian needs ``delta`` in (0, 1); Laplace needs ``delta = 0``.
+        reconstruction : {"least_squares", "nnls", "l1"}
+        """
+        domain: dict[str, Any] = {"columns": [columns] if isinstance(columns, str)
+                                  else list(columns)}
+        if bins:
+            domain["bins"] = dict(bins)
+        w: dict[str, Any] = {"kind": workload}
+        if k is not None:
+            w["k"] = k
+        if workload_matrix is not None:
+            w["matrix"] = (load_workload_matrix(workload_matrix)
+                           if isinstance(workload_matrix, str | Path)
+                           else np.asarray(workload_matrix, dtype=np.float64).tolist())
+        params = {"domain": domain, "workload": w, "strategy": strategy, "noise": noise,
+                  "reconstruction": reconstruction}
+        job = self.submit(JobSpec("query", epsilon, delta, params, min_sites, deadline_seconds,
+                                  tuple(sites)), on_event=on_event)
+        if job.state != "succeeded":
+            raise JobFailedError(f"job {job.job_id} {job.state}: {job.error}")
+        return QueryJobResult.from_bytes(self.fetch_result(job.job_id))

@@ -5,6 +5,8 @@ Example (paths relative to the file)::
     [server]
     listen = "0.0.0.0:50051"
     keepalive_s = 10            # a silent (dead or hung) site is dropped within this time
+    # health_listen = "127.0.0.1:50052"  # optional plaintext gRPC health port (see
+    #                                    # docs/operations.md): health status only, no TLS
 
     [tls]
     ca = "certs/ca.pem"
@@ -33,6 +35,8 @@ inline lists) and its certificate is not revoked; with no list at all nobody is 
 
     [logging]
     level = "INFO"
+    format = "text"             # text | json (one JSON event per line)
+    # file = "coordinator.log"
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpfed.common.cli_support import check_address
 from dpfed.common.errors import ConfigError
+from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -72,13 +78,16 @@ class AggregatorConfig:
     allow_any_analyst: bool = False
     access_reload_s: float = 1.0
     keepalive_s: float = DEFAULT_KEEPALIVE_S
+    log_format: str = "text"
+    health_listen: str | None = None
 
 
 def load_aggregator_config(path: str | Path,
                            overrides: dict[str, Any] | None = None) -> AggregatorConfig:
     """Read and validate ``aggregator.toml``; ``overrides`` from flags win.
 
-    Recognised overrides: ``listen``, ``store``, ``port_file``, ``log_level``, ``insecure``.
+    Recognised overrides: ``listen``, ``store``, ``port_file``, ``log_level``, ``log_format``,
+    ``insecure``.
     """
     overrides = overrides or {}
     p = Path(path)
@@ -87,8 +96,10 @@ def load_aggregator_config(path: str | Path,
     file_listen = server.string("listen", "0.0.0.0:50051")  # read even when overridden
     listen = overrides.get("listen") or file_listen
     assert listen is not None
-    if ":" not in listen.rsplit("]", 1)[-1]:
-        raise ConfigError(f"{p}: server.listen must be host:port, got {listen!r}")
+    check_address(listen, f"{p}: server.listen", allow_port_zero=True)
+    health_listen = server.string("health_listen") or None
+    if health_listen is not None:
+        check_address(health_listen, f"{p}: server.health_listen", allow_port_zero=True)
     keepalive_s = server.number("keepalive_s", DEFAULT_KEEPALIVE_S)
     if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
         raise ConfigError(f"{p}: server.keepalive_s must be between {MIN_KEEPALIVE_S:g} and "
@@ -130,6 +141,11 @@ def load_aggregator_config(path: str | Path,
         raise ConfigError(f"{p}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")
     log_file = lg.path("file")
+    file_format = lg.string("format", "text") or "text"  # read even when overridden
+    log_format = overrides.get("log_format") or file_format
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"{p}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
+                          f"got {log_format!r}")
     lg.check_unknown()
     root.check_unknown()
     assert schema_path is not None and store_path is not None
@@ -141,4 +157,5 @@ def load_aggregator_config(path: str | Path,
                             allow_any_site=bool(allow_any_site),
                             allow_any_analyst=bool(allow_any_analyst),
                             access_reload_s=access_reload_s,
-                            keepalive_s=keepalive_s)
+                            keepalive_s=keepalive_s,
+                            log_format=log_format, health_listen=health_listen)

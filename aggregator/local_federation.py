@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dpfed.aggregator.client import Coordinator
 from dpfed.common.data.demo_data import write_demo
-from dpfed.common.errors import DpfedError
+from dpfed.common.errors import DpfedError, ProcessExitedError
 from dpfed.common.transport.certs import init_federation
 
 ANALYST = "analyst"
@@ -39,7 +39,7 @@ class SiteSettings:
     budget_epsilon: float = 10.0
     budget_delta: float = 1e-4
     accountant: str = "basic"
-    allowed_jobs: tuple[str, ...] = ("pca",)
+    allowed_jobs: tuple[str, ...] = ("pca", "svt", "query")
     max_epsilon_per_task: float | None = None
     connect_timeout_s: float = 60.0
     noise_seed: int | None = None
@@ -192,8 +192,8 @@ class LocalFederation:
         for name in names or tuple(self.procs):
             proc = self.procs[name][0]
             if proc.poll() is not None:
-                raise DpfedError(f"{name} exited with code {proc.returncode}; last log lines:\n"
-                                 + self.log_tail(name))
+                raise ProcessExitedError(f"{name} exited with code {proc.returncode}; last log "
+                                         "lines:\n" + self.log_tail(name), proc.returncode)
 
     def start_coordinator(self, *, port: int | None = None, timeout: float = STARTUP_TIMEOUT_S,
                           extra: list[str] | None = None) -> int:

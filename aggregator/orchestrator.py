@@ -86,10 +86,11 @@ class JobManager:
         """
         job_type = self._job_type(spec.kind)
         check_epsilon(spec.epsilon)
-        check_delta(spec.delta)
-        if spec.delta < MIN_DELTA:
-            raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
-                                  f"calibrated in double precision), got {spec.delta!r}")
+        if not (spec.delta == 0.0 and job_type.pure_epsilon):
+            check_delta(spec.delta)
+            if spec.delta < MIN_DELTA:
+                raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
+                                      f"calibrated in double precision), got {spec.delta!r}")
         check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
         check_nonnegative(spec.deadline_seconds, "deadline_seconds")
         if spec.deadline_seconds > MAX_DEADLINE_S:
@@ -184,6 +185,8 @@ class JobManager:
             await asyncio.to_thread(self.store.save_result, job_id, data)
             self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),
                                   summary=dict(output.summary))
+            log.info("[JobManager._run] job=%s outcome=succeeded result=%d bytes", job_id,
+                     len(data))
             self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
                        "succeeded")
         except asyncio.CancelledError:
@@ -199,7 +202,7 @@ class JobManager:
         return tuple(ctx.outcomes[s] for s in sorted(ctx.outcomes))
 
     def _fail(self, job_id: str, ctx: JobContext, reason: str) -> None:
-        log.warning("[JobManager] job=%s failed: %s", job_id, reason)
+        log.warning("[JobManager] job=%s outcome=failed: %s", job_id, reason)
         self.store.update_job(job_id, state="failed", error=reason, sites=self._outcomes(ctx))
         self._emit(job_id, "failed", reason, 1.0, "failed")
 

@@ -46,6 +46,8 @@ class RunningCoordinator:
     jobs: JobManager
     health: health.aio.HealthServicer
     access_watch: asyncio.Task[None] | None = None
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful stop: NOT_SERVING, cancel jobs, close streams, stop the server."""
@@ -55,6 +57,8 @@ class RunningCoordinator:
         await self.jobs.shutdown()
         self.registry.close_all("coordinator shutting down")
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         self.store.close()
 
 
@@ -101,6 +105,12 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
         store.close()
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
+    try:
+        health_server, health_port = await _start_health_port(config, health_servicer)
+    except OSError:
+        await server.stop(0)
+        store.close()
+        raise
     resumed = await jobs.resume_unfinished()
     for name in ("", *service_names[:2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -108,7 +118,8 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
              "%d job(s) resumed", config.listen, port, schema.digest()[:12], config.store_path,
              resumed)
     watch = asyncio.create_task(_watch_access(access, site_link, config.access_reload_s))
-    return RunningCoordinator(server, port, store, registry, jobs, health_servicer, watch)
+    return RunningCoordinator(server, port, store, registry, jobs, health_servicer, watch,
+                              health_server, health_port)
 
 
 async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,
@@ -127,6 +138,25 @@ async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,
                 log.info("[Coordinator.access] %d session(s) dropped by the access list", closed)
         except Exception:  # noqa: BLE001 -- the watcher must outlive any one bad reload
             log.exception("[Coordinator.access] checking the access list failed")
+async def _start_health_port(config: AggregatorConfig, servicer: health.aio.HealthServicer,
+                             ) -> tuple[grpc.aio.Server | None, int | None]:
+    """Serve the health service alone, without TLS, on ``server.health_listen`` (if set).
+
+    It answers only ``grpc.health.v1.Health`` (SERVING / NOT_SERVING): no identity, data or
+    job information, so a container or load-balancer probe needs no certificate. Bind it to
+    loopback or a private network, never to the public interface.
+    """
+    if config.health_listen is None:
+        return None, None
+    server = grpc.aio.server(options=server_options())
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(config.health_listen)
+    if port == 0:
+        raise OSError(f"cannot listen on server.health_listen {config.health_listen}")
+    await server.start()
+    log.info("[Coordinator.start] plaintext health probe on %s (port %d)",
+             config.health_listen, port)
+    return server, port
 
 
 async def serve(config: AggregatorConfig) -> None:

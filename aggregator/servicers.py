@@ -28,9 +28,9 @@ from dpfed.common.errors import (
     ProtocolError,
 )
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
-from dpfed.common.transport.certs import Principal
 from dpfed.common.transport.grpc_errors import details_for, status_for
 from dpfed.common.transport.grpc_options import CHUNK_BYTES
+from dpfed.common.transport.identity import Principal
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, Refusal, SiteInfo
 from dpfed.common.transport.tls import (
     peer_fingerprint,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,8 +30,8 @@ from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ConfigError, DpfedError, JobFailedError
-from dpfed.common.job_params import CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
+from dpfed.common.errors import ConfigError, JobFailedError
+from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
 from dpfed.common.pca.dppca import GramAccumulator
 from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.privacy.accounting import BudgetStatus
@@ -64,6 +63,7 @@ class SimulationOptions:
     budget_epsilon: float | None = None
     budget_delta: float | None = None
     deadline: float = 600.0
+    job: str = "pca"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="mean = centred PCA around a DP mean (default); none = uncentred")
     p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default="size",
                    help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
-    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+    p.add_argument("--aggregation", choices=list(AGGREGATIONS), default="site",
                    help="site = each site noises its own release (default); secure = a secure "
                         "sum with distributed noise (pooled-data utility)")
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
@@ -102,6 +102,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
                    "(default 10 x --delta)")
     p.add_argument("--deadline", type=float, default=600.0, help="per-site task deadline, s")
+    p.add_argument("--job", choices=["pca", "svt", "query"], default="pca",
+                   help="which job to simulate (svt/query use demo data with nominal and "
+                   "ordinal columns; see docs/queries.md)")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -125,7 +128,7 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
-                             deadline=args.deadline)
+                             deadline=args.deadline, job=getattr(args, "job", "pca"))
 
 
 def _say(step: str, text: str) -> None:
@@ -182,8 +185,59 @@ def prepare_output(out: Path) -> None:
     (out / MARKER).write_text("written by dpfed simulate; the directory is replaced on re-run\n")
 
 
+def check_options(opts: SimulationOptions) -> None:
+    """Validate epsilon, delta, K, R and the files before any data or process is made.
+
+    The job parameters go through the coordinator's own validation against the schema the
+    sites will hold (the demo schema, or ``--schema``), and ``--data`` files are opened and
+    checked for the schema's columns, so a mistake costs no generated data and no start-up.
+
+    Raises
+    ------
+    ValidationError, ConfigError, DataError, SchemaError
+        Naming the internal field; ``dpfed simulate`` rewrites it to the flag.
+    """
+    from dpfed.aggregator.client import pca_params
+    from dpfed.aggregator.federation import Federation
+    from dpfed.aggregator.jobs import JOB_TYPES
+    from dpfed.common.data.demo_data import demo_model
+    from dpfed.common.transport.protocol import JobSpec
+    from dpfed.common.validation import check_delta, check_epsilon
+
+    check_epsilon(opts.epsilon)
+    check_delta(opts.delta)
+    budget_eps = opts.budget_epsilon
+    if budget_eps is not None and check_epsilon(budget_eps, "--budget-epsilon") < opts.epsilon:
+        raise ConfigError(f"--budget-epsilon {budget_eps:g} is smaller than --epsilon "
+                          f"{opts.epsilon:g}: every site would refuse the job")
+    if opts.budget_delta is not None and check_delta(
+            opts.budget_delta, "--budget-delta") < opts.delta:
+        raise ConfigError(f"--budget-delta {opts.budget_delta:g} is smaller than --delta "
+                          f"{opts.delta:g}: every site would refuse the job")
+    if opts.min_sites > opts.sites:
+        raise ConfigError(f"--min-sites {opts.min_sites} is more than the {opts.sites} "
+                          "simulated site(s)")
+    if opts.schema is not None:
+        schema = Schema.load(opts.schema)
+        for path in opts.data:
+            open_data_source(spec_from_path(path), schema)
+    else:
+        schema = demo_model(opts.features, seed=0).schema
+    spec = JobSpec("pca", opts.epsilon, opts.delta,
+                   pca_params(opts.k, rank=opts.rank, calibration=opts.calibration,
+                              clip_norm=opts.clip_norm, centering=opts.centering,
+                              site_weighting=opts.site_weighting,
+                              aggregation=opts.aggregation), opts.min_sites, opts.deadline)
+    JOB_TYPES["pca"].validate(spec, Federation(schema))
+
+
 def run_simulation(opts: SimulationOptions) -> int:
-    """Run the whole simulation; return an exit code."""
+    """Run the whole simulation; return an exit code (errors are raised, not printed)."""
+    if opts.job != "pca":
+        from dpfed.aggregator.simulate_queries import run_query_simulation
+
+        return run_query_simulation(opts)
+    check_options(opts)
     out = opts.out.resolve()
     prepare_output(out)
     t0 = time.monotonic()
@@ -226,14 +280,11 @@ def run_simulation(opts: SimulationOptions) -> int:
                                    on_event=progress)
             except JobFailedError as exc:
                 _say("pca", f"FAILED: {exc}")
-                return exit_codes.JOB_FAILED
+                raise
             job_seconds = time.monotonic() - job_t0
             result.save(out / "pca.npz")
             budgets = coord.budgets()
             jobs = coord.jobs(5)
-    except DpfedError as exc:
-        print(f"[simulate] error: {exc}", file=sys.stderr)
-        return exit_codes.INTERNAL_ERROR
     finally:
         fed.stop_all()
 

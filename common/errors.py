@@ -72,3 +72,27 @@ class CoordinatorUnavailableError(DpfedError):
 
 class JobFailedError(DpfedError):
     """A job ended in the failed state; the message carries the coordinator's reason."""
+
+
+class JobBudgetExceededError(JobFailedError, BudgetExceededError):
+    """A job failed because the sites refused it for lack of privacy budget.
+
+    Both a :class:`JobFailedError` (the job ended failed) and a :class:`BudgetExceededError`
+    (the binaries exit with ``exit_codes.BUDGET_EXCEEDED``, not ``JOB_FAILED``).
+    """
+
+
+class SitesNotConnectedError(DpfedError):
+    """The coordinator answered, but fewer sites than asked for connected in time."""
+
+
+class ProcessExitedError(DpfedError):
+    """A dpfed process this one started (``dpfed simulate``'s coordinator or a site) exited.
+
+    ``exit_code`` is the child's own exit code; the parent exits with the same code, so a
+    site that stopped on a data error makes ``dpfed simulate`` exit with the data-error code.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

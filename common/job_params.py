@@ -7,12 +7,12 @@ receives again, because a site trusts nothing that comes over the network.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dpfed.common.errors import ValidationError
+from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
 from dpfed.common.validation import (
     check_choice,
@@ -20,9 +20,6 @@ from dpfed.common.validation import (
     check_positive,
     check_probability,
 )
-
-#: How the sites' contributions are combined: each noised alone, or summed securely.
-AGGREGATIONS: tuple[str, ...] = ("site", "secure")
 
 
 def _unknown(params: Mapping[str, Any], known: set[str], kind: str) -> None:
@@ -37,24 +34,7 @@ MEAN_SHARE = 0.1
 NORMS_SHARE = 0.1
 #: Default quantile of the row norms used as the clip radius by ``clip_norm="auto"``.
 DEFAULT_CLIP_QUANTILE = 0.9
-CENTERINGS: tuple[str, ...] = ("mean", "none")
-SITE_WEIGHTINGS: tuple[str, ...] = ("size", "equal")
 PCA_STAGES: tuple[str, ...] = ("mean", "norms", "pca")
-
-
-def parse_clip_norm(text: str) -> float | str:
-    """Parse the command-line ``--clip-norm``: ``auto``, ``schema`` or a number > 0."""
-    if text in ("auto", "schema"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto' (a DP quantile of the row norms), 'schema' (the worst case the "
-            f"schema allows) or a number > 0, got {text!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -140,8 +120,16 @@ class PCAParams:
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if some round's (epsilon, delta, calibration) cannot be calibrated."""
-        for _name, eps, dl in self.rounds(epsilon, delta):
-            gaussian_sigma(eps, dl, 1.0, self.calibration)
+        rounds = self.rounds(epsilon, delta)
+        for name, eps, dl in rounds:
+            try:
+                gaussian_sigma(eps, dl, 1.0, self.calibration)
+            except ValidationError as exc:
+                if len(rounds) == 1:
+                    raise
+                raise ValidationError(
+                    f"the {name!r} round gets {eps:g} of the job's epsilon {epsilon:g} and "
+                    f"{dl:g} of its delta {delta:g}, and there: {exc}") from None
 
     def rounds(self, epsilon: float, delta: float) -> list[tuple[str, float, float]]:
         """Return the rounds in order, each with its (epsilon, delta) share (summing to the job's).

@@ -1,50 +1,52 @@
 """``dpfed-site``: the hospital's site agent.
 
     dpfed-site --config site.toml [--coordinator HOST:PORT] [--data FILE] [--ledger FILE]
-               [--log-level LEVEL] [--insecure]        run the agent (dials out)
-    dpfed-site check --config site.toml                check config, certificates, schema, data
+               [--log-level LEVEL] [--log-format text|json] [--insecure]
+                                                       run the agent (dials out)
+    dpfed-site check --config site.toml [--timeout S]  check config, certificates, schema,
+                                                       data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
 
-Exit codes (``dpfed.common.exit_codes``): 3 bad config, 4 data/schema problem, 5 certificate
-problem,
-6 coordinator unreachable, 7 rejected by the coordinator.
+``check`` changes nothing: it creates no ledger (an existing one is opened read-only) and
+only asks the coordinator's health service whether it is serving, over the same mutual TLS a
+running agent uses, so both ends' certificates are verified.
+
+Exit codes (``dpfed.common.exit_codes``, table in docs/cli.md): 3 bad config, 4 data/schema
+problem, 5 certificate problem, 6 coordinator unreachable, 7 rejected by the coordinator.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import logging
-import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from dpfed import __version__
 from dpfed.common import exit_codes
-from dpfed.common.data.data_sources import (
-    DataSource,
-    DataSourceSpec,
-    open_data_source,
-    spec_from_path,
+from dpfed.common.cli_support import add_version, address, parse_args, run_command
+from dpfed.common.errors import (
+    CertificateError,
+    ConfigError,
+    CoordinatorUnavailableError,
+    DpfedError,
 )
-from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ConfigError, DpfedError
-from dpfed.common.logs import configure_logging
-from dpfed.common.transport.access import WatchedAccessList, read_access_list
-from dpfed.common.transport.certs import Role
-from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
-from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
-from dpfed.site_agent.agent import SiteAgent
-from dpfed.site_agent.config import SiteConfig, load_site_config
-from dpfed.site_agent.coordinator_check import CoordinatorCheck
-from dpfed.site_agent.handlers import HANDLERS, TaskHandler
-from dpfed.site_agent.handlers.secagg import SUM_KINDS, SecureAggregationHandler, SiteIdentity
-from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
-from dpfed.site_agent.row_count import CountedData
-from dpfed.site_agent.runner import TaskRunner
 
-log = logging.getLogger("dpfed.site")
+# numpy, pandas, pyarrow and grpc are imported inside the functions that use them, so that
+# ``dpfed-site --help`` and ``--version`` answer at once.
+if TYPE_CHECKING:
+    from dpfed.common.data.data_sources import DataSource, DataSourceSpec
+    from dpfed.common.data.schema import Schema
+    from dpfed.common.transport.identity import Role
+    from dpfed.site_agent.config import SiteConfig
+    from dpfed.site_agent.handlers import TaskHandler
+    from dpfed.site_agent.row_count import CountedData
+
+#: The certificate role a site dials with.
+SITE_ROLE: tuple[Role, ...] = ("site",)
+#: Seconds ``dpfed-site check`` waits for the coordinator's health answer.
+CHECK_TIMEOUT_S = 10.0
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -53,19 +55,28 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the command-line interface."""
-    p = argparse.ArgumentParser(prog="dpfed-site", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="dpfed-site", description=__doc__.split("\n\n")[0],
+                                epilog="Exit codes: docs/cli.md.")
+    add_version(p)
     sub = p.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the agent (the default command)")
     for target in (p, run):
         target.add_argument("--config", help="path to site.toml")
-        target.add_argument("--coordinator", help="coordinator HOST:PORT (overrides the file)")
+        target.add_argument("--coordinator", type=address("--coordinator"), metavar="HOST:PORT",
+                            help="coordinator address (overrides coordinator.address)")
         target.add_argument("--data", help="data file (overrides data.path)")
         target.add_argument("--ledger", help="ledger file (overrides ledger.path)")
         target.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        target.add_argument("--log-format", choices=["text", "json"],
+                            help="text lines, or one JSON event per line (overrides "
+                            "logging.format)")
         target.add_argument("--insecure", action="store_true",
                             help="connect without TLS (development only)")
-    check = sub.add_parser("check", help="validate config, certificates, schema and data")
+    check = sub.add_parser("check", help="check config, certificates, schema, data, ledger and "
+                           "that the coordinator answers over mutual TLS (changes nothing)")
     _add_common(check)
+    check.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S,
+                       help=f"seconds to wait for the coordinator (default {CHECK_TIMEOUT_S:g})")
     ledger = sub.add_parser("ledger", help="list the privacy ledger's events and totals")
     _add_common(ledger)
     ledger.add_argument("--json", action="store_true", help="print JSON")
@@ -74,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def data_spec(config: SiteConfig) -> DataSourceSpec:
     """Return the data source spec described by the config."""
+    from dpfed.common.data.data_sources import DataSourceSpec, spec_from_path
+
     d = config.data
     if d.format == "postgres":
         return DataSourceSpec("postgres", None, table=d.table, query=d.query,
@@ -102,6 +115,13 @@ def _prepare(config: SiteConfig) -> _Prepared:
     Checks the schema, the source's columns and the first rows -- never the whole table:
     the row count is learnt after connecting (:mod:`dpfed.site_agent.row_count`).
     """
+    import logging
+
+    from dpfed.common.data.data_sources import open_data_source
+    from dpfed.common.data.schema import Schema
+    from dpfed.site_agent.row_count import CountedData
+
+    log = logging.getLogger("dpfed.site")
     schema = Schema.load(config.data.schema)
     source = open_data_source(data_spec(config), schema)
     sample = source.check_sample()
@@ -112,6 +132,9 @@ def _prepare(config: SiteConfig) -> _Prepared:
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
     """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
+    from dpfed.site_agent.handlers import HANDLERS
+    from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
+
     handlers: dict[str, TaskHandler] = dict(HANDLERS)
     kinds = config.allowed_jobs
     if config.secure.mode != "off" and config.tls is not None:
@@ -125,6 +148,21 @@ def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ..
 
 
 def _run(config: SiteConfig) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from dpfed.common.logs import add_log_context
+    from dpfed.common.transport.access import WatchedAccessList
+    from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
+    from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
+    from dpfed.site_agent.agent import SiteAgent
+    from dpfed.site_agent.coordinator_check import CoordinatorCheck
+    from dpfed.site_agent.ledger import Ledger
+    from dpfed.site_agent.runner import TaskRunner
+    from dpfed.site_agent.secure_policy import SUM_KINDS
+
+    log = logging.getLogger("dpfed.site")
     if config.deterministic_noise_seed is not None:
         log.warning("[Site.start] testing.deterministic_noise_seed is set: noise is "
                     "reproducible from the seed and NOT private. Use only for demos and tests.")
@@ -132,6 +170,9 @@ def _run(config: SiteConfig) -> int:
     if config.tls is None:
         log.warning("[Site.start] --insecure: no TLS; never use this outside development")
     else:
+        material = check_tls_files(config.tls.ca, config.tls.cert, config.tls.key, use="client",
+                                   roles=SITE_ROLE)
+        add_log_context(site=material.principal.name)
         credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
                                                role="site")
     prepared = _prepare(config)
@@ -175,38 +216,166 @@ def _run(config: SiteConfig) -> int:
         ledger.close()
 
 
-def _check(config: SiteConfig) -> int:
-    if config.tls is not None:
-        site_role: tuple[Role, ...] = ("site",)
+def probe_coordinator(config: SiteConfig, timeout: float) -> str:
+    """Ask the coordinator's health service, over mutual TLS with the site's certificate.
+
+    A successful answer proves the address is reachable, the coordinator's certificate
+    chains to our CA and names the address (or ``server_name``), and the coordinator
+    accepted our client certificate. The health service registers nothing: the site does
+    not appear as connected.
+
+    Returns
+    -------
+    str
+        A one-line description of what was verified.
+
+    Raises
+    ------
+    CoordinatorUnavailableError, CertificateError
+        With the gRPC reason and a hint for TLS failures.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from dpfed.common.transport.grpc_errors import tls_hint
+    from dpfed.common.transport.grpc_options import channel_options
+    from dpfed.common.transport.tls import load_channel_credentials
+
+    target = config.coordinator_address
+    options = channel_options(config.server_name)
+    if config.tls is None:
+        channel = grpc.insecure_channel(target, options=options)
+        how = "without TLS (--insecure)"
+    else:
+        creds = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
+                                         role="site")
+        channel = grpc.secure_channel(target, creds, options=options)
+        how = "mutual TLS handshake ok"
+    with channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                wait_for_ready=False)
+        except grpc.RpcError as exc:
+            details = exc.details() or exc.code().name
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.PERMISSION_DENIED):
+                raise CertificateError(f"{target} refused our certificate: {details}") from None
+            raise CoordinatorUnavailableError(
+                f"{target} not reachable within {timeout:g}s: {exc.code().name}: "
+                f"{details}{tls_hint(details)}") from None
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        raise CoordinatorUnavailableError(f"{target} answered but is {status}")
+    return f"{target} reachable, {how}, health {status}"
+
+
+class _Checks:
+    """Run named checks, print one ``ok``/``FAILED`` line each, remember the first failure."""
+
+    def __init__(self) -> None:
+        self.failures: list[DpfedError | OSError] = []
+
+    def run(self, name: str, fn: Callable[[], str]) -> bool:
+        try:
+            detail = fn()
+        except (DpfedError, OSError) as exc:
+            print(f"FAILED  {name}: {exc}", flush=True)
+            self.failures.append(exc)
+            return False
+        print(f"ok      {name}: {detail}", flush=True)
+        return True
+
+    def skip(self, name: str, why: str) -> None:
+        print(f"skipped {name}: {why}", flush=True)
+
+
+def _check(config: SiteConfig, timeout: float) -> int:
+    """Check everything a running agent needs, with no side effect; return an exit code."""
+    import os
+
+    from dpfed.common.data.data_sources import open_data_source, scan
+    from dpfed.common.data.schema import Schema
+    from dpfed.common.transport.access import read_access_list
+    from dpfed.common.transport.tls import check_tls_files
+    from dpfed.site_agent.ledger import read_status_readonly
+
+    checks = _Checks()
+    print(f"ok      config: {config.source}", flush=True)
+    state: dict[str, Any] = {}
+
+    def certificate() -> str:
+        assert config.tls is not None
         material = check_tls_files(config.tls.ca, config.tls.cert, config.tls.key, use="client",
-                                   roles=site_role)
-        print(f"certificate: {material.principal}, valid until {material.not_after:%Y-%m-%d}")
+                                   roles=SITE_ROLE)
+        return (f"{material.principal}, chains to {config.tls.ca}, valid until "
+                f"{material.not_after:%Y-%m-%d}")
+
+    certs_ok = True
+    if config.tls is None:
+        checks.skip("certificate", "TLS disabled (tls.insecure); development only")
+    else:
+        certs_ok = checks.run("certificate", certificate)
+
+    def schema() -> str:
+        state["schema"] = Schema.load(config.data.schema)
+        s: Schema = state["schema"]
+        return f"{config.data.schema}: {len(s.columns)} columns, digest {s.digest()[:12]}..."
+
+    def data() -> str:
+        source = open_data_source(data_spec(config), state["schema"])
+        report = scan(source)
+        return f"{source.describe()}: {report.rows_kept} valid rows ({report.summary()})"
+
+    if checks.run("schema", schema):
+        checks.run("data", data)
+    else:
+        checks.skip("data", "needs a valid schema")
+
+    def ledger() -> str:
+        status = read_status_readonly(config.ledger_path, config.budget)
+        if status is None:
+            parent = config.ledger_path.parent
+            if not parent.is_dir():
+                raise ConfigError(
+                    f"ledger directory {parent} does not exist")
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(
+                    f"ledger directory {parent} is not writable by this user")
+            return (f"{config.ledger_path} does not exist yet; the agent creates it on its "
+                    "first run (directory writable)")
+        return (f"{config.ledger_path}: {status.events} event(s); epsilon spent "
+                f"{status.epsilon_spent:.6g} of {status.epsilon_cap:g} ({status.accountant}), "
+                "opened read-only")
+
+    checks.run("ledger", ledger)
     if config.revocation_list is not None:
-        revoked = read_access_list(config.revocation_list).revoked
-        print(f"revocation list: {config.revocation_list}: {len(revoked)} revoked certificate(s)")
-    prepared = _prepare(config)
-    print(f"schema: {len(prepared.schema.columns)} columns, digest "
-          f"{prepared.schema.digest()[:12]}...")
-    prepared.data.ensure_counted()  # an explicit check may read the whole table
-    print(f"data: {prepared.source.describe()}: {prepared.data.row_count} valid rows")
-    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
-    try:
-        s = ledger.status()
-        print(f"ledger: {config.ledger_path}: {s.events} event(s); epsilon spent "
-              f"{s.epsilon_spent:.6g} of {s.epsilon_cap:g} ({s.accountant})")
-        for analyst in sorted(config.analyst_budgets):
-            share = ledger.analyst_status(analyst)
-            assert share is not None
-            print(f"  analyst {analyst}: epsilon spent {share.epsilon_spent:.6g} of its share "
-                  f"{share.epsilon_cap:g}")
-    finally:
-        ledger.close()
-    print(f"coordinator: {config.coordinator_address}")
-    print("ok")
+        revocation_list = config.revocation_list
+
+        def revocations() -> str:
+            revoked = read_access_list(revocation_list).revoked
+            return f"{revocation_list}: {len(revoked)} revoked certificate(s)"
+
+        checks.run("revocation list", revocations)
+    for analyst, cap in sorted(config.analyst_budgets.items()):
+        checks.skip(f"analyst {analyst}", f"may spend epsilon {cap:g} of this site's "
+                    f"{config.budget.epsilon:g}")
+    if certs_ok:
+        checks.run("coordinator", lambda: probe_coordinator(config, timeout))
+    else:
+        checks.skip("coordinator", "needs a valid certificate")
+    if checks.failures:
+        print(f"{len(checks.failures)} check(s) failed", flush=True)
+        return exit_codes.for_error(checks.failures[0])
+    print("all checks passed", flush=True)
     return exit_codes.OK
 
 
 def _ledger(config: SiteConfig, as_json: bool) -> int:
+    import json
+
+    from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
+
     ledger = Ledger(config.ledger_path, config.budget)
     try:
         if as_json:
@@ -220,28 +389,33 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     command = args.command or "run"
     if not args.config:
         print("dpfed-site: --config is required (path to site.toml)", file=sys.stderr)
         return exit_codes.USAGE
-    overrides = {}
-    if command == "run":
-        overrides = {"coordinator": args.coordinator, "data": args.data, "ledger": args.ledger,
-                     "log_level": args.log_level, "insecure": args.insecure}
-    try:
+
+    def go() -> int:
+        from dpfed.common.logs import configure_logging
+        from dpfed.site_agent.config import load_site_config
+
+        overrides: dict[str, Any] = {}
+        if command == "run":
+            overrides = {"coordinator": args.coordinator, "data": args.data,
+                         "ledger": args.ledger, "log_level": args.log_level,
+                         "log_format": args.log_format, "insecure": args.insecure}
         config = load_site_config(args.config, overrides)
-        configure_logging(config.log_level if command == "run" else "WARNING", config.log_file
-                          if command == "run" else None)
+        if command == "run":
+            configure_logging(config.log_level, config.log_file, config.log_format)
+        else:
+            configure_logging("WARNING", None, config.log_format)
         if command == "check":
-            return _check(config)
+            return _check(config, args.timeout)
         if command == "ledger":
             return _ledger(config, args.json)
         return _run(config)
-    except (DpfedError, KeyboardInterrupt) as exc:
-        if not isinstance(exc, KeyboardInterrupt):
-            print(f"dpfed-site: {exc}", file=sys.stderr)
-        return exit_codes.for_error(exc)
+
+    return run_command(f"dpfed-site {command}" if command != "run" else "dpfed-site", go)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ Example (paths are relative to the file)::
 
     [logging]
     level = "INFO"
+    format = "text"             # text | json (one JSON event per line)
     # file = "site.log"
 
 The site's identity is the id in its certificate; it is deliberately not a config key.
@@ -62,22 +63,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpfed.common.cli_support import check_address
 from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
+from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
-from dpfed.common.transport.certs import check_principal_id
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
     MAX_KEEPALIVE_S,
     MIN_KEEPALIVE_S,
 )
-from dpfed.site_agent.handlers.secagg import SecureAggregationPolicy
+from dpfed.common.transport.identity import check_principal_id
+from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca",)
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
 
 
@@ -150,6 +153,7 @@ class SiteConfig:
     secure: SecureAggregationPolicy = SecureAggregationPolicy()
     log_level: str = "INFO"
     log_file: Path | None = None
+    log_format: str = "text"
     #: Test/demo only: derive noise deterministically from this seed and the task id. Never
     #: reachable from the network; the agent logs a warning when it is set.
     deterministic_noise_seed: int | None = None
@@ -168,7 +172,8 @@ class SiteConfig:
 def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SiteConfig:
     """Read and validate ``site.toml``; ``overrides`` (from flags) win over the file.
 
-    Recognised overrides: ``coordinator``, ``data``, ``ledger``, ``log_level``, ``insecure``.
+    Recognised overrides: ``coordinator``, ``data``, ``ledger``, ``log_level``, ``log_format``,
+    ``insecure``.
 
     Raises
     ------
@@ -188,8 +193,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(
             f"{source}: no coordinator address: set [coordinator] address = \"host:port\" "
             "or pass --coordinator HOST:PORT")
-    if ":" not in address.rsplit("]", 1)[-1]:
-        raise ConfigError(f"{source}: coordinator.address must be host:port, got {address!r}")
+    where = "--coordinator" if overrides.get("coordinator") else f"{source}: coordinator.address"
+    check_address(address, where)
     server_name = coord.string("server_name") or None
     timeout = coord.number("connect_timeout_s", 120.0, positive=True)
     keepalive_s = coord.number("keepalive_s", DEFAULT_KEEPALIVE_S)
@@ -296,6 +301,11 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: logging.level must be DEBUG, INFO, WARNING or ERROR, "
                           f"got {level!r}")
     log_file = logging_section.path("file")
+    file_format = logging_section.string("format", "text") or "text"  # read even if overridden
+    log_format = overrides.get("log_format") or file_format
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"{source}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
+                          f"got {log_format!r}")
     logging_section.check_unknown()
 
     testing = root.section("testing")
@@ -309,7 +319,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         budget=budget_policy, allowed_jobs=tuple(allowed), secure=secure,
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
-        keepalive_s=keepalive_s,
+        keepalive_s=keepalive_s, log_format=log_format,
     )
 
 

@@ -1020,3 +1020,50 @@ def ledger_as_json(ledger: Ledger) -> dict[str, Any]:
              "message": r.message}
             for r in refusals],
     }
+
+
+def read_status_readonly(path: str | Path, policy: BudgetPolicy) -> BudgetStatus | None:
+    """Return a ledger's budget status without creating, migrating or writing anything.
+
+    For ``dpfed-site check``: the file is opened read-only (SQLite ``mode=ro``, and
+    ``immutable=1`` when no write-ahead log is pending), so a missing ledger stays missing and
+    an existing one is not switched to WAL, written, or given -wal/-shm files.
+
+    Returns
+    -------
+    BudgetStatus or None
+        None when the file does not exist yet (the agent creates it on its first run).
+
+    Raises
+    ------
+    ConfigError
+        The path is a directory, is not an SQLite database, or is not a dpfed ledger.
+    """
+    p = Path(os.fsdecode(path))
+    if p.is_dir():
+        raise ConfigError(f"ledger path {p} is a directory, expected a file")
+    if not p.exists():
+        return None
+    # With no -wal file every commit is in the main file, and ``immutable=1`` reads it without
+    # creating the -wal/-shm files a WAL database otherwise gets even from a read-only
+    # connection. With a -wal file (the agent is running, or stopped uncleanly), read through
+    # it with mode=ro so no committed charge is missed.
+    wal = p.with_name(p.name + "-wal")
+    flags = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
+    try:
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?{flags}", uri=True,
+                               isolation_level=None)
+    except sqlite3.Error as exc:
+        raise ConfigError(f"ledger {p} cannot be opened read-only: {exc}") from None
+    try:
+        tables = Ledger._table_names(conn)
+        if not tables:
+            return policy.status(PrivacyCost(0.0, 0.0, 0.0), 0)
+        if _SCHEMA_TABLE not in tables or _EVENTS_TABLE not in tables:
+            raise ConfigError(f"{p} is an SQLite database but not a dpfed ledger")
+        spent, n_events = _spent_from(conn)
+    except sqlite3.Error as exc:
+        raise ConfigError(f"ledger {p} cannot be read: {exc}") from None
+    finally:
+        conn.close()
+    return policy.status(spent, n_events)

@@ -14,6 +14,7 @@ Order of operations (docs/privacy.md, invariants 2 and 4):
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 
@@ -28,10 +29,18 @@ from dpfed.common.errors import (
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_to_bytes
-from dpfed.site_agent.handlers import HANDLERS, DataAccess, TaskHandler
+from dpfed.site_agent.handlers import HANDLERS, DataAccess, PreparedContinuation, TaskHandler
 from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 
 log = logging.getLogger(__name__)
+
+
+def _loggable(value: str, limit: int) -> str:
+    """Return ``value`` cut to ``limit`` characters, non-printable or space characters as ``?``.
+
+    An id from the network can then neither forge log lines nor break ``key=value`` parsing.
+    """
+    return "".join(c if 33 <= ord(c) < 127 else "?" for c in value[:limit]) or "?"
 
 
 class TaskRunner:
@@ -63,16 +72,20 @@ class TaskRunner:
         self.secure_required_kinds = secure_required_kinds
         self.ledger = ledger
         self.allowed_kinds = allowed_kinds
-        self.handlers = handlers if handlers is not None else HANDLERS
+        # Bind the allowed kinds' handlers to this site (the svt handler opens its session
+        # store beside the ledger); a kind the site does not allow is refused before lookup.
+        self.handlers = {kind: h.for_site(ledger.path)
+                         for kind, h in (handlers if handlers is not None else HANDLERS).items()
+                         if kind in allowed_kinds}
         self.noise_seed = deterministic_noise_seed
 
-    def _rng(self, kind: str) -> np.random.Generator:
+    def _rng(self, kind: str, salt: str = "") -> np.random.Generator:
         if self.noise_seed is None:
             return production_rng()
         # Demo mode: key the stream on what is stable across runs of a seeded simulation --
         # the job kind and how many releases this site made before (job ids are random).
         # Tasks run one at a time on the agent's single worker thread, so the count is stable.
-        tag = int.from_bytes(hashlib.sha256(kind.encode()).digest()[:8], "little")
+        tag = int.from_bytes(hashlib.sha256((kind + salt).encode()).digest()[:8], "little")
         n_before = len(self.ledger.events())
         return np.random.Generator(
             np.random.PCG64DXSM(np.random.SeedSequence([self.noise_seed, tag, n_before])))
@@ -94,9 +107,11 @@ class TaskRunner:
                            "the site failed to run the task (see its log)")
 
     def _run(self, task: Task, deadline_unix: float | None) -> bytes | Refusal:
-        tag = f"task={task.task_id[:80]!r} job={task.job_id[:80]!r} kind={task.kind[:40]!r}"
+        tag = (f"task={_loggable(task.task_id, 80)} job={_loggable(task.job_id, 80)} "
+               f"kind={_loggable(task.kind, 40)}")
         if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
-            log.warning("[TaskRunner.run] %s refused: kind not allowed by local policy", tag)
+            log.warning("[TaskRunner.run] %s outcome=refused: kind not allowed by local policy",
+                        tag)
             return Refusal(task.task_id, "not_allowed",
                            f"this site does not run {task.kind!r} jobs "
                            f"(allowed: {', '.join(self.allowed_kinds)})")
@@ -120,16 +135,19 @@ class TaskRunner:
         if stored is not None:
             if (stored.payload_digest, stored.job_id, stored.kind) == (digest, task.job_id,
                                                                       task.kind):
-                log.info("[TaskRunner.run] %s replayed from the ledger (no new charge)", tag)
+                log.info("[TaskRunner.run] %s outcome=replayed from the ledger (no new charge)",
+                         tag)
                 return self.ledger.stored_result(task.task_id)
-            log.warning("[TaskRunner.run] %s refused: task id reused with a different payload",
-                        tag)
+            log.warning("[TaskRunner.run] %s outcome=refused: task id reused with a different "
+                        "payload", tag)
             return Refusal(task.task_id, "conflict",
                            "this task id was already used for a different request")
         if deadline_unix is not None and time.time() > deadline_unix:
             return Refusal(task.task_id, "deadline", "the task's deadline passed before it started")
         try:
             prepared = handler.prepare(task, self.data)
+            if isinstance(prepared, PreparedContinuation):
+                return self._continue(task, prepared, tag)
             rng = self._rng(task.kind)
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
@@ -143,27 +161,41 @@ class TaskRunner:
             return Refusal(task.task_id, "deadline", "the task's deadline passed before it "
                            "could be charged; nothing was charged or released")
         except BudgetExceededError as exc:
-            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            log.warning("[TaskRunner.run] %s outcome=refused: %s", tag, exc)
             return Refusal(task.task_id, "budget_exceeded", str(exc))
         except IdempotencyConflictError as exc:
-            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
+            log.warning("[TaskRunner.run] %s outcome=refused: %s", tag, exc)
             return Refusal(task.task_id, "conflict", str(exc))
         except DataError as exc:
             # Data problems (a bad row under on_invalid="error", no valid rows, ...) are facts
             # about the site's data: the details stay in the local log, never in the refusal.
-            log.error("[TaskRunner.run] %s refused: the data cannot be read: %s", tag, exc)
+            log.error("[TaskRunner.run] %s outcome=refused: the data cannot be read: %s", tag, exc)
             return Refusal(task.task_id, "invalid",
                            "the site's data cannot be read under its row policy (details are "
                            "in the site's log)")
         except ValidationError as exc:
             # Problems with the task's own parameters: safe to explain to the coordinator.
-            log.warning("[TaskRunner.run] %s refused as invalid: %s", tag, exc)
+            log.warning("[TaskRunner.run] %s outcome=refused as invalid: %s", tag, exc)
             return Refusal(task.task_id, "invalid", str(exc))
         except Exception:
-            log.exception("[TaskRunner.run] %s failed", tag)
+            log.exception("[TaskRunner.run] %s outcome=failed", tag)
             return Refusal(task.task_id, "internal",
                            "the site failed to run the task (see its log)")
         state = "replayed" if outcome.replayed else "charged"
-        log.info("[TaskRunner.run] %s %s epsilon=%g delta=%g, %d bytes released", tag, state,
-                 prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
+        assert not isinstance(prepared, PreparedContinuation)
+        log.info("[TaskRunner.run] %s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
+                 state, prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
         return outcome.result
+
+    def _continue(self, task: Task, prepared: PreparedContinuation, tag: str) -> bytes | Refusal:
+        """Run a step of an already-charged release (nothing new is charged)."""
+        if self.ledger.lookup(prepared.charged_by) is None:
+            log.warning("[TaskRunner.run] %s refused: its opening task %s was never charged "
+                        "here", tag, prepared.charged_by)
+            return Refusal(task.task_id, "invalid",
+                           "this site never charged the release this task continues")
+        salt = json.dumps(dict(task.params), sort_keys=True, default=str)
+        result = prepared.run(self._rng(task.kind, salt))
+        log.info("[TaskRunner.run] %s continued %s (no new charge), %d bytes released", tag,
+                 prepared.charged_by, len(result))
+        return result

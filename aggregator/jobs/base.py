@@ -180,6 +180,8 @@ class JobContext:
             if result is not None:
                 results[outcome.site_id] = result
             done += 1
+            log.info("[JobContext.dispatch] job=%s task=%s site=%s outcome=%s %s", self.job_id,
+                     task.task_id, outcome.site_id, outcome.status, outcome.reason)
             detail = ("result received" if outcome.status == "ok"
                       else f"{outcome.status}: {outcome.reason}")
             self.emit("site", f"site {outcome.site_id}: {detail} ({done}/{len(targets)})",
@@ -303,6 +305,8 @@ class JobType(ABC):
     """One job kind's coordinator side."""
 
     kind: ClassVar[str]
+    #: True when the job may run with delta = 0 (pure epsilon-DP releases, e.g. Laplace, SVT).
+    pure_epsilon: ClassVar[bool] = False
 
     @abstractmethod
     def validate(self, spec: JobSpec, federation: Federation) -> dict[str, Any]:

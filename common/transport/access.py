@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dpfed.common.errors import ConfigError
-from dpfed.common.transport.certs import Principal, check_principal_id
+from dpfed.common.transport.identity import Principal, check_principal_id
 
 logger = logging.getLogger(__name__)
 

@@ -66,7 +66,6 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -75,30 +74,53 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dpfed.common.errors import AuthenticationError, CertificateError, ConfigError, ValidationError
+from dpfed.common.transport import access
+from dpfed.common.transport.cert_defaults import DEFAULT_CA_VALIDITY_DAYS, DEFAULT_VALIDITY_DAYS
+
+# Identities live in identity.py; re-exported here, where callers have always found them.
+from dpfed.common.transport.identity import (
+    CLIENT_ROLES as CLIENT_ROLES,
+)
+from dpfed.common.transport.identity import (
+    COORDINATOR_NAME as COORDINATOR_NAME,
+)
+from dpfed.common.transport.identity import (
+    ID_RULE as ID_RULE,
+)
+from dpfed.common.transport.identity import (
+    ROLES as ROLES,
+)
+from dpfed.common.transport.identity import (
+    URN_PREFIX as URN_PREFIX,
+)
+from dpfed.common.transport.identity import (
+    Principal as Principal,
+)
+from dpfed.common.transport.identity import (
+    Role as Role,
+)
+from dpfed.common.transport.identity import (
+    check_principal_id as check_principal_id,
+)
+from dpfed.common.transport.identity import (
+    check_role as check_role,
+)
+from dpfed.common.transport.identity import (
+    make_principal as make_principal,
+)
+from dpfed.common.transport.identity import (
+    parse_principal_uri as parse_principal_uri,
+)
+from dpfed.common.transport.identity import (
+    principal_from_uris as principal_from_uris,
+)
 from dpfed.common.validation import check_int
 
 logger = logging.getLogger(__name__)
 
-#: The three kinds of principal in a federation.
-Role = Literal["site", "analyst", "coordinator"]
-ROLES: tuple[Role, ...] = get_args(Role)
-#: Roles that authenticate as TLS clients (they dial the coordinator).
-CLIENT_ROLES: tuple[Role, ...] = ("site", "analyst")
-
-#: The coordinator has no id of its own; its principal name is this constant.
-COORDINATOR_NAME = "coordinator"
-URN_PREFIX = "urn:dpfed:"
-
-ID_RULE = (
-    "1 to 63 characters: lower-case letters, digits, '.', '_' or '-', "
-    "starting with a letter or digit (^[a-z0-9][a-z0-9._-]{0,62}$)"
-)
-_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # One DNS label; '_' is tolerated because docker compose service names use it (not RFC 1123).
 _LABEL_RE = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 
-DEFAULT_VALIDITY_DAYS = 365
-DEFAULT_CA_VALIDITY_DAYS = 3650
 #: Certificates are back-dated by this much so a peer whose clock is a little behind
 #: does not reject a certificate issued a moment ago.
 CLOCK_SKEW = dt.timedelta(minutes=5)
@@ -116,130 +138,6 @@ _EKU_NAMES = {
     ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth",
     ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth",
 }
-
-
-# --------------------------------------------------------------------------------------------
-# Identities
-
-
-@dataclass(frozen=True)
-class Principal:
-    """An authenticated party of the federation: a role and a name (the id).
-
-    Parameters
-    ----------
-    role : {"site", "analyst", "coordinator"}
-        What the party is.
-    name : str
-        Its id (``"coordinator"`` for the coordinator).
-    """
-
-    role: Role
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.role}/{self.name}"
-
-    @property
-    def uri(self) -> str:
-        """The URI SAN that encodes this principal in a certificate."""
-        if self.role == "coordinator":
-            return f"{URN_PREFIX}coordinator"
-        return f"{URN_PREFIX}{self.role}:{self.name}"
-
-
-def check_role(role: object) -> Role:
-    """Return ``role`` if it is one of :data:`ROLES`, else raise ``ValidationError``."""
-    if role not in ROLES:
-        allowed = ", ".join(repr(r) for r in ROLES)
-        raise ValidationError(f"role must be one of {allowed}, got {role!r}")
-    return role
-
-
-def check_principal_id(name: object, role: str = "principal") -> str:
-    """Return ``name`` if it is a valid site/analyst id (see :data:`ID_RULE`).
-
-    Parameters
-    ----------
-    name : object
-        The proposed id.
-    role : str
-        Used in the error message only (``"site id must be ..."``).
-
-    Raises
-    ------
-    ValidationError
-        If ``name`` is not a string matching the rule.
-    """
-    if not isinstance(name, str) or not _ID_RE.fullmatch(name):
-        raise ValidationError(f"{role} id must be {ID_RULE}; got {name!r}")
-    return name
-
-
-def make_principal(role: str, name: str | None = None) -> Principal:
-    """Build a validated :class:`Principal` (``name`` is ignored/optional for the coordinator).
-
-    Raises
-    ------
-    ValidationError
-        Unknown role, invalid id, or a coordinator name other than ``"coordinator"``.
-    """
-    checked = check_role(role)
-    if checked == "coordinator":
-        if name not in (None, COORDINATOR_NAME):
-            raise ValidationError(
-                f"the coordinator has no id of its own (its name is {COORDINATOR_NAME!r}), "
-                f"got {name!r}"
-            )
-        return Principal("coordinator", COORDINATOR_NAME)
-    if name is None:
-        raise ValidationError(f"a {checked} certificate needs an id ({ID_RULE})")
-    return Principal(checked, check_principal_id(name, checked))
-
-
-def parse_principal_uri(uri: str) -> Principal | None:
-    """Return the principal encoded by a ``urn:dpfed:...`` URI, or None if it encodes none.
-
-    ``urn:dpfed:site:<id>``, ``urn:dpfed:analyst:<id>`` and ``urn:dpfed:coordinator`` are
-    recognised; anything else (other URIs, a malformed id, an unknown role) gives None.
-    """
-    if not uri.startswith(URN_PREFIX):
-        return None
-    rest = uri[len(URN_PREFIX) :]
-    if rest == "coordinator":
-        return Principal("coordinator", COORDINATOR_NAME)
-    role, sep, name = rest.partition(":")
-    if not sep or role not in CLIENT_ROLES or not _ID_RE.fullmatch(name):
-        return None
-    return Principal(role, name)
-
-
-def principal_from_uris(uris: Iterable[str], *, source: str) -> Principal:
-    """Return the single dpfed principal among ``uris``.
-
-    Parameters
-    ----------
-    uris : iterable of str
-        URI subject alternative names of one certificate.
-    source : str
-        What the URIs came from, for the error message.
-
-    Raises
-    ------
-    AuthenticationError
-        If no URI, or more than one, encodes a dpfed identity (an ambiguous certificate is
-        refused rather than guessed at).
-    """
-    found = {p for p in (parse_principal_uri(u) for u in uris) if p is not None}
-    if not found:
-        raise AuthenticationError(
-            f"{source} carries no dpfed identity (a URI SAN like urn:dpfed:site:<id>); "
-            "issue it with 'dpfed certs init' or 'dpfed certs issue'"
-        )
-    if len(found) > 1:
-        names = ", ".join(sorted(str(p) for p in found))
-        raise AuthenticationError(f"{source} carries several dpfed identities ({names})")
-    return found.pop()
 
 
 def certificate_uris(cert: x509.Certificate) -> list[str]:
@@ -712,8 +610,6 @@ def init_federation(
         )
         issued.append(_write_kit(root, principal, cert, key, ca_pem))
     # The allow-lists name exactly the issued ids; a new CA starts with no revocations.
-    from dpfed.common.transport import access  # access imports this module
-
     access.publish_federation_access(root, access.AccessList().with_ids(
         "site", [p.name for p in principals if p.role == "site"]).with_ids(
         "analyst", [p.name for p in principals if p.role == "analyst"]))
@@ -914,8 +810,6 @@ def issue_certificate(
     )
     issued = _write_kit(root, principal, cert, key, certificate_pem(ca_cert))
     # Admit the new id; a replaced certificate is revoked so that it stops working.
-    from dpfed.common.transport import access  # access imports this module
-
     access.record_issued(root, principal, replaced)
     logger.info("[Certs.Issue] issued %s, valid until %s", principal, issued.not_after)
     return issued
@@ -962,8 +856,6 @@ def revoke_certificate(ca_dir: str | os.PathLike[str], *, role: str, name: str |
     cert = parse_certificates(read_pem_file(cert_path, "certificate"), cert_path,
                               "certificate")[0]
     fp = fingerprint(cert)
-    from dpfed.common.transport import access  # access imports this module
-
     access.record_revoked(root, principal, fp, reason)
     logger.info("[Certs.Revoke] %s revoked (sha256 %s)", principal, fp)
     return fp

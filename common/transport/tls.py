@@ -65,12 +65,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from dpfed.common.errors import AuthenticationError, CertificateError, PermissionDeniedError
 from dpfed.common.transport.certs import (
-    CLIENT_ROLES,
-    Principal,
-    Role,
     certificate_uris,
     check_host,
-    check_role,
     fingerprint,
     is_ca_certificate,
     is_signed_by,
@@ -78,8 +74,14 @@ from dpfed.common.transport.certs import (
     parse_certificates,
     parse_private_key,
     principal_from_certificate,
-    principal_from_uris,
     read_pem_file,
+)
+from dpfed.common.transport.identity import (
+    CLIENT_ROLES,
+    Principal,
+    Role,
+    check_role,
+    principal_from_uris,
 )
 
 __all__ = [

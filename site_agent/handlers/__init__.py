@@ -9,10 +9,18 @@ the released bytes.
 
 from __future__ import annotations
 
-from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.handlers.base import (
+    DataAccess,
+    PreparedContinuation,
+    PreparedRelease,
+    TaskHandler,
+)
 from dpfed.site_agent.handlers.pca import PCAHandler
+from dpfed.site_agent.handlers.query import QueryHandler
+from dpfed.site_agent.handlers.svt import SVTHandler
 
 #: kind -> handler; adding a job kind means adding a handler here.
-HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(),)}
+HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(), SVTHandler(),
+                                                         QueryHandler())}
 
-__all__ = ["HANDLERS", "DataAccess", "PreparedRelease", "TaskHandler"]
+__all__ = ["HANDLERS", "DataAccess", "PreparedContinuation", "PreparedRelease", "TaskHandler"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -38,6 +39,20 @@ class PreparedRelease:
     release: Callable[[np.random.Generator], TaskResult]
 
 
+@dataclass(frozen=True)
+class PreparedContinuation:
+    """A step of a release that was already charged (e.g. the next batch of an SVT session).
+
+    The runner refuses it unless the ledger holds the charge of ``charged_by`` (the task that
+    opened the session and paid for the whole stream); ``run`` draws the step's noise and
+    returns the released bytes, and is responsible for its own durability and replay (see
+    :mod:`dpfed.site_agent.svt_sessions`).
+    """
+
+    charged_by: str
+    run: Callable[[np.random.Generator], bytes]
+
+
 class TaskHandler(ABC):
     """One job kind's site-side step."""
 
@@ -55,8 +70,16 @@ class TaskHandler(ABC):
         """Answer a task for which :meth:`responds_without_data` is True."""
         raise NotImplementedError(f"{type(self).__name__} answers every task from data")
 
+    def for_site(self, ledger_path: Path) -> TaskHandler:
+        """Return the handler bound to one site's state directory (default: ``self``).
+
+        Handlers that keep durable state beside the ledger (``svt``) return a bound copy.
+        """
+        del ledger_path
+        return self
+
     @abstractmethod
-    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
+    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease | PreparedContinuation:
         """Validate ``task``, compute the exact statistic, and return the pending release.
 
         Raises

@@ -68,45 +68,12 @@ from dpfed.common.transport.certs import (
 from dpfed.common.transport.protocol import Task, TaskResult
 from dpfed.common.validation import check_choice, check_int, check_positive
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
-SECURE_MODES: tuple[str, ...] = ("off", "allowed", "required")
-#: Job kinds whose site-level release a site with ``secure_aggregation = "required"`` refuses.
-SUM_KINDS: tuple[str, ...] = ("pca",)
 #: Ephemeral keys kept for sum tasks not yet contributed (oldest evicted first).
 _MAX_PENDING = 64
-
-
-@dataclass(frozen=True)
-class SecureAggregationPolicy:
-    """What a site accepts of secure rounds (``[policy]`` in site.toml).
-
-    Attributes
-    ----------
-    mode : {"off", "allowed", "required"}
-        ``required`` also refuses the site-level release of jobs that offer a secure mode.
-    min_participants : int
-        Refuse a round with fewer verified participants (the coordinator must not shrink the
-        honest set by choosing whom to include).
-    tolerated : int
-        How many other parties (the coordinator counted) may collude; noise shares are sized
-        so the honest ones alone meet the target.
-    """
-
-    mode: str = "allowed"
-    min_participants: int = 2
-    tolerated: int = 1
-
-    def __post_init__(self) -> None:
-        check_choice(self.mode, "secure_aggregation", SECURE_MODES)
-        check_int(self.min_participants, "secure_min_participants", minimum=2)
-        check_int(self.tolerated, "secure_tolerated_colluders", minimum=0)
-        if self.tolerated >= self.min_participants:
-            raise ValidationError(
-                f"secure_tolerated_colluders ({self.tolerated}) must be smaller than "
-                f"secure_min_participants ({self.min_participants})")
-
 
 @dataclass(frozen=True)
 class SiteIdentity:

@@ -26,9 +26,13 @@ from dpfed.common.transport.protocol import JobSpec
 from dpfed.common.transport.wire import budget_to_proto, job_info_from_proto, job_spec_to_proto
 from tests.aggregator.hardening_harness import HandSite, Harness, harness
 
+#: One-round pca tasks (the default job adds a DP mean and a norm round first).
+ONE_ROUND = {"centering": "none", "clip_norm": "schema"}
+
 pytestmark = pytest.mark.timeout(180)
 
-PCA = JobSpec("pca", 1.0, 1e-5, {"n_components": 1}, min_sites=2, deadline_seconds=20.0)
+PCA = JobSpec("pca", 1.0, 1e-5, {"n_components": 1, **ONE_ROUND}, min_sites=2,
+              deadline_seconds=20.0)
 
 
 def statuses(job) -> dict[str, tuple[str, str]]:  # type: ignore[no-untyped-def]
@@ -253,7 +257,7 @@ async def test_with_a_site_missing_the_round_fails_by_quorum_within_deadline_plu
         async def silent(site: HandSite, task) -> None:  # type: ignore[no-untyped-def]
             return None  # connected, never answers
 
-        spec = JobSpec("pca", 1.0, 1e-5, {"n_components": 1}, min_sites=3,
+        spec = JobSpec("pca", 1.0, 1e-5, {"n_components": 1, **ONE_ROUND}, min_sites=3,
                        deadline_seconds=2.0)
         site = HandSite(h)
         await site.connect()
@@ -288,16 +292,16 @@ async def test_analyst_requests_get_clear_status_codes(tmp_path: Path) -> None:
     async with harness(tmp_path) as h:
         first = await h.submit(PCA, request_id="req-1")
         again = await h.submit(PCA, request_id="req-1")
-        other = JobSpec("pca", 2.0, 1e-5, {"n_components": 1}, min_sites=2)
+        other = JobSpec("pca", 2.0, 1e-5, {"n_components": 1, **ONE_ROUND}, min_sites=2)
         conflict = await submit_status(h, other, request_id="req-1")
         bad = [
-            (JobSpec("pca", 1.0, 1e-5, {"n_components": 1}, deadline_seconds=1e308),
+            (JobSpec("pca", 1.0, 1e-5, {"n_components": 1, **ONE_ROUND}, deadline_seconds=1e308),
              "deadline_seconds"),
-            (JobSpec("pca", 1.0, 1e-320, {"n_components": 1}), "delta"),
+            (JobSpec("pca", 1.0, 1e-320, {"n_components": 1, **ONE_ROUND}), "delta"),
             (JobSpec("pca", 1.0, 1e-5, {"n_components": 1, "clip_norm": float("nan")}),
              "clip_norm"),
             (JobSpec("pca", 1.0, 1e-5, {"n_components": float("inf")}), "n_components"),
-            (JobSpec("pca", float("nan"), 1e-5, {"n_components": 1}), "epsilon"),
+            (JobSpec("pca", float("nan"), 1e-5, {"n_components": 1, **ONE_ROUND}), "epsilon"),
         ]
         codes = [(await submit_status(h, spec), what) for spec, what in bad]
         jobs_after = len(h.coordinator.store.list_jobs(100))

@@ -1,9 +1,10 @@
 """deploy/: every compose service's command and file exists, and the topology really runs.
 
-There is no Docker engine on the CI machine, so the second test plays the compose file with
-real processes: it runs init.sh's commands, starts the coordinator and the three hospitals
-from the deploy configs (container paths mapped to temporary directories, one ledger volume
-per site), and runs the analyst service's exact command.
+There is no Docker engine on the CI machine, so the e2e test plays the compose file with
+real processes: it runs init.sh itself (its volume paths pointed at temporary directories),
+starts the coordinator from the deploy config, starts the analyst service's exact command
+while the coordinator is still starting (it must retry, not exit 6), runs the coordinator's
+healthcheck command, then starts the three hospitals from their deploy configs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -36,10 +38,24 @@ def compose() -> dict:  # type: ignore[type-arg]
     return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 
 
+def init_defaults() -> dict[str, str]:
+    """init.sh's ``VAR="${VAR:-default}"`` lines."""
+    text = (DEPLOY / "init.sh").read_text()
+    return dict(re.findall(r'^(\w+)="\$\{\1:-([^}]*)\}"', text, flags=re.M))
+
+
 def init_commands() -> list[list[str]]:
     text = (DEPLOY / "init.sh").read_text().replace("\\\n", " ")
+    for var, default in init_defaults().items():
+        text = text.replace(f'"${var}"', default).replace(f"${var}", default)
     return [shlex.split(line.strip()) for line in text.splitlines()
             if line.strip().startswith("dpfed ")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def deploy_path(container_path: str) -> Path:
@@ -78,10 +94,42 @@ def test_every_service_command_and_file_exists() -> None:
                 assert src in compose()["volumes"], f"{name}: undeclared volume {src}"
     for argv in init_commands():
         dpfed_parser().parse_args(argv[1:])
+    health = services["coordinator"]["healthcheck"]["test"]
+    assert health[0] == "CMD" and health[1] in PARSERS
+    PARSERS[health[1]]().parse_args(health[2:])
     load_aggregator_config(DEPLOY / "aggregator.toml")
     for site in ("a", "b", "c"):
         cfg = load_site_config(DEPLOY / "sites" / f"hospital-{site}.toml")
         assert cfg.tls is not None and f"hospital-{site}" in str(cfg.tls.cert)
+
+
+def test_only_init_mounts_the_ca_volume_and_services_wait_for_a_healthy_coordinator() -> None:
+    services = compose()["services"]
+    holders = [name for name, svc in services.items()
+               if any(v.split(":")[0] == "ca" for v in svc.get("volumes", []))]
+    assert holders == ["init"]
+    for name in ("hospital-a", "hospital-b", "hospital-c", "analyst"):
+        assert services[name]["depends_on"]["coordinator"]["condition"] == "service_healthy"
+    analyst = services["analyst"]["command"]
+    assert "--wait-sites" in analyst and "--wait-timeout" in analyst
+    assert "cp analyst:/results/pca.npz" in (DEPLOY / "docker-compose.yml").read_text()
+
+
+def test_example_configs_load_and_document_every_key() -> None:
+    agg = load_aggregator_config(DEPLOY / "examples" / "aggregator.toml")
+    assert agg.listen == "0.0.0.0:50051" and agg.log_format == "text"
+    site = load_site_config(DEPLOY / "examples" / "site.toml")
+    assert site.tls is not None and site.coordinator_address == "localhost:50051"
+    # Every optional key is at least shown (commented) in the examples.
+    agg_text = (DEPLOY / "examples" / "aggregator.toml").read_text()
+    for key in ("health_listen", "port_file", "insecure", "allowed_sites", "min_sites",
+                "task_deadline_s", "resume_wait_s", "format", "file"):
+        assert re.search(rf"^#? ?{key} =", agg_text, flags=re.M), key
+    site_text = (DEPLOY / "examples" / "site.toml").read_text()
+    for key in ("server_name", "connect_timeout_s", "format", "table", "query", "delimiter",
+                "chunk_rows", "on_missing", "on_invalid", "on_out_of_range", "accountant",
+                "allowed_jobs", "max_epsilon_per_task", "file"):
+        assert re.search(rf"^#? ?{key} =", site_text, flags=re.M), key
 
 
 @pytest.mark.e2e
@@ -115,49 +163,75 @@ def test_compose_topology_runs_with_real_processes(tmp_path: Path) -> None:
         return out
 
     dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
-    for argv in init_commands():  # init service, as init.sh runs them
-        argv = localize_argv(argv, "init")
-        if "demo-data" in argv:
-            argv[argv.index("--rows") + 1] = "2000"  # smaller data, same shape
-        subprocess.run([*dpfed, *argv[1:]], check=True, capture_output=True, timeout=120)
+    # The init service: init.sh itself, its volumes pointed at the temporary directories.
+    init_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                "CA_DIR": str(volumes["ca"]), "PKI_DIR": str(volumes["pki"]),
+                "DATA_DIR": str(volumes["demo-data"]), "DEMO_ROWS": "2000"}
+    for _ in range(2):  # idempotent: a second `docker compose up` re-runs it
+        subprocess.run(["sh", str(DEPLOY / "init.sh")], env=init_env, check=True,
+                       capture_output=True, timeout=180)
+    assert (volumes["ca"] / "ca.key").exists()
+    assert not list(volumes["pki"].rglob("ca.key")), "the CA key reached the shared volume"
+    assert (volumes["pki"] / "sites" / "hospital-b" / "site.key").stat().st_mode & 0o077 == 0
 
+    address = f"127.0.0.1:{free_port()}"
+    health_port = free_port()  # the container's loopback port 50052, here a free one
     procs: list[subprocess.Popen[bytes]] = []
     logs = tmp_path / "logs"
     logs.mkdir()
 
     def start(service: str, module: str, config: Path, extra: list[str]) -> None:
         local = tmp_path / f"{service}.toml"
-        local.write_text(localize(config.read_text(), service))
+        # The coordinator's health port: a free one here instead of the container's 50052.
+        local.write_text(localize(config.read_text(), service).replace(
+            '"127.0.0.1:50052"', f'"127.0.0.1:{health_port}"'))
         with open(logs / f"{service}.log", "wb") as fh:  # the child keeps its own handle
             procs.append(subprocess.Popen([sys.executable, "-m", module, "--config", str(local),
                                            *extra], stdout=fh, stderr=subprocess.STDOUT))
 
-    port_file = tmp_path / "port"
+    health_cmd = services["coordinator"]["healthcheck"]["test"][1:]
+    coordinator_toml = tmp_path / "coordinator.toml"
+
+    def healthcheck() -> subprocess.CompletedProcess[str]:
+        argv = [str(coordinator_toml) if a.startswith("/deploy/") else a for a in health_cmd]
+        return subprocess.run([sys.executable, "-m", "dpfed.aggregator", *argv[1:]],
+                              capture_output=True, text=True, timeout=60)
+
+    analyst_run: subprocess.Popen[str] | None = None
     try:
-        start("coordinator", "aggregator", DEPLOY / "aggregator.toml",
-              ["--listen", "127.0.0.1:0", "--port-file", str(port_file)])
+        start("coordinator", "aggregator", DEPLOY / "aggregator.toml", ["--listen", address])
+        # The analyst starts as early as compose could start it: while the coordinator is
+        # still coming up. --wait-sites must retry instead of exiting 6.
+        analyst = services["analyst"]
+        env = {**os.environ, **{k: localize_argv([v], "analyst")[0] for k, v in
+                                analyst["environment"].items()}}
+        env["DPFED_COORDINATOR"] = address
+        analyst_run = subprocess.Popen([*dpfed, *localize_argv(analyst["command"], "analyst")[1:]],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
         deadline = time.monotonic() + 60
-        while not port_file.exists():
+        while healthcheck().returncode != 0:
             assert procs[0].poll() is None, (logs / "coordinator.log").read_text()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
+            assert time.monotonic() < deadline, "the coordinator never became healthy"
+            time.sleep(0.5)
         for site in ("hospital-a", "hospital-b", "hospital-c"):
             # The compose network's name "coordinator" is reached here at 127.0.0.1, which
             # the coordinator certificate also names.
             start(site, "site_agent", DEPLOY / "sites" / f"{site}.toml",
                   ["--coordinator", address])
-        analyst = services["analyst"]
-        env = {**os.environ, **{k: localize_argv([v], "analyst")[0] for k, v in
-                                analyst["environment"].items()}}
-        env["DPFED_COORDINATOR"] = address
-        run = subprocess.run([*dpfed, *localize_argv(analyst["command"], "analyst")[1:]],
-                             env=env, capture_output=True, text=True, timeout=180)
-        assert run.returncode == 0, run.stdout + run.stderr
+        out, _ = analyst_run.communicate(timeout=180)
+        assert analyst_run.returncode == 0, out
+        assert "waiting for 3 site(s)" in out
         assert (volumes["results"] / "pca.npz").exists()
         for site in ("hospital-a", "hospital-b", "hospital-c"):
             assert (volumes[f"{site}-ledger"] / "ledger.sqlite").exists()
+        procs[0].terminate()
+        procs[0].wait(15)
+        unhealthy = healthcheck()
+        assert unhealthy.returncode == 6, unhealthy.stdout + unhealthy.stderr
     finally:
+        if analyst_run is not None and analyst_run.poll() is None:
+            analyst_run.kill()
         for p in procs:
             p.terminate()
         for p in procs:

@@ -121,7 +121,7 @@ def test_cli_commands_against_a_running_federation(fed: LocalFederation, tmp_pat
     sites = subprocess.run([*dpfed, "sites", *conn], capture_output=True, text=True, timeout=60)
     assert sites.returncode == 0 and sites.stdout.count("connected") == 3
     jobs = subprocess.run([*dpfed, "jobs", *conn], capture_output=True, text=True, timeout=60)
-    job_id = jobs.stdout.split()[0]
+    job_id = jobs.stdout.splitlines()[1].split()[0]  # under the header line
     job = subprocess.run([*dpfed, "job", job_id, *conn], capture_output=True, text=True,
                          timeout=60)
     assert "succeeded" in job.stdout and "site hospital-2: ok" in job.stdout

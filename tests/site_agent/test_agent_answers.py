@@ -24,6 +24,9 @@ from dpfed.common.transport.wire import struct_to_proto, task_to_bytes
 from dpfed.site_agent.handlers import DataAccess, PreparedRelease, TaskHandler
 from tests.aggregator.hardening_harness import harness
 
+#: One-round pca tasks (the default job adds a DP mean and a norm round first).
+ONE_ROUND = {"centering": "none", "clip_norm": "schema"}
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -41,7 +44,7 @@ class SlowHandler(TaskHandler):
 
 def pca_task(task_id: str, **params: object) -> Task:
     return Task(task_id, task_id.split("/")[0], "pca", 1.0, 1e-5,
-                {"n_components": 1, **params})
+                {"n_components": 1, **ONE_ROUND, **params})
 
 
 def raw_task(task_id: str, params: dict[str, object],
@@ -63,7 +66,8 @@ async def test_every_malformed_task_gets_a_refusal_with_a_reason(tmp_path: Path)
                           "clip_norm"),
             "long id": (task_to_bytes(pca_task("j/" + "x" * 400)), "task_id"),
             "nul id": (task_to_bytes(pca_task("j/a\x00b")), "task_id"),
-            "bad array": (raw_task("j/arr", {"n_components": 1}, [bad_array]), "decoded"),
+            "bad array": (raw_task("j/arr", {"n_components": 1, **ONE_ROUND}, [bad_array]),
+                          "decoded"),
             "not a task": (b"\xff\xfe garbage", "decoded"),
         }
         ids = {"nan param": "j/nan", "long id": "j/" + "x" * 400, "nul id": "j/a\x00b",

@@ -21,13 +21,10 @@ from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.handlers import HANDLERS
-from dpfed.site_agent.handlers.secagg import (
-    SecureAggregationHandler,
-    SecureAggregationPolicy,
-    SiteIdentity,
-)
+from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
+from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 SCHEMA = Schema.from_toml("""
 [[columns]]

@@ -17,7 +17,7 @@ from dpfed.common.transport.access import (
     parse_access_list,
     write_access_list,
 )
-from dpfed.common.transport.certs import Principal
+from dpfed.common.transport.identity import Principal
 
 FP = ":".join(["AB"] * 32)
 

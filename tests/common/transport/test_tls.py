@@ -28,7 +28,7 @@ from dpfed.common.errors import (
     ValidationError,
 )
 from dpfed.common.transport import certs
-from dpfed.common.transport.certs import Principal, Role
+from dpfed.common.transport.identity import Principal, Role
 from dpfed.common.transport.tls import (
     check_tls_files,
     load_channel_credentials,
