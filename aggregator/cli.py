@@ -11,6 +11,9 @@
               --out pca.npz [--report HTML]
     dpfed svt --queries Q.toml --epsilon E --threshold T [--session ID] ...   (docs/queries.md)
     dpfed query --columns C[,C2] --workload W --epsilon E [--bins C=EDGES] ...
+    dpfed synth --epsilon E --delta D --rows N --out synth.parquet [--mode generative|row-aligned]
+                [--plan] [--evaluate] [--model synth_model.npz] [--report report.html]
+    dpfed synth-sample MODEL --rows N --out FILE   more rows from a saved model (no budget)
     dpfed report RESULT [--out report.html]   the HTML report of a result file
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
@@ -358,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     from dpfed.aggregator.query_cli import register as register_queries
+    from dpfed.aggregator.synth_cli import register as register_synth
 
     register_queries(sub, _connection_args, connect, print_event)
+    register_synth(sub, _connection_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")

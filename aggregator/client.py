@@ -25,9 +25,11 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+import pandas as pd
 
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
+from dpfed.aggregator.synth_model import SynthModel, check_rows
 from dpfed.common.errors import (
     AuthenticationError,
     BudgetExceededError,
@@ -435,3 +437,85 @@ class Coordinator:
         if job.state != "succeeded":
             raise JobFailedError(f"job {job.job_id} {job.state}: {job.error}")
         return QueryJobResult.from_bytes(self.fetch_result(job.job_id))
+
+    def synthesize(self, *, epsilon: float, delta: float, rows: int | None = None,
+                   mode: str = "generative", continuous_link: str = "quantile",
+                   n_bins: int = 32, rank: int | None = None, clip_norm: float | None = None,
+                   info_threshold: float = 0.8, min_sites: int = 0,
+                   deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+                   on_event: Callable[[JobEvent], None] | None = None,
+                   evaluate_rows: int = 0) -> tuple[pd.DataFrame, SynthModel]:
+        """Run a federated DP synthesis job; return a synthetic table and the fitted model.
+
+        ``mode="generative"`` (default) samples ``rows`` new rows from the DP model (any
+        number, no extra budget; ``model.sample(n)`` / ``model.write(path, n)`` draw more);
+        ``mode="row_aligned"`` returns one noisy row per real row (``rows`` must be None).
+        ``evaluate_rows > 0`` sends that many synthetic rows to every site, which writes a
+        site-local evaluation report in its own directory (nothing comes back or is charged).
+        The DataFrame is typed: floats within the schema bounds, categoricals with the
+        schema's labels (ordered for ordinal columns).
+
+        Raises
+        ------
+        ValidationError
+            ``rows`` out of range (or given in row-aligned mode); bad parameters.
+        JobFailedError
+            If the job failed (quorum, refusals, budget); the message says why.
+        """
+        model = self.synth_model(epsilon=epsilon, delta=delta, rows=rows, mode=mode,
+                                 continuous_link=continuous_link, n_bins=n_bins, rank=rank,
+                                 clip_norm=clip_norm, info_threshold=info_threshold,
+                                 min_sites=min_sites, deadline_seconds=deadline_seconds,
+                                 sites=sites, on_event=on_event, evaluate_rows=evaluate_rows)
+        return model.sample(rows), model
+
+    def synth_model(self, *, epsilon: float, delta: float, rows: int | None = None,
+                    mode: str = "generative", continuous_link: str = "quantile",
+                    n_bins: int = 32, rank: int | None = None, clip_norm: float | None = None,
+                    info_threshold: float = 0.8, min_sites: int = 0,
+                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+                    on_event: Callable[[JobEvent], None] | None = None,
+                    evaluate_rows: int = 0) -> SynthModel:
+        """Run a synthesis job and return only the fitted model (see :meth:`synthesize`)."""
+        mode = mode.replace("-", "_")
+        if mode == "row_aligned":
+            if rows is not None:
+                raise ValidationError("--rows: row-aligned mode releases exactly one noisy row "
+                                      "per real row; omit --rows")
+        else:
+            check_rows(rows if rows is not None else 0)
+        job = self.submit(self.synth_spec(epsilon=epsilon, delta=delta, mode=mode,
+                                          continuous_link=continuous_link, n_bins=n_bins,
+                                          rank=rank, clip_norm=clip_norm,
+                                          info_threshold=info_threshold, min_sites=min_sites,
+                                          deadline_seconds=deadline_seconds, sites=sites,
+                                          evaluate_rows=evaluate_rows),
+                          on_event=on_event)
+        return self.synth_result(job)
+
+    @staticmethod
+    def synth_spec(*, epsilon: float, delta: float, mode: str = "generative",
+                   continuous_link: str = "quantile", n_bins: int = 32,
+                   rank: int | None = None, clip_norm: float | None = None,
+                   info_threshold: float = 0.8, min_sites: int = 0,
+                   deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
+                   evaluate_rows: int = 0) -> JobSpec:
+        """Return the job spec of a synthesis job (what :meth:`synthesize` submits)."""
+        params: dict[str, Any] = {"mode": mode.replace("-", "_"),
+                                  "continuous_link": continuous_link, "n_bins": n_bins,
+                                  "info_threshold": info_threshold}
+        if rank is not None:
+            params["rank"] = rank
+        if clip_norm is not None:
+            params["clip_norm"] = clip_norm
+        if evaluate_rows:
+            params["evaluate_rows"] = evaluate_rows
+        return JobSpec("synth", epsilon, delta, params, min_sites, deadline_seconds,
+                       tuple(sites))
+
+    def synth_result(self, job: JobInfo | str) -> SynthModel:
+        """Fetch a finished synth job's model (raises JobFailedError if it failed)."""
+        info = self.job(job) if isinstance(job, str) else job
+        if info.state != "succeeded":
+            raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+        return SynthModel.from_bytes(self.fetch_result(info.job_id))

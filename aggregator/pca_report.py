@@ -29,6 +29,13 @@ ROUND_RELEASES = {
     "pca": "each site's P_s, the top R eigenpairs of its noisy second-moment matrix of the "
            "clipped rows (symmetric Gaussian noise) -> the components",
 }
+#: The same rounds under secure aggregation (the coordinator sees only the masked totals).
+SECURE_ROUND_RELEASES = {
+    "mean": "a masked integer row sum with a share of Skellam noise; only the total is "
+            "decoded -> the DP mean",
+    "pca": "a masked integer Gram matrix with a share of Skellam noise; only the total is "
+           "decoded and centred at the coordinator -> the components",
+}
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,21 @@ def privacy_sentence(result: PCAResult) -> str:
             "row values, not each site's row count N_s or the schema, which are public.")
 
 
+def secure_sentence(result: PCAResult) -> str | None:
+    """Return what secure aggregation adds to the guarantee (None for a site-level job)."""
+    s = result.metadata.get("secure")
+    if not isinstance(s, dict):
+        return None
+    return (f"Aggregation: secure. The {len(s.get('participants', []))} participating sites "
+            "summed their contributions under pairwise masks; the coordinator saw only the "
+            "noisy total, whose Skellam noise (variance "
+            f"{s.get('noise_variance_integer', 0):.4g} at fixed-point scale "
+            f"{s.get('scale', 0):.4g}) is calibrated to one row of the pooled data. Every site "
+            f"sized its share so that the guarantee above holds even if "
+            f"{s.get('tolerated_colluders', '?')} other part(ies), the coordinator included, "
+            f"pool what they know; the sum took {s.get('attempts', 1)} attempt(s).")
+
+
 def pca_report(result: PCAResult, *, title: str = "dpfed DP-PCA report",
                reference: PooledReference | None = None,
                intro: str | None = None, extra: dict[str, Any] | None = None) -> Report:
@@ -159,6 +181,9 @@ def pca_report(result: PCAResult, *, title: str = "dpfed DP-PCA report",
                   f"{datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC from the result file alone.")
     rep.heading("Privacy")
     rep.paragraph(privacy_sentence(result))
+    secure = secure_sentence(result)
+    if secure is not None:
+        rep.paragraph(secure)
     rep.heading("Job parameters")
     params: dict[str, Any] = {
         "job id": m.get("job_id", "?"),
@@ -184,7 +209,8 @@ def pca_report(result: PCAResult, *, title: str = "dpfed DP-PCA report",
         rep.heading("Rounds")
         rep.table(("round", "epsilon", "delta", "sites", "what each site released"),
                   [(r["round"], r["epsilon"], r["delta"], len(r["sites"]),
-                    ROUND_RELEASES.get(r["round"], "")) for r in rounds])
+                    (SECURE_ROUND_RELEASES if "secure" in m else ROUND_RELEASES).get(
+                        r["round"], "")) for r in rounds])
     rep.heading("Sites")
     rep.table(("site", "rows N_s", "weight", "epsilon spent", "delta spent",
                "noise sigma (pca round)"),

@@ -19,15 +19,17 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
-from dpfed.aggregator.client import Coordinator
 from dpfed.common import exit_codes
 from dpfed.common.errors import ValidationError
-from dpfed.common.transport.protocol import JobEvent
 
+# pandas and the gRPC client are imported inside the commands: ``dpfed --help`` stays fast.
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dpfed.aggregator.client import Coordinator
+    from dpfed.common.transport.protocol import JobEvent
 
 def _frame_json(df: pd.DataFrame) -> list[dict[str, Any]]:
     rows = df.to_dict(orient="records")
@@ -91,6 +93,8 @@ def cmd_svt(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Co
     print(f"session {result.session} ({result.metadata['action']}); sites halted: "
           f"{', '.join(result.halted_sites) or 'none'}")
     if len(result.table):
+        import pandas as pd
+
         with pd.option_context("display.max_rows", 200, "display.width", 160):
             print(result.table.to_string(index=False))
     if args.out:
@@ -123,6 +127,8 @@ def cmd_query(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
         return exit_codes.OK
     print(f"strategy {result.strategy} ({result.noise} noise): expected RMSE per query "
           f"{result.expected_rmse:.4g} (identity {result.identity_expected_rmse:.4g})")
+    import pandas as pd
+
     with pd.option_context("display.max_rows", 60, "display.width", 160):
         print(result.answers.head(60).to_string(index=False))
     if args.out:

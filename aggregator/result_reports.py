@@ -53,12 +53,14 @@ def report_for_result(path: str | Path) -> Report:
     try:
         data = p.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"no result file {p} (the file `dpfed pca/svt/query --out` or "
+        raise ConfigError(f"no such result file {p} (the file `dpfed pca/svt/query --out` or "
                           "`dpfed fetch` wrote)") from None
     except OSError as exc:
         raise ConfigError(f"cannot read result file {p}: {exc.strerror or exc}") from None
-    _, metadata = decode_result(data)
+    arrays, metadata = decode_result(data)
     kind = metadata.get("kind")
+    if kind is None and "components" in arrays:
+        kind = "pca"  # a PCAResult saved by the library, without a job's metadata
     if kind not in REPORTERS:
         raise ValidationError(f"{p}: no report for result kind {kind!r} (reports exist for "
                               f"{sorted(REPORTERS)})")

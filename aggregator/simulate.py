@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ import numpy as np
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.pca_report import PooledReference, captured_fraction, pca_report
 from dpfed.aggregator.pca_result import PCAResult
+from dpfed.aggregator.simulation_output import prepare_output, say
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
@@ -64,6 +64,8 @@ class SimulationOptions:
     budget_delta: float | None = None
     deadline: float = 600.0
     job: str = "pca"
+    synth_rows: int = 20_000
+    synth_mode: str = "generative"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,9 +104,14 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
                    "(default 10 x --delta)")
     p.add_argument("--deadline", type=float, default=600.0, help="per-site task deadline, s")
-    p.add_argument("--job", choices=["pca", "svt", "query"], default="pca",
-                   help="which job to simulate (svt/query use demo data with nominal and "
-                   "ordinal columns; see docs/queries.md)")
+    p.add_argument("--job", choices=["pca", "synth", "svt", "query"], default="pca",
+                   help="which job to simulate: pca (default); synth (federated DP synthesis on "
+                   "mixed demo data; docs/synthesis.md); svt or query (demo data with nominal "
+                   "and ordinal columns; docs/queries.md)")
+    p.add_argument("--synth-rows", type=int, default=20_000,
+                   help="--job synth: synthetic rows to write (generative mode)")
+    p.add_argument("--synth-mode", choices=["generative", "row-aligned"], default="generative",
+                   help="--job synth: output mode")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -116,6 +123,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
         raise ConfigError("--schema applies to --data files; without --data demo data is "
                           "generated with its own schema")
     n_sites = len(args.data) if args.data else args.sites
+    if args.job == "synth" and not 1 <= args.synth_rows <= 100_000_000:
+        raise ConfigError(f"--synth-rows must be between 1 and 100,000,000, got "
+                          f"{args.synth_rows}")
     for name, value, low in (("--sites", n_sites, 1), ("--rows", args.rows, 1),
                              ("--features", args.features, 2), ("--k", args.k, 1)):
         if value < low:
@@ -128,11 +138,11 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
-                             deadline=args.deadline, job=getattr(args, "job", "pca"))
+                             deadline=args.deadline, job=getattr(args, "job", "pca"),
+                             synth_rows=getattr(args, "synth_rows", 20_000),
+                             synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"))
 
 
-def _say(step: str, text: str) -> None:
-    print(f"[simulate] {step:<12} {text}", flush=True)
 
 
 def pooled_reference(schema: Schema, paths: list[Path], *, centred: bool) -> PooledReference:
@@ -165,24 +175,6 @@ def pooled_reference(schema: Schema, paths: list[Path], *, centred: bool) -> Poo
     label = (f"non-private PCA of the real pooled rows (all {sum(counts)} rows of the "
              f"{len(paths)} sites together, columns scaled by the schema bounds, {what})")
     return PooledReference(matrix, counts, label)
-
-
-MARKER = ".dpfed-simulation"
-
-
-def prepare_output(out: Path) -> None:
-    """Create ``out``, or empty it if it holds an earlier simulation (never anything else).
-
-    A fresh directory each run keeps a demo from inheriting the previous run's spent budget.
-    """
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise ConfigError(f"--out {out} exists and is not an earlier dpfed simulation; "
-                              "choose an empty or new directory")
-        _say("output", f"replacing the earlier simulation in {out}")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by dpfed simulate; the directory is replaced on re-run\n")
 
 
 def check_options(opts: SimulationOptions) -> None:
@@ -233,19 +225,24 @@ def check_options(opts: SimulationOptions) -> None:
 
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code (errors are raised, not printed)."""
-    if opts.job != "pca":
+    if opts.job in ("svt", "query"):
         from dpfed.aggregator.simulate_queries import run_query_simulation
 
         return run_query_simulation(opts)
+    if opts.job == "synth":
+        from dpfed.aggregator.simulate_synth import run_synth_simulation
+
+        prepare_output(opts.out.resolve())
+        return run_synth_simulation(opts)
     check_options(opts)
     out = opts.out.resolve()
     prepare_output(out)
     t0 = time.monotonic()
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if opts.data:
-        _say("data", f"using {len(opts.data)} file(s) with schema {opts.schema}")
+        say("data", f"using {len(opts.data)} file(s) with schema {opts.schema}")
     else:
-        _say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} columns "
+        say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} columns "
              f"(latent factor structure, seed {seed}) -> {out / 'data'}")
     settings = SiteSettings(
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
@@ -256,19 +253,19 @@ def run_simulation(opts: SimulationOptions) -> int:
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
                                  task_deadline_s=opts.deadline, settings=settings)
-    _say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
+    say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
          f"certificate(s) -> {fed.certs}")
     schema = Schema.load(fed.schema_path)
     try:
         fed.start_coordinator()
-        _say("coordinator", f"serving on {fed.address} (mTLS), store {fed.store}")
+        say("coordinator", f"serving on {fed.address} (mTLS), store {fed.store}")
         fed.start_sites()
         fed.wait_for_sites()
         with fed.analyst() as coord:
-            _say("sites", ", ".join(f"{s.site_id} ({s.row_count} rows)" for s in coord.sites()))
+            say("sites", ", ".join(f"{s.site_id} ({s.row_count} rows)" for s in coord.sites()))
 
             def progress(event: JobEvent) -> None:
-                _say("pca", f"[{event.progress * 100:5.1f}%] {event.message}")
+                say("pca", f"[{event.progress * 100:5.1f}%] {event.message}")
 
             job_t0 = time.monotonic()
             try:
@@ -279,7 +276,7 @@ def run_simulation(opts: SimulationOptions) -> int:
                                    min_sites=opts.min_sites, aggregation=opts.aggregation,
                                    on_event=progress)
             except JobFailedError as exc:
-                _say("pca", f"FAILED: {exc}")
+                say("pca", f"FAILED: {exc}")
                 raise
             job_seconds = time.monotonic() - job_t0
             result.save(out / "pca.npz")
@@ -288,7 +285,7 @@ def run_simulation(opts: SimulationOptions) -> int:
     finally:
         fed.stop_all()
 
-    _say("evaluate", "non-private PCA of the real pooled rows (all sites together), for "
+    say("evaluate", "non-private PCA of the real pooled rows (all sites together), for "
          "comparison")
     paths = [fed.data_paths[s] for s in fed.site_ids]
     reference = pooled_reference(schema, paths, centred=result.centering == "mean")

@@ -47,10 +47,6 @@ SVT_BATCH_2: list[dict[str, Any]] = [
 ]
 
 
-def _say(step: str, text: str) -> None:
-    print(f"[simulate] {step:<12} {text}", flush=True)
-
-
 def site_counts(fed: LocalFederation, raw: Any) -> dict[str, np.ndarray]:
     """Return the true (non-private) counts of a query set at every site (simulation only)."""
     schema = Schema.load(fed.schema_path)
@@ -64,7 +60,7 @@ def site_counts(fed: LocalFederation, raw: Any) -> dict[str, np.ndarray]:
 
 def run_query_simulation(opts: Any) -> int:
     """Run ``--job svt`` or ``--job query`` (``opts`` is a SimulationOptions)."""
-    from dpfed.aggregator.simulate import prepare_output
+    from dpfed.aggregator.simulation_output import prepare_output, say
 
     out = Path(opts.out).resolve()
     prepare_output(out)
@@ -77,7 +73,7 @@ def run_query_simulation(opts: Any) -> int:
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows, features=features,
                                  seed=seed, fmt=opts.data_format, min_sites=opts.min_sites or None,
                                  task_deadline_s=opts.deadline, settings=settings, mixed=True)
-    _say("data", f"{opts.sites} x {opts.rows} rows, {features} columns incl. nominal/ordinal "
+    say("data", f"{opts.sites} x {opts.rows} rows, {features} columns incl. nominal/ordinal "
          f"(seed {seed})")
     rep = Report(f"dpfed simulation: {opts.job} job")
     rep.paragraph(f"A coordinator and {opts.sites} site agents ran as separate processes over "
@@ -86,7 +82,7 @@ def run_query_simulation(opts: Any) -> int:
                   "simulation.")
 
     def progress(event: JobEvent) -> None:
-        _say(opts.job, f"[{event.progress * 100:5.1f}%] {event.message}")
+        say(opts.job, f"[{event.progress * 100:5.1f}%] {event.message}")
 
     try:
         fed.start_coordinator()
@@ -99,7 +95,7 @@ def run_query_simulation(opts: Any) -> int:
                 lines = _run_query(fed, coord, opts, rep, progress, out)
             budgets = coord.budgets()
     except JobFailedError as exc:
-        _say(opts.job, f"FAILED: {exc}")
+        say(opts.job, f"FAILED: {exc}")
         return exit_codes.JOB_FAILED
     except DpfedError as exc:
         print(f"[simulate] error: {exc}", file=sys.stderr)

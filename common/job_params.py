@@ -154,3 +154,144 @@ class PCAParams:
                 "clip_norm": "schema" if self.clip_norm is None else self.clip_norm,
                 "centering": self.centering, "clip_quantile": self.clip_quantile,
                 "site_weighting": self.site_weighting, "aggregation": self.aggregation}
+
+
+#: Rounds of a ``synth`` job per output mode, in order.
+SYNTH_ROUNDS: dict[str, tuple[str, ...]] = {
+    "generative": ("links", "pca"),
+    "row_aligned": ("links", "pca", "factors"),
+}
+#: Default (epsilon share, delta share) of each round, per mode.
+SYNTH_DEFAULT_SPLIT: dict[str, dict[str, tuple[float, float]]] = {
+    "generative": {"links": (0.6, 0.5), "pca": (0.4, 0.5)},
+    "row_aligned": {"links": (0.2, 0.5), "pca": (0.2, 0.5), "factors": (0.6, 0.0)},
+}
+SYNTH_MAX_BINS = 1024
+SYNTH_MAX_LATENT_DIM = 2000
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    """Parameters of a ``synth`` job (federated factor-model synthesis).
+
+    Attributes
+    ----------
+    mode : {"generative", "row_aligned"}
+        Output: new rows from the DP model (default), or one noisy row per real row.
+    continuous_link : {"quantile", "identity"}
+        How continuous columns enter the latent space (DP CDF on public bins, or DP mean/sd).
+    n_bins : int
+        Public equal-width bins per continuous column (2..1024).
+    clip_norm : float or None
+        Public norm bound of the latent rows; None means ``sqrt(latent dimension)``.
+    rank : int or None
+        Number of factors; None means the cumulative-information rule.
+    info_threshold : float
+        ``c`` of that rule.
+    calibration : {"analytic", "classic"}
+        Gaussian calibration of the DP-PCA round.
+    split : tuple of (round, epsilon share, delta share)
+        How the job's epsilon and delta are divided between the rounds (shares sum to 1).
+    evaluate_rows : int
+        When > 0, a final local-only round sends a synthetic sample of this many rows to
+        every site for its site-local evaluation report (nothing is released or charged).
+    """
+
+    mode: str = "generative"
+    continuous_link: str = "quantile"
+    n_bins: int = 32
+    clip_norm: float | None = None
+    rank: int | None = None
+    info_threshold: float = 0.8
+    calibration: str = "analytic"
+    split: tuple[tuple[str, float, float], ...] = ()
+    evaluate_rows: int = 0
+
+    @classmethod
+    def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
+        """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
+        _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
+                          "info_threshold", "calibration", "split", "evaluate_rows"}, "synth")
+        mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
+                            tuple(SYNTH_ROUNDS))
+        link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
+                            ("quantile", "identity"))
+        n_bins = check_int(params.get("n_bins", 32), "n_bins", minimum=2,
+                           maximum=SYNTH_MAX_BINS)
+        if latent_dim < 1 or latent_dim > SYNTH_MAX_LATENT_DIM:
+            raise ValidationError(f"the schema's latent dimension is {latent_dim}; synth "
+                                  f"supports 1..{SYNTH_MAX_LATENT_DIM}")
+        clip = params.get("clip_norm")
+        clip_norm = None if clip is None else check_positive(clip, "clip_norm")
+        rank_raw = params.get("rank")
+        rank = None if rank_raw is None else check_int(rank_raw, "rank", minimum=1,
+                                                       maximum=latent_dim)
+        threshold = float(params.get("info_threshold", 0.8))
+        if not 0.0 < threshold < 1.0:
+            raise ValidationError(f"info_threshold must be in (0, 1), got {threshold!r}")
+        calibration = check_choice(params.get("calibration", "analytic"), "calibration",
+                                   CALIBRATIONS)
+        split = cls._split(mode, params.get("split"))
+        evaluate_rows = check_int(params.get("evaluate_rows", 0), "evaluate_rows", minimum=0,
+                                  maximum=50_000)
+        return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
+                   evaluate_rows)
+
+    @staticmethod
+    def _split(mode: str, raw: Any) -> tuple[tuple[str, float, float], ...]:
+        rounds = SYNTH_ROUNDS[mode]
+        if raw is None:
+            chosen = SYNTH_DEFAULT_SPLIT[mode]
+        else:
+            if not isinstance(raw, Mapping):
+                raise ValidationError("split must map round names to [epsilon share, "
+                                      "delta share]")
+            chosen = {}
+            for name, pair in raw.items():
+                check_choice(name, "split round", rounds)
+                if not isinstance(pair, list | tuple) or len(pair) != 2:
+                    raise ValidationError(f"split[{name!r}] must be [epsilon share, delta share]")
+                chosen[name] = (float(pair[0]), float(pair[1]))
+        out = []
+        for name in rounds:
+            e, d = chosen.get(name, (0.0, 0.0))
+            if not (e > 0.0 and 0.0 <= d <= 1.0):
+                raise ValidationError(f"split gives round {name!r} epsilon share {e!r}; every "
+                                      "round needs a positive share")
+            out.append((name, e, d))
+        e_total = sum(e for _, e, _ in out)
+        d_total = sum(d for _, _, d in out)
+        if abs(e_total - 1.0) > 1e-9 or (d_total > 0 and abs(d_total - 1.0) > 1e-9):
+            raise ValidationError(f"split shares must sum to 1 (epsilon {e_total:g}, "
+                                  f"delta {d_total:g})")
+        if out[1][2] <= 0.0:
+            raise ValidationError("the pca round is Gaussian and needs a positive delta share")
+        return tuple(out)
+
+    def plan(self, epsilon: float, delta: float) -> list[tuple[str, float, float]]:
+        """Each round's (name, epsilon, delta) at every site: the split the ledgers record."""
+        return [(name, epsilon * e, delta * d) for name, e, d in self.split]
+
+    def check_privacy(self, epsilon: float, delta: float) -> None:
+        """Raise if a Gaussian round cannot be calibrated at its share of (epsilon, delta)."""
+        for name, eps, dlt in self.plan(epsilon, delta):
+            if name == "factors":
+                continue
+            if dlt <= 0.0:
+                raise ValidationError(f"round {name!r} is Gaussian and got delta 0; pass a "
+                                      "positive --delta")
+            gaussian_sigma(eps, dlt, 1.0, self.calibration if name == "pca" else "analytic")
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Return the canonical form sent to sites (deterministic: resumed jobs resend it)."""
+        out: dict[str, Any] = {"mode": self.mode, "continuous_link": self.continuous_link,
+                               "n_bins": self.n_bins, "info_threshold": self.info_threshold,
+                               "calibration": self.calibration,
+                               "split": {n: [e, d] for n, e, d in self.split}}
+        if self.clip_norm is not None:
+            out["clip_norm"] = self.clip_norm
+        if self.rank is not None:
+            out["rank"] = self.rank
+        if self.evaluate_rows:
+            out["evaluate_rows"] = self.evaluate_rows
+        return out

@@ -80,7 +80,10 @@ from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 log = logging.getLogger(__name__)
 
 #: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query")
+KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows", "synth_eval")
+#: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
+#: synthesis, one noisy release per real row) must be listed explicitly.
+DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
 
 
@@ -279,7 +282,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: {exc}") from None
     analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
-    allowed = policy.str_list("allowed_jobs", list(KNOWN_JOB_KINDS))
+    allowed = policy.str_list("allowed_jobs", list(DEFAULT_ALLOWED_JOBS))
     unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -29,7 +30,13 @@ from dpfed.common.errors import (
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_to_bytes
-from dpfed.site_agent.handlers import HANDLERS, DataAccess, PreparedContinuation, TaskHandler
+from dpfed.site_agent.handlers import (
+    HANDLERS,
+    DataAccess,
+    PreparedContinuation,
+    PreparedRelease,
+    TaskHandler,
+)
 from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 
 log = logging.getLogger(__name__)
@@ -67,10 +74,13 @@ class TaskRunner:
     def __init__(self, data: DataAccess, ledger: Ledger, allowed_kinds: tuple[str, ...], *,
                  handlers: dict[str, TaskHandler] | None = None,
                  deterministic_noise_seed: int | None = None,
-                 secure_required_kinds: tuple[str, ...] = ()) -> None:
+                 secure_required_kinds: tuple[str, ...] = (),
+                 local_dir: Path | None = None) -> None:
         self.data = data
         self.secure_required_kinds = secure_required_kinds
         self.ledger = ledger
+        #: Where local-only tasks write their output (default: the ledger's directory).
+        self.local_dir = local_dir if local_dir is not None else ledger.path.parent
         self.allowed_kinds = allowed_kinds
         # Bind the allowed kinds' handlers to this site (the svt handler opens its session
         # store beside the ledger); a kind the site does not allow is refused before lookup.
@@ -148,6 +158,8 @@ class TaskRunner:
             prepared = handler.prepare(task, self.data)
             if isinstance(prepared, PreparedContinuation):
                 return self._continue(task, prepared, tag)
+            if prepared.local_output is not None:
+                return self._run_local(task, prepared, tag)
             rng = self._rng(task.kind)
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
@@ -199,3 +211,16 @@ class TaskRunner:
         log.info("[TaskRunner.run] %s continued %s (no new charge), %d bytes released", tag,
                  prepared.charged_by, len(result))
         return result
+
+    def _run_local(self, task: Task, prepared: PreparedRelease, tag: str) -> bytes:
+        """Run a local-only task: write its output here; send back only that it was done."""
+        assert prepared.local_output is not None
+        if prepared.cost.epsilon != 0.0 or prepared.cost.delta != 0.0 or prepared.cost.rho != 0.0:
+            raise ValidationError("a local-only task must not spend budget")
+        where = prepared.local_output(self.local_dir)
+        result = prepared.release(self._rng(task.kind))
+        if result.arrays or result.spend.epsilon or result.spend.delta:
+            raise ValidationError("a local-only task must not release arrays or spend budget")
+        log.info("[TaskRunner.run] %s local-only: %s (nothing released, nothing charged)",
+                 tag, where)
+        return result_to_bytes(result)

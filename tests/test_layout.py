@@ -33,7 +33,11 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, module: str, known: set[str], *, top_level_only: bool) -> set[str]:
     """dpfed modules imported by ``path`` (top-level statements only if asked)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+                   for n in ast.walk(block)}
+    nodes = [n for n in (tree.body if top_level_only else list(ast.walk(tree)))
+             if id(n) not in typing_only]  # imports for type checking only never run
     out: set[str] = set()
     for node in nodes:
         names: list[str] = []

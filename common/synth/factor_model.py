@@ -637,8 +637,13 @@ class FactorModelSynthesizer:
     n_simulations : int
         Simulated rows per step of that correction (default 50 000).
     subspace : PCAEstimate, optional
-        A DP subspace computed elsewhere (e.g. the federated PCA job) on the same latent
-        layout; then no PCA budget is spent here.
+        A DP subspace computed elsewhere on the unit-ball latent rows of ``links`` (with the
+        same ``clip_norm``); then no PCA budget is spent here. Needs ``links``. A ``pca`` job
+        result is refused: it lives in the feature space, not the latent space (``dpfed
+        synth`` computes its DP-PCA in the latent space).
+    links : LatentLinks, optional
+        DP links fitted elsewhere (e.g. the federated link round); then no marginal budget
+        is spent here.
     loading_noise_epsilon : float, optional
         Apply the seed's ``QR(V + B)`` perturbation (:func:`perturb_loadings`) with this
         epsilon_1: post-processing of the DP loadings, costs nothing, reproduces the seed.
@@ -693,7 +698,8 @@ class FactorModelSynthesizer:
                  n_simulations: int = 50_000, subspace: PCAEstimate | None = None,
                  loading_noise_epsilon: float | None = None,
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None,
+                 links: LatentLinks | None = None) -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         self.schema = schema
@@ -721,7 +727,17 @@ class FactorModelSynthesizer:
         self.pca_calibration = check_choice(pca_calibration, "pca_calibration",
                                             ("analytic", "classic"))
         self.row_policy = row_policy
+        if links is not None and (not isinstance(links, LatentLinks)
+                                  or links.schema.digest() != schema.digest()):
+            raise ValidationError("links must be LatentLinks built for this schema")
         if subspace is not None:
+            if hasattr(subspace, "feature_names_in_"):
+                raise ValidationError(
+                    "subspace is a `pca` job result: it lives in the feature space (columns "
+                    "scaled by their bounds, nominal columns one-hot), not in the synthesizer's "
+                    "latent space (link coordinates); run `dpfed synth` (its DP-PCA round is in "
+                    "the latent space) or pass a PCAEstimate of unit-ball latent rows together "
+                    "with the links= it was computed with")
             if not isinstance(subspace, PCAEstimate):
                 raise ValidationError(
                     f"subspace must be a PCAEstimate, got {type(subspace).__name__}")
@@ -733,7 +749,13 @@ class FactorModelSynthesizer:
                 raise ValidationError(
                     f"rank {self.rank} exceeds the {subspace.components.shape[0]} components "
                     "of the given subspace")
+            if links is None:
+                raise ValidationError(
+                    "subspace needs links=: a DP subspace has a meaning only in the latent space "
+                    "(and scaling) of the links it was computed with; links fitted anew here "
+                    "would give another space")
         self.subspace = subspace
+        self.links = links
         if self.mode == "generative" and self.continuous_scaling == "bounds" and any(
                 isinstance(c, ContinuousColumn) for c in schema.columns):
             raise ValidationError(
@@ -746,7 +768,8 @@ class FactorModelSynthesizer:
     # ------------------------------------------------------------------ budget
     def _allocation(self) -> dict[str, float]:
         needed = {
-            "marginals": needs_link_statistics(self.schema, self.continuous_scaling),
+            "marginals": self.links is None and needs_link_statistics(self.schema,
+                                                                      self.continuous_scaling),
             "pca": self.subspace is None,
             "factors": self.mode == "row_aligned",
         }
@@ -775,13 +798,16 @@ class FactorModelSynthesizer:
         costs: dict[str, PrivacyCost] = {}
         # Alg. 2 step 1: fit the links from DP statistics (site release + coordinator step).
         release = None
-        if "marginals" in budget:
-            release, costs["marginals"] = fit_link_statistics(
-                table, epsilon=budget["marginals"], rng=rng,
-                continuous_scaling=self.continuous_scaling)
-        links = combine_link_statistics(self.schema, release,
-                                        continuous_scaling=self.continuous_scaling,
-                                        min_proportion=self.min_proportion)
+        if self.links is not None:
+            links = self.links  # DP links fitted elsewhere (e.g. the federated link round)
+        else:
+            if "marginals" in budget:
+                release, costs["marginals"] = fit_link_statistics(
+                    table, epsilon=budget["marginals"], rng=rng,
+                    continuous_scaling=self.continuous_scaling)
+            links = combine_link_statistics(self.schema, release,
+                                            continuous_scaling=self.continuous_scaling,
+                                            min_proportion=self.min_proportion)
         # Alg. 2 steps 1-2: latent rows, clipped into the unit ball with the public bound.
         unit, n_clipped = clip_to_unit_ball(links.to_latent(table, rng), self.clip_norm)
         # Alg. 1 step 1: the top-r subspace, from DP-PCA (or given).

@@ -263,8 +263,13 @@ class ContinuousLink:
         """Number of latent coordinates (1)."""
         return 1
 
-    def forward(self, values: np.ndarray, out: np.ndarray) -> None:
-        """Write the latent coordinate of ``values`` into ``out`` (n x 1)."""
+    def forward(self, values: np.ndarray, out: np.ndarray,
+                rng: np.random.Generator | None = None) -> None:
+        """Write the latent coordinate of ``values`` into ``out`` (n x 1).
+
+        ``rng`` is unused by the identity link (subclasses such as the quantile link of
+        :mod:`dpfed.common.synth.quantile_link` draw with it).
+        """
         col = self.column
         z = out[:, 0]
         np.subtract(values, col.center + col.half_range * self.mean, out=z)
@@ -499,7 +504,7 @@ class LatentLinks:
             values = table.columns[link.column.name]
             block = out[:, start:stop]
             if isinstance(link, ContinuousLink):
-                link.forward(values, block)
+                link.forward(values, block, rng)
             else:
                 link.forward(np.asarray(values, dtype=np.intp), block, rng)
         return np.ascontiguousarray(out)

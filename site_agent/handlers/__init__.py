@@ -18,9 +18,15 @@ from dpfed.site_agent.handlers.base import (
 from dpfed.site_agent.handlers.pca import PCAHandler
 from dpfed.site_agent.handlers.query import QueryHandler
 from dpfed.site_agent.handlers.svt import SVTHandler
+from dpfed.site_agent.handlers.synth import (
+    SynthEvaluationHandler,
+    SynthHandler,
+    SynthRowsHandler,
+)
 
 #: kind -> handler; adding a job kind means adding a handler here.
-HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (PCAHandler(), SVTHandler(),
-                                                         QueryHandler())}
+HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (
+    PCAHandler(), SVTHandler(), QueryHandler(), SynthHandler(), SynthRowsHandler(),
+    SynthEvaluationHandler())}
 
 __all__ = ["HANDLERS", "DataAccess", "PreparedContinuation", "PreparedRelease", "TaskHandler"]

@@ -37,6 +37,11 @@ class PreparedRelease:
 
     cost: PrivacyCost
     release: Callable[[np.random.Generator], TaskResult]
+    #: Local-only tasks (e.g. evaluating a synthetic table against the site's rows): the
+    #: runner calls this with the site's own directory; nothing computed on real rows is
+    #: released, so nothing is charged. ``cost`` must then be zero and ``release`` must return
+    #: a result without arrays.
+    local_output: Callable[[Path], str] | None = None
 
 
 @dataclass(frozen=True)

@@ -132,9 +132,9 @@ def test_results_and_report_dispatch(tmp_path: Path) -> None:
     assert "data:image/png;base64" in html and "SVT session j" in html
     with pytest.raises(ValidationError, match="not a query result"):
         QueryJobResult.load(p)
-    other = tmp_path / "pca.npz"
-    other.write_bytes(encode_result({"x": np.zeros(1)}, {"kind": "pca"}))
-    with pytest.raises(ValidationError, match="no report for result kind 'pca'"):
+    other = tmp_path / "other.npz"
+    other.write_bytes(encode_result({"x": np.zeros(1)}, {"kind": "unknown-kind"}))
+    with pytest.raises(ValidationError, match="no report for result kind 'unknown-kind'"):
         report_for_result(other)
 
 

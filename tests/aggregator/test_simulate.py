@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dpfed.aggregator.pca_result import PCAResult
-from dpfed.aggregator.simulate import MARKER, prepare_output
+from dpfed.aggregator.simulation_output import MARKER, prepare_output
 from dpfed.common.errors import ConfigError
 
 

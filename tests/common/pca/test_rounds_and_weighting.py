@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 
 from dpfed.common.errors import ValidationError
-from dpfed.common.job_params import (
-    MEAN_SHARE,
-    NORMS_SHARE,
-    PCAParams,
-    parse_clip_norm,
-)
+from dpfed.common.job_choices import parse_clip_norm
+from dpfed.common.job_params import MEAN_SHARE, NORMS_SHARE, PCAParams
 from dpfed.common.pca.centring import dp_mean
 from dpfed.common.pca.clipping import (
     GRID_STEPS_PER_OCTAVE,

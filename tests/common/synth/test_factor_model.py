@@ -207,10 +207,22 @@ def test_budget_is_renormalised_over_needed_releases() -> None:
                                       continuous_scaling="bounds", rng=rng).fit(frame)
     assert synth.budget_ == pytest.approx({"pca": 0.25, "factors": 0.75})
     subspace = PCAEstimate(np.eye(2), np.array([0.3, 0.2]), 0.5)
+    with pytest.raises(ValidationError, match="subspace needs links="):
+        fm.FactorModelSynthesizer(schema, epsilon=1.0, subspace=subspace, rank=1, rng=rng)
+    links = lk.LatentLinks.from_proportions(schema, {}, {"x": (0.0, 0.58), "y": (0.0, 0.58)})
     given = fm.FactorModelSynthesizer(schema, epsilon=1.0, subspace=subspace, rank=1,
-                                      rng=rng).fit(frame)
-    assert given.budget_ == pytest.approx({"marginals": 1.0})
-    assert given.rank_ == 1
+                                      links=links, rng=rng).fit(frame)
+    assert given.budget_ == {}  # nothing is fitted centrally: no marginals, no PCA
+    assert given.privacy_costs_ == {} and given.rank_ == 1 and given.links_ is links
+
+
+def test_a_pca_job_result_is_refused_as_subspace() -> None:
+    class FeatureSpaceResult(PCAEstimate):
+        feature_names_in_ = ("a",)
+
+    wrong = FeatureSpaceResult(np.eye(9), np.ones(9), 9.0)
+    with pytest.raises(ValidationError, match="feature space"):
+        fm.FactorModelSynthesizer(make_schema(), epsilon=1.0, subspace=wrong)
 
 
 # --------------------------------------------------------------------------- non-private limit

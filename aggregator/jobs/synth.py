@@ -1,0 +1,268 @@
+"""Coordinator side of the ``synth`` job: federated DP synthesis with the factor model.
+
+Rounds (each one ``JobContext.dispatch`` with its own round name, so a resumed job re-sends
+identical tasks and the sites replay their ledgers):
+
+1. ``links`` -- every site releases DP histograms of every column; the coordinator sums them
+   and builds the links (quantile links for continuous columns by default).
+2. ``pca`` -- the coordinator sends the DP proportions and their digest; every site releases
+   its DP-PCA factor of the unit-ball latent rows; the coordinator combines them, chooses the
+   rank, corrects the latent correlation and rescales.
+3. ``factors`` (row-aligned mode only; task kind ``synth_rows``, which a site must allow
+   explicitly) -- the coordinator sends the DP loadings; every site releases one noisy factor
+   row per real row.
+
+The task parameters of each round are a deterministic function of the job's parameters and
+of the earlier rounds' (replayed) releases, so a coordinator restarted between rounds sends
+the same task ids with the same payloads: one charge per site per round. (If a site that
+answered round 1 before the restart does not come back within the resume wait, round 1's sum
+changes, so do the links and their digest; a site that had already answered round 2 then
+refuses the re-sent round 2 as a conflicting payload instead of being charged twice.)
+The job's result file is the fitted :class:`dpfed.aggregator.synth_model.SynthModel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+
+from dpfed import __version__
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.synth_model import SynthModel
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ProtocolError, QuorumError, ValidationError
+from dpfed.common.job_params import SynthParams
+from dpfed.common.pca.dppca import combine
+from dpfed.common.privacy.rng import production_rng
+from dpfed.common.synth.factor_model import dp_second_moment, latent_rescaling
+from dpfed.common.synth.generative import FactorModel, fit_factor_model
+from dpfed.common.synth.link_release import (
+    expected_proportion_error,
+    histogram_sizes,
+    links_digest,
+    links_from_proportions,
+    proportions_from_histograms,
+    sum_histograms,
+)
+from dpfed.common.synth.links import default_clip_norm, latent_dim
+from dpfed.common.transport.protocol import JobSpec, TaskResult
+from dpfed.common.validation import check_delta, check_epsilon
+
+log = logging.getLogger(__name__)
+
+#: Largest expected L1 error of a column's pooled DP proportions a job may start with.
+MAX_PROPORTION_ERROR = 0.5
+#: Task kind of the local-only evaluation round.
+EVAL_KIND = "synth_eval"
+#: Task kind of the row-aligned factors round (sites must allow it explicitly).
+ROWS_KIND = "synth_rows"
+#: Largest row-aligned output the coordinator accepts from one site.
+MAX_ALIGNED_ROWS = 50_000_000
+
+
+def check_synth_schema(schema: Schema) -> None:
+    """Require at least two columns (a joint model of one column is its marginal)."""
+    if len(schema.columns) < 2:
+        raise ValidationError(
+            f"the federation schema has {len(schema.columns)} column(s); synth needs at least "
+            "2 (ordinal, nominal or continuous)")
+
+
+def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, delta: float,
+                           row_counts: list[int]) -> None:
+    """Refuse budgets whose histograms would be mostly noise (before anything is charged)."""
+    eps, dlt = params.plan(epsilon, delta)[0][1:]
+    name, err = expected_proportion_error(schema, params.n_bins, epsilon=eps, delta=dlt,
+                                          row_counts=row_counts)
+    if err > MAX_PROPORTION_ERROR:
+        raise ValidationError(
+            f"--epsilon {epsilon:g} / --delta {delta:g} are too small for this schema's cells: "
+            f"the DP histogram of {name!r} would have an expected L1 error of {err:.2f} on "
+            f"its proportions with {sum(row_counts)} rows at {len(row_counts)} site(s) "
+            f"(limit {MAX_PROPORTION_ERROR}); raise --epsilon/--delta or lower --n-bins")
+
+
+def plan_table(params: SynthParams, epsilon: float, delta: float) -> list[dict[str, Any]]:
+    """Return the per-round budget every site will be charged (what ``--plan`` prints)."""
+    return [{"round": n, "epsilon": e, "delta": d} for n, e, d in params.plan(epsilon, delta)]
+
+
+class SynthJob(JobType):
+    """Two (generative) or three (row-aligned) rounds; the result is a SynthModel file."""
+
+    kind = "synth"
+
+    def validate(self, spec: JobSpec, federation: Federation) -> dict[str, Any]:
+        """Validate the mode, links, bins and budget split against the federation schema."""
+        epsilon = check_epsilon(spec.epsilon)
+        delta = check_delta(spec.delta)
+        check_synth_schema(federation.schema)
+        params = SynthParams.from_mapping(spec.params, latent_dim=latent_dim(federation.schema))
+        params.check_privacy(epsilon, delta)
+        return params.to_mapping()
+
+    async def run(self, ctx: JobContext) -> JobOutput:
+        """Run the rounds and fit the model (post-processing only)."""
+        schema = ctx.federation.schema
+        dim = latent_dim(schema)
+        params = SynthParams.from_mapping(ctx.params, latent_dim=dim)
+        plan = params.plan(ctx.spec.epsilon, ctx.spec.delta)
+        budget = {name: (eps, dlt) for name, eps, dlt in plan}
+        rows = [s.hello.row_count for s in ctx.registry.connected()
+                if not ctx.spec.sites or s.site_id in ctx.spec.sites]
+        if rows and min(rows) > 0:
+            check_budget_for_cells(schema, params, ctx.spec.epsilon, ctx.spec.delta, rows)
+        base = {**params.to_mapping(), "schema_digest": schema.digest()}
+        size = sum(histogram_sizes(schema, params.n_bins))
+
+        # ---------------------------------------------------------------- round 1: links
+        def check_links(result: TaskResult) -> None:
+            _check_rows(result)
+            h = result.arrays.get("histograms")
+            if h is None or h.shape != (size,) or h.dtype != np.float64 or not np.all(
+                    np.isfinite(h)) or float(np.abs(h).max(initial=0.0)) > 1e12:
+                raise ProtocolError(f"expected finite float64 histograms of shape ({size},)")
+
+        links_eps, links_delta = budget["links"]
+        r1 = await ctx.dispatch(self.kind, {**base, "round": "links"}, round_name="links",
+                                epsilon=links_eps, delta=links_delta, check_result=check_links,
+                                progress=(0.05, 0.3))
+        order = sorted(r1)
+        total = sum_histograms([r1[s].arrays["histograms"] for s in order], schema,
+                               params.n_bins)
+        pooled_rows = sum(int(r1[s].metadata["n_rows"]) for s in order)  # public N_s
+        proportions = proportions_from_histograms(total, schema, params.n_bins,
+                                                  n_rows=pooled_rows)
+        digest = links_digest(schema, proportions, params.n_bins, params.continuous_link)
+        links = await asyncio.to_thread(links_from_proportions, schema, proportions,
+                                        params.n_bins, params.continuous_link)
+        ctx.emit("links", f"links built from {len(order)} site(s)' DP histograms "
+                 f"(digest {digest[:12]})", 0.32)
+
+        # ---------------------------------------------------------------- round 2: pca
+        def check_factor(result: TaskResult) -> None:
+            _check_rows(result)
+            f = result.arrays.get("factor")
+            if f is None or f.shape != (dim, dim) or f.dtype != np.float64 or not np.all(
+                    np.isfinite(f)) or float(np.abs(f).max(initial=0.0)) > 1e6:
+                raise ProtocolError(f"expected a finite float64 factor of shape ({dim}, {dim})")
+
+        pca_eps, pca_delta = budget["pca"]
+        link_arrays = {"link_proportions": proportions}
+        r2 = await ctx.dispatch(self.kind, {**base, "round": "pca", "links_digest": digest},
+                                round_name="pca", arrays=link_arrays, epsilon=pca_eps,
+                                delta=pca_delta, check_result=check_factor,
+                                progress=(0.35, 0.7))
+        sites2 = sorted(r2)
+        estimate = await asyncio.to_thread(combine, [r2[s].arrays["factor"] for s in sites2],
+                                           dim)
+        clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
+        dp_corr = _correlation(dp_second_moment(estimate, dim))
+        rng = production_rng()  # post-processing only (simulation, sampling)
+        ctx.emit("model", f"fitting the factor model (latent dimension {dim})", 0.72)
+        factors: np.ndarray | None = None
+        corr: np.ndarray | None = None
+        if params.mode == "generative":
+            fm, corr = await asyncio.to_thread(
+                fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
+                info_threshold=params.info_threshold)
+            sites_last = {s: r2[s] for s in sites2}
+        else:
+            fm_plain, _ = await asyncio.to_thread(
+                fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
+                info_threshold=params.info_threshold, correct_correlation=False)
+            v = fm_plain.loadings
+            f_eps, f_delta = budget["factors"]
+
+            def check_w(result: TaskResult) -> None:
+                n = _check_rows(result)
+                w = result.arrays.get("factors")
+                if w is None or w.shape != (n, v.shape[1]) or w.dtype != np.float64 or not (
+                        np.all(np.isfinite(w))):
+                    raise ProtocolError(f"expected finite float64 factors of shape "
+                                        f"({n}, {v.shape[1]})")
+
+            r3 = await ctx.dispatch(
+                ROWS_KIND, {**base, "round": "factors", "links_digest": digest},
+                round_name="factors", arrays={**link_arrays, "loadings": v},
+                epsilon=f_eps, delta=f_delta, check_result=check_w, progress=(0.75, 0.9))
+            sites_last = {s: r3[s] for s in sorted(r3)}
+            b = max(float(r.spend.noise_scale) for r in sites_last.values())
+            scale = latent_rescaling(links, v, fm_plain.eigenvalues, clip_norm=clip,
+                                     residual=0.0, factor_noise_variance=2.0 * b * b,
+                                     include_residual=False)
+            fm = FactorModel(v, fm_plain.eigenvalues, 0.0, clip * scale)
+            factors = np.concatenate([r.arrays["factors"] for r in sites_last.values()])
+        ctx.emit("calibrate", "calibrating every column to its released DP marginal", 0.92)
+        metadata = self._metadata(ctx, params, plan, r1, r2, sites_last, estimate, fm)
+        model = await asyncio.to_thread(
+            SynthModel.build, schema, mode=params.mode, continuous_link=params.continuous_link,
+            n_bins=params.n_bins, proportions=proportions, factor_model=fm,
+            dp_correlation=dp_corr, rng=rng, latent_correlation=corr, factors=factors,
+            metadata=metadata)
+        summary = {"mode": params.mode, "latent_dim": dim, "rank": fm.rank,
+                   "sites": len(sites_last), "n_rows_total": metadata["n_rows_total"],
+                   "links_digest": digest}
+        if params.evaluate_rows:
+            summary["evaluated_sites"] = await self._evaluate(ctx, model, params, schema)
+        return JobOutput(model.arrays(), model.file_metadata(), summary)
+
+    async def _evaluate(self, ctx: JobContext, model: SynthModel, params: SynthParams,
+                        schema: Schema) -> list[str]:
+        """Local-only round: every site evaluates a synthetic sample against its own rows.
+
+        Sites answer only that their report was written; a failure here does not fail the
+        job (the synthetic table is already made).
+        """
+        sample = EncodedTable.concatenate(list(model.iter_encoded(
+            None if model.factors is not None else params.evaluate_rows)))
+        take = min(sample.n_rows, params.evaluate_rows)
+        arrays = {f"col:{c.name}": np.ascontiguousarray(sample.columns[c.name][:take])
+                  for c in schema.columns}
+        ctx.emit("evaluate", f"sending a {take}-row synthetic sample to every site for its "
+                 "local evaluation (nothing comes back, nothing is charged)", 0.95)
+        try:
+            results = await ctx.dispatch(EVAL_KIND, {"schema_digest": schema.digest()},
+                                         round_name="evaluate", arrays=arrays, epsilon=0.0,
+                                         delta=0.0, progress=(0.95, 0.99))
+        except QuorumError as exc:
+            ctx.emit("evaluate", f"site-local evaluation incomplete: {exc}", 0.99)
+            return []
+        return sorted(results)
+
+    def _metadata(self, ctx: JobContext, params: SynthParams,
+                  plan: list[tuple[str, float, float]], *rounds: Any) -> dict[str, Any]:
+        r1, r2, last, estimate, fm = rounds
+        sites = []
+        for s in sorted(r1):
+            row: dict[str, Any] = {"site_id": s, "n_rows": int(r1[s].metadata["n_rows"])}
+            for name, results in (("links", r1), ("pca", r2), ("factors", last)):
+                if s in results and (name != "factors" or params.mode == "row_aligned"):
+                    row[f"{name}_epsilon"] = results[s].spend.epsilon
+                    row[f"{name}_delta"] = results[s].spend.delta
+            sites.append(row)
+        return {"job_id": ctx.job_id, "kind": self.kind, "epsilon": ctx.spec.epsilon,
+                "delta": ctx.spec.delta, "params": params.to_mapping(),
+                "plan": [{"round": n, "epsilon": e, "delta": d} for n, e, d in plan],
+                "sites": sites, "n_rows_total": sum(int(x["n_rows"]) for x in sites
+                                                    if x["site_id"] in last),
+                "rank": fm.rank, "total_variance": float(estimate.total_variance),
+                "software_version": __version__}
+
+
+def _check_rows(result: TaskResult) -> int:
+    n = result.metadata.get("n_rows")
+    if not isinstance(n, int) or n <= 0 or n > MAX_ALIGNED_ROWS:
+        raise ProtocolError("result lacks a valid positive n_rows")
+    return n
+
+
+def _correlation(moment: np.ndarray) -> np.ndarray:
+    d = np.sqrt(np.clip(np.diag(moment), 1e-300, None))
+    return np.asarray(moment / d[:, None] / d[None, :])
+

@@ -1,0 +1,140 @@
+"""``dpfed synth`` and ``dpfed synth-sample``: federated DP synthesis from the command line.
+
+Registered on the ``dpfed`` parser by :func:`register`; heavy modules are imported inside the
+commands so that ``dpfed --help`` stays fast. See docs/synthesis.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dpfed.common import exit_codes
+from dpfed.common.errors import ValidationError
+
+if TYPE_CHECKING:
+    from dpfed.aggregator.client import Coordinator
+    from dpfed.common.transport.protocol import JobEvent
+
+
+def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
+    from dpfed.aggregator.client import Coordinator
+    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+
+    spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode)
+    params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
+    plan = params.plan(args.epsilon, args.delta)
+    sites = coord.sites()
+    print(f"synth plan ({params.mode}): every site is charged, per round:")
+    print(f"{'site':<16} {'round':<8} {'epsilon':>10} {'delta':>10} {'eps left now':>13}")
+    for site in sites or []:
+        left = f"{site.budget.epsilon_remaining:.4g}" if site.budget else "?"
+        for name, eps, dlt in plan:
+            print(f"{site.site_id:<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
+    if not sites:
+        for name, eps, dlt in plan:
+            print(f"{'(every site)':<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
+    total_eps = sum(e for _, e, _ in plan)
+    total_delta = sum(d for _, _, d in plan)
+    print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")
+    return plan
+
+
+def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Coordinator],
+              on_event: Callable[[JobEvent], None]) -> int:
+    """Run a federated synthesis job; write the table, the model and the report."""
+    from dpfed.aggregator.synth_model import check_rows, output_format
+    from dpfed.aggregator.synth_report import write_synth_report
+
+    mode = args.mode.replace("-", "_")
+    if mode == "row_aligned":
+        if args.rows is not None:
+            raise ValidationError("--rows: row-aligned mode releases exactly one noisy row per "
+                                  "real row; omit --rows")
+    elif not args.plan:
+        if args.rows is None:
+            raise ValidationError("--rows is required in generative mode (how many synthetic "
+                                  "rows to write)")
+        check_rows(args.rows)
+    fmt = output_format(args.out, args.format)
+    with connect(args) as coord:
+        if args.plan:
+            _synth_plan(args, coord)
+            return exit_codes.OK
+        if args.wait_sites:
+            print(f"waiting for {args.wait_sites} site(s) to connect...", flush=True)
+            coord.wait_for_sites(args.wait_sites, timeout=args.wait_timeout)
+        model = coord.synth_model(
+            epsilon=args.epsilon, delta=args.delta, rows=args.rows, mode=mode,
+            continuous_link=args.continuous_link, n_bins=args.n_bins, rank=args.rank,
+            clip_norm=args.clip_norm, min_sites=args.min_sites,
+            deadline_seconds=args.deadline, on_event=on_event,
+            evaluate_rows=args.evaluate_rows if args.evaluate else 0)
+    model_path = model.save(args.model)
+    written = model.write(args.out, args.rows, fmt=fmt)
+    label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
+             else "generative: new rows from the DP model")
+    print(f"wrote {args.out} ({written} rows, {fmt}; {label})")
+    print(f"wrote {model_path} (the fitted DP model: `dpfed synth-sample {model_path} "
+          "--rows N --out FILE` draws more at no privacy cost)")
+    if args.report:
+        sample = model.sample(None if mode == "row_aligned" else min(args.rows, 50_000))
+        print(f"wrote {write_synth_report(args.report, model, sample)}")
+    return exit_codes.OK
+
+
+def cmd_synth_sample(args: argparse.Namespace) -> int:
+    """Draw rows from a saved synthesis model (post-processing: no budget)."""
+    from dpfed.aggregator.synth_model import SynthModel, check_rows, output_format
+
+    model = SynthModel.load(args.model)
+    rows = None if args.rows is None else check_rows(args.rows)
+    written = model.write(args.out, rows, fmt=output_format(args.out, args.format))
+    print(f"wrote {args.out} ({written} rows)")
+    return exit_codes.OK
+
+
+def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None],
+             connect: Callable[[argparse.Namespace], Coordinator],
+             on_event: Callable[[JobEvent], None]) -> None:
+    """Add the ``synth`` and ``synth-sample`` subcommands."""
+    p = sub.add_parser("synth", help="run a federated DP synthesis job; write the synthetic "
+                       "table (Parquet/CSV), the fitted model and report.html")
+    p.add_argument("--epsilon", type=float, required=True, help="epsilon spent at each site")
+    p.add_argument("--delta", type=float, required=True, help="delta spent at each site")
+    p.add_argument("--rows", type=int, help="synthetic rows to write (generative mode)")
+    p.add_argument("--out", default="synth.parquet",
+                   help="output table (.parquet default, .csv for CSV)")
+    p.add_argument("--format", choices=["parquet", "csv"], help="default: from --out")
+    p.add_argument("--mode", choices=["generative", "row-aligned"], default="generative",
+                   help="generative (default): new rows from the DP model; row-aligned: one "
+                   "noisy row per real row")
+    p.add_argument("--plan", action="store_true",
+                   help="print each site's epsilon/delta per round and exit (nothing runs)")
+    p.add_argument("--continuous-link", choices=["quantile", "identity"], default="quantile")
+    p.add_argument("--n-bins", type=int, default=32,
+                   help="public bins per continuous column (default 32)")
+    p.add_argument("--rank", type=int, help="number of factors (default: information rule)")
+    p.add_argument("--clip-norm", type=float, help="latent norm bound (default sqrt(dim))")
+    p.add_argument("--evaluate", action="store_true",
+                   help="send a synthetic sample to every site, which compares it with its own "
+                   "rows and writes an HTML report in its own directory (nothing comes back)")
+    p.add_argument("--evaluate-rows", type=int, default=2000,
+                   help="rows of that sample (default 2000, at most 50000)")
+    p.add_argument("--model", default="synth_model.npz", help="where to save the model")
+    p.add_argument("--report", default="report.html", help="HTML report ('' to skip)")
+    p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
+    p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
+    p.add_argument("--wait-sites", type=int, default=0, metavar="N",
+                   help="first wait until N sites are connected")
+    p.add_argument("--wait-timeout", type=float, default=300.0, help="seconds for --wait-sites")
+    connection_args(p)
+    p.set_defaults(func=lambda a: cmd_synth(a, connect, on_event))
+
+    p = sub.add_parser("synth-sample", help="draw rows from a saved synthesis model (no budget)")
+    p.add_argument("model", help="model file written by `dpfed synth`")
+    p.add_argument("--rows", type=int, help="rows to draw (required for generative models)")
+    p.add_argument("--out", required=True, help="output table (.parquet or .csv)")
+    p.add_argument("--format", choices=["parquet", "csv"], help="default: from --out")
+    p.set_defaults(func=cmd_synth_sample)

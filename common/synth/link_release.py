@@ -1,0 +1,257 @@
+"""The federated synthesis job's link round: DP histograms of every column -> the links.
+
+Site (holds rows, spends budget)
+    :class:`LinkHistogramAccumulator` streams encoded chunks into one exact histogram per
+    column -- codes for ordinal/nominal columns, public equal-width bins
+    (:func:`dpfed.common.synth.quantile_link.bin_edges`) for continuous ones -- and
+    :func:`release_link_histograms` adds Gaussian noise to the concatenated vector.
+Coordinator (sees only releases)
+    :func:`sum_histograms` adds the sites' vectors; :func:`proportions_from_histograms` turns
+    them into floored DP proportions (one block per column, concatenated in schema order);
+    :func:`links_from_proportions` builds the links (quantile or identity continuous link);
+    :func:`links_digest` is the digest sites check before they use links sent to them.
+
+The links are a deterministic function of (schema, continuous link kind, DP proportions), so
+sending the proportions and the digest is sending the links.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import ContinuousColumn, NominalColumn, OrdinalColumn, Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.mechanisms import GaussianMechanism
+from dpfed.common.synth.dp_marginals import proportions_from_counts
+from dpfed.common.synth.links import LatentLinks, Link, NominalLink, OrdinalLink
+from dpfed.common.synth.quantile_link import QuantileLink, bin_codes, identity_link_from_bins
+from dpfed.common.validation import check_choice, check_finite_array, check_int
+
+CONTINUOUS_LINKS: tuple[str, ...] = ("quantile", "identity")
+#: Replace-one L2 sensitivity of one column's histogram: one count down, another up.
+HISTOGRAM_L2_SENSITIVITY = math.sqrt(2.0)
+#: Floor of every continuous bin's DP proportion (keeps the quantile link's CDF increasing).
+CONTINUOUS_BIN_FLOOR = 1e-7
+
+
+def _vector(values: object, name: str, size: int) -> np.ndarray:
+    v = check_finite_array(values, name, ndim=1)
+    if v.shape[0] != size:
+        raise ValidationError(f"{name} must have {size} entries, got {v.shape[0]}")
+    return v
+
+
+def histogram_sizes(schema: Schema, n_bins: int) -> tuple[int, ...]:
+    """Cells per column in schema order (levels, categories, or ``n_bins`` public bins)."""
+    b = check_int(n_bins, "n_bins", minimum=2)
+    sizes = []
+    for col in schema.columns:
+        if isinstance(col, ContinuousColumn):
+            sizes.append(b)
+        elif isinstance(col, OrdinalColumn):
+            sizes.append(col.n_levels)
+        else:
+            sizes.append(col.n_categories)
+    return tuple(sizes)
+
+
+def link_histogram_sensitivity(schema: Schema) -> float:
+    """L2 sensitivity of the concatenated histograms under replace-one.
+
+    Replacing one row moves, in every column's histogram, one count down and one count up
+    (or nothing when both rows fall in the same cell): ``sqrt(2)`` per column, so
+    ``sqrt(2 n_columns)`` for the whole vector (the columns' changes are orthogonal).
+    """
+    return HISTOGRAM_L2_SENSITIVITY * math.sqrt(len(schema.columns))
+
+
+def link_histogram_mechanism(schema: Schema, epsilon: float, delta: float) -> GaussianMechanism:
+    """Return the Gaussian mechanism of :func:`release_link_histograms`.
+
+    Privacy
+    -------
+    Relation: replace-one row at this site (``N_s`` public). Bounds: codes in the schema's
+    levels/categories; continuous values clipped to the schema bounds and binned on public
+    equal-width bins. Sensitivity: :func:`link_histogram_sensitivity` (L2, ``sqrt(2 n_cols)``).
+    Calibration: analytic Gaussian for (epsilon, delta) on every cell.
+    """
+    return GaussianMechanism(epsilon, delta, link_histogram_sensitivity(schema))
+
+
+class LinkHistogramAccumulator:
+    """Exact per-column histograms over streamed chunks (site-internal, never sent)."""
+
+    def __init__(self, schema: Schema, n_bins: int) -> None:
+        self.schema = schema
+        self.n_bins = check_int(n_bins, "n_bins", minimum=2)
+        self.sizes = histogram_sizes(schema, self.n_bins)
+        self.counts = np.zeros(sum(self.sizes), dtype=np.int64)
+        self.n_rows = 0
+
+    def add(self, table: EncodedTable) -> None:
+        """Add one encoded chunk."""
+        if table.schema.digest() != self.schema.digest():
+            raise ValidationError("chunk was encoded with a different schema")
+        start = 0
+        for col, size in zip(self.schema.columns, self.sizes, strict=True):
+            values = table.columns[col.name]
+            if isinstance(col, ContinuousColumn):
+                codes = bin_codes(col, values, self.n_bins)
+            else:
+                codes = np.asarray(values, dtype=np.intp)
+            self.counts[start:start + size] += np.bincount(codes, minlength=size)[:size]
+            start += size
+        self.n_rows += table.n_rows
+
+
+def release_link_histograms(counts: np.ndarray, schema: Schema, *, epsilon: float,
+                            delta: float, rng: np.random.Generator) -> np.ndarray:
+    """Site step: the concatenated histograms plus N(0, sigma^2) per cell.
+
+    Privacy
+    -------
+    See :func:`link_histogram_mechanism`: replace-one, L2 sensitivity ``sqrt(2 n_cols)``,
+    analytic Gaussian, (epsilon, delta)-DP.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim != 1:
+        raise ValidationError("counts must be a 1-d vector")
+    return link_histogram_mechanism(schema, epsilon, delta).release(c, rng)
+
+
+def sum_histograms(releases: list[np.ndarray], schema: Schema, n_bins: int) -> np.ndarray:
+    """Coordinator step: add the sites' released vectors (each checked: shape, finite)."""
+    size = sum(histogram_sizes(schema, n_bins))
+    if not releases:
+        raise ValidationError("need at least one site's histograms")
+    total = np.zeros(size)
+    for i, r in enumerate(releases):
+        total += _vector(r, f"histograms of site {i}", size)
+    return total
+
+
+def project_counts(counts: np.ndarray, n_rows: float) -> np.ndarray:
+    """Euclidean projection of noisy counts onto ``{x >= 0, sum x = n_rows}`` (post-processing).
+
+    ``x = max(c - t, 0)`` with the threshold ``t`` that makes the sum ``n_rows`` (the public row
+    count). Unlike clipping negatives at 0, it also removes the positive noise that empty cells
+    (e.g. the far tail bins of a skewed column) would otherwise keep as spurious mass.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    n = float(n_rows)
+    if not (math.isfinite(n) and n > 0):
+        raise ValidationError(f"n_rows must be a positive number, got {n_rows!r}")
+    desc = np.sort(c)[::-1]
+    cumulative = np.cumsum(desc) - n
+    k = np.arange(1, c.size + 1)
+    ok = desc - cumulative / k > 0
+    last = int(np.flatnonzero(ok)[-1]) if ok.any() else c.size - 1
+    threshold = cumulative[last] / (last + 1)
+    return np.asarray(np.clip(c - threshold, 0.0, None))
+
+
+def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *,
+                                min_proportion: float = 1e-4,
+                                n_rows: float | None = None) -> np.ndarray:
+    """Floored DP proportions, one block per column, concatenated (post-processing).
+
+    With ``n_rows`` (the public pooled row count) every block is first projected onto the
+    counts that sum to it (:func:`project_counts`). Each block then goes through
+    :func:`dpfed.common.synth.dp_marginals.proportions_from_counts`
+    (negative counts to 0, mixed with the uniform distribution up to the floor). The floor is
+    ``min_proportion`` for categorical columns and :data:`CONTINUOUS_BIN_FLOOR` for continuous
+    bins, capped at a tenth of the uniform share so blocks with many cells stay valid.
+    """
+    sizes = histogram_sizes(schema, n_bins)
+    t = _vector(total, "histograms", sum(sizes))
+    out = []
+    start = 0
+    for col, size in zip(schema.columns, sizes, strict=True):
+        # Continuous bins only need a strictly increasing CDF: a much smaller floor keeps
+        # empty tail bins from pulling mass away from the bulk.
+        base = CONTINUOUS_BIN_FLOOR if isinstance(col, ContinuousColumn) else min_proportion
+        floor = min(base, 0.1 / size)
+        block = t[start:start + size]
+        if n_rows is not None:
+            block = project_counts(block, n_rows)
+        out.append(proportions_from_counts(block, min_proportion=floor))
+        start += size
+    return np.concatenate(out)
+
+
+def split_proportions(proportions: np.ndarray, schema: Schema,
+                      n_bins: int) -> dict[str, np.ndarray]:
+    """Cut the concatenated proportions into one block per column name."""
+    sizes = histogram_sizes(schema, n_bins)
+    p = _vector(proportions, "proportions", sum(sizes))
+    blocks: dict[str, np.ndarray] = {}
+    start = 0
+    for col, size in zip(schema.columns, sizes, strict=True):
+        blocks[col.name] = p[start:start + size]
+        start += size
+    return blocks
+
+
+def links_from_proportions(schema: Schema, proportions: np.ndarray, n_bins: int,
+                           continuous_link: str = "quantile") -> LatentLinks:
+    """Build every link from DP proportions (post-processing, deterministic).
+
+    Continuous columns get a :class:`~dpfed.common.synth.quantile_link.QuantileLink`
+    (``continuous_link="quantile"``) or the identity link with the DP mean/sd of the binned
+    density (``"identity"``); ordinal columns the threshold link; nominal the probit link.
+    """
+    kind = check_choice(continuous_link, "continuous_link", CONTINUOUS_LINKS)
+    blocks = split_proportions(proportions, schema, n_bins)
+    links: list[Link] = []
+    for col in schema.columns:
+        p = blocks[col.name]
+        if isinstance(col, ContinuousColumn):
+            links.append(QuantileLink(col, proportions=p) if kind == "quantile"
+                         else identity_link_from_bins(col, p))
+        elif isinstance(col, OrdinalColumn):
+            links.append(OrdinalLink(col, p))
+        else:
+            assert isinstance(col, NominalColumn)
+            links.append(NominalLink(col, p))
+    return LatentLinks(schema, tuple(links))
+
+
+def links_digest(schema: Schema, proportions: np.ndarray, n_bins: int,
+                 continuous_link: str) -> str:
+    """SHA-256 over everything that defines the links (schema, kind, bins, proportions)."""
+    h = hashlib.sha256()
+    h.update(schema.digest().encode())
+    h.update(f"|{continuous_link}|{int(n_bins)}|".encode())
+    h.update(np.ascontiguousarray(proportions, dtype="<f8").tobytes())
+    return h.hexdigest()
+
+
+def link_round_cost(schema: Schema, epsilon: float, delta: float) -> PrivacyCost:
+    """Cost of the link round at one site (before any noise is drawn)."""
+    return link_histogram_mechanism(schema, epsilon, delta).cost()
+
+
+def expected_proportion_error(schema: Schema, n_bins: int, *, epsilon: float, delta: float,
+                              row_counts: list[int]) -> tuple[str, float]:
+    """Return the worst column's expected L1 error of its pooled DP proportions.
+
+    With per-site noise ``sigma`` per cell, ``S`` sites and ``N`` pooled rows, a column of
+    ``M`` cells has an expected L1 error of its counts of ``M sigma sqrt(S) sqrt(2/pi)``,
+    i.e. about that divided by ``N`` on its proportions. Returns (column name, error); used to
+    refuse budgets too small for the schema's cells before anything is charged.
+    """
+    if not row_counts or min(row_counts) < 1:
+        raise ValidationError("need the sites' (positive) row counts")
+    sigma = link_histogram_mechanism(schema, epsilon, delta).sigma
+    n = float(sum(row_counts))
+    worst = ("", 0.0)
+    for col, size in zip(schema.columns, histogram_sizes(schema, n_bins), strict=True):
+        err = size * sigma * math.sqrt(len(row_counts)) * math.sqrt(2.0 / math.pi) / n
+        if err > worst[1]:
+            worst = (col.name, err)
+    return worst

@@ -1,0 +1,286 @@
+"""Site step of the ``synth`` job (federated factor-model synthesis), one task per round.
+
+Rounds (``task.params["round"]``):
+
+``links``
+    one streaming pass: a histogram of every column (codes; public equal-width bins for
+    continuous columns), released with Gaussian noise
+    (:func:`dpfed.common.synth.link_release.release_link_histograms`).
+``pca``
+    the coordinator sends the DP link proportions and their digest; the site rebuilds the
+    links, checks the digest (a mismatch is a refusal saying so), maps its rows to the latent
+    space, clips them to the public norm and releases its DP-PCA factor
+    (:func:`dpfed.common.pca.dppca.site_release`, all p eigenpairs).
+``factors`` (row-aligned mode only; task kind ``synth_rows``, which a site must allow
+    explicitly)
+    the same links plus the DP loadings ``V`` (p x r); the site releases ``X V + C``, one
+    noisy factor row per real row (:func:`dpfed.common.synth.factor_model.factor_release`).
+
+Privacy
+-------
+Relation: replace-one row at this site, ``N_s`` public. ``links``: L2 sensitivity
+``sqrt(2 n_columns)``, analytic Gaussian. ``pca``: rows in the unit ball by the public clip
+norm; the DP-PCA mechanism of :mod:`dpfed.common.pca.dppca`. ``factors``: one row of ``X V``
+moves by at most 2 in L2 (``2 sqrt(r)`` in L1), Laplace on every entry. Each release is
+charged by the runner before it leaves. The number of clipped rows stays in the local log.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpfed import __version__
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
+from dpfed.common.errors import DataError, ValidationError
+from dpfed.common.job_params import SYNTH_ROUNDS, SynthParams
+from dpfed.common.pca.dppca import GramAccumulator, site_cost, site_release
+from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.rng import production_rng
+from dpfed.common.synth.factor_model import factor_cost, factor_release
+from dpfed.common.synth.link_release import (
+    LinkHistogramAccumulator,
+    link_round_cost,
+    links_digest,
+    links_from_proportions,
+    release_link_histograms,
+)
+from dpfed.common.synth.links import LatentLinks, clip_to_unit_ball, default_clip_norm, latent_dim
+from dpfed.common.transport.protocol import Task, TaskResult
+from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+
+log = logging.getLogger(__name__)
+
+#: Parameters a round adds to the job's canonical ones.
+ROUND_KEYS = ("round", "schema_digest", "links_digest")
+_ORTHONORMAL_TOL = 1e-8
+
+
+def split_task_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a task's params into (round keys, the job's canonical parameters)."""
+    extra = {k: params[k] for k in ROUND_KEYS if k in params}
+    job = {k: v for k, v in params.items() if k not in ROUND_KEYS}
+    return extra, job
+
+
+def check_links(schema: Schema, params: SynthParams, extra: dict[str, Any],
+                arrays: dict[str, np.ndarray]) -> LatentLinks:
+    """Rebuild the links a task carries and check their digest (ValidationError on mismatch)."""
+    props = arrays.get("link_proportions")
+    if props is None:
+        raise ValidationError("the task carries no link_proportions")
+    sent = extra.get("links_digest")
+    if not isinstance(sent, str):
+        raise ValidationError("the task carries no links_digest")
+    mine = links_digest(schema, props, params.n_bins, params.continuous_link)
+    if mine != sent:
+        raise ValidationError(
+            f"link digest mismatch: the links sent hash to {mine[:12]}..., the task says "
+            f"{sent[:12]}... (corrupted or altered in transit); refusing to use them")
+    return links_from_proportions(schema, props, params.n_bins, params.continuous_link)
+
+
+class SynthHandler(TaskHandler):
+    """The three rounds of the federated synthesizer at one site (see the module docstring)."""
+
+    kind = "synth"
+
+    # ------------------------------------------------------------------ exact statistics
+    def exact(self, task: Task, data: DataAccess,
+              latent_rng: np.random.Generator | None = None
+              ) -> tuple[str, SynthParams, int, Any]:
+        """Validate ``task`` and compute the round's exact (un-noised) statistic.
+
+        Returns (round, params, N_s, statistic): the histogram vector (links), the Gram
+        matrix of the unit-ball latent rows (pca), or (unit-ball latent rows, loadings)
+        (factors). Site-internal: nothing here leaves the site. ``latent_rng`` draws the
+        links' latent values (tests couple neighbouring tables through it).
+        """
+        schema = data.schema
+        extra, job = split_task_params(dict(task.params))
+        dim = latent_dim(schema)
+        params = SynthParams.from_mapping(job, latent_dim=dim)
+        rnd = extra.get("round")
+        if (rnd == "factors") != (self.kind == "synth_rows"):
+            raise ValidationError(
+                "the row-aligned factors round runs only as a 'synth_rows' task (sites opt in "
+                "to releasing one noisy row per real row by allowing that kind)"
+                if rnd == "factors" else f"a {self.kind!r} task carries only the factors round")
+        if rnd not in SYNTH_ROUNDS[params.mode]:
+            raise ValidationError(f"round must be one of {SYNTH_ROUNDS[params.mode]} for mode "
+                                  f"{params.mode!r}, got {rnd!r}")
+        sent_schema = extra.get("schema_digest")
+        if sent_schema != schema.digest():
+            raise ValidationError(
+                f"schema digest mismatch: the job was planned for schema {str(sent_schema)[:12]}"
+                f"..., this site's schema is {schema.digest()[:12]}...; refusing")
+        arrays = dict(task.arrays)
+        if rnd == "links":
+            acc = LinkHistogramAccumulator(schema, params.n_bins)
+            for table, _report in data.iter_chunks():
+                acc.add(table)
+            return rnd, params, acc.n_rows, acc.counts
+        links = check_links(schema, params, extra, arrays)
+        clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
+        rng = latent_rng if latent_rng is not None else production_rng()
+        if rnd == "pca":
+            gram = GramAccumulator(dim)
+            clipped = 0
+            for table, _report in data.iter_chunks():
+                unit, n_clipped = clip_to_unit_ball(links.to_latent(table, rng), clip)
+                clipped += n_clipped
+                gram.add(unit)
+            log.info("[SynthHandler.exact] task=%s rows=%d clipped_rows=%d (local only)",
+                     task.task_id, gram.n_rows, clipped)
+            return rnd, params, gram.n_rows, gram.gram()
+        loadings = arrays.get("loadings")
+        if loadings is None:
+            raise ValidationError("the factors round needs the loadings")
+        v = np.asarray(loadings, dtype=np.float64)
+        if v.ndim != 2 or v.shape[0] != dim or not 1 <= v.shape[1] <= dim or not np.all(
+                np.isfinite(v)):
+            raise ValidationError(f"loadings must be a finite {dim} x r matrix, got {v.shape}")
+        if float(np.abs(v.T @ v - np.eye(v.shape[1])).max()) > _ORTHONORMAL_TOL:
+            raise ValidationError("loadings must have orthonormal columns")
+        parts = [clip_to_unit_ball(links.to_latent(table, rng), clip)[0]
+                 for table, _report in data.iter_chunks()]
+        unit = np.concatenate(parts) if parts else np.zeros((0, dim))
+        return rnd, params, unit.shape[0], (unit, v)
+
+    # ------------------------------------------------------------------ release
+    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
+        """Validate, compute the round's exact statistic, and price its release."""
+        rnd, params, n_rows, stat = self.exact(task, data)
+        if n_rows == 0:
+            raise DataError("the site has no valid rows to compute a summary from")
+        schema = data.schema
+        meta: dict[str, Any] = {"n_rows": n_rows, "round": rnd, "software_version": __version__}
+        cost: PrivacyCost
+        if rnd == "links":
+            cost = link_round_cost(schema, task.epsilon, task.delta)
+
+            def release(rng: np.random.Generator) -> TaskResult:
+                noisy = release_link_histograms(stat, schema, epsilon=task.epsilon,
+                                                delta=task.delta, rng=rng)
+                return TaskResult(task.task_id, cost, {"histograms": noisy}, meta)
+
+            return PreparedRelease(cost, release)
+        if rnd == "pca":
+            cost = site_cost(n_rows, task.epsilon, task.delta, params.calibration)
+            dim = stat.shape[0]
+
+            def release_pca(rng: np.random.Generator) -> TaskResult:
+                out = site_release(stat, n_rows, epsilon=task.epsilon, delta=task.delta,
+                                   rank=dim, rng=rng, calibration=params.calibration)
+                return TaskResult(task.task_id, cost, {"factor": out.factor},
+                                  {**meta, "noise_sigma": out.sigma})
+
+            return PreparedRelease(cost, release_pca)
+        unit, v = stat
+        cost = factor_cost(v.shape[1], task.epsilon)
+
+        def release_factors(rng: np.random.Generator) -> TaskResult:
+            w, _ = factor_release(unit, v, epsilon=task.epsilon, rng=rng)
+            return TaskResult(task.task_id, cost, {"factors": w},
+                              {**meta, "noise_scale": cost.noise_scale})
+
+        return PreparedRelease(cost, release_factors)
+
+
+
+class SynthRowsHandler(SynthHandler):
+    """The row-aligned ``factors`` round, as its own job kind ``synth_rows``.
+
+    A separate kind so that a site releases one noisy factor row per real row only when its
+    operator lists ``synth_rows`` in the policy's ``allowed_jobs`` (it is not allowed by
+    default).
+    """
+
+    kind = "synth_rows"
+
+
+#: Largest synthetic sample an evaluation task may carry.
+MAX_EVALUATION_ROWS = 50_000
+
+
+def synthetic_from_arrays(schema: Schema, arrays: dict[str, np.ndarray]) -> EncodedTable:
+    """Validate a synthetic sample sent by the coordinator (one array per column, ``col:<name>``).
+
+    Continuous columns must be finite and within the schema bounds, categorical columns valid
+    codes; every column the same length (1..MAX_EVALUATION_ROWS).
+    """
+    columns: dict[str, np.ndarray] = {}
+    n: int | None = None
+    for col in schema.columns:
+        a = arrays.get(f"col:{col.name}")
+        if a is None or a.ndim != 1:
+            raise ValidationError(f"the evaluation sample lacks column {col.name!r}")
+        if n is None:
+            n = int(a.shape[0])
+        if a.shape[0] != n or not 1 <= n <= MAX_EVALUATION_ROWS:
+            raise ValidationError("evaluation sample columns must have the same length, "
+                                  f"1..{MAX_EVALUATION_ROWS}")
+        if isinstance(col, ContinuousColumn):
+            v = np.asarray(a, dtype=np.float64)
+            if not np.all(np.isfinite(v)) or v.min() < col.min or v.max() > col.max:
+                raise ValidationError(f"evaluation column {col.name!r} outside the schema bounds")
+            columns[col.name] = v
+        else:
+            size = col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
+            if not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= size:
+                raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
+            columns[col.name] = a.astype(np.int32)
+    assert n is not None
+    return EncodedTable(schema, columns, n)
+
+
+class SynthEvaluationHandler(TaskHandler):
+    """Site-local evaluation of a synthetic sample (kind ``synth_eval``): local output only.
+
+    The coordinator sends a synthetic sample; the site compares it with its own rows
+    (:func:`dpfed.site_agent.synth_evaluation.evaluate_at_site`) and writes
+    ``synth_evaluation.html`` in its own directory. Nothing computed on real rows is sent back
+    (the answer says only that the report was written), so nothing is charged.
+    """
+
+    kind = "synth_eval"
+
+    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
+        """Validate the sample and read the site's rows; the report is written by the runner."""
+        from dpfed.site_agent.synth_evaluation import evaluate_at_site
+
+        schema = data.schema
+        if task.epsilon != 0.0 or task.delta != 0.0:
+            raise ValidationError("an evaluation task spends no budget: epsilon and delta "
+                                  "must be 0")
+        sent_schema = task.params.get("schema_digest")
+        if sent_schema != schema.digest():
+            raise ValidationError("schema digest mismatch: the sample was made for another "
+                                  "schema; refusing")
+        synthetic = synthetic_from_arrays(schema, dict(task.arrays))
+        parts = [t for t, _report in data.iter_chunks()]
+        if not parts:
+            raise DataError("the site has no valid rows to evaluate against")
+        rows = EncodedTable.concatenate(parts)
+        job = task.job_id
+
+        def write(site_dir: Path) -> str:
+            path, _ = evaluate_at_site(schema, rows, synthetic.to_frame(), site_id=f"job {job}",
+                                       out_dir=site_dir / "evaluations" / _safe(job))
+            return str(path)
+
+        zero = PrivacyCost(0.0, 0.0, 0.0, "none")
+
+        def done(_rng: np.random.Generator) -> TaskResult:
+            return TaskResult(task.task_id, zero, {}, {"evaluated": True,
+                                                       "n_synthetic": synthetic.n_rows})
+
+        return PreparedRelease(zero, done, local_output=write)
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:100] or "job"

@@ -1,0 +1,127 @@
+"""SynthModel: typed samples, chunked Parquet/CSV output, file round trip, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from dpfed.aggregator.synth_model import SynthModel, check_rows
+from dpfed.aggregator.synth_report import synth_report
+from dpfed.common.data.encoding import encode_table
+from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.pca import dppca
+from dpfed.common.synth.generative import fit_factor_model
+from dpfed.common.synth.link_release import (
+    LinkHistogramAccumulator,
+    links_from_proportions,
+    proportions_from_histograms,
+)
+from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm
+from tests.common.synth.test_link_release import SCHEMA, skewed_frame
+
+BINS = 16
+
+
+def build(mode: str = "generative", seed: int = 0) -> SynthModel:
+    frame = skewed_frame(5000, seed)
+    table, _ = encode_table(SCHEMA, frame)
+    acc = LinkHistogramAccumulator(SCHEMA, BINS)
+    acc.add(table)
+    props = proportions_from_histograms(acc.counts.astype(float), SCHEMA, BINS)
+    links = links_from_proportions(SCHEMA, props, BINS)
+    rng = np.random.default_rng(seed)
+    clip = default_clip_norm(links.dim)
+    unit, _ = clip_to_unit_ball(links.to_latent(table, rng), clip)
+    g = dppca.GramAccumulator(links.dim)
+    g.add(unit)
+    rel = dppca.site_release(g.gram(), table.n_rows, epsilon=5.0, delta=1e-6,
+                             rank=links.dim, rng=rng)
+    est = dppca.combine([rel.factor], links.dim)
+    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng,
+                                correct_correlation=mode == "generative")
+    factors = None
+    if mode == "row_aligned":
+        factors = unit @ fm.loadings + rng.laplace(0, 0.1, (table.n_rows, fm.rank))
+    return SynthModel.build(SCHEMA, mode=mode, continuous_link="quantile", n_bins=BINS,
+                            proportions=props, factor_model=fm, dp_correlation=np.eye(links.dim),
+                            rng=rng, latent_correlation=corr, factors=factors,
+                            metadata={"job_id": "test", "plan": [
+                                {"round": "links", "epsilon": 0.4, "delta": 5e-7}]})
+
+
+def test_sample_is_typed_and_within_bounds() -> None:
+    frame = build().sample(3000, rng=np.random.default_rng(1))
+    assert len(frame) == 3000 and list(frame.columns) == list(SCHEMA.names)
+    for col in SCHEMA.columns:
+        if isinstance(col, ContinuousColumn):
+            assert frame[col.name].dtype == np.float64
+            assert frame[col.name].between(col.min, col.max).all()
+        else:
+            dtype = frame[col.name].dtype
+            assert isinstance(dtype, pd.CategoricalDtype)
+            assert dtype.ordered == (col.type == "ordinal")
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_write_streams_in_chunks(tmp_path: Path, suffix: str) -> None:
+    model = build()
+    out = tmp_path / f"synth.{suffix}"
+    assert model.write(out, 25_001, chunk_rows=4096, rng=np.random.default_rng(2)) == 25_001
+    back = pq.read_table(out).to_pandas() if suffix == "parquet" else pd.read_csv(out)
+    assert len(back) == 25_001 and list(back.columns) == list(SCHEMA.names)
+    if suffix == "parquet":
+        assert pq.ParquetFile(out).metadata.num_row_groups >= 6  # written chunk by chunk
+    assert not (tmp_path / f"synth.{suffix}.partial").exists()
+
+
+def test_round_trip_through_a_file(tmp_path: Path) -> None:
+    model = build()
+    loaded = SynthModel.load(model.save(tmp_path / "m.npz"))
+    np.testing.assert_array_equal(loaded.decode_proportions, model.decode_proportions)
+    a = model.sample(500, rng=np.random.default_rng(3))
+    b = loaded.sample(500, rng=np.random.default_rng(3))
+    pd.testing.assert_frame_equal(a, b)
+    with pytest.raises(ValidationError, match="does not exist"):
+        SynthModel.load(tmp_path / "nope.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a model")
+    with pytest.raises(ValidationError):
+        SynthModel.load(tmp_path / "junk.npz")
+
+
+def test_rows_validation_names_the_flag() -> None:
+    for bad in (0, -1, 10**11, 2.5, True):
+        with pytest.raises(ValidationError, match="--rows"):
+            check_rows(bad)
+    model = build("row_aligned")
+    assert model.n_rows_fixed == 5000 and len(model.sample()) == 5000
+    with pytest.raises(ValidationError, match="--rows"):
+        model.sample(10)
+    with pytest.raises(ValidationError, match="--rows"):
+        build().sample(None)
+
+
+def test_report_has_marginals_heatmaps_and_budget() -> None:
+    model = build()
+    html = synth_report(model, model.sample(2000, rng=np.random.default_rng(4)))
+    assert html.count("data:image/png;base64,") == 2
+    assert "Privacy budget" in html and "TVD(DP marginal, synthetic)" in html
+
+
+def test_a_tampered_model_file_is_rejected(tmp_path: Path) -> None:
+    model = build()
+    arrays, meta = model.arrays(), model.file_metadata()
+    arrays["loadings"] = arrays["loadings"][:-1]
+    with pytest.raises(ValidationError):
+        SynthModel.from_result(arrays, meta)
+    with pytest.raises(ValidationError, match="format"):
+        SynthModel.from_result(model.arrays(), {**meta, "format": "other"})
+
+
+def test_schema_of_the_fixture_has_every_column_type() -> None:
+    assert {c.type for c in Schema.from_toml(SCHEMA.to_toml()).columns} == {
+        "continuous", "ordinal", "nominal"}

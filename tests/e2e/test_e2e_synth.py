@@ -1,0 +1,240 @@
+"""End to end with real processes: the federated ``synth`` job over mTLS gRPC.
+
+Coordinator and sites run as separate processes with SQLite ledgers; the coordinator is
+SIGKILLed between rounds and restarted; a site drops between rounds.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.synth_model import SynthModel
+from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.errors import JobFailedError, ValidationError
+from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.transport.protocol import JobSpec
+from dpfed.site_agent.ledger import Ledger
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def ledger_tasks(fed: LocalFederation, site_id: str) -> list[str]:
+    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
+        return [e.task_id for e in ledger.events()]
+
+
+@pytest.fixture
+def fed(tmp_path: Path) -> Iterator[LocalFederation]:
+    federation = LocalFederation.create(
+        tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=2,
+        task_deadline_s=60, resume_wait_s=30, mixed=True,
+        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
+                              allowed_jobs=("pca", "synth", "synth_rows", "synth_eval")))
+    federation.start_coordinator()
+    federation.start_sites()
+    try:
+        federation.wait_for_sites()
+        yield federation
+    finally:
+        federation.stop_all()
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_generative_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> None:
+    schema = Schema.load(fed.schema_path)
+    with fed.analyst() as coord:
+        frame, model = coord.synthesize(epsilon=4.0, delta=1e-5, rows=5000, evaluate_rows=800)
+        job = coord.jobs(1)[0]
+    # --evaluate: every site wrote its own report; nothing was charged for it.
+    for s in fed.site_ids:
+        report = fed.site_dir(s) / "evaluations" / job.job_id / "synth_evaluation.html"
+        assert report.exists() and "not sent anywhere" in report.read_text()
+    assert job.summary["evaluated_sites"] == fed.site_ids
+    assert job.state == "succeeded" and [s.status for s in job.sites] == ["ok"] * 3
+    assert list(frame.columns) == list(schema.names) and len(frame) == 5000
+    for col in schema.columns:
+        if isinstance(col, ContinuousColumn):
+            assert frame[col.name].between(col.min, col.max).all()
+        else:
+            assert isinstance(frame[col.name].dtype, pd.CategoricalDtype)
+    # One charge per site per round, with the split the plan states.
+    plan = {p["round"]: p for p in model.metadata["plan"]}
+    for s in fed.site_ids:
+        tasks = ledger_tasks(fed, s)
+        assert sorted(t.split("/")[-1] for t in tasks) == ["links", "pca"]
+    assert plan["links"]["epsilon"] + plan["pca"]["epsilon"] == pytest.approx(4.0)
+    # The model round-trips through a file and samples more rows without the coordinator.
+    path = model.save(tmp_path / "model.npz")
+    again = SynthModel.load(path)
+    assert len(again.sample(1234)) == 1234
+    # Pooled real marginals vs synthetic marginals (eps=4: close).
+    real = pd.concat([pd.read_csv(p) for p in fed.data_paths.values()])
+    for col in schema.columns:
+        if not isinstance(col, ContinuousColumn):
+            r = real[col.name].astype(str).value_counts(normalize=True)
+            f = frame[col.name].astype(str).value_counts(normalize=True)
+            tvd = 0.5 * sum(abs(r.get(k, 0.0) - f.get(k, 0.0)) for k in set(r.index) | set(f.index))
+            assert tvd < 0.08, (col.name, tvd)
+
+
+def test_row_aligned_releases_one_row_per_real_row(fed: LocalFederation) -> None:
+    with fed.analyst() as coord:
+        frame, model = coord.synthesize(epsilon=6.0, delta=1e-5, mode="row-aligned")
+        with pytest.raises(ValidationError, match="--rows"):
+            coord.synthesize(epsilon=6.0, delta=1e-5, mode="row-aligned", rows=10)
+    assert len(frame) == 4500 and model.n_rows_fixed == 4500
+    for s in fed.site_ids:
+        assert sorted(t.split("/")[-1] for t in ledger_tasks(fed, s)) == [
+            "factors", "links", "pca"]
+
+
+def test_coordinator_killed_between_rounds_resumes_with_one_charge_per_round(
+        fed: LocalFederation) -> None:
+    # hospital-3 is frozen: round 1 completes at two sites, then the coordinator dies.
+    fed.signal("hospital-3", signal.SIGSTOP)
+    port = fed.port
+    outcome: dict[str, object] = {}
+
+    def submit() -> None:
+        try:
+            with fed.analyst() as coord:
+                outcome["job"] = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
+        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
+            outcome["error"] = exc
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    _wait_until(lambda: len(ledger_tasks(fed, "hospital-1")) == 1 and
+                len(ledger_tasks(fed, "hospital-2")) == 1, 60, "two sites to charge round 1")
+    fed.signal("coordinator", signal.SIGKILL)
+    fed.wait("coordinator")
+    t.join(30)
+    fed.signal("hospital-3", signal.SIGCONT)
+    fed.start_coordinator(port=port)
+    with fed.analyst() as coord:
+        job_id = coord.jobs(1)[0].job_id
+        final = coord.watch(job_id)
+        model = coord.synth_result(final)
+    assert final.state == "succeeded", final.error
+    for s in fed.site_ids:
+        tasks = ledger_tasks(fed, s)
+        assert sorted(tasks) == [f"{job_id}/links", f"{job_id}/pca"], tasks
+    assert len(model.sample(100)) == 100
+
+
+def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None:
+    # hospital-3's budget covers round 1 only: it is charged for the links, then refuses the
+    # pca round (budget exceeded). The job continues with the quorum (min_sites=2) and the
+    # round-1 charge stays in hospital-3's ledger.
+    fed = LocalFederation.create(
+        tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=6, min_sites=2,
+        task_deadline_s=60, mixed=True,
+        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
+                              allowed_jobs=("pca", "synth")))
+    fed.write_site_config("hospital-3", SiteSettings(
+        budget_epsilon=1.3, budget_delta=0.1, connect_timeout_s=30,
+        allowed_jobs=("pca", "synth")))
+    fed.start_coordinator()
+    fed.start_sites()
+    try:
+        fed.wait_for_sites()
+        with fed.analyst() as coord:
+            job = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=2))
+        assert job.state == "succeeded", job.error
+        statuses = {s.site_id: (s.status, s.reason) for s in job.sites}
+        assert statuses["hospital-1"][0] == statuses["hospital-2"][0] == "ok"
+        assert statuses["hospital-3"][0] == "refused"
+        assert "budget" in statuses["hospital-3"][1]
+        assert [t.split("/")[-1] for t in ledger_tasks(fed, "hospital-3")] == ["links"]
+        # With min_sites=3 the same situation fails the job (quorum), naming the quorum.
+        with fed.analyst() as coord:
+            failed = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
+        assert failed.state == "failed" and "min_sites=3" in failed.error
+    finally:
+        fed.stop_all()
+
+
+def test_budget_too_small_for_the_cells_fails_before_any_charge(fed: LocalFederation) -> None:
+    with fed.analyst() as coord, pytest.raises(JobFailedError, match="--epsilon"):
+        coord.synthesize(epsilon=0.001, delta=1e-9, rows=10)
+    for s in fed.site_ids:
+        assert ledger_tasks(fed, s) == []
+
+
+def test_rows_out_of_range_is_refused_before_submission(fed: LocalFederation) -> None:
+    with fed.analyst() as coord:
+        for bad in (0, -5, 10**12):
+            with pytest.raises(ValidationError, match="--rows"):
+                coord.synthesize(epsilon=1.0, delta=1e-5, rows=bad)
+        assert coord.jobs(5) == []
+    assert np.all([ledger_tasks(fed, s) == [] for s in fed.site_ids])
+
+
+def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    kit = fed.certs / "analysts" / "analyst"
+    conn = ["--coordinator", fed.address, "--ca", str(kit / "ca.pem"), "--cert",
+            str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
+    dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*dpfed, *args], capture_output=True, text=True, timeout=180,
+                              cwd=tmp_path)
+
+    plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", *conn)
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.count("links") == 3 and plan.stdout.count("pca") == 3
+    assert "1.2" in plan.stdout and "0.8" in plan.stdout  # 60 % / 40 % of epsilon 2
+    assert all(ledger_tasks(fed, s) == [] for s in fed.site_ids)  # --plan charges nothing
+    bad = run("synth", "--epsilon", "2", "--delta", "1e-5", "--rows", "0", *conn)
+    assert bad.returncode != 0 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
+    ok = run("synth", "--epsilon", "3", "--delta", "1e-5", "--rows", "3000", "--out",
+             "t.csv", "--evaluate", "--evaluate-rows", "300", *conn)
+    assert ok.returncode == 0, ok.stderr
+    assert all(list((fed.site_dir(s) / "evaluations").glob("*/synth_evaluation.html"))
+               for s in fed.site_ids)
+    assert len(pd.read_csv(tmp_path / "t.csv")) == 3000
+    assert (tmp_path / "synth_model.npz").exists() and (tmp_path / "report.html").exists()
+    more = run("synth-sample", "synth_model.npz", "--rows", "7777", "--out", "more.parquet")
+    assert more.returncode == 0, more.stderr
+    assert pq.read_table(tmp_path / "more.parquet").num_rows == 7777
+    nomodel = run("synth-sample", "missing.npz", "--rows", "5", "--out", "x.parquet")
+    assert nomodel.returncode != 0 and "does not exist" in nomodel.stderr
+
+
+def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "sim"
+    run = subprocess.run([sys.executable, "-m", "dpfed.aggregator.cli", "simulate", "--job",
+                          "synth", "--sites", "2", "--rows", "1500", "--features", "8",
+                          "--epsilon", "3", "--synth-rows", "4000", "--seed", "2", "--out",
+                          str(out)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (out / "synth.parquet").exists() and (out / "synth_model.npz").exists()
+    assert "data:image/png" in (out / "report.html").read_text()
+    for site in ("hospital-1", "hospital-2"):
+        assert list((out / "sites" / site / "evaluations").glob("*/synth_evaluation.html"))
+    assert SynthModel.load(out / "synth_model.npz").sample(10).shape == (10, 8)
