@@ -233,17 +233,22 @@ class LocalFederation:
                            key=kit / "analyst.key", timeout=timeout)
 
     def wait_for_sites(self, n: int | None = None, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """Wait until ``n`` (default all) sites are connected, failing fast if a process dies."""
+        """Wait until ``n`` (default all) sites are connected and have sent their row counts.
+
+        A site connects before counting its rows and sends the count right after
+        (docs/data-sources.md, "Start-up"); this fails fast if a process dies.
+        """
         want = len(self.site_ids) if n is None else n
         deadline = time.monotonic() + timeout
         with self.analyst() as coord:
             while True:
                 self.check_alive()
-                if len(coord.sites()) >= want:
+                sites = [s for s in coord.sites() if s.connected]
+                if len(sites) >= want and all(s.row_count > 0 for s in sites):
                     return
                 if time.monotonic() > deadline:
-                    raise DpfedError(f"fewer than {want} sites connected within {timeout:g}s "
-                                     f"(logs in {self.logs})")
+                    raise DpfedError(f"fewer than {want} sites connected and counted within "
+                                     f"{timeout:g}s (logs in {self.logs})")
                 time.sleep(0.1)
 
     def signal(self, name: str, sig: int) -> None:

@@ -166,6 +166,11 @@ class SiteSession:
         """Record a budget update the site sent after a task."""
         self.hello = replace(self.hello, budget=budget)
 
+    def update_row_count(self, row_count: int) -> None:
+        """Record the row count a site sends once it has counted (after connecting)."""
+        log.info("[SiteSession] site=%s rows=%d", self.site_id, row_count)
+        self.hello = replace(self.hello, row_count=row_count)
+
     def close(self, reason: str) -> None:
         """Mark the session closed and fail its pending tasks."""
         if self.closed.is_set():

@@ -251,6 +251,15 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                 if budget is not None:
                     session.update_budget(budget)
                     self.store.record_site(session.site_id, session.hello)
+            elif which == "hello":
+                # A site connects before counting its rows (row_count 0) and sends Hello
+                # again once counted; only the row count may change on the same stream.
+                again = hello_from_proto(msg.hello)
+                if again.schema_digest != session.hello.schema_digest or (
+                        again.protocol_version != session.hello.protocol_version):
+                    raise ProtocolError("a repeated Hello may only update the row count")
+                session.update_row_count(again.row_count)
+                self.store.record_site(session.site_id, session.hello)
             else:
                 raise ProtocolError(f"unexpected message {which!r} after Hello")
 

@@ -1,15 +1,21 @@
-"""Wall time of a federated DP-PCA round against its compute floor.
+"""Wall time of a federated DP-PCA round against the streaming floor, in one run.
 
-Set-up (docs/architecture.md "Performance model"): 4 site processes x 200k rows x 100 columns
-(CSV), one
-coordinator, real mTLS gRPC on loopback, ledgers on disk. The physical floor of a round is
-the slowest site's read + Gram + eigendecomposition, done in-process without the network.
+Set-up (docs/architecture.md "Performance model"): S site processes x N rows x p columns
+(CSV), one coordinator, real mTLS gRPC on loopback, ledgers on disk.
 
-This machine runs all four sites on 2 shared cores, so a site computing inside the federation
-competes with the other three. The floor is therefore measured the same way: the four
-in-process computations run concurrently (one process each) and the slowest counts
-(``floor, concurrent``) -- the apples-to-apples baseline. The floor of one site alone
-(``floor, isolated``) is printed too. Target: round / concurrent floor <= 1.5.
+The floor of one site is the streaming floor of ``bench/site_path.py``: Arrow batches ->
+float64 -> one ``dsyrk`` per batch, then the top-R eigenpairs -- the least any site
+implementation can do -- measured in this process, one site after the other, right after
+each round (so the same machine load). Printed:
+
+* round / slowest site's floor: what a round costs over its slowest site's bare compute
+  (meaningful when every site has its own core);
+* round / (sum of floors / cores): the round against the floor of the whole federation's
+  compute spread over this machine's cores (all sites share them here).
+
+The job timed is one round (``centering="none"``, the schema's bound): one pass over each
+site's data, like the floor. ``--centred`` times the default job instead (a mean round, a
+norms round and the pca round: three passes).
 
 Run: ``python bench/round_time.py [--quick] [--rows N] [--features P] [--sites S]``.
 """
@@ -17,60 +23,21 @@ Run: ``python bench/round_time.py [--quick] [--rows N] [--features P] [--sites S
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # same BLAS threading in every process
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
+from site_path import floor  # noqa: E402
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings  # noqa: E402
-from dpfed.common.data.data_sources import open_data_source, spec_from_path  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
-from dpfed.common.pca.dppca import GramAccumulator, site_release  # noqa: E402
-from dpfed.common.pca.features import UnitBallMap  # noqa: E402
-
-
-def site_floor(schema_path: str, data_path: str, k: int) -> float:
-    """Seconds for one site's read + Gram + eigendecomposition, in-process."""
-    t0 = time.perf_counter()
-    schema = Schema.load(schema_path)
-    unit_ball = UnitBallMap(schema)
-    acc = GramAccumulator(unit_ball.n_features)
-    for table, _ in open_data_source(spec_from_path(data_path), schema).iter_chunks():
-        acc.add(unit_ball.transform(table)[0])
-    site_release(acc.gram(), acc.n_rows, epsilon=1.0, delta=1e-5, rank=2 * k,
-                 rng=np.random.default_rng(0))
-    return time.perf_counter() - t0
-
-
-def _floor_worker(schema: str, path: str, k: int, ready: Any, start: Any,
-                  results: Any) -> None:
-    ready.release()
-    start.wait()  # every worker has finished importing before any starts computing
-    results.put(site_floor(schema, path, k))
-
-
-def concurrent_floor(schema: Path, paths: list[Path], k: int) -> list[float]:
-    """Run every site's floor computation at once, one process each, started together."""
-    ctx = mp.get_context("spawn")
-    ready, start, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_floor_worker, args=(str(schema), str(p), k, ready, start,
-                                                     results)) for p in paths]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        ready.acquire()
-    start.set()
-    times = [results.get() for _ in procs]
-    for proc in procs:
-        proc.join()
-    return times
 
 
 def main() -> None:
@@ -82,6 +49,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the generated federation")
+    ap.add_argument("--centred", action="store_true",
+                    help="time the default centred job (three rounds, three passes) instead "
+                         "of the one-round job")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.features = 50_000, 50
@@ -96,25 +66,36 @@ def main() -> None:
         print(f"{args.sites} sites x {args.rows} rows x {args.features} columns "
               f"({size:.0f} MiB of CSV), generated in {time.perf_counter() - t0:.1f}s")
         fed.start_coordinator()
+        t0 = time.perf_counter()
         fed.start_sites()
-        fed.wait_for_sites(timeout=300)
-        rounds, floors_c, floors_i = [], [], []
+        fed.wait_for_sites(timeout=300)  # connected, and their row counts sent
+        counted = time.perf_counter() - t0
+        schema = Schema.load(fed.schema_path)
+        rank = 2 * args.k
+        rounds, slowest, totals = [], [], []
         with fed.analyst(timeout=600) as coord:
+            print(f"sites connected and counted {counted:.2f}s after start (processes "
+                  "start, connect before reading the table, then count their rows)")
             for _ in range(args.repeats):
                 t = time.perf_counter()
-                coord.pca(args.k, epsilon=1.0, delta=1e-5)
+                if args.centred:  # the default job: mean, norms and pca rounds
+                    coord.pca(args.k, epsilon=1.0, delta=1e-5)
+                else:  # one round, one pass over the data: what the floor bounds
+                    coord.pca(args.k, epsilon=1.0, delta=1e-5, centering="none",
+                              clip_norm="schema")
                 rounds.append(time.perf_counter() - t)
-                floors_c.append(max(concurrent_floor(fed.schema_path, paths, args.k)))
-                floors_i.append(site_floor(str(fed.schema_path), str(paths[0]), args.k))
+                floors = [floor(schema, p, "csv", rank) for p in paths]
+                slowest.append(max(floors))
+                totals.append(sum(floors))
         fed.stop_all()
-        r, fc, fi = np.median(rounds), np.median(floors_c), np.median(floors_i)
+        cores = os.cpu_count() or 1
+        r, fs, ft = np.median(rounds), np.median(slowest), np.median(totals)
         print(f"round wall time (submit -> result fetched), median of {args.repeats}: {r:.2f}s "
               f"(runs: {', '.join(f'{x:.2f}' for x in rounds)})")
-        print(f"floor, concurrent (slowest of {args.sites} in-process sites at once): {fc:.2f}s")
-        print(f"floor, isolated (one site alone): {fi:.2f}s")
-        print(f"ratio round / concurrent floor: {r / fc:.2f}  (target <= 1.5)")
-        print(f"ratio round / isolated floor:   {r / fi:.2f}  ({args.sites} sites share "
-              f"{os.cpu_count()} cores here)")
+        print(f"streaming floor: slowest site {fs:.2f}s, sum over {args.sites} sites {ft:.2f}s "
+              f"({cores} cores)")
+        print(f"ratio round / slowest site's floor:     {r / fs:.2f}")
+        print(f"ratio round / (sum of floors / cores):  {r / (ft / cores):.2f}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -96,13 +96,18 @@ class SiteAgent:
     coordinator_check : CoordinatorCheck, optional
         Refuse a coordinator whose certificate is on the site's revocation list, before each
         connection and while connected (``dpfed.site_agent.coordinator_check``).
+    after_connect : callable, optional
+        Run on the task thread after each connection, before any task; when it returns
+        True the agent sends a fresh Hello on the same stream (the site counts its rows
+        this way instead of before connecting: ``dpfed.site_agent.row_count``).
     """
 
     def __init__(self, *, address: str, credentials: grpc.ChannelCredentials | None,
                  runner: TaskRunner, hello: Callable[[], SiteHello], connect_timeout_s: float,
                  server_name: str | None = None, insecure_principal: str | None = None,
                  coordinator_check: CoordinatorCheck | None = None,
-                 keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
+                 keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 after_connect: Callable[[], bool] | None = None) -> None:
         self.address = address
         self.credentials = credentials
         self.runner = runner
@@ -112,6 +117,7 @@ class SiteAgent:
         self.insecure_principal = insecure_principal
         self.coordinator_check = coordinator_check
         self.keepalive_s = keepalive_s
+        self.after_connect = after_connect
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
         self._random = random.Random()
@@ -210,6 +216,12 @@ class SiteAgent:
                      self.address, self.site_id, first.welcome.coordinator_version)
             reassembler = Reassembler(MAX_TRANSFER_BYTES)
             running: set[asyncio.Future[Any]] = set()
+            if self.after_connect is not None:
+                # Submitted to the task thread before any task can be: the count runs first,
+                # and the fresh Hello is written before any task's answer (the lock is FIFO).
+                counting = asyncio.ensure_future(self._after_connect(call, write_lock))
+                running.add(counting)
+                counting.add_done_callback(running.discard)
             stop_wait = asyncio.ensure_future(self._stop.wait())
             revoked: asyncio.Future[None] = (
                 asyncio.ensure_future(self.coordinator_check.wait_until_revoked(coordinator_fp))
@@ -267,6 +279,28 @@ class SiteAgent:
                 revoked.cancel()
                 for unfinished in running:
                     unfinished.cancel()
+
+    async def _after_connect(self, call: grpc.aio.StreamStreamCall,
+                             write_lock: asyncio.Lock) -> None:
+        """Run ``after_connect`` on the task thread; send a fresh Hello if it asks for one."""
+        assert self.after_connect is not None
+        loop = asyncio.get_running_loop()
+        try:
+            changed = await loop.run_in_executor(self._executor, self.after_connect)
+        except Exception as exc:  # a data error here is the first task's to report
+            log.error("[SiteAgent.session] could not count the site's rows: %s", exc)
+            return
+        if not changed:
+            return
+        hello = self.hello()
+        try:
+            async with write_lock:
+                await call.write(site_link_pb2.SiteMessage(hello=hello_to_proto(hello)))
+            log.info("[SiteAgent.session] told the coordinator the row count (%d)",
+                     hello.row_count)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            log.warning("[SiteAgent.session] could not send the row count (sent again at the "
+                        "next connection): %s", exc)
 
     async def _serve_task(self, call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,
                           transfer_id: str, payload: bytes, deadline: float | None) -> None:

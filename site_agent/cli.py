@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from dpfed.common.transport.identity import Role
     from dpfed.site_agent.config import SiteConfig
     from dpfed.site_agent.handlers import TaskHandler
+    from dpfed.site_agent.row_count import CountedData
 
 #: The certificate role a site dials with.
 SITE_ROLE: tuple[Role, ...] = ("site",)
@@ -87,6 +88,11 @@ def data_spec(config: SiteConfig) -> DataSourceSpec:
     from dpfed.common.data.data_sources import DataSourceSpec, spec_from_path
 
     d = config.data
+    if d.format == "postgres":
+        return DataSourceSpec("postgres", None, table=d.table, query=d.query,
+                              chunk_rows=d.chunk_rows, policy=d.row_policy,
+                              conninfo=d.conninfo, password=d.password())
+    assert d.path is not None
     if d.format is None:
         return spec_from_path(d.path, table=d.table, query=d.query, delimiter=d.delimiter,
                               chunk_rows=d.chunk_rows, policy=d.row_policy)
@@ -100,25 +106,28 @@ class _Prepared:
     config: SiteConfig
     schema: Schema
     source: DataSource
-    row_count: int
+    data: CountedData
 
 
 def _prepare(config: SiteConfig) -> _Prepared:
-    """Everything that must be right before connecting; raises the project's errors."""
+    """Everything that must be right before connecting; raises the project's errors.
+
+    Checks the schema, the source's columns and the first rows -- never the whole table:
+    the row count is learnt after connecting (:mod:`dpfed.site_agent.row_count`).
+    """
     import logging
 
-    from dpfed.common.data.data_sources import open_data_source, scan
+    from dpfed.common.data.data_sources import open_data_source
     from dpfed.common.data.schema import Schema
+    from dpfed.site_agent.row_count import CountedData
 
     log = logging.getLogger("dpfed.site")
     schema = Schema.load(config.data.schema)
     source = open_data_source(data_spec(config), schema)
-    report = scan(source)
-    log.info("[Site.start] data %s: %s", source.describe(), report.summary())
-    if report.rows_kept == 0:
-        log.warning("[Site.start] no valid rows: every task will be refused until the data "
-                    "is fixed")
-    return _Prepared(config, schema, source, report.rows_kept)
+    sample = source.check_sample()
+    log.info("[Site.start] data %s: columns match the schema; first rows: %s",
+             source.describe(), sample.summary())
+    return _Prepared(config, schema, source, CountedData(source))
 
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
@@ -169,14 +178,15 @@ def _run(config: SiteConfig) -> int:
     prepared = _prepare(config)
     ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
     handlers, allowed_kinds = _handlers(config)
-    runner = TaskRunner(prepared.source, ledger, allowed_kinds, handlers=handlers,
+    runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
                         secure_required_kinds=(SUM_KINDS if config.secure.mode == "required"
                                                else ()))
 
     def hello() -> SiteHello:
+        # 0 until the first full pass: "not counted yet" (docs/data-sources.md, "Start-up").
         return SiteHello(__version__, PROTOCOL_VERSION, prepared.schema.digest(),
-                         prepared.row_count, allowed_kinds,
+                         prepared.data.row_count or 0, allowed_kinds,
                          config.budget.max_epsilon_per_task, ledger.status())
 
     status = ledger.status()
@@ -191,7 +201,8 @@ def _run(config: SiteConfig) -> int:
     agent = SiteAgent(address=config.coordinator_address, credentials=credentials, runner=runner,
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
                       server_name=config.server_name, coordinator_check=check,
-                      keepalive_s=config.keepalive_s)
+                      keepalive_s=config.keepalive_s,
+                      after_connect=prepared.data.ensure_counted)
 
     async def main() -> int:
         loop = asyncio.get_running_loop()

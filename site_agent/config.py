@@ -18,6 +18,11 @@ Example (paths are relative to the file)::
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
     schema = "schema.toml"
     # format = "csv"  table = "patients"  query = "SELECT ..."  delimiter = ","
+    # PostgreSQL instead of path (docs/data-sources.md):
+    # format = "postgres"
+    # conninfo = "host=warehouse.example.org dbname=omop user=dpfed_reader sslmode=verify-full"
+    # password_env = "DPFED_PG_PASSWORD"   # or password_file = "pg_password" (or ~/.pgpass)
+    # table = "cdm.dpfed_features"         # or query = "SELECT ..."
     chunk_rows = 65536
     on_missing = "drop"         # drop | error
     on_invalid = "drop"         # drop | error
@@ -52,6 +57,8 @@ The site's identity is the id in its certificate; it is deliberately not a confi
 from __future__ import annotations
 
 import logging
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,14 +84,18 @@ KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows"
 #: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
 #: synthesis, one noisy release per real row) must be listed explicitly.
 DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
-DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite")
+DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the site's table lives and how problem rows are handled."""
+    """Where the site's table lives and how problem rows are handled.
 
-    path: Path
+    ``path`` is None for PostgreSQL, which has ``conninfo`` and at most one of
+    ``password_env`` (the name of an environment variable) or ``password_file``.
+    """
+
+    path: Path | None
     schema: Path
     format: str | None = None
     table: str | None = None
@@ -92,6 +103,41 @@ class DataConfig:
     delimiter: str | None = None  # None: from the file extension (tab for .tsv, else ",")
     chunk_rows: int = 65536
     row_policy: RowPolicy = RowPolicy()
+    conninfo: str | None = None
+    password_env: str | None = None
+    password_file: Path | None = None
+
+    def password(self) -> str | None:
+        """Read the PostgreSQL password from its variable or file (None: libpq's own ways).
+
+        Raises
+        ------
+        ConfigError
+            The variable is unset or the file unreadable.
+        """
+        if self.password_env is not None:
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise ConfigError(f"data.password_env names the environment variable "
+                                  f"{self.password_env!r}, which is not set")
+            return value
+        if self.password_file is not None:
+            try:
+                mode = self.password_file.stat().st_mode
+                text = self.password_file.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"data.password_file {self.password_file}: cannot be read "
+                                  f"({exc.strerror})") from None
+            if mode & 0o077:
+                log.warning("[SiteConfig] data.password_file %s can be read by other users; "
+                            "chmod 600 it", self.password_file)
+            return text.rstrip("\r\n")
+        return None
+
+
+_PASSWORD_IN_CONNINFO = re.compile(
+    r"(?:^|\s)password\s*=|[?&]password=|\A\s*postgres(?:ql)?://[^/@\s]*:[^/@\s]*@",
+    re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -170,12 +216,34 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     tls_section.check_unknown()
 
     data = root.section("data", required=True)
-    file_data = data.path("path", required=not overrides.get("data"))
-    data_path = Path(overrides["data"]) if overrides.get("data") else file_data
-    schema_path = data.path("schema", required=True)
     fmt = data.string("format")
     if fmt is not None and fmt not in DATA_FORMATS:
         raise ConfigError(f"{source}: data.format must be one of {DATA_FORMATS}, got {fmt!r}")
+    postgres = fmt == "postgres"
+    file_data = data.path("path", required=not overrides.get("data") and not postgres)
+    data_path = Path(overrides["data"]) if overrides.get("data") else file_data
+    schema_path = data.path("schema", required=True)
+    conninfo = data.string("conninfo")
+    password_env = data.string("password_env") or None
+    password_file = data.path("password_file")
+    plaintext_ok = data.boolean("allow_password_in_conninfo", False)
+    if postgres:
+        if data_path is not None:
+            raise ConfigError(f"{source}: a postgres data source has no data.path (or --data);"
+                              " it reads from data.conninfo")
+        if not conninfo:
+            raise ConfigError(f"{source}: data.format = \"postgres\" needs data.conninfo, e.g. "
+                              "\"host=db.example.org dbname=omop user=dpfed_reader\"")
+        if password_env is not None and password_file is not None:
+            raise ConfigError(f"{source}: give at most one of data.password_env and "
+                              "data.password_file")
+        if _PASSWORD_IN_CONNINFO.search(conninfo) and not plaintext_ok:
+            raise ConfigError(f"{source}: data.conninfo holds a password in plain text; put it "
+                              "in an environment variable (data.password_env), a file "
+                              "(data.password_file) or ~/.pgpass instead")
+    elif conninfo is not None or password_env is not None or password_file is not None:
+        raise ConfigError(f"{source}: data.conninfo, data.password_env and data.password_file "
+                          "apply only to format = \"postgres\"")
     try:
         row_policy = RowPolicy(
             missing=data.string("on_missing", "drop") or "drop",
@@ -187,11 +255,12 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     delimiter = data.string("delimiter")
     if delimiter is not None and len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
-    assert data_path is not None and schema_path is not None
+    assert (data_path is not None or postgres) and schema_path is not None
     data_cfg = DataConfig(
         path=data_path, schema=schema_path, format=fmt, table=data.string("table") or None,
         query=data.string("query") or None, delimiter=delimiter,
         chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
+        conninfo=conninfo, password_env=password_env, password_file=password_file,
     )
     data.check_unknown()
 

@@ -1,16 +1,18 @@
-"""Read a site's table in chunks: CSV, Parquet or SQLite, never the whole file at once.
+"""Read a site's table in chunks: CSV, Parquet, SQLite or PostgreSQL, never all at once.
 
 A site agent points a :class:`DataSourceSpec` at its data, and :func:`open_data_source`
 checks at once that the file (or table, or query) exists and has every schema column, so a
-wrong path or a missing column stops the agent at start-up with a message that names it. The
-source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_rows`` rows
-(:meth:`DataSource.iter_chunks`), each chunk validated by
-:func:`dpfed.common.data.encoding.encode_table`
-under the spec's :class:`~dpfed.common.data.encoding.RowPolicy`. Memory is bounded by
-``chunk_rows x columns`` whatever the size of the file, plus (CSV) Arrow's read-ahead of a
-fixed number of 1 MiB blocks, or (Parquet) one row group, whose size the file's writer chose.
-``bench/site_memory.py`` measures the peak RSS of a site's DP-PCA pass over 2M rows against
-200k rows.
+wrong path or a missing column stops the agent at start-up with a message that names it;
+:meth:`DataSource.check_sample` reads and validates the first rows (never the whole table).
+The source then streams ``(EncodedTable, EncodingReport)`` pairs of at most ``chunk_rows``
+rows (:meth:`DataSource.iter_chunks`), each chunk validated by
+:func:`dpfed.common.data.encoding.encode_table` under the spec's
+:class:`~dpfed.common.data.encoding.RowPolicy`. Chunks are never joined: a CSV block (sized
+to hold about ``chunk_rows`` rows, 1-8 MiB) or a Parquet batch is one chunk, cut if longer.
+Wide tables get fewer rows per chunk (:attr:`DataSource.chunk_rows`, a 128 MiB cap on the
+float64 chunk). Memory is bounded by the chunk whatever the size of the table
+(docs/data-sources.md; ``bench/site_memory.py`` and ``bench/wide_site.py`` measure it).
+PostgreSQL lives in :mod:`dpfed.common.data.postgres` (optional driver).
 
 Errors never echo data values: they name the source, the column and the row.
 
@@ -54,7 +56,7 @@ from dpfed.common.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
-DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite")
+DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
 #: File extensions :func:`spec_from_path` understands (a compression suffix such as ``.gz``
 #: may follow a CSV extension; Arrow decompresses it while streaming).
 CSV_EXTENSIONS: tuple[str, ...] = (".csv", ".tsv", ".txt")
@@ -68,6 +70,10 @@ MALFORMED_ROWS_KEY = "(rows with a wrong number of fields)"
 
 _HEADER_SAMPLE_BYTES = 1 << 20
 _BLOCK_BYTES = 1 << 20
+_MAX_BLOCK_BYTES = 8 << 20
+_BLOCK_ROWS = 1024
+#: Cap on one chunk's float64 feature matrix: wide tables get fewer rows per chunk.
+MAX_CHUNK_BYTES = 128 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SQL_COMMENT = re.compile(r"\A\s*(?:--[^\n]*(?:\n|\Z)|/\*.*?\*/)", re.DOTALL)
 
@@ -98,16 +104,24 @@ class DataSourceSpec:
     encoding : str
         CSV only: the text encoding of the file (Arrow transcodes anything but UTF-8, which is
         slower).
+    conninfo : str, optional
+        PostgreSQL only: a libpq connection string or URI without the password
+        (``"host=db port=5432 dbname=omop user=dpfed_reader sslmode=verify-full"``).
+    password : str, optional
+        PostgreSQL only: the password, read from an environment variable or a file by the
+        caller (never printed: it is left out of ``repr``).
     """
 
     kind: str
-    path: Path
+    path: Path | None
     table: str | None = None
     query: str | None = None
     delimiter: str = ","
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     policy: RowPolicy = field(default_factory=RowPolicy)
     encoding: str = "utf-8"
+    conninfo: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_SOURCE_KINDS:
@@ -115,28 +129,40 @@ class DataSourceSpec:
                 f"data source kind must be one of {', '.join(DATA_SOURCE_KINDS)}, "
                 f"got {self.kind!r}"
             )
-        if not isinstance(self.path, str | Path) or not str(self.path):
-            raise ConfigError(f"data source path must be a non-empty path, got {self.path!r}")
-        object.__setattr__(self, "path", Path(self.path))
+        if self.kind == "postgres":
+            if self.path is not None:
+                raise ConfigError("a postgres data source has no path; give its conninfo")
+            if not isinstance(self.conninfo, str):
+                raise ConfigError("a postgres data source needs a conninfo (libpq connection "
+                                  "string such as \"host=db dbname=omop user=reader\")")
+        else:
+            if not isinstance(self.path, str | Path) or not str(self.path):
+                raise ConfigError(
+                    f"data source path must be a non-empty path, got {self.path!r}")
+            object.__setattr__(self, "path", Path(self.path))
+            if self.conninfo is not None or self.password is not None:
+                raise ConfigError(f"'conninfo' and 'password' apply only to postgres data "
+                                  f"sources, not {self.kind} ({self.path})")
         if (isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int)
                 or self.chunk_rows < 1):
             raise ConfigError(f"chunk_rows must be an integer >= 1, got {self.chunk_rows!r}")
         if not isinstance(self.policy, RowPolicy):
             raise ConfigError(f"policy must be a RowPolicy, got {type(self.policy).__name__}")
-        if self.kind == "sqlite":
+        if self.kind in ("sqlite", "postgres"):
+            where = self.path if self.kind == "sqlite" else "postgres"
             if (self.table is None) == (self.query is None):
                 raise ConfigError(
-                    f"an sqlite data source ({self.path}) needs exactly one of 'table' or "
+                    f"an {self.kind} data source ({where}) needs exactly one of 'table' or "
                     f"'query', got {'both' if self.table is not None else 'neither'}"
                 )
             if self.table is not None:
-                _check_identifier(self.table)
+                _check_identifier(self.table, self.kind)
             if self.query is not None:
-                _check_select(self.query)
+                _check_select(self.query, self.kind)
         elif self.table is not None or self.query is not None:
             raise ConfigError(
-                f"'table' and 'query' apply only to sqlite data sources, not {self.kind} "
-                f"({self.path})"
+                f"'table' and 'query' apply only to sqlite and postgres data sources, not "
+                f"{self.kind} ({self.path})"
             )
         if (not isinstance(self.delimiter, str) or len(self.delimiter) != 1
                 or self.delimiter in "\"\r\n"):
@@ -191,19 +217,23 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
                           chunk_rows=chunk_rows, policy=policy or RowPolicy(), encoding=encoding)
 
 
-def _check_identifier(name: Any) -> str:
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+def _check_identifier(name: Any, kind: str = "sqlite") -> str:
+    """Check a plain identifier; PostgreSQL also takes ``schema.table`` (OMOP CDM views)."""
+    parts = name.split(".") if isinstance(name, str) and kind == "postgres" else [name]
+    if not isinstance(name, str) or len(parts) > 2 or not all(
+            isinstance(p, str) and _IDENTIFIER.match(p) for p in parts):
+        qualified = " or schema.table" if kind == "postgres" else ""
         raise ConfigError(
-            f"sqlite table must be a plain identifier (letters, digits, underscore; not starting "
-            f"with a digit), got {name!r}; use 'query' for anything else"
+            f"{kind} table must be a plain identifier{qualified} (letters, digits, underscore; "
+            f"not starting with a digit), got {name!r}; use 'query' for anything else"
         )
     return name
 
 
-def _check_select(query: Any) -> str:
+def _check_select(query: Any, kind: str = "sqlite") -> str:
     """Refuse anything that is not one SELECT/WITH statement (the database is read-only too)."""
     if not isinstance(query, str) or not query.strip():
-        raise ConfigError(f"sqlite query must be a non-empty string, got {query!r}")
+        raise ConfigError(f"{kind} query must be a non-empty string, got {query!r}")
     text = query
     while True:
         m = _SQL_COMMENT.match(text)
@@ -213,12 +243,13 @@ def _check_select(query: Any) -> str:
     first = re.match(r"\s*([A-Za-z]+)", text)
     if not first or first.group(1).upper() not in ("SELECT", "WITH"):
         raise ConfigError(
-            "sqlite query must be a single read-only SELECT or WITH statement, "
+            f"{kind} query must be a single read-only SELECT or WITH statement, "
             f"got one starting with {(first.group(1) if first else text.strip()[:1])!r}"
         )
     body = text.strip().rstrip(";").rstrip()
     if ";" in body and _splits_into_statements(body):
-        raise ConfigError("sqlite query must be a single statement, got several separated by ';'")
+        raise ConfigError(f"{kind} query must be a single statement, got several separated by "
+                          "';'")
     return query
 
 
@@ -259,9 +290,60 @@ class DataSource(abc.ABC):
         self.spec = spec
         self.schema = schema
 
+    @property
+    def path(self) -> Path:
+        """The file of a file-based source."""
+        if self.spec.path is None:
+            raise ConfigError(f"a {self.spec.kind} data source has no file")
+        return self.spec.path
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk: ``spec.chunk_rows``, fewer for wide tables.
+
+        A chunk's float64 matrix is kept under :data:`MAX_CHUNK_BYTES` (128 MiB): at
+        p = 5000 a 65536-row chunk would be 2.4 GiB, more than the p x p matrices of a PCA.
+        """
+        width = 8 * max(1, len(self.schema.columns))
+        return max(1, min(self.spec.chunk_rows, MAX_CHUNK_BYTES // width))
+
     @abc.abstractmethod
     def describe(self) -> str:
         """Kind and location of the data (never any data), for logs and error messages."""
+
+    def check_sample(self, rows: int = 1000) -> EncodingReport:
+        """Read and encode at most the first ``rows`` rows of the first chunk.
+
+        What a site checks at start-up besides the columns that :func:`open_data_source`
+        checks: the values parse, and a row policy of "error" holds on the first rows. It
+        reads one chunk (one CSV block, one Parquet batch, one fetch), never the whole table:
+        at p = 5000 a CSV block holds ~300 rows and reading 1000 took 5 s.
+
+        Raises
+        ------
+        DataError
+            As :meth:`iter_chunks`, for the rows read.
+        """
+        source = self.describe()
+        batches = self._batches()
+        total = EncodingReport()
+        try:
+            for batch, skipped in batches:
+                take = batch.slice(0, max(0, rows - total.rows_read))
+                _, report = encode_table(self.schema, take, policy=self.spec.policy,
+                                         row_offset=total.rows_read, source=source)
+                report.rows_read += skipped
+                report.dropped_invalid += skipped
+                total.merge(report)
+                if total.rows_read > 0:
+                    break
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        if total.rows_read == 0:
+            raise DataError(f"{source}: contains no data rows")
+        return total
 
     @abc.abstractmethod
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
@@ -316,7 +398,7 @@ class CsvSource(DataSource):
                  typed_fast_path: bool = True) -> None:
         super().__init__(spec, schema)
         self.typed_fast_path = typed_fast_path
-        _check_readable_file(spec.path, "data file")
+        _check_readable_file(self.path, "data file")
         self.header, self.block_size = self._read_header()
         counts: dict[str, int] = {}
         for name in self.header:
@@ -337,11 +419,11 @@ class CsvSource(DataSource):
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
-        return f"csv file {self.spec.path}"
+        return f"csv file {self.path}"
 
     def _read_header(self) -> tuple[list[str], int]:
         """Parse the header row; return (column names, Arrow block size for ~chunk_rows rows)."""
-        path = self.spec.path
+        path = self.path
         try:
             with pa.input_stream(str(path), compression="detect") as stream:
                 sample = bytes(stream.read(_HEADER_SAMPLE_BYTES))
@@ -366,15 +448,20 @@ class CsvSource(DataSource):
         except (csv.Error, StopIteration):
             raise DataError(f"{self.describe()}: the header row is not valid CSV") from None
         header = [name.strip() for name in header]
-        # Block size: Arrow reads raw blocks ahead of the parser in a background thread,
-        # a fixed number of blocks deep (with 16 MiB blocks a 506 MiB file was buffered
-        # whole, bench/site_memory.py), so blocks stay small -- _BLOCK_BYTES, or room for
-        # several of the sample's longest lines (Arrow fails on a row longer than a block) --
-        # and _rebatch joins them into chunks of chunk_rows rows.
+        # Block size, by bytes per row: enough for _BLOCK_ROWS rows (per-column work is
+        # paid per block: at p = 2000 a 1 MiB block held ~90 rows and the pass took 3x as
+        # long as with 8 MiB), within [_BLOCK_BYTES, _MAX_BLOCK_BYTES] (Arrow keeps a fixed
+        # number of blocks in flight, so memory grows with the block: ~40 MiB at 1 MiB,
+        # ~290 MiB at 8 MiB; narrow tables are also parsed fastest in 1 MiB blocks), at most
+        # chunk_rows rows' worth, and at least 4x the sample's longest line (Arrow fails on
+        # a row longer than a block). Each block is one chunk: blocks are never joined (at
+        # p = 5000 joining 1 MiB blocks into chunks cost more than parsing them).
         body = sample[sample.find(b"\n") + 1:]
         ends = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == ord("\n"))
         longest = int(np.diff(ends, prepend=-1).max()) if ends.size else len(body)
-        return header, max(_BLOCK_BYTES, 4 * longest)
+        per_row = (int(ends[-1]) + 1) / ends.size if ends.size else float(len(body) or 1)
+        wanted = int(per_row * min(self.chunk_rows, _BLOCK_ROWS) * 1.05)
+        return header, max(min(max(wanted, _BLOCK_BYTES), _MAX_BLOCK_BYTES), 4 * longest)
 
     def _decode(self, data: bytes) -> str:
         try:
@@ -408,7 +495,7 @@ class CsvSource(DataSource):
                                       column_types=column_types,
                                       null_values=list(self.schema.missing_values),
                                       strings_can_be_null=True)
-        return pcsv.open_csv(str(self.spec.path), read_options=read, parse_options=parse,
+        return pcsv.open_csv(str(self.path), read_options=read, parse_options=parse,
                              convert_options=convert)
 
     def _arrow_batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
@@ -481,7 +568,7 @@ class CsvSource(DataSource):
         )
 
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
-        return _rebatch(self._arrow_batches(), self.spec.chunk_rows)
+        return _split(self._arrow_batches(), self.chunk_rows)
 
 
 class _MalformedRows:
@@ -522,42 +609,21 @@ class _MalformedRows:
         self.replay_through = self.counted_through
 
 
-def _rebatch(batches: Iterator[tuple[pa.RecordBatch, int]],
-             chunk_rows: int) -> Iterator[tuple[pa.RecordBatch, int]]:
-    """Re-cut a stream of batches into chunks of exactly ``chunk_rows`` rows.
+def _split(batches: Iterator[tuple[pa.RecordBatch, int]],
+           chunk_rows: int) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Cut batches longer than ``chunk_rows`` into zero-copy slices; never join batches.
 
-    The last chunk may be shorter, and so may a chunk cut where the stream's column types
-    change (after the CSV reader switches to text). Skip counts travel with the next chunk.
+    Joining short batches into full chunks copied every value once more than the floor of a
+    pass does; chunks are therefore *at most* ``chunk_rows`` rows. Skip counts travel with
+    the first slice.
     """
-    buffer: list[pa.RecordBatch] = []
-    buffered = 0
-    skipped = 0
-
-    def flush() -> pa.RecordBatch:
-        nonlocal buffer, buffered
-        if len(buffer) == 1:
-            out = buffer[0]
-        else:
-            out = pa.Table.from_batches(buffer).combine_chunks().to_batches()[0]
-        buffer, buffered = [], 0
-        return out
-
     for batch, skip in batches:
-        skipped += skip
-        if buffer and batch.schema != buffer[0].schema:
-            yield flush(), skipped
-            skipped = 0
-        start = 0
-        while start < batch.num_rows:
-            take = min(chunk_rows - buffered, batch.num_rows - start)
-            buffer.append(batch.slice(start, take))
-            buffered += take
-            start += take
-            if buffered == chunk_rows:
-                yield flush(), skipped
-                skipped = 0
-    if buffered or skipped:
-        yield (flush() if buffer else batch.slice(0, 0)), skipped
+        if batch.num_rows <= chunk_rows:
+            yield batch, skip
+            continue
+        for start in range(0, batch.num_rows, chunk_rows):
+            yield batch.slice(start, chunk_rows), skip
+            skip = 0
 
 
 class ParquetSource(DataSource):
@@ -565,7 +631,7 @@ class ParquetSource(DataSource):
 
     def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
         super().__init__(spec, schema)
-        _check_readable_file(spec.path, "data file")
+        _check_readable_file(self.path, "data file")
         pf = self._open()
         try:
             names = list(pf.schema_arrow.names)
@@ -579,7 +645,7 @@ class ParquetSource(DataSource):
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
-        return f"parquet file {self.spec.path}"
+        return f"parquet file {self.path}"
 
     def _open(self) -> Any:
         try:
@@ -587,7 +653,7 @@ class ParquetSource(DataSource):
             # buffered column chunks of every row group read so far, so allocation grew with
             # the file (67 -> 195 MiB over a 2M-row file; cf. apache/arrow#39808). Without
             # it, it stays at ~one row group.
-            return pq.ParquetFile(str(self.spec.path), pre_buffer=False)
+            return pq.ParquetFile(str(self.path), pre_buffer=False)
         except (pa.ArrowException, OSError) as exc:
             raise DataError(f"{self.describe()}: not a readable Parquet file "
                             f"({type(exc).__name__})") from None
@@ -595,9 +661,10 @@ class ParquetSource(DataSource):
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         pf = self._open()
         try:
-            batches = pf.iter_batches(batch_size=self.spec.chunk_rows,
-                                      columns=list(self.schema.names), use_threads=False)
-            yield from _rebatch(((b, 0) for b in batches), self.spec.chunk_rows)
+            # Batches end at row-group boundaries; they are passed on as they come.
+            for batch in pf.iter_batches(batch_size=self.chunk_rows,
+                                         columns=list(self.schema.names), use_threads=False):
+                yield batch, 0
         except (pa.ArrowException, OSError) as exc:
             raise DataError(f"{self.describe()}: cannot be read ({type(exc).__name__})") from None
         finally:
@@ -624,7 +691,7 @@ class SqliteSource(DataSource):
 
     def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
         super().__init__(spec, schema)
-        _check_readable_file(spec.path, "database file")
+        _check_readable_file(self.path, "database file")
         with self._connect() as conn:
             if spec.table is not None:
                 try:
@@ -651,11 +718,11 @@ class SqliteSource(DataSource):
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
         if self.spec.table is not None:
-            return f"sqlite table {self.spec.table!r} in {self.spec.path}"
-        return f"sqlite query on {self.spec.path}"
+            return f"sqlite table {self.spec.table!r} in {self.path}"
+        return f"sqlite query on {self.path}"
 
     def _connect(self) -> _ClosingConnection:
-        uri = self.spec.path.resolve().as_uri() + "?mode=ro"
+        uri = self.path.resolve().as_uri() + "?mode=ro"
         try:
             conn = sqlite3.connect(uri, uri=True)
         except sqlite3.Error as exc:
@@ -692,13 +759,13 @@ class SqliteSource(DataSource):
             categorical = [not isinstance(c, ContinuousColumn) for c in self.schema.columns]
             while True:
                 try:
-                    rows = cursor.fetchmany(self.spec.chunk_rows)
+                    rows = cursor.fetchmany(self.chunk_rows)
                 except sqlite3.DatabaseError as exc:
                     raise DataError(f"{self.describe()}: {exc}") from None
                 if not rows:
                     return
                 columns = list(zip(*rows, strict=True))
-                arrays = [_sqlite_array(columns[i], cat) for i, cat in zip(indexes, categorical,
+                arrays = [column_array(columns[i], cat) for i, cat in zip(indexes, categorical,
                                                                             strict=True)]
                 yield pa.RecordBatch.from_arrays(arrays, names), 0
 
@@ -716,8 +783,8 @@ class _ClosingConnection:
         self.conn.close()
 
 
-def _sqlite_array(values: Sequence[Any], categorical: bool) -> pa.Array:
-    """Arrow array of one fetched column; mixed or binary columns become text."""
+def column_array(values: Sequence[Any], categorical: bool) -> pa.Array:
+    """Arrow array of one column fetched from a database; mixed or binary columns become text."""
     try:
         arr = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
@@ -754,6 +821,11 @@ def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
         return CsvSource(spec, schema)
     if spec.kind == "parquet":
         return ParquetSource(spec, schema)
+    if spec.kind == "postgres":
+        # Imported here: the driver is the optional extra ``dpfed[postgres]``.
+        from dpfed.common.data.postgres import PostgresSource
+
+        return PostgresSource(spec, schema)
     return SqliteSource(spec, schema)
 
 

@@ -27,6 +27,7 @@ from scipy import linalg
 from scipy.linalg import blas
 
 from dpfed.common.errors import ValidationError
+from dpfed.common.linalg import mirror_upper
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.mechanisms import SymmetricGaussianMechanism
 from dpfed.common.validation import check_finite_array, check_int
@@ -38,36 +39,84 @@ UNCENTRED_GRAM_SENSITIVITY = math.sqrt(2.0)
 
 
 class GramAccumulator:
-    """Accumulate ``G = sum_i x_i x_i^T`` over row chunks with one BLAS ``dsyrk`` per chunk.
+    """Accumulate ``G = sum_i x_i x_i^T`` over row chunks with BLAS ``dsyrk``.
 
     Only the upper triangle is accumulated (half the flops of ``X^T X``); :meth:`gram`
-    mirrors it. Memory is O(p^2) whatever the number of rows.
+    mirrors it. Memory is O(p^2) whatever the number of rows. Chunks shorter than
+    :data:`MIN_SYRK_ROWS` rows (wide CSV blocks hold a few hundred rows) are gathered into a
+    column-major buffer first: at p = 5000 a 290-row ``dsyrk`` ran at a third of the speed
+    of a 1000-row one.
     """
+
+    #: Rows per ``dsyrk`` below which chunks are buffered (the buffer is this x p floats).
+    MIN_SYRK_ROWS = 1024
 
     def __init__(self, n_features: int) -> None:
         self.n_features = check_int(n_features, "n_features", minimum=1)
         # Fortran order so dsyrk updates it in place.
-        self._upper = np.zeros((self.n_features, self.n_features), dtype=np.float64, order="F")
+        self._upper: np.ndarray | None = np.zeros((self.n_features, self.n_features),
+                                                  dtype=np.float64, order="F")
+        self._buffer: np.ndarray | None = None
+        self._buffered = 0
         self.n_rows = 0
 
     def add(self, x: np.ndarray) -> None:
-        """Add the rows of ``x`` (n x p)."""
+        """Add the rows of ``x`` (n x p); column-major (Fortran) order avoids a copy."""
         if x.ndim != 2 or x.shape[1] != self.n_features:
             raise ValidationError(f"chunk must have shape (n, {self.n_features}), got {x.shape}")
         if x.shape[0] == 0:
             return
-        xt = np.asarray(x, dtype=np.float64).T  # p x n; F-ordered view when x is C-ordered
-        if not xt.flags.f_contiguous:
-            xt = np.asfortranarray(xt)
-        # C := 1.0 * A A^T + 1.0 * C with A = X^T (p x n): upper triangle of X^T X.
-        self._upper = blas.dsyrk(1.0, xt, beta=1.0, c=self._upper, trans=0, lower=0,
-                                 overwrite_c=1)
-        self.n_rows += x.shape[0]
+        if self._upper is None:
+            raise ValidationError("gram() was called: this accumulator takes no more rows")
+        x = np.asarray(x, dtype=np.float64)
+        n = x.shape[0]
+        if n >= self.MIN_SYRK_ROWS:
+            self._flush()
+            self._syrk(x)
+        else:
+            if self._buffer is None:
+                self._buffer = np.empty((self.MIN_SYRK_ROWS, self.n_features), order="F")
+            start = 0
+            while start < n:
+                take = min(n - start, self.MIN_SYRK_ROWS - self._buffered)
+                self._buffer[self._buffered:self._buffered + take] = x[start:start + take]
+                self._buffered += take
+                start += take
+                if self._buffered == self.MIN_SYRK_ROWS:
+                    self._flush()
+        self.n_rows += n
+
+    def _flush(self) -> None:
+        if self._buffered:
+            assert self._buffer is not None
+            self._syrk(self._buffer[:self._buffered])
+            self._buffered = 0
+
+    def _syrk(self, x: np.ndarray) -> None:
+        if x.flags.f_contiguous:
+            # C := 1.0 * A^T A + 1.0 * C with A = X (n x p, column-major).
+            self._upper = blas.dsyrk(1.0, x, beta=1.0, c=self._upper, trans=1, lower=0,
+                                     overwrite_c=1)
+        else:
+            # A row-major X is a column-major X^T (p x n): C := X^T (X^T)^T + C.
+            xt = x.T if x.T.flags.f_contiguous else np.asfortranarray(x.T)
+            self._upper = blas.dsyrk(1.0, xt, beta=1.0, c=self._upper, trans=0, lower=0,
+                                     overwrite_c=1)
 
     def gram(self) -> np.ndarray:
-        """Return the full symmetric ``G`` (a new C-ordered array)."""
-        upper = np.triu(self._upper)
-        return np.ascontiguousarray(upper + np.triu(upper, 1).T)
+        """Return the full symmetric ``G`` (C order) and hand it over: no p x p copy is made.
+
+        The lower triangle is filled in place from the upper one
+        (:func:`dpfed.common.linalg.mirror_upper`); the accumulator takes no more rows
+        afterwards and a second call raises.
+        """
+        if self._upper is None:
+            raise ValidationError("gram() was already called on this accumulator")
+        self._flush()
+        self._buffer = None
+        g, self._upper = self._upper, None
+        # The transpose of the Fortran-ordered G is C-ordered and, G being symmetric, equal.
+        return mirror_upper(g).T
 
 
 @dataclass(frozen=True)
@@ -151,9 +200,12 @@ def site_release(gram: np.ndarray, n_rows: int, *, epsilon: float, delta: float,
     r = check_int(rank, "rank", minimum=1, maximum=p)
     mech = mechanism or pca_mechanism(n_rows, epsilon, delta, calibration)
     noisy = mech.release(g / n_rows, rng)  # Alg. step 2-3: A_s + E, E symmetric
-    # Top-R eigenpairs only (LAPACK syevr on an index range): cheaper than a full eigh.
-    values, vectors = linalg.eigh(noisy, subset_by_index=[p - r, p - 1], overwrite_a=True,
+    # Top-R eigenpairs only (LAPACK syevr on an index range): cheaper than a full eigh. The
+    # noisy matrix is exactly symmetric, so its transpose -- a Fortran-ordered view -- is the
+    # same matrix and LAPACK works on it in place instead of on a p x p copy.
+    values, vectors = linalg.eigh(noisy.T, subset_by_index=[p - r, p - 1], overwrite_a=True,
                                   check_finite=False, driver="evr")
+    del noisy
     values = values[::-1]
     vectors = vectors[:, ::-1]
     # Negative eigenvalues of the noisy matrix carry no energy: clip before the square root.

@@ -83,12 +83,15 @@ class UnitBallMap:
     clip_norm: float | None = None
     names: tuple[str, ...] = field(init=False)
     norm: float = field(init=False)
+    clips_nothing: bool = field(init=False)
 
     def __post_init__(self) -> None:
         norm = max_feature_norm(self.schema) if self.clip_norm is None else check_positive(
             self.clip_norm, "clip_norm")
         object.__setattr__(self, "norm", float(norm))
         object.__setattr__(self, "names", feature_names(self.schema))
+        # No row can exceed the norm after step 1 (the default clip_norm): step 2 is a no-op.
+        object.__setattr__(self, "clips_nothing", self.norm >= max_feature_norm(self.schema))
 
     @property
     def n_features(self) -> int:
@@ -96,31 +99,58 @@ class UnitBallMap:
         return len(self.names)
 
     def scaled(self, table: EncodedTable) -> np.ndarray:
-        """Step 1 only: every column to [-1, 1] (n x p, float64, C order)."""
-        if table.schema.digest() != self.schema.digest():
+        """Step 1 only: every column to [-1, 1] (n x p, float64, Fortran (column-major) order).
+
+        Column-major because every source column fills one or more whole feature columns
+        (contiguous writes, ~3x faster than filling a row-major matrix column by column), and
+        :class:`~dpfed.common.pca.dppca.GramAccumulator` takes the matrix as it is.
+        """
+        return self._fill(table, 1.0)
+
+    def _fill(self, table: EncodedTable, factor: float) -> np.ndarray:
+        """Step 1 followed by a multiplication by ``factor``, in one pass per column."""
+        # Identity first: the digest serialises the whole schema (34 ms at p = 2000).
+        if table.schema is not self.schema and table.schema.digest() != self.schema.digest():
             raise ValidationError("table was encoded with a different schema than this map")
-        out = np.empty((table.n_rows, self.n_features), dtype=np.float64)
+        n = table.n_rows
+        out = np.empty((n, self.n_features), dtype=np.float64, order="F")
         j = 0
         for col in self.schema.columns:
             values = table.columns[col.name]
             if isinstance(col, ContinuousColumn):
+                # (v - center) / half_range * factor as one subtract and one multiply.
                 np.subtract(values, col.center, out=out[:, j])
-                out[:, j] /= col.half_range
+                out[:, j] *= factor / col.half_range
                 j += 1
             elif isinstance(col, OrdinalColumn):
-                out[:, j] = values * (2.0 / (col.n_levels - 1)) - 1.0
+                step = 2.0 / (col.n_levels - 1)
+                np.multiply(values, step * factor, out=out[:, j])
+                out[:, j] -= factor
                 j += 1
             else:
                 block = out[:, j:j + col.n_categories]
                 block[:] = 0.0
-                block[np.arange(table.n_rows), values] = 1.0
+                block[np.arange(n), values] = factor
                 j += col.n_categories
         return out
 
     def transform(self, table: EncodedTable) -> tuple[np.ndarray, int]:
-        """Return (features with every row norm <= 1, number of rows that were clipped)."""
-        x = self.scaled(table)
-        return self.clip_rows(x)
+        """Return (features with every row norm <= 1, number of rows that were clipped).
+
+        Steps 1-3 of the module docstring. The division by ``clip_norm`` is folded into the
+        per-column scaling; row norms are computed only when a row can exceed ``clip_norm``
+        (not under the default, where step 2 is a no-op).
+        """
+        x = self._fill(table, 1.0 / self.norm)
+        if self.clips_nothing:
+            return x, 0
+        # Rows of x are step-1 rows divided by norm: clip those longer than 1.
+        norms = np.sqrt(np.einsum("ij,ij->i", x, x))
+        over = norms > 1.0
+        n_clipped = int(np.count_nonzero(over))
+        if n_clipped:
+            x[over] /= norms[over][:, None]
+        return x, n_clipped
 
     def clip_rows(self, x: np.ndarray) -> tuple[np.ndarray, int]:
         """Scale rows of step-1 features into the unit ball in place; return (x, n_clipped)."""

@@ -28,6 +28,7 @@ import numpy as np
 from scipy import optimize, special
 
 from dpfed.common.errors import ValidationError
+from dpfed.common.linalg import mirror_upper
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.validation import check_choice, check_delta, check_epsilon, check_positive
 
@@ -242,10 +243,11 @@ def symmetric_gaussian_noise(p: int, sigma: float, rng: np.random.Generator) -> 
         raise ValidationError(f"p must be a positive integer, got {p}")
     check_positive(sigma, "sigma")
     noise = rng.standard_normal(size=(p, p))
-    upper = np.triu(noise)
-    upper += np.triu(noise, 1).T  # mirror the strict upper triangle into the lower
-    upper *= sigma
-    return upper
+    # Mirror the strict upper triangle into the lower one in place: one p x p matrix in
+    # memory, the same values as np.triu(noise) + np.triu(noise, 1).T.
+    mirror_upper(noise)
+    noise *= sigma
+    return noise
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,9 @@ def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederatio
     with fed.analyst() as coord:
         sites = coord.sites()
         assert [s.site_id for s in sites] == fed.site_ids
-        assert all(s.connected and s.row_count == 1500 for s in sites)
+        assert all(s.connected for s in sites)
+        # Sites connect before counting their rows and send the count right after.
+        _wait_until(lambda: all(s.row_count == 1500 for s in coord.sites()), 60, "row counts")
         # Today's one-round DPdisPCA (uncentred, worst-case bound); the centred default with
         # its three rounds: test_centred_auto_job_survives_a_coordinator_restart_between_rounds.
         result = coord.pca(3, epsilon=1000.0, delta=1e-5, centering="none", clip_norm="schema")
