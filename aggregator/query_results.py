@@ -114,9 +114,24 @@ class SVTJobResult(_ResultFile):
             "sites_above": self.arrays["n_above"].astype(int),
             "sites_examined": self.arrays["n_examined"].astype(int),
             "which_sites": which,
-            "value_sum": self.arrays["value_sum"],
-            "value_std_error": self.arrays["value_std_error"],
+            "value_sum": self._where_valued(self.arrays["value_sum"]),
+            "value_std_error": self._where_valued(self.arrays["value_std_error"]),
         })
+
+    def _where_valued(self, column: np.ndarray) -> np.ndarray:
+        """``column`` with NaN for the queries no site released a value for."""
+        n_valued = self.arrays.get("n_valued")
+        if n_valued is None:  # a result file written before the masks existed
+            return column
+        return np.where(n_valued > 0, column, np.nan)
+
+    @property
+    def values(self) -> np.ndarray:
+        """Released values, sites x queries (NaN where a site released none)."""
+        released = self.arrays.get("value_released")
+        if released is None:
+            return self.arrays["values"]
+        return np.where(released, self.arrays["values"], np.nan)
 
     @property
     def sites(self) -> pd.DataFrame:

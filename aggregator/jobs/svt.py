@@ -155,7 +155,12 @@ def combine_svt(ctx: JobContext, results: dict[str, TaskResult], names: list[str
     summary = {"session": session, "action": action, "queries": k, "sites": len(site_ids),
                "queries_above_somewhere": int((n_above > 0).sum()),
                "halted_sites": sum(1 for m in sites_meta if m["halted"])}
-    arrays = {"above": above, "values": values, "n_above": n_above.astype(np.int64),
-              "n_examined": n_examined.astype(np.int64), "value_sum": value_sum,
-              "value_std_error": value_se}
+    # Result files hold finite numbers only (the coordinator refuses to store NaN): "no value"
+    # travels as 0 with a mask (``value_released``, ``n_valued``); SVTJobResult restores NaN.
+    released = ~np.isnan(values)
+    arrays = {"above": above, "values": np.where(released, values, 0.0),
+              "value_released": released, "n_above": n_above.astype(np.int64),
+              "n_examined": n_examined.astype(np.int64), "n_valued": n_valued.astype(np.int64),
+              "value_sum": np.where(n_valued > 0, value_sum, 0.0),
+              "value_std_error": np.where(n_valued > 0, value_se, 0.0)}
     return JobOutput(arrays, metadata, summary)

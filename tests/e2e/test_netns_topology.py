@@ -22,6 +22,7 @@ leftovers of an earlier run that was killed are removed first.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -216,10 +218,12 @@ def _wait_connected(topo: Topology, sites: set[str], timeout: float) -> None:
     pytest.fail(f"sites {sorted(sites)} not all connected within {timeout:g}s\n{logs}")
 
 
-def _jobs(topo: Topology) -> list[str]:
-    out = topo.analyst("jobs", "--limit", "10")
+def _jobs(topo: Topology) -> list[dict[str, Any]]:
+    """The analyst's ``dpfed jobs --json`` (newest first)."""
+    out = topo.analyst("jobs", "--limit", "10", "--json")
     assert out.returncode == exit_codes.OK, out.stderr
-    return out.stdout.splitlines()
+    jobs: list[dict[str, Any]] = json.loads(out.stdout)
+    return jobs
 
 
 def test_partitioned_hospital_job_follows_policy_and_the_site_rejoins(
@@ -244,7 +248,8 @@ def test_partitioned_hospital_job_follows_policy_and_the_site_rejoins(
     assert "from 2 site(s)" in job.stdout, job.stdout
     assert "site hospital-3: result received" not in job.stdout, job.stdout
     assert "site hospital-3:" in job.stdout, job.stdout  # its outcome (timeout) is reported
-    assert re.search(r"succeeded .*sites ok=2/3", _jobs(topo)[0]), _jobs(topo)
+    newest = _jobs(topo)[0]
+    assert (newest["state"], newest["sites_ok"], newest["sites_total"]) == ("succeeded", 2, 3)
 
     # The site rejoins by itself (no restart, nobody touches it): a job that needs all
     # three sites succeeds.
