@@ -20,8 +20,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from dpfed.common.data.data_sources import DataSource, DataSourceSpec, column_array
 from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.data.source_base import DataSource, DataSourceSpec, column_array
 from dpfed.common.errors import ConfigError, DataError, DpfedError
 
 logger = logging.getLogger(__name__)
