@@ -119,9 +119,10 @@ def cmd_sites(args: argparse.Namespace) -> int:
         rows.append((s.site_id, "connected" if s.connected else "offline", s.row_count,
                      f"{b.epsilon_spent:.4g}" if b else "?",
                      f"{b.epsilon_remaining:.4g}" if b else "?",
-                     f"{b.delta_remaining:.3g}" if b else "?", ",".join(s.allowed_kinds)))
-    print(format_table(("site", "state", "rows", "eps spent", "eps left", "delta left", "jobs"),
-                       rows, right=(2, 3, 4, 5)))
+                     f"{b.delta_remaining:.3g}" if b else "?", ",".join(s.allowed_kinds),
+                     s.secure_policy or "off"))
+    print(format_table(("site", "state", "rows", "eps spent", "eps left", "delta left", "jobs",
+                        "secure aggregation"), rows, right=(2, 3, 4, 5)))
     return exit_codes.OK
 
 

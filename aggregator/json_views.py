@@ -32,7 +32,7 @@ def site_json(s: SiteInfo) -> dict[str, Any]:
             "max_epsilon_per_task": s.max_epsilon_per_task,
             "software_version": s.software_version, "schema_digest": s.schema_digest,
             "first_seen": s.first_seen, "last_seen": s.last_seen,
-            "budget": budget_json(s.budget)}
+            "budget": budget_json(s.budget), "secure_aggregation": s.secure_policy or "off"}
 
 
 def budget_row_json(site_id: str, connected: bool, b: BudgetStatus | None) -> dict[str, Any]:

@@ -285,7 +285,7 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
             h = session.hello if session is not None else hello
             infos.append(SiteInfo(site_id, session is not None, h.row_count, h.schema_digest,
                                   h.software_version, h.allowed_kinds, h.max_epsilon_per_task,
-                                  h.budget, first, last))
+                                  h.budget, first, last, h.secure_policy))
         return infos
 
     async def ListSites(self, request: analyst_pb2.ListSitesRequest,  # noqa: N802

@@ -310,6 +310,6 @@ class JobStore:
             budget = BudgetStatus(**d["budget"]) if d.get("budget") else None
             hello = SiteHello(d["software_version"], d["protocol_version"], d["schema_digest"],
                               d["row_count"], tuple(d["allowed_kinds"]), d["max_epsilon_per_task"],
-                              budget)
+                              budget, str(d.get("secure_policy", "")))
             out.append((site_id, first, last, hello))
         return out

@@ -187,7 +187,8 @@ def _run(config: SiteConfig) -> int:
         # 0 until the first full pass: "not counted yet" (docs/data-sources.md, "Start-up").
         return SiteHello(__version__, PROTOCOL_VERSION, prepared.schema.digest(),
                          prepared.data.row_count or 0, allowed_kinds,
-                         config.budget.max_epsilon_per_task, ledger.status())
+                         config.budget.max_epsilon_per_task, ledger.status(),
+                         config.secure.summary() if "secagg" in allowed_kinds else "")
 
     status = ledger.status()
     log.info("[Site.start] ledger %s: %d event(s), epsilon spent %.6g of %g", config.ledger_path,

@@ -32,6 +32,10 @@ class SecureAggregationPolicy:
     min_participants: int = 2
     tolerated: int = 1
 
+    def summary(self) -> str:
+        """One line for ``dpfed sites``: the mode, the minimum participants and t."""
+        return f"{self.mode}, min {self.min_participants} sites, t={self.tolerated}"
+
     def __post_init__(self) -> None:
         check_choice(self.mode, "secure_aggregation", SECURE_MODES)
         check_int(self.min_participants, "secure_min_participants", minimum=2)

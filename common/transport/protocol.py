@@ -96,6 +96,9 @@ class SiteHello:
     allowed_kinds: tuple[str, ...]
     max_epsilon_per_task: float | None
     budget: BudgetStatus | None
+    #: The site's secure-aggregation policy, e.g. ``"allowed, min 2 sites, t=1"`` ("" = off or
+    #: not reported by an older site).
+    secure_policy: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,9 @@ class SiteInfo:
     budget: BudgetStatus | None
     first_seen: str
     last_seen: str
+    #: The site's secure-aggregation policy, e.g. ``"allowed, min 2 sites, t=1"`` ("" = off or
+    #: not reported by an older site).
+    secure_policy: str = ""
 
 
 @dataclass(frozen=True)

@@ -292,10 +292,16 @@ class Reassembler:
 # --------------------------------------------------------------------------- site link
 
 
+def _policy_text(text: str) -> str:
+    """Return a peer's policy summary, bounded and printable (it is only displayed)."""
+    return "".join(c for c in text[:120] if c.isprintable())
+
+
 def hello_to_proto(hello: SiteHello) -> site_link_pb2.Hello:
     """Serialize a site's Hello."""
     policy = types_pb2.SitePolicy(allowed_kinds=list(hello.allowed_kinds),
-                                  max_epsilon_per_task=hello.max_epsilon_per_task or 0.0)
+                                  max_epsilon_per_task=hello.max_epsilon_per_task or 0.0,
+                                  secure_aggregation=hello.secure_policy)
     if hello.budget is not None:
         policy.budget.CopyFrom(budget_to_proto(hello.budget))
     return site_link_pb2.Hello(software_version=hello.software_version,
@@ -310,7 +316,8 @@ def hello_from_proto(msg: site_link_pb2.Hello) -> SiteHello:
         raise ProtocolError(f"row_count must be >= 0, got {msg.row_count}")
     return SiteHello(msg.software_version, msg.protocol_version, msg.schema_digest, msg.row_count,
                      tuple(msg.policy.allowed_kinds), msg.policy.max_epsilon_per_task or None,
-                     budget_from_proto(msg.policy.budget))
+                     budget_from_proto(msg.policy.budget),
+                     _policy_text(msg.policy.secure_aggregation))
 
 
 def refusal_to_proto(refusal: Refusal) -> site_link_pb2.Refusal:
@@ -415,7 +422,8 @@ def job_event_from_proto(msg: analyst_pb2.JobEvent) -> JobEvent:
 def site_info_to_proto(info: SiteInfo) -> analyst_pb2.SiteInfo:
     """Serialize the coordinator's view of a site."""
     policy = types_pb2.SitePolicy(allowed_kinds=list(info.allowed_kinds),
-                                  max_epsilon_per_task=info.max_epsilon_per_task or 0.0)
+                                  max_epsilon_per_task=info.max_epsilon_per_task or 0.0,
+                                  secure_aggregation=info.secure_policy)
     if info.budget is not None:
         policy.budget.CopyFrom(budget_to_proto(info.budget))
     return analyst_pb2.SiteInfo(site_id=info.site_id, connected=info.connected,
@@ -429,4 +437,5 @@ def site_info_from_proto(msg: analyst_pb2.SiteInfo) -> SiteInfo:
     return SiteInfo(msg.site_id, msg.connected, msg.row_count, msg.schema_digest,
                     msg.software_version, tuple(msg.policy.allowed_kinds),
                     msg.policy.max_epsilon_per_task or None, budget_from_proto(msg.policy.budget),
-                    msg.first_seen, msg.last_seen)
+                    msg.first_seen, msg.last_seen,
+                    _policy_text(msg.policy.secure_aggregation))

@@ -52,6 +52,8 @@ def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
     schema = Schema.load(fed.schema_path)
     paths = list(fed.data_paths.values())
     with fed.analyst() as coord:
+        # every site advertises its policy (dpfed sites shows it)
+        assert {s.secure_policy for s in coord.sites()} == {"allowed, min 2 sites, t=1"}
         centred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure")
         uncentred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure",
                               centering="none")

@@ -158,8 +158,14 @@ class SitePolicy(_message.Message):
     ALLOWED_KINDS_FIELD_NUMBER: _builtins.int
     MAX_EPSILON_PER_TASK_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
+    SECURE_AGGREGATION_FIELD_NUMBER: _builtins.int
     max_epsilon_per_task: _builtins.float
     """0 = no per-task limit"""
+    secure_aggregation: _builtins.str
+    """Secure aggregation, for display: "allowed, min 2 sites, t=1" (mode, minimum verified
+    participants, colluding parties the noise shares are sized for); "" = off. The site
+    enforces its policy itself; the coordinator only shows it.
+    """
     @_builtins.property
     def allowed_kinds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -170,10 +176,11 @@ class SitePolicy(_message.Message):
         allowed_kinds: _abc.Iterable[_builtins.str] | None = ...,
         max_epsilon_per_task: _builtins.float = ...,
         budget: Global___BudgetSummary | None = ...,
+        secure_aggregation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_kinds", b"allowed_kinds", "budget", b"budget", "max_epsilon_per_task", b"max_epsilon_per_task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_kinds", b"allowed_kinds", "budget", b"budget", "max_epsilon_per_task", b"max_epsilon_per_task", "secure_aggregation", b"secure_aggregation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

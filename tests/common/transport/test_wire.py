@@ -153,3 +153,12 @@ def test_site_and_job_messages_round_trip() -> None:
     assert job_event_from_proto(job_event_to_proto(event)) == event
     refusal = Refusal("t", "budget_exceeded", "over")
     assert refusal_from_proto(refusal_to_proto(refusal)) == refusal
+
+
+def test_the_secure_policy_summary_travels_and_is_sanitised() -> None:
+    hello = SiteHello("0.1.0", 1, "ab" * 32, 10, ("pca", "secagg"), None, None,
+                      "allowed, min 2 sites, t=1")
+    assert hello_from_proto(hello_to_proto(hello)).secure_policy == "allowed, min 2 sites, t=1"
+    hostile = SiteHello("0.1.0", 1, "ab" * 32, 10, ("pca",), None, None, "x\n\x1b[2J" + "y" * 500)
+    shown = hello_from_proto(hello_to_proto(hostile)).secure_policy
+    assert len(shown) <= 120 and shown.isprintable()
