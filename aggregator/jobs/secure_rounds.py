@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dpfed.aggregator.jobs.base import JobContext
+from dpfed.aggregator.jobs.validators import RESULT_ENVELOPE_BYTES
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
 from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum, plan_gram, plan_row_sum
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 #: Attempts of one secure sum before the job fails (each drops the sites that vanished).
 MAX_ATTEMPTS = 3
+#: A keys answer: a 32-byte key, a signature and a certificate (each array capped at 16 KiB
+#: by the decoder), in the usual envelope.
+KEYS_RESULT_BYTES = 3 * (16 << 10) + RESULT_ENVELOPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             "secagg", {"stage": "keys", "job_id": ctx.job_id, "sum_round": sum_round,
                        "sum_task_id": f"{ctx.job_id}/{sum_round}"},
             round_name=f"{name}-keys-{attempt}", epsilon=0.0, delta=0.0, only=eligible,
+            max_result_bytes=KEYS_RESULT_BYTES,
             progress=(lo, lo + (hi - lo) * 0.2))
         for site_id in list(keys):
             try:
@@ -114,6 +119,8 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             results = await ctx.dispatch("secagg", params, round_name=sum_round,
                                          arrays=relayed, epsilon=epsilon, delta=delta,
                                          check_result=check, only=participants,
+                                         max_result_bytes=8 * plan.n_values
+                                         + RESULT_ENVELOPE_BYTES,
                                          progress=(lo + (hi - lo) * 0.3, hi))
         except QuorumError:
             results = {}

@@ -21,8 +21,8 @@ and its privacy argument):
 Privacy
 -------
 Replace-one at this site. Rows are the PCA feature map's unit-ball rows (clip norm from the
-task), optionally centred by a public (DP) mean and then clipped to the public radius
-``row_norm``; :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the sensitivity of
+task), clipped to the public radius ``row_norm`` (centring happens at the coordinator, from a
+secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the sensitivity of
 the pooled integer statistic from the rounded-row bound and calibrates the Skellam variance;
 this site adds ``mu / (n - t)``.
 """
@@ -174,10 +174,6 @@ class SecureAggregationHandler(TaskHandler):
                                row_norm=row_norm, epsilon=task.epsilon, delta=task.delta,
                                participants=participants,
                                tolerated=check_int(p.get("tolerated"), "tolerated", minimum=0))
-        mean = task.arrays.get("mean")
-        if mean is not None and (mean.shape != (unit.n_features,)
-                                 or not np.all(np.isfinite(mean))):
-            raise ValidationError(f"mean must be a finite vector of length {unit.n_features}")
         try:
             signed = {s: signed_key_from_arrays(task.arrays, s) for s in plan.participants}
         except ValidationError as exc:
@@ -189,8 +185,6 @@ class SecureAggregationHandler(TaskHandler):
         def rows() -> Iterator[np.ndarray]:
             for table, _report in data.iter_chunks():
                 x, _clipped = unit.transform(table)
-                if mean is not None:
-                    x = x - mean
                 norms = np.linalg.norm(x, axis=1)
                 over = norms > row_norm
                 if np.any(over):
