@@ -54,6 +54,9 @@ import pandas as pd
 from scipy import special
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import synth_metrics  # noqa: E402
 
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.demo_data import generate_demo  # noqa: E402
@@ -64,15 +67,8 @@ from dpfed.common.data.schema import (  # noqa: E402
     OrdinalColumn,
     Schema,
 )
-from dpfed.common.evaluation.disclosure import (  # noqa: E402
-    nearest_neighbours,
-    neighbour_distance_ratio,
-    standardize,
-)
-from dpfed.common.evaluation.utility_metrics import table_correlation_error  # noqa: E402
 from dpfed.common.pca import dppca  # noqa: E402
 from dpfed.common.pca.dppca import PCAEstimate  # noqa: E402
-from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.synth.factor_model import (  # noqa: E402
     FactorModelSynthesizer,
     dp_second_moment,
@@ -134,18 +130,18 @@ def make_data(n: int, seed: int) -> tuple[pd.DataFrame, np.ndarray]:
 
 
 def fit_federated(tables: list[EncodedTable], eps: float, delta: float,
-                  rng: np.random.Generator) -> SynthModel:
+                  rng: np.random.Generator, schema: Schema = SCHEMA) -> SynthModel:
     """The job's rounds, run through the same site and coordinator functions."""
     el, dl = SPLIT["links"][0] * eps, SPLIT["links"][1] * delta
     ep, dp = SPLIT["pca"][0] * eps, SPLIT["pca"][1] * delta
     rels = []
     for t in tables:
-        acc = LinkHistogramAccumulator(SCHEMA, BINS)
+        acc = LinkHistogramAccumulator(schema, BINS)
         acc.add(t)
-        rels.append(release_link_histograms(acc.counts, SCHEMA, epsilon=el, delta=dl, rng=rng))
-    props = proportions_from_histograms(sum_histograms(rels, SCHEMA, BINS), SCHEMA, BINS,
+        rels.append(release_link_histograms(acc.counts, schema, epsilon=el, delta=dl, rng=rng))
+    props = proportions_from_histograms(sum_histograms(rels, schema, BINS), schema, BINS,
                                         n_rows=sum(t.n_rows for t in tables))
-    links = links_from_proportions(SCHEMA, props, BINS)
+    links = links_from_proportions(schema, props, BINS)
     dim = links.dim
     clip = default_clip_norm(dim)
     factors = []
@@ -159,23 +155,23 @@ def fit_federated(tables: list[EncodedTable], eps: float, delta: float,
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
     dpc = dp_second_moment(est, dim)
     d = np.sqrt(np.diag(dpc))
-    return SynthModel.build(SCHEMA, mode="generative", continuous_link="quantile", n_bins=BINS,
+    return SynthModel.build(schema, mode="generative", continuous_link="quantile", n_bins=BINS,
                             proportions=props, factor_model=fm, dp_correlation=dpc / np.outer(d, d),
                             rng=rng, latent_correlation=corr)
 
 
 def independent_marginals(tables: list[EncodedTable], eps: float, delta: float, n: int,
-                          rng: np.random.Generator) -> pd.DataFrame:
+                          rng: np.random.Generator, schema: Schema = SCHEMA) -> pd.DataFrame:
     """Every column from its own DP histogram (all of the budget; summed over the sites)."""
     rels = []
     for t in tables:
-        acc = LinkHistogramAccumulator(SCHEMA, BINS)
+        acc = LinkHistogramAccumulator(schema, BINS)
         acc.add(t)
-        rels.append(release_link_histograms(acc.counts, SCHEMA, epsilon=eps, delta=delta,
+        rels.append(release_link_histograms(acc.counts, schema, epsilon=eps, delta=delta,
                                             rng=rng))
-    props = proportions_from_histograms(sum_histograms(rels, SCHEMA, BINS), SCHEMA, BINS,
+    props = proportions_from_histograms(sum_histograms(rels, schema, BINS), schema, BINS,
                                         n_rows=sum(t.n_rows for t in tables))
-    links = links_from_proportions(SCHEMA, props, BINS)
+    links = links_from_proportions(schema, props, BINS)
     # Independent standard normal latent: every column from its own DP marginal, no joint.
     return links.from_latent(rng.standard_normal((n, links.dim))).to_frame()
 
@@ -183,94 +179,13 @@ def independent_marginals(tables: list[EncodedTable], eps: float, delta: float, 
 # --------------------------------------------------------------------------- metrics
 
 
-def _binned(frame: pd.DataFrame, bins: int) -> dict[str, np.ndarray]:
-    table, _ = encode_table(SCHEMA, frame)
-    out = {}
-    for col in SCHEMA.columns:
-        v = table.columns[col.name]
-        if isinstance(col, ContinuousColumn):
-            w = (col.max - col.min) / bins
-            out[col.name] = np.clip(((v - col.min) / w).astype(int), 0, bins - 1)
-        else:
-            out[col.name] = v.astype(int)
-    return out
-
-
-def _tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
-    pa = np.bincount(a, minlength=size) / a.size
-    pb = np.bincount(b, minlength=size) / b.size
-    return 0.5 * float(np.abs(pa - pb).sum())
-
-
-def _size(col: Any, bins: int) -> int:
-    if isinstance(col, ContinuousColumn):
-        return bins
-    return col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
-
-
-def tvds(real: pd.DataFrame, syn: pd.DataFrame) -> tuple[float, float, float]:
-    r1, s1 = _binned(real, 20), _binned(syn, 20)
-    one = [_tvd(r1[c.name], s1[c.name], _size(c, 20)) for c in SCHEMA.columns]
-    r2, s2 = _binned(real, 5), _binned(syn, 5)
-    two = []
-    cols = SCHEMA.columns
-    for i in range(len(cols)):
-        for j in range(i + 1, len(cols)):
-            a, b = cols[i], cols[j]
-            sb = _size(b, 5)
-            size = _size(a, 5) * sb
-            two.append(_tvd(r2[a.name] * sb + r2[b.name], s2[a.name] * sb + s2[b.name], size))
-    return float(np.mean(one)), float(np.mean(two)), float(np.max(two))
-
-
-def _features(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    table, _ = encode_table(SCHEMA, frame)
-    y = (table.columns["outcome"] == 1).astype(float)
-    x = UnitBallMap(SCHEMA).scaled(table)
-    names = feature_names(SCHEMA)
-    keep = [i for i, nm in enumerate(names) if not nm.startswith("outcome")]
-    return x[:, keep], y
-
-
 def logistic_auc(train: pd.DataFrame, test: pd.DataFrame) -> float:
-    """L2-regularised logistic regression (Newton steps, numpy) -> AUC on ``test``."""
-    x, y = _features(train)
-    xt, yt = _features(test)
-    if y.min() == y.max():
-        return 0.5
-    x1 = np.hstack([x, np.ones((x.shape[0], 1))])
-    w = np.zeros(x1.shape[1])
-    lam = 1e-3 * x1.shape[0]
-    for _ in range(25):
-        pr = special.expit(x1 @ w)
-        grad = x1.T @ (pr - y) + lam * w
-        hess = (x1 * (pr * (1 - pr))[:, None]).T @ x1 + lam * np.eye(x1.shape[1])
-        w -= np.linalg.solve(hess, grad)
-    score = np.hstack([xt, np.ones((xt.shape[0], 1))]) @ w
-    ranks = pd.Series(score).rank().to_numpy()
-    pos = yt == 1
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def privacy(train: pd.DataFrame, syn: pd.DataFrame, holdout: pd.DataFrame,
-            m: int = 3000) -> tuple[float, float]:
-    fmap = UnitBallMap(SCHEMA)
-    enc = [fmap.scaled(encode_table(SCHEMA, f.iloc[:m])[0]) for f in (train, syn, holdout)]
-    tr, sy, ho = standardize(*enc)
-    nb = nearest_neighbours(sy, tr, k=2)
-    ref = nearest_neighbours(ho, tr, k=1)
-    dcr = float(np.median(nb.distances[:, 0]) / max(np.median(ref.distances[:, 0]), 1e-12))
-    return dcr, float(np.median(neighbour_distance_ratio(nb)))
+    return synth_metrics.logistic_auc(SCHEMA, "outcome", train, test)
 
 
 def evaluate(name: str, syn: pd.DataFrame, train: pd.DataFrame, holdout: pd.DataFrame,
              seconds: float) -> dict[str, Any]:
-    t1, t2, t2m = tvds(holdout, syn)
-    corr = table_correlation_error(holdout, syn, SCHEMA).mean_abs
-    dcr, nndr = privacy(train, syn, holdout)
-    return {"method": name, "tvd1": t1, "tvd2": t2, "tvd2max": t2m, "corr": corr,
-            "auc": logistic_auc(syn, holdout), "dcr": dcr, "nndr": nndr, "s": seconds}
+    return synth_metrics.evaluate(SCHEMA, "outcome", name, syn, train, holdout, seconds)
 
 
 # --------------------------------------------------------------------------- parts
