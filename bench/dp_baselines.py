@@ -78,6 +78,7 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -395,11 +396,16 @@ def aim(data: Dataset, rho: float, rel: Relation, rng: np.random.Generator, *, d
 
 
 HEADER = ("method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s")
+METRICS = HEADER[1:]
+Method = Callable[[np.random.Generator], tuple[pd.DataFrame, str]]
 
 
 def show(row: dict[str, Any]) -> None:
     cells = [row["method"]] + [f"{row[k]:.4f}" for k in HEADER[1:-1]] + [f"{row['s']:.1f}"]
-    print(" ".join([f"{cells[0]:>22}"] + [f"{c:>8}" for c in cells[1:]]), flush=True)
+    spread = ""
+    if row.get("runs", 1) > 1:
+        spread = (f"  (x{row['runs']}: sd tvd2 {row['tvd2_sd']:.4f}, auc {row['auc_sd']:.4f})")
+    print(" ".join([f"{cells[0]:>22}"] + [f"{c:>8}" for c in cells[1:]]) + spread, flush=True)
 
 
 def run_table(name: str, epsilons: list[float], delta: float, relations: list[Relation],
@@ -427,56 +433,75 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
         print(f"\n-- {name}, epsilon {eps:g} (rho {rho:.4f}-zCDP for MST/AIM)")
         print(" ".join([f"{'method':>22}"] + [f"{h:>8}" for h in HEADER[1:]]))
         show(real)
-        rng = np.random.default_rng(args.seed + int(eps * 1000))
-        np.random.seed(args.seed + int(eps * 1000))  # private-pgm's sampler draws from np.random
-        here: list[dict[str, Any]] = []
+        methods: list[tuple[str, Method, bool]] = []  # (name, run, cheap: repeated)
 
-        def add(row: dict[str, Any], _eps: float = eps,
-                _here: list[dict[str, Any]] = here) -> None:
-            row["table"], row["eps"] = name, _eps
-            _here.append(row)
-            show(row)
+        def indep(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            return independent_marginals([pooled], _eps, delta, n, rng, schema=schema), "indep"
 
-        t = time.perf_counter()
-        syn = independent_marginals([pooled], eps, delta, n, rng, schema=schema)
-        add(ev("indep", syn, time.perf_counter() - t))
+        methods.append(("indep", indep, True))
         for rel in relations:
             tag = "" if len(relations) == 1 else f" ({rel.name})"
-            if "mst" in args.methods:
-                t = time.perf_counter()
-                codes = mst(data, rho, rel, rng, iters=args.mst_iters)
-                syn = disc.to_frame(codes, rng)
-                add(ev("MST" + tag, syn, time.perf_counter() - t))
-            if "aim" in args.methods:
-                t = time.perf_counter()
-                res = aim(data, rho, rel, rng, degree=args.aim_degree,
+
+            def run_mst(rng: np.random.Generator, _rel: Relation = rel, _rho: float = rho,
+                        _tag: str = tag) -> tuple[pd.DataFrame, str]:
+                return disc.to_frame(mst(data, _rho, _rel, rng, iters=args.mst_iters),
+                                     rng), "MST" + _tag
+
+            def run_aim(rng: np.random.Generator, _rel: Relation = rel, _rho: float = rho,
+                        _tag: str = tag) -> tuple[pd.DataFrame, str]:
+                res = aim(data, _rho, _rel, rng, degree=args.aim_degree,
                           max_model_size=args.aim_model_size, max_iters=args.aim_iters,
                           time_limit=args.aim_time_limit)
-                syn = disc.to_frame(res.data, rng)
-                label = "AIM" if res.finished else f"AIM*({res.rho_used / rho:.0%} rho)"
-                row = ev(label + tag, syn, time.perf_counter() - t)
-                row["finished"] = res.finished
-                add(row)
-                if not res.finished:
-                    print(f"    AIM did not finish within {args.aim_time_limit:.0f}s: "
-                          f"{res.rounds} rounds, {res.rho_used / rho:.0%} of rho spent; the row "
-                          "shows the model as it stood", flush=True)
-        t = time.perf_counter()
-        fm = FactorModelSynthesizer(schema, epsilon=eps, delta=delta, rng=rng).fit(train)
-        add(ev("central-FM", fm.sample(n), time.perf_counter() - t))
-        t = time.perf_counter()
-        model = fit_federated([pooled], eps, delta, rng, schema=schema)
-        add(ev("ours-1site", model.sample(n, rng=rng), time.perf_counter() - t))
-        t = time.perf_counter()
-        model = fit_federated(site_tables, eps, delta, rng, schema=schema)
-        add(ev("fed-iid", model.sample(n, rng=rng), time.perf_counter() - t))
+                if res.finished:
+                    return disc.to_frame(res.data, rng), "AIM" + _tag
+                print(f"    AIM did not finish within {args.aim_time_limit:.0f}s: {res.rounds} "
+                      f"rounds, {res.rho_used / _rho:.0%} of rho spent; the row shows the model "
+                      "as it stood", flush=True)
+                return disc.to_frame(res.data, rng), f"AIM*({res.rho_used / _rho:.0%})" + _tag
+
+            if "mst" in args.methods:
+                methods.append(("MST", run_mst, False))
+            if "aim" in args.methods:
+                methods.append(("AIM", run_aim, False))
+
+        def central(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            fm = FactorModelSynthesizer(schema, epsilon=_eps, delta=delta, rng=rng).fit(train)
+            return fm.sample(n), "central-FM"
+
+        def one_site(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            model = fit_federated([pooled], _eps, delta, rng, schema=schema)
+            return model.sample(n, rng=rng), "ours-1site"
+
+        def fed(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            model = fit_federated(site_tables, _eps, delta, rng, schema=schema)
+            return model.sample(n, rng=rng), "fed-iid"
+
+        methods += [("central-FM", central, True), ("ours-1site", one_site, True),
+                    ("fed-iid", fed, True)]
+        here = []
+        for index, (_name, run, cheap) in enumerate(methods):
+            runs = []
+            for r in range(args.repeats if cheap or args.repeat_baselines else 1):
+                key = [args.seed, int(round(eps * 1000)), index, r]
+                rng = np.random.default_rng(key)
+                np.random.seed(np.random.SeedSequence(key).generate_state(1))  # mbi's sampler
+                t = time.perf_counter()
+                syn, label = run(rng)
+                runs.append(ev(label, syn, time.perf_counter() - t))
+            row: dict[str, Any] = {"method": runs[-1]["method"], "table": name, "eps": eps,
+                                   "runs": len(runs)}
+            row.update({k: float(np.mean([x[k] for x in runs])) for k in METRICS})
+            row.update({f"{k}_sd": float(np.std([x[k] for x in runs], ddof=1))
+                        if len(runs) > 1 else 0.0 for k in METRICS})
+            show(row)
+            here.append(row)
         ratios(here)
         rows.extend(here)
     return rows
 
 
 def ratios(rows: list[dict[str, Any]]) -> None:
-    """dpfed's methods against AIM and MST (of the first relation run): tvd2, auc, time."""
+    """dpfed's methods against AIM and MST (of every relation run): tvd2, auc, time."""
     refs = [r for r in rows if r["method"].startswith(("AIM", "MST"))]
     ours = [r for r in rows if r["method"] in ("central-FM", "ours-1site", "fed-iid")]
     for ref in refs:
@@ -492,8 +517,12 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=1e-6)
     ap.add_argument("--relation", choices=("replace-one", "add-remove", "both"),
                     default="replace-one", help="MST/AIM's neighbouring relation (module doc)")
-    ap.add_argument("--methods", nargs="+", choices=("mst", "aim"), default=["mst", "aim"],
+    ap.add_argument("--methods", nargs="*", choices=("mst", "aim"), default=["mst", "aim"],
                     help="which public baselines to run (dpfed's methods always run)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs (fresh noise) of indep and dpfed's methods; rows show the mean")
+    ap.add_argument("--repeat-baselines", action="store_true",
+                    help="repeat MST and AIM --repeats times too (slow)")
     ap.add_argument("--bins", type=int, default=32, help="bins per continuous column (MST/AIM)")
     ap.add_argument("--mst-iters", type=int, default=10_000)
     ap.add_argument("--aim-degree", type=int, default=2, choices=(2, 3))
