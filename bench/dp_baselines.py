@@ -33,7 +33,11 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
     marginals (``--aim-degree 3`` for all 3-way ones, as in the paper's experiments; much
     slower). A wall-clock limit (``--aim-time-limit``) stops it between rounds: the model is
     then sampled as it stands (it has spent less than the budget, so it is still private) and
-    the row is marked ``AIM*`` with the fraction of rho spent -- AIM did not finish;
+    the row is marked ``AIM*`` with the fraction of rho spent -- AIM did not finish. Two
+    departures from the reference code, neither changing what is released: the candidates'
+    model marginals come from an exact numpy variable elimination (mbi's ``model.project``
+    compiles a JAX program per candidate per round, most of AIM's time here), and the model
+    of the last round is sampled without the reference's extra final refit;
 ``central-FM``
     dpfed's central ``FactorModelSynthesizer`` on the pooled training rows;
 ``ours-1site``
