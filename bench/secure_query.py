@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 x 5,000 rows, 1 repeat")
     ap.add_argument("--sites", type=int, default=3)
     ap.add_argument("--rows", type=int, default=20_000)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     if args.quick:
         args.rows, args.repeats = 5_000, 1

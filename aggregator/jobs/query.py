@@ -75,18 +75,6 @@ def parse_query_params(spec: JobSpec, federation: Federation
     noise = params.get("noise", "auto")
     if noise not in NOISE_CHOICES:
         raise ValidationError(f"noise must be one of {list(NOISE_CHOICES)}, got {noise!r}")
-    check_epsilon(spec.epsilon)
-    if noise == "laplace" and spec.delta != 0.0:
-        raise ValidationError(f"Laplace noise is pure epsilon-DP: delta must be 0, got "
-                              f"{spec.delta!r}")
-    if noise == "gaussian":
-        check_delta(spec.delta)
-    if noise == "auto" and spec.delta != 0.0:
-        check_delta(spec.delta)
-    recon = params.get("reconstruction", "least_squares")
-    if recon not in RECONSTRUCTIONS:
-        raise ValidationError(f"reconstruction must be one of {list(RECONSTRUCTIONS)}, got "
-                              f"{recon!r}")
     aggregation = params.get("aggregation", "site")
     if aggregation not in AGGREGATIONS:
         raise ValidationError(f"aggregation must be one of {list(AGGREGATIONS)}, got "
@@ -99,6 +87,18 @@ def parse_query_params(spec: JobSpec, federation: Federation
         if spec.delta == 0.0:
             raise ValidationError("aggregation 'secure' needs delta in (0, 1) (--delta): its "
                                   "Skellam noise is an (epsilon, delta) mechanism")
+    check_epsilon(spec.epsilon)
+    if noise == "laplace" and spec.delta != 0.0:
+        raise ValidationError(f"Laplace noise is pure epsilon-DP: delta must be 0, got "
+                              f"{spec.delta!r}")
+    if noise == "gaussian":
+        check_delta(spec.delta)
+    if noise == "auto" and spec.delta != 0.0:
+        check_delta(spec.delta)
+    recon = params.get("reconstruction", "least_squares")
+    if recon not in RECONSTRUCTIONS:
+        raise ValidationError(f"reconstruction must be one of {list(RECONSTRUCTIONS)}, got "
+                              f"{recon!r}")
     canonical = {"domain": domain.to_json(), "workload": w, "strategy": strategy_name,
                  "noise": noise, "reconstruction": recon}
     if aggregation == "secure":  # absent for site level: older jobs' parameters unchanged
