@@ -52,13 +52,18 @@ async def run_secure_query(ctx: JobContext, domain: Domain, workload: Workload,
     strategy_spec, arrays = strategy_transport(pick, domain)
     planned: dict[tuple[tuple[str, ...], int, int], LinearSumPlan] = {}
 
-    def plan_for(participants: list[str], tolerated: int, total_rows: int) -> SecureSumPlan:
+    def make_plan(participants: list[str], tolerated: int, total_rows: int) -> SecureSumPlan:
         scale = choose_linear_scale(a, total_rows=total_rows, epsilon=eps, delta=delta,
                                     n_participants=len(participants))
         linear = plan_linear(a, scale=scale, epsilon=eps, delta=delta,
                              participants=participants, tolerated=tolerated)
         planned[(linear.plan.participants, tolerated, total_rows)] = linear
         return linear.plan
+
+    async def plan_for(participants: list[str], tolerated: int,
+                       total_rows: int) -> SecureSumPlan:
+        # O(k n^2) sensitivities: off the event loop that serves the sites' streams
+        return await asyncio.to_thread(make_plan, participants, tolerated, total_rows)
 
     site_params = {"source": "query", "domain": domain.to_json(), "strategy": strategy_spec}
     out = await secure_sum(ctx, name="query", statistic="linear", dim=int(a.shape[0]),

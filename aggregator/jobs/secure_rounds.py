@@ -11,8 +11,9 @@ The coordinator sees nothing but uniform-looking vectors and their noisy sum.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +58,9 @@ def _check_keys(result: TaskResult, site_id: str) -> None:
             raise ProtocolError(f"secure keys lack a valid {name}")
 
 
-#: ``plan_for(participants, tolerated, total_rows)``: a job's own planner (e.g. a linear sum's).
-Planner = Callable[[list[str], int, int], SecureSumPlan]
+#: ``plan_for(participants, tolerated, total_rows)``: a job's own planner (e.g. a linear sum's);
+#: a coroutine function is awaited (heavy planning belongs in a worker thread).
+Planner = Callable[[list[str], int, int], SecureSumPlan | Awaitable[SecureSumPlan]]
 
 
 async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
@@ -110,7 +112,8 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             session = ctx.registry.get(s)
             rows[s] = session.hello.row_count if session is not None else 0
         if plan_for is not None:
-            plan = plan_for(participants, tolerated, max(1, sum(rows.values())))
+            planned = plan_for(participants, tolerated, max(1, sum(rows.values())))
+            plan = await planned if inspect.isawaitable(planned) else planned
         else:
             make = plan_gram if statistic == "gram" else plan_row_sum
             plan = make(dim=dim, total_rows=max(1, sum(rows.values())), epsilon=epsilon,
