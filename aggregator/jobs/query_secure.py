@@ -30,12 +30,18 @@ from dpfed import __version__
 from dpfed.aggregator.jobs.base import JobContext, JobOutput
 from dpfed.aggregator.jobs.query import strategy_transport
 from dpfed.aggregator.jobs.secure_rounds import secure_sum
+from dpfed.common.errors import ProtocolError
 from dpfed.common.queries.federated_matrix import per_query_std_error, strategy_digest
 from dpfed.common.queries.matrix_mechanism import reconstruct
 from dpfed.common.queries.query_language import Domain
 from dpfed.common.queries.workload_spec import choose_strategy
 from dpfed.common.queries.workloads import Workload, identity_workload
-from dpfed.common.secagg.linear_sum import LinearSumPlan, choose_linear_scale, plan_linear
+from dpfed.common.secagg.linear_sum import (
+    LinearSumPlan,
+    choose_linear_scale,
+    plan_linear,
+    sum_fits_ring,
+)
 from dpfed.common.secagg.secure_sum import SecureSumPlan
 
 
@@ -71,6 +77,10 @@ async def run_secure_query(ctx: JobContext, domain: Domain, workload: Workload,
                            plan_for=plan_for, require_kind="query", progress=(0.05, 0.9))
     linear = next(lp for lp in planned.values() if lp.plan is out.plan)
     plan = out.plan
+    if not sum_fits_ring(linear, out.n_rows_total):
+        raise ProtocolError(f"the sites report {out.n_rows_total} rows, more than the scale "
+                            f"{plan.scale:g} was chosen for: the secure sum may have wrapped; "
+                            "rerun the job (the sites' row counts are now known)")
     used = linear.strategy
     recon = params["reconstruction"]
     ctx.emit("combine", f"decoded the secure sum of {len(plan.participants)} sites "

@@ -53,6 +53,7 @@ __all__ = [
     "integer_strategy",
     "linear_answers",
     "plan_linear",
+    "sum_fits_ring",
 ]
 
 #: Largest fixed-point scale: at 2^16 the strategy's rounding (relative 2^-17 of an entry) and
@@ -158,6 +159,23 @@ def plan_linear(matrix: Any, *, scale: Any, epsilon: float, delta: float,
     return LinearSumPlan(plan, a_int, exact)
 
 
+def _fits_ring(total_rows: int, max_entry: float, noise_variance: float, k: int) -> bool:
+    """Whether ``total_rows * max_entry`` plus the noise's tail bound stays below ``2^62``."""
+    return total_rows * max_entry + skellam_tail(noise_variance, k) <= SAFE_ABS
+
+
+def sum_fits_ring(plan: LinearSumPlan, total_rows: int) -> bool:
+    """Whether the decoded sum of ``total_rows`` rows under ``plan`` cannot have wrapped.
+
+    The coordinator checks this again with the row counts the sites report with their
+    contributions (the scale was chosen from the counts announced when they connected).
+    """
+    p = plan.plan
+    return _fits_ring(check_int(total_rows, "total_rows", minimum=0),
+                      float(np.abs(plan.matrix).max()),
+                      len(p.participants) * p.share, p.dim)
+
+
 def choose_linear_scale(matrix: Any, *, total_rows: int, epsilon: float, delta: float,
                         n_participants: int) -> int:
     """Return the largest power-of-two scale (at most :data:`SCALE_MAX`) that fits the ring.
@@ -183,7 +201,7 @@ def choose_linear_scale(matrix: Any, *, total_rows: int, epsilon: float, delta: 
         mu = skellam_calibrate(epsilon, delta, s * l2a + math.sqrt(k), s * l1a + k).mu
         if mu > MU_MAX:
             continue
-        if n_total * m + skellam_tail(mu * n_parties, k) > SAFE_ABS:
+        if not _fits_ring(n_total, m, mu * n_parties, k):
             continue
         return int(s)
     raise ValidationError(f"no fixed-point scale fits this strategy ({k} x {a.shape[1]}) and "

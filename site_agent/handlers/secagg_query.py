@@ -19,6 +19,8 @@ Only the masked vector and the public row count leave the site, after the charge
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from dpfed.common.errors import ValidationError
@@ -33,6 +35,8 @@ from dpfed.site_agent.handlers.secagg_sources import Contribution, ContributionS
 
 __all__ = ["QUERY_SOURCE", "query_contribution"]
 
+log = logging.getLogger(__name__)
+
 
 def query_contribution(task: Task, data: DataAccess, participants: list[str],
                        tolerated: int) -> Contribution:
@@ -46,6 +50,10 @@ def query_contribution(task: Task, data: DataAccess, participants: list[str],
     a = resolve_strategy(p.get("strategy"), domain.n_cells, task.arrays)
     linear = plan_linear(a, scale=p.get("scale"), epsilon=task.epsilon, delta=task.delta,
                          participants=participants, tolerated=tolerated)
+    log.info("[query_contribution] task=%s n=%d k=%d scale=%g l2=%g l1=%g (exact=%s) mu=%g",
+             task.task_id, domain.n_cells, a.shape[0], linear.plan.scale,
+             linear.plan.calibration.l2_sensitivity, linear.plan.calibration.l1_sensitivity,
+             linear.sensitivity_exact, linear.plan.mu_total)
     hist_set = compile_query_set(data.schema, [{"name": "hist", "domain": domain.to_json()}],
                                  canonical=True)
 

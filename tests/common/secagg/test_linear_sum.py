@@ -26,6 +26,7 @@ from dpfed.common.secagg.linear_sum import (
     integer_strategy,
     linear_answers,
     plan_linear,
+    sum_fits_ring,
 )
 from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_seed
 from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum
@@ -154,6 +155,8 @@ def test_the_chosen_scale_cannot_wrap(rows: int) -> None:
     linear = plan_linear(a, scale=s, epsilon=0.5, delta=1e-6, participants=SITES, tolerated=1)
     m = int(np.abs(linear.matrix).max())
     assert rows * m + skellam_tail(linear.plan.mu_total * 3, a.shape[0]) <= SAFE_ABS
+    # the coordinator's check with the row counts the sites report
+    assert sum_fits_ring(linear, rows) and not sum_fits_ring(linear, SAFE_ABS // m + 1)
     assert s == SCALE_MAX or rows * (2 * s * float(np.abs(a).max()) + 0.5) > SAFE_ABS / 2
     assert math.log2(s).is_integer()
 
