@@ -13,18 +13,21 @@ and its privacy argument):
 ``contribute``
     Verify every participant's signed key against the federation CA, recompute the plan (bound,
     sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
-    depends on a number the site cannot check — map the rows into the ball the plan assumes,
-    compute the exact integer statistic, add this site's Skellam share and its pairwise masks.
-    Charged to the ledger with the pooled guarantee; the ledger's mechanism name records the
-    mode, the number of participants and the tolerated colluders.
+    depends on a number the site cannot check — compute the exact integer statistic of the
+    task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, or ``query``; see
+    :mod:`dpfed.site_agent.handlers.secagg_sources`), add this site's Skellam share and its
+    pairwise masks. Charged to the ledger with the pooled guarantee; the ledger's mechanism name
+    records the mode, the number of participants and the tolerated colluders. A source serving
+    a job kind the site does not allow is refused.
 
 Privacy
 -------
-Replace-one at this site. Rows are the PCA feature map's unit-ball rows (clip norm from the
-task), clipped to the public radius ``row_norm`` (centring happens at the coordinator, from a
-secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the sensitivity of
-the pooled integer statistic from the rounded-row bound and calibrates the Skellam variance;
-this site adds ``mu / (n - t)``.
+Replace-one at this site. ``pca``: rows are the PCA feature map's unit-ball rows (clip norm
+from the task), clipped to the public radius ``row_norm`` (centring happens at the coordinator,
+from a secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the
+sensitivity of the pooled integer statistic from the rounded-row bound and calibrates the
+Skellam variance. ``query``: :mod:`dpfed.site_agent.handlers.secagg_query`. This site adds
+``mu / (n - t)``.
 """
 
 from __future__ import annotations
