@@ -25,17 +25,18 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.query_secure import run_secure_query
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.queries.federated_matrix import (
     SiteMatrixRelease,
     per_query_std_error,
     strategy_digest,
+    strategy_transport,
 )
 from dpfed.common.queries.matrix_mechanism import reconstruct
 from dpfed.common.queries.query_language import Domain, parse_domain
 from dpfed.common.queries.workload_spec import (
     STRATEGY_CHOICES,
-    StrategyPick,
     build_workload,
     check_domain_for,
     choose_strategy,
@@ -106,17 +107,6 @@ def parse_query_params(spec: JobSpec, federation: Federation
     return domain, workload, canonical
 
 
-def strategy_transport(pick: StrategyPick, domain: Domain
-                       ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Return how a strategy travels to the sites: ``(name, n)``, or the matrix and its digest."""
-    a = pick.matrix
-    if pick.name == "optimized":
-        return ({"name": "matrix", "digest": strategy_digest(a),
-                 "shape": [int(a.shape[0]), int(a.shape[1])]},
-                {"strategy": np.ascontiguousarray(a, dtype=np.float64)})
-    return {"name": pick.name, "n": domain.n_cells}, {}
-
-
 class QueryJob(JobType):
     """Answer a linear workload over a public histogram domain with the matrix mechanism."""
 
@@ -131,8 +121,6 @@ class QueryJob(JobType):
         """Choose the strategy, dispatch, sum, reconstruct, answer with standard errors."""
         domain, workload, params = parse_query_params(ctx.spec, ctx.federation)
         if params.get("aggregation") == "secure":
-            from dpfed.aggregator.jobs.query_secure import run_secure_query
-
             return await run_secure_query(ctx, domain, workload, params)
         eps, delta = ctx.spec.epsilon, ctx.spec.delta
         noises = {"auto": ("laplace", "gaussian") if delta > 0 else ("laplace",),
@@ -145,7 +133,7 @@ class QueryJob(JobType):
                                        epsilon=eps, delta=delta, n_sites=n_expected)
         a = pick.matrix
         digest = strategy_digest(a)
-        strategy_spec, arrays = strategy_transport(pick, domain)
+        strategy_spec, arrays = strategy_transport(pick.name, a, domain.n_cells)
         ctx.emit("strategy", f"strategy {pick.name} with {pick.noise} noise: expected RMSE "
                  f"{pick.rmse:.4g} per query (identity {pick.identity_rmse:.4g})", 0.04)
         site_delta = delta if pick.noise == "gaussian" else 0.0

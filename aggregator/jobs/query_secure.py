@@ -28,10 +28,13 @@ import numpy as np
 
 from dpfed import __version__
 from dpfed.aggregator.jobs.base import JobContext, JobOutput
-from dpfed.aggregator.jobs.query import strategy_transport
 from dpfed.aggregator.jobs.secure_rounds import secure_sum
 from dpfed.common.errors import ProtocolError
-from dpfed.common.queries.federated_matrix import per_query_std_error, strategy_digest
+from dpfed.common.queries.federated_matrix import (
+    per_query_std_error,
+    strategy_digest,
+    strategy_transport,
+)
 from dpfed.common.queries.matrix_mechanism import reconstruct
 from dpfed.common.queries.query_language import Domain
 from dpfed.common.queries.workload_spec import choose_strategy
@@ -55,7 +58,7 @@ async def run_secure_query(ctx: JobContext, domain: Domain, workload: Workload,
                                    noises=("gaussian",), epsilon=eps, delta=delta, n_sites=1)
     a = pick.matrix
     digest = strategy_digest(a)
-    strategy_spec, arrays = strategy_transport(pick, domain)
+    strategy_spec, arrays = strategy_transport(pick.name, a, domain.n_cells)
     planned: dict[tuple[tuple[str, ...], int, int], LinearSumPlan] = {}
 
     def make_plan(participants: list[str], tolerated: int, total_rows: int) -> SecureSumPlan:

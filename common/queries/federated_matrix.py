@@ -42,6 +42,7 @@ __all__ = [
     "per_query_std_error",
     "replace_one_sensitivity",
     "strategy_digest",
+    "strategy_transport",
 ]
 
 #: Strategies a site rebuilds from (name, n) itself.
@@ -62,6 +63,20 @@ def strategy_digest(matrix: np.ndarray) -> str:
     h = hashlib.sha256(f"strategy|{a.shape[0]}x{a.shape[1]}|".encode())
     h.update(a.tobytes())
     return h.hexdigest()
+
+
+def strategy_transport(name: str, matrix: np.ndarray, n: int
+                       ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Return how a strategy travels to the sites: its task spec and arrays.
+
+    A named strategy travels as ``(name, n)`` (each site rebuilds it); any other as the
+    ``matrix`` spec with its digest and shape, plus the matrix as the ``strategy`` array.
+    """
+    if name in NAMED_STRATEGIES:
+        return {"name": name, "n": n}, {}
+    a = np.ascontiguousarray(matrix, dtype=np.float64)
+    return ({"name": "matrix", "digest": strategy_digest(a),
+             "shape": [int(a.shape[0]), int(a.shape[1])]}, {"strategy": a})
 
 
 def named_strategy(name: str, n: int) -> np.ndarray:
