@@ -7,7 +7,7 @@ and the 2-way marginal ``ward x severity`` — at epsilon 0.5, 1 and 5 (delta 1e
 * **site-level**: ``dpfed query --noise gaussian`` — every site adds Gaussian noise calibrated
   to its own rows and the coordinator sums S noisy vectors;
 * **secure**: ``--aggregation secure`` — one secure sum of ``Ã x_s``, distributed Skellam
-  noise sized for the sites' default policy (t = 1 colluder);
+  noise sized for the sites' policy (``--tolerated t`` colluders, default 1 as in site.toml);
 * **central** (the floor, measured in the same run): a trusted curator's single analytic
   Gaussian release of the pooled histogram through the same strategy (the one the secure job
   chose), reconstructed by least squares — computed here from the true pooled histogram.
@@ -18,7 +18,8 @@ site-level / secure. Expected: secure / central ~ sqrt(n / (n - t)) (the shares 
 tolerated colluders might know are added on top) times the Skellam accountant's slack over the
 analytic Gaussian; site-level / secure ~ sqrt(S) / that.
 
-Run: ``python bench/secure_query.py [--quick] [--sites S] [--rows N] [--repeats R]``.
+Run: ``python bench/secure_query.py [--quick] [--sites S] [--rows N] [--repeats R]
+[--tolerated T]``.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--sites", type=int, default=3)
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--tolerated", type=int, default=1,
+                    help="the sites' secure_tolerated_colluders t (their default is 1)")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.repeats = 5_000, 1
@@ -114,6 +117,10 @@ def main() -> None:
                                      settings=SiteSettings(budget_epsilon=budget,
                                                            budget_delta=0.5,
                                                            connect_timeout_s=120))
+        for site in fed.site_ids:  # the sites' policy: how many colluders their shares cover
+            path = fed.site_config(site)
+            path.write_text(path.read_text().replace(
+                "[policy]\n", f"[policy]\nsecure_tolerated_colluders = {args.tolerated}\n", 1))
         fed.start_coordinator()
         fed.start_sites()
         rows: list[tuple[Any, ...]] = []
@@ -144,17 +151,17 @@ def main() -> None:
                               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         finally:
             fed.stop_all()
-    print(f"\n{args.sites} sites x {args.rows} rows, delta {DELTA:g}, {args.repeats} repeat(s); "
-          "RMSE per workload answer (observed / closed-form expected)")
+    print(f"\n{args.sites} sites x {args.rows} rows, delta {DELTA:g}, t = {args.tolerated}, "
+          f"{args.repeats} repeat(s); RMSE per workload answer (observed / closed-form expected)")
     head = (f"{'workload':32s} {'eps':>4s} {'strategy':>9s} {'site-level':>17s} "
             f"{'secure':>17s} {'central':>17s} {'secure/central':>15s} {'site/secure':>12s}")
     print(head)
     for label, eps, strat, so, se, qo, qe, co, ce in rows:
         print(f"{label:32s} {eps:4g} {strat:>9s} {so:8.2f}/{se:8.2f} {qo:8.2f}/{qe:8.2f} "
               f"{co:8.2f}/{ce:8.2f} {qo / co:6.2f}/{qe / ce:6.2f}   {so / qo:5.2f}/{se / qe:5.2f}")
-    n = args.sites
+    n, t = args.sites, args.tolerated
     print(f"(ratios observed/expected; theory for the expected ratios: secure/central ~ "
-          f"sqrt(n/(n-t)) = {np.sqrt(n / (n - 1)):.2f} x the Skellam accountant's slack, "
+          f"sqrt(n/(n-t)) = {np.sqrt(n / (n - t)):.2f} x the Skellam accountant's slack, "
           f"site/secure ~ sqrt(S) = {np.sqrt(n):.2f} / that)")
 
 
