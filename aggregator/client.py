@@ -405,7 +405,8 @@ class Coordinator:
               noise: str = "auto", reconstruction: str = "least_squares",
               min_sites: int = 0, deadline_seconds: float = 0.0,
               sites: tuple[str, ...] = (),
-              on_event: Callable[[JobEvent], None] | None = None) -> QueryJobResult:
+              on_event: Callable[[JobEvent], None] | None = None,
+              aggregation: str = "site") -> QueryJobResult:
         """Answer a linear workload over a histogram domain with the matrix mechanism.
 
         Parameters
@@ -418,6 +419,9 @@ class Coordinator:
         noise : {"auto", "laplace", "gaussian"}
             Gaussian needs ``delta`` in (0, 1); Laplace needs ``delta = 0``.
         reconstruction : {"least_squares", "nnls", "l1"}
+        aggregation : {"site", "secure"}
+            ``secure``: one secure sum with distributed Skellam noise (one pooled noise draw;
+            needs ``delta`` in (0, 1) and noise ``auto`` or ``gaussian``); docs/queries.md.
         """
         domain: dict[str, Any] = {"columns": [columns] if isinstance(columns, str)
                                   else list(columns)}
@@ -432,6 +436,8 @@ class Coordinator:
                            else np.asarray(workload_matrix, dtype=np.float64).tolist())
         params = {"domain": domain, "workload": w, "strategy": strategy, "noise": noise,
                   "reconstruction": reconstruction}
+        if aggregation != "site":
+            params["aggregation"] = aggregation
         job = self.submit(JobSpec("query", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         if job.state != "succeeded":

@@ -11,8 +11,9 @@ The coordinator sees nothing but uniform-looking vectors and their noisy sum.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +58,22 @@ def _check_keys(result: TaskResult, site_id: str) -> None:
             raise ProtocolError(f"secure keys lack a valid {name}")
 
 
+#: ``plan_for(participants, tolerated, total_rows)``: a job's own planner (e.g. a linear sum's);
+#: a coroutine function is awaited (heavy planning belongs in a worker thread).
+Planner = Callable[[list[str], int, int], SecureSumPlan | Awaitable[SecureSumPlan]]
+
+
 async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
                      site_params: Mapping[str, Any], epsilon: float, delta: float,
                      row_norm: float = 1.0, arrays: Mapping[str, np.ndarray] | None = None,
-                     progress: tuple[float, float] = (0.05, 0.9)) -> SecureSumOutcome:
+                     progress: tuple[float, float] = (0.05, 0.9),
+                     plan_for: Planner | None = None,
+                     require_kind: str | None = None) -> SecureSumOutcome:
     """Run one secure sum over the eligible sites; return the decoded noisy pooled statistic.
+
+    ``plan_for`` replaces the Gram / row-sum planner (``statistic`` and ``dim`` are then only
+    descriptive); ``require_kind`` leaves out sites whose advertised allowed jobs lack that
+    kind (the site would refuse the contribution anyway, after the others paid).
 
     Raises
     ------
@@ -73,7 +85,8 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
     excluded: set[str] = set()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sum_round = f"{name}-sum-{attempt}"
-        eligible = [s.site_id for s in ctx.registry.connected() if s.site_id not in excluded]
+        eligible = [s.site_id for s in ctx.registry.connected() if s.site_id not in excluded
+                    and (require_kind is None or require_kind in s.hello.allowed_kinds)]
         keys = await ctx.dispatch(
             "secagg", {"stage": "keys", "job_id": ctx.job_id, "sum_round": sum_round,
                        "sum_task_id": f"{ctx.job_id}/{sum_round}"},
@@ -98,10 +111,14 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
         for s in participants:
             session = ctx.registry.get(s)
             rows[s] = session.hello.row_count if session is not None else 0
-        make = plan_gram if statistic == "gram" else plan_row_sum
-        plan = make(dim=dim, total_rows=max(1, sum(rows.values())), epsilon=epsilon,
-                    delta=delta, participants=participants, tolerated=tolerated,
-                    row_norm=row_norm)
+        if plan_for is not None:
+            planned = plan_for(participants, tolerated, max(1, sum(rows.values())))
+            plan = await planned if inspect.isawaitable(planned) else planned
+        else:
+            make = plan_gram if statistic == "gram" else plan_row_sum
+            plan = make(dim=dim, total_rows=max(1, sum(rows.values())), epsilon=epsilon,
+                        delta=delta, participants=participants, tolerated=tolerated,
+                        row_norm=row_norm)
         relayed: dict[str, np.ndarray] = dict(arrays or {})
         for s in participants:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})

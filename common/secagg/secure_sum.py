@@ -54,6 +54,7 @@ from dpfed.common.validation import check_int, check_positive
 
 __all__ = [
     "SecureSumPlan",
+    "check_participants",
     "decode_sum",
     "integer_gram_upper",
     "integer_row_sum",
@@ -77,10 +78,11 @@ class SecureSumPlan:
 
     Attributes
     ----------
-    statistic : {"gram", "row_sum"}
-        What each site contributes.
+    statistic : {"gram", "row_sum", "linear"}
+        What each site contributes (``linear``: the answers ``Ã x_s`` of a public integer
+        strategy, :mod:`dpfed.common.secagg.linear_sum`).
     dim : int
-        Row dimension d.
+        Row dimension d (``linear``: the number of answers k).
     scale : float
         Fixed-point scale s (rows are multiplied by s before rounding).
     bound : float
@@ -124,6 +126,18 @@ def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float
     raise ValidationError(f"statistic must be 'gram' or 'row_sum', got {statistic!r}")
 
 
+def check_participants(participants: Sequence[str], tolerated: int) -> tuple[tuple[str, ...], int]:
+    """Return the sorted distinct participants and ``t``; more participants than ``t`` needed."""
+    ids = tuple(sorted(set(participants)))
+    if len(ids) != len(participants):
+        raise ValidationError("participants must be distinct site ids")
+    t = check_int(tolerated, "tolerated", minimum=0)
+    if len(ids) <= t:
+        raise ValidationError(f"a secure sum tolerating {t} colluding parties needs more than "
+                              f"{t} participants, got {len(ids)}")
+    return ids, t
+
+
 def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
                     epsilon: float, delta: float, participants: Sequence[str],
                     tolerated: int) -> SecureSumPlan:
@@ -135,13 +149,7 @@ def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
     """
     d = check_int(dim, "dim", minimum=1)
     s = check_positive(scale, "scale")
-    ids = tuple(sorted(set(participants)))
-    if len(ids) != len(participants):
-        raise ValidationError("participants must be distinct site ids")
-    t = check_int(tolerated, "tolerated", minimum=0)
-    if len(ids) <= t:
-        raise ValidationError(f"a secure sum tolerating {t} colluding parties needs more than "
-                              f"{t} participants, got {len(ids)}")
+    ids, t = check_participants(participants, tolerated)
     bound = rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d)
     l2, l1 = _sensitivities(statistic, d, bound)
     cal = skellam_calibrate(epsilon, delta, l2, l1)
