@@ -99,9 +99,10 @@ async def run_secure_pca(ctx: JobContext, params: PCAParams, kind: str) -> JobOu
         "schema_toml": schema.to_toml(), "software_version": __version__,
         "secure": {"participants": list(out.plan.participants),
                    "tolerated_colluders": out.plan.tolerated, "attempts": out.attempts,
-                   "mechanism": "skellam", "noise_variance_integer": out.plan.mu_total,
+                   "mechanism": "skellam", "noise_variance_integer": out.plan.pooled_variance,
+                   "guaranteed_variance_integer": out.plan.mu_total,
                    "scale": out.plan.scale, "l2_sensitivity_integer": cal.l2_sensitivity,
-                   "pooled_noise_sigma": float(np.sqrt(out.plan.mu_total))
+                   "pooled_noise_sigma": float(np.sqrt(out.plan.pooled_variance))
                    / out.plan.scale ** 2 / n_total},
     }
     ratio = estimate.explained_variance_ratio

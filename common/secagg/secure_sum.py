@@ -117,6 +117,16 @@ class SecureSumPlan:
         """Variance each site adds."""
         return self.mu_total / (len(self.participants) - self.tolerated)
 
+    @property
+    def pooled_variance(self) -> float:
+        """Variance the decoded sum actually carries: every participant's share.
+
+        At least ``mu_total`` (what the honest ``n - t`` shares alone guarantee); it is
+        ``n / (n - t)`` times that when every site is honest, which is the figure standard
+        errors must use.
+        """
+        return self.share * len(self.participants)
+
 
 def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float]:
     if statistic == "gram":
