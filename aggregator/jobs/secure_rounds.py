@@ -22,7 +22,7 @@ from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.validators import RESULT_ENVELOPE_BYTES
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum, plan_gram, plan_row_sum
+from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum, plan_for
 from dpfed.common.transport.protocol import TaskResult
 
 log = logging.getLogger(__name__)
@@ -98,10 +98,9 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
         for s in participants:
             session = ctx.registry.get(s)
             rows[s] = session.hello.row_count if session is not None else 0
-        make = plan_gram if statistic == "gram" else plan_row_sum
-        plan = make(dim=dim, total_rows=max(1, sum(rows.values())), epsilon=epsilon,
-                    delta=delta, participants=participants, tolerated=tolerated,
-                    row_norm=row_norm)
+        plan = plan_for(statistic, dim=dim, total_rows=max(1, sum(rows.values())),
+                        epsilon=epsilon, delta=delta, participants=participants,
+                        tolerated=tolerated, row_norm=row_norm)
         relayed: dict[str, np.ndarray] = dict(arrays or {})
         for s in participants:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})

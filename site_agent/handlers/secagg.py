@@ -11,20 +11,24 @@ and its privacy argument):
     restarted after the key exchange refuses the sum, and the coordinator retries the round with
     fresh keys).
 ``contribute``
-    Verify every participant's signed key against the federation CA, recompute the plan (bound,
-    sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
-    depends on a number the site cannot check — map the rows into the ball the plan assumes,
-    compute the exact integer statistic, add this site's Skellam share and its pairwise masks.
-    Charged to the ledger with the pooled guarantee; the ledger's mechanism name records the
-    mode, the number of participants and the tolerated colluders.
+    Verify every participant's signed key against the federation CA, let the task's *source*
+    (parameter ``source``, default ``pca``; :data:`SOURCES`) validate its parameters and state
+    the public dimension and row bound, recompute the plan (bound, sensitivity, noise variance)
+    from those, the public scale and (epsilon, delta) — so the noise never depends on a number
+    the site cannot check — compute the source's exact integer statistic, add this site's
+    Skellam share and its pairwise masks. Charged to the ledger with the pooled guarantee; the
+    ledger's mechanism name records the mode, the number of participants and the tolerated
+    colluders.
 
 Privacy
 -------
-Replace-one at this site. Rows are the PCA feature map's unit-ball rows (clip norm from the
-task), clipped to the public radius ``row_norm`` (centring happens at the coordinator, from a
-secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the sensitivity of
-the pooled integer statistic from the rounded-row bound and calibrates the Skellam variance;
-this site adds ``mu / (n - t)``.
+Replace-one at this site. Sources (:mod:`dpfed.site_agent.handlers.secure_sources`): ``pca``
+maps rows with the PCA feature map into the unit ball (clip norm from the task) and clips them
+to the public radius ``row_norm`` (centring happens at the coordinator, from a secure row sum);
+``synth_counts`` and ``synth_latent`` (:mod:`dpfed.site_agent.handlers.synth_secure`) give the
+synth job's exact per-column counts (L2 ``sqrt(2 C)``, L1 ``2 C``) and its unit-ball latent
+rows. :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the sensitivity of the
+pooled integer statistic and calibrates the Skellam variance; this site adds ``mu / (n - t)``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from dpfed.common.errors import AuthenticationError, DataError, ProtocolError, ValidationError
-from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.secagg.keys import (
     SignedKey,
@@ -53,12 +56,7 @@ from dpfed.common.secagg.keys import (
 )
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import (
-    integer_gram_upper,
-    integer_row_sum,
-    plan_from_scale,
-    site_contribution,
-)
+from dpfed.common.secagg.secure_sum import plan_from_scale, site_contribution
 from dpfed.common.transport.certs import (
     parse_certificates,
     parse_private_key,
@@ -68,12 +66,19 @@ from dpfed.common.transport.certs import (
 from dpfed.common.transport.protocol import Task, TaskResult
 from dpfed.common.validation import check_choice, check_int, check_positive
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.handlers.secure_sources import PCASource, SecureSource
+from dpfed.site_agent.handlers.synth_secure import SynthCountsSource, SynthLatentSource
 from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
 #: Ephemeral keys kept for sum tasks not yet contributed (oldest evicted first).
 _MAX_PENDING = 64
+
+#: source name (the contribute task's ``source`` parameter; default ``pca``) -> what the
+#: site sums (:mod:`dpfed.site_agent.handlers.secure_sources`).
+SOURCES: dict[str, SecureSource] = {s.name: s for s in (
+    PCASource(), SynthCountsSource(), SynthLatentSource())}
 
 @dataclass(frozen=True)
 class SiteIdentity:
@@ -166,12 +171,16 @@ class SecureAggregationHandler(TaskHandler):
         if not isinstance(participants, list) or not all(isinstance(s, str)
                                                          for s in participants):
             raise ValidationError("participants must be a list of site ids")
-        statistic = check_choice(p.get("statistic"), "statistic", ("gram", "row_sum"))
-        unit = UnitBallMap(data.schema, clip_norm=p.get("clip_norm"))
-        row_norm = check_positive(p.get("row_norm", 1.0), "row_norm")
-        plan = plan_from_scale(statistic, dim=unit.n_features,
+        source = SOURCES[check_choice(p.get("source", "pca"), "source", tuple(SOURCES))]
+        statistic = check_choice(p.get("statistic"), "statistic", source.statistics)
+        given = source.open(task, data, statistic)  # validates the source's parameters
+        sent_norm = check_positive(p.get("row_norm", given.row_norm), "row_norm")
+        if abs(sent_norm - given.row_norm) > 1e-12 * given.row_norm:
+            raise ValidationError(f"secure round refused: the plan's row_norm {sent_norm!r} is "
+                                  f"not the {given.row_norm!r} of source {source.name!r}")
+        plan = plan_from_scale(statistic, dim=given.dim,
                                scale=check_positive(p.get("scale"), "scale"),
-                               row_norm=row_norm, epsilon=task.epsilon, delta=task.delta,
+                               row_norm=given.row_norm, epsilon=task.epsilon, delta=task.delta,
                                participants=participants,
                                tolerated=check_int(p.get("tolerated"), "tolerated", minimum=0))
         try:
@@ -181,24 +190,6 @@ class SecureAggregationHandler(TaskHandler):
         if signed.get(self.identity.site_id) != held[1]:
             raise ValidationError("secure round refused: the relayed key of this site is not "
                                   "the one it signed")
-
-        def rows() -> Iterator[np.ndarray]:
-            for table, _report in data.iter_chunks():
-                x, _clipped = unit.transform(table)
-                norms = np.linalg.norm(x, axis=1)
-                over = norms > row_norm
-                if np.any(over):
-                    x[over] *= (row_norm / norms[over])[:, None]
-                yield x
-
-        n_rows = 0
-
-        def counted() -> Iterator[np.ndarray]:
-            nonlocal n_rows
-            for x in rows():
-                n_rows += x.shape[0]
-                yield x
-
         if len(plan.participants) < self.policy.min_participants:
             raise ValidationError(f"secure round refused: {len(plan.participants)} participants; "
                                   f"this site's policy requires at least "
@@ -220,8 +211,7 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError(f"secure round refused: {exc}") from None
 
         def release(rng: np.random.Generator) -> TaskResult:
-            make = integer_gram_upper if statistic == "gram" else integer_row_sum
-            stat = make(counted(), plan, rng)
+            stat, n_rows = given.compute(plan, rng)
             if n_rows == 0:  # raised inside the ledger's transaction: nothing is charged
                 raise DataError("the site has no valid rows to compute a summary from")
             masked = site_contribution(stat, plan=plan, own_id=self.identity.site_id,
@@ -230,6 +220,7 @@ class SecureAggregationHandler(TaskHandler):
                                        min_participants=self.policy.min_participants,
                                        tolerated=self.policy.tolerated, rng=rng)
             return TaskResult(task.task_id, cost, {"masked": masked},
-                              {"n_rows": n_rows, "statistic": statistic})
+                              {"n_rows": n_rows, "statistic": statistic,
+                               "source": source.name})
 
         return PreparedRelease(cost, release)
