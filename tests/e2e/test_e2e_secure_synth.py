@@ -6,6 +6,8 @@ secure aggregation refuses the site-level job's rounds but takes part in the sec
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,8 +49,24 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         federation.stop_all()
 
 
-def test_secure_synthesis_end_to_end(fed: LocalFederation) -> None:
+def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> None:
     schema = Schema.load(fed.schema_path)
+    kit = fed.certs / "analysts" / "analyst"
+    conn = ["--coordinator", fed.address, "--ca", str(kit / "ca.pem"), "--cert",
+            str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dpfed.aggregator.cli", "synth", *args,
+                               *conn], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+
+    plan = cli("--epsilon", "2", "--delta", "1e-5", "--aggregation", "secure", "--plan")
+    assert plan.returncode == 0, plan.stderr
+    assert "aggregation secure" in plan.stdout and "secure sums" in plan.stdout
+    bad = cli("--epsilon", "2", "--delta", "1e-5", "--mode", "row-aligned", "--aggregation",
+              "secure")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--mode row-aligned cannot run with --aggregation secure" in bad.stderr
     with fed.analyst() as coord:
         policies = {s.site_id: s.secure_policy for s in coord.sites()}
         assert policies[STRICT].startswith("required")
