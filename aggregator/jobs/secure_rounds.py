@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: Attempts of one secure sum before the job fails (each drops the sites that vanished).
 MAX_ATTEMPTS = 3
+#: Largest row count a site may report with its contribution (the decode divides by the sum).
+MAX_SITE_ROWS = 10 ** 12
 #: A keys answer: a 32-byte key, a signature and a certificate (each array capped at 16 KiB
 #: by the decoder), in the usual envelope.
 KEYS_RESULT_BYTES = 3 * (16 << 10) + RESULT_ENVELOPE_BYTES
@@ -111,6 +113,9 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             masked = result.arrays.get("masked")
             if masked is None or masked.dtype != np.uint64 or masked.shape != (n,):
                 raise ProtocolError(f"expected a uint64 masked vector of length {n}")
+            n_rows = result.metadata.get("n_rows")
+            if not isinstance(n_rows, int) or not 1 <= n_rows <= MAX_SITE_ROWS:
+                raise ProtocolError("a secure contribution lacks a valid positive n_rows")
 
         ctx.emit("secure", f"secure sum {name!r} attempt {attempt}: {len(participants)} "
                  f"participants, tolerating {tolerated} colluding parties", lo + (hi - lo) * 0.25)
