@@ -1,12 +1,13 @@
 """The synth job's secure sums at the site: the ``synth_counts`` and ``synth_latent`` sources.
 
-Worst-case sensitivity searches run extreme schema-valid records (every continuous column at
-min/mid/max, every level and category) through the real source code path and compare with the
-plan the contribute stage builds; each search also runs against a planted broken copy. Through
-the real runner and SQLite ledger with real certificates: honest contributions decode to the
-pooled statistic and are charged once with the mode recorded; a tampered links digest is
-refused before anything is charged; a site that requires secure aggregation refuses the
-site-level synth rounds, and no site runs a site-level round of a secure job.
+Worst-case sensitivity searches run extreme records (every continuous column at min/mid/max
+and far outside its bounds, every level and category) through the real source code path and
+compare with the plan the contribute stage builds; each search also runs against a planted
+broken copy. Through the real runner and SQLite ledger with real certificates: honest
+contributions decode to the pooled statistic and are charged once with the mode recorded; a
+tampered links digest is refused before anything is charged; a site that requires secure
+aggregation refuses the site-level synth rounds, and no site runs a site-level round of a
+secure job.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ SITES = ("hospital-a", "hospital-b", "hospital-c")
 C = len(SCHEMA.columns)
 
 
+def search_records() -> list[dict[str, object]]:
+    """Every extreme schema-valid record, plus continuous values far outside the bounds (the
+    encoder clips them to the bounds, so they must land in the edge bins)."""
+    far = [{"age": age, "lab": lab, "stage": "II", "ward": "b"}
+           for age, lab in ((1e6, -1e9), (-1e308, 1e308), (100.0 + 1e-9, -5.0 - 1e-9))]
+    return extreme_records() + far
+
+
 def job_params(**extra: object) -> dict[str, object]:
     p = dict(params(aggregation="secure", **extra))
     p.pop("schema_digest")
@@ -90,7 +99,7 @@ def search_counts() -> tuple[float, float, SecureSumPlan]:
     source = SynthCountsSource()
     stats = []
     plan = None
-    for record in extreme_records():
+    for record in search_records():
         given = source.open(counts_task(), TableAccess(neighbour(base, record)), "counts")
         plan = site_plan("counts", given.dim, given.row_norm, 1.0)
         stat, n_rows = given.compute(plan, np.random.default_rng(0))
@@ -149,7 +158,7 @@ def search_latent(clip_norm: float | None, scale: float = 64.0) -> tuple[float, 
     source = SynthLatentSource()
     stats = []
     plan = None
-    for record in extreme_records():
+    for record in search_records():
         given = source.open(latent_task(clip_norm), TableAccess(neighbour(base, record)), "gram")
         plan = site_plan("gram", given.dim, given.row_norm, scale)
         # one generator seed for every neighbour couples the latent draws and the rounding
