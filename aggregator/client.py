@@ -450,7 +450,8 @@ class Coordinator:
                    info_threshold: float = 0.8, min_sites: int = 0,
                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                    on_event: Callable[[JobEvent], None] | None = None,
-                   evaluate_rows: int = 0) -> tuple[pd.DataFrame, SynthModel]:
+                   evaluate_rows: int = 0,
+                   aggregation: str = "site") -> tuple[pd.DataFrame, SynthModel]:
         """Run a federated DP synthesis job; return a synthetic table and the fitted model.
 
         ``mode="generative"`` (default) samples ``rows`` new rows from the DP model (any
@@ -458,6 +459,9 @@ class Coordinator:
         ``mode="row_aligned"`` returns one noisy row per real row (``rows`` must be None).
         ``evaluate_rows > 0`` sends that many synthetic rows to every site, which writes a
         site-local evaluation report in its own directory (nothing comes back or is charged).
+        ``aggregation="secure"`` (generative mode only) sums the sites' histograms and latent
+        Gram matrices under secure aggregation (noise of one row of the pooled data; the
+        coordinator sees only the noisy totals); ``"site"`` (default) noises every site alone.
         The DataFrame is typed: floats within the schema bounds, categoricals with the
         schema's labels (ordered for ordinal columns).
 
@@ -472,7 +476,8 @@ class Coordinator:
                                  continuous_link=continuous_link, n_bins=n_bins, rank=rank,
                                  clip_norm=clip_norm, info_threshold=info_threshold,
                                  min_sites=min_sites, deadline_seconds=deadline_seconds,
-                                 sites=sites, on_event=on_event, evaluate_rows=evaluate_rows)
+                                 sites=sites, on_event=on_event, evaluate_rows=evaluate_rows,
+                                 aggregation=aggregation)
         return model.sample(rows), model
 
     def synth_model(self, *, epsilon: float, delta: float, rows: int | None = None,
@@ -481,7 +486,7 @@ class Coordinator:
                     info_threshold: float = 0.8, min_sites: int = 0,
                     deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                     on_event: Callable[[JobEvent], None] | None = None,
-                    evaluate_rows: int = 0) -> SynthModel:
+                    evaluate_rows: int = 0, aggregation: str = "site") -> SynthModel:
         """Run a synthesis job and return only the fitted model (see :meth:`synthesize`)."""
         mode = mode.replace("-", "_")
         if mode == "row_aligned":
@@ -495,7 +500,8 @@ class Coordinator:
                                           rank=rank, clip_norm=clip_norm,
                                           info_threshold=info_threshold, min_sites=min_sites,
                                           deadline_seconds=deadline_seconds, sites=sites,
-                                          evaluate_rows=evaluate_rows),
+                                          evaluate_rows=evaluate_rows,
+                                          aggregation=aggregation),
                           on_event=on_event)
         return self.synth_result(job)
 
@@ -505,7 +511,7 @@ class Coordinator:
                    rank: int | None = None, clip_norm: float | None = None,
                    info_threshold: float = 0.8, min_sites: int = 0,
                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
-                   evaluate_rows: int = 0) -> JobSpec:
+                   evaluate_rows: int = 0, aggregation: str = "site") -> JobSpec:
         """Return the job spec of a synthesis job (what :meth:`synthesize` submits)."""
         params: dict[str, Any] = {"mode": mode.replace("-", "_"),
                                   "continuous_link": continuous_link, "n_bins": n_bins,
@@ -516,6 +522,8 @@ class Coordinator:
             params["clip_norm"] = clip_norm
         if evaluate_rows:
             params["evaluate_rows"] = evaluate_rows
+        if aggregation != "site":
+            params["aggregation"] = aggregation
         return JobSpec("synth", epsilon, delta, params, min_sites, deadline_seconds,
                        tuple(sites))
 

@@ -22,11 +22,17 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     from dpfed.aggregator.client import Coordinator
     from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 
-    spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode)
+    spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
+                                  aggregation=args.aggregation)
     params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
     plan = params.plan(args.epsilon, args.delta)
     sites = coord.sites()
-    print(f"synth plan ({params.mode}): every site is charged, per round:")
+    print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site is "
+          "charged, per round:")
+    if params.aggregation == "secure":
+        print("  links and pca are secure sums (Skellam noise shared among the sites, sized "
+              "for the largest tolerated-colluders t among them); the coordinator sees only "
+              "the noisy pooled totals")
     print(f"{'site':<16} {'round':<8} {'epsilon':>10} {'delta':>10} {'eps left now':>13}")
     for site in sites or []:
         left = f"{site.budget.epsilon_remaining:.4g}" if site.budget else "?"
@@ -44,10 +50,16 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
 def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Coordinator],
               on_event: Callable[[JobEvent], None]) -> int:
     """Run a federated synthesis job; write the table, the model and the report."""
+    from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.synth_model import check_rows, output_format
     from dpfed.aggregator.synth_report import write_synth_report
+    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 
     mode = args.mode.replace("-", "_")
+    # --mode / --aggregation combinations are refused here, before anything connects or runs
+    SynthParams.from_mapping(Coordinator.synth_spec(
+        epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation).params,
+        latent_dim=SYNTH_MAX_LATENT_DIM)
     if mode == "row_aligned":
         if args.rows is not None:
             raise ValidationError("--rows: row-aligned mode releases exactly one noisy row per "
@@ -70,7 +82,8 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
             continuous_link=args.continuous_link, n_bins=args.n_bins, rank=args.rank,
             clip_norm=args.clip_norm, min_sites=args.min_sites,
             deadline_seconds=args.deadline, on_event=on_event,
-            evaluate_rows=args.evaluate_rows if args.evaluate else 0)
+            evaluate_rows=args.evaluate_rows if args.evaluate else 0,
+            aggregation=args.aggregation)
     model_path = model.save(args.model)
     written = model.write(args.out, args.rows, fmt=fmt)
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
@@ -112,6 +125,10 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
                    "noisy row per real row")
     p.add_argument("--plan", action="store_true",
                    help="print each site's epsilon/delta per round and exit (nothing runs)")
+    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+                   help="site (default): every site noises its own histograms and PCA factor; "
+                   "secure: secure sums with distributed noise (pooled-data utility; "
+                   "generative mode only)")
     p.add_argument("--continuous-link", choices=["quantile", "identity"], default="quantile")
     p.add_argument("--n-bins", type=int, default=32,
                    help="public bins per continuous column (default 32)")

@@ -195,6 +195,10 @@ class SynthParams:
     evaluate_rows : int
         When > 0, a final local-only round sends a synthetic sample of this many rows to
         every site for its site-local evaluation report (nothing is released or charged).
+    aggregation : {"site", "secure"}
+        ``site`` (default): every site noises its own histograms and DP-PCA factor;
+        ``secure``: the sites' exact count vectors and latent Gram matrices are summed under
+        secure aggregation with distributed Skellam noise (generative mode only).
     """
 
     mode: str = "generative"
@@ -206,12 +210,14 @@ class SynthParams:
     calibration: str = "analytic"
     split: tuple[tuple[str, float, float], ...] = ()
     evaluate_rows: int = 0
+    aggregation: str = "site"
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
         """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
-                          "info_threshold", "calibration", "split", "evaluate_rows"}, "synth")
+                          "info_threshold", "calibration", "split", "evaluate_rows",
+                          "aggregation"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -234,8 +240,15 @@ class SynthParams:
         split = cls._split(mode, params.get("split"))
         evaluate_rows = check_int(params.get("evaluate_rows", 0), "evaluate_rows", minimum=0,
                                   maximum=50_000)
+        aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
+                                   AGGREGATIONS)
+        if aggregation == "secure" and mode == "row_aligned":
+            raise ValidationError(
+                "--mode row-aligned cannot run with --aggregation secure: its factors round "
+                "releases one noisy row per real row, which is not a sum; use --mode "
+                "generative with --aggregation secure, or --aggregation site")
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
-                   evaluate_rows)
+                   evaluate_rows, aggregation)
 
     @staticmethod
     def _split(mode: str, raw: Any) -> tuple[tuple[str, float, float], ...]:
@@ -294,4 +307,6 @@ class SynthParams:
             out["rank"] = self.rank
         if self.evaluate_rows:
             out["evaluate_rows"] = self.evaluate_rows
+        if self.aggregation != "site":
+            out["aggregation"] = self.aggregation
         return out

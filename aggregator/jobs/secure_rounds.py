@@ -23,13 +23,16 @@ from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.validators import RESULT_ENVELOPE_BYTES
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum, plan_gram, plan_row_sum
+from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum
+from dpfed.common.secagg.secure_sum import plan_for as plan_statistic
 from dpfed.common.transport.protocol import TaskResult
 
 log = logging.getLogger(__name__)
 
 #: Attempts of one secure sum before the job fails (each drops the sites that vanished).
 MAX_ATTEMPTS = 3
+#: Largest row count a site may report with its contribution (the decode divides by the sum).
+MAX_SITE_ROWS = 10 ** 12
 #: A keys answer: a 32-byte key, a signature and a certificate (each array capped at 16 KiB
 #: by the decoder), in the usual envelope.
 KEYS_RESULT_BYTES = 3 * (16 << 10) + RESULT_ENVELOPE_BYTES
@@ -71,7 +74,7 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
                      require_kind: str | None = None) -> SecureSumOutcome:
     """Run one secure sum over the eligible sites; return the decoded noisy pooled statistic.
 
-    ``plan_for`` replaces the Gram / row-sum planner (``statistic`` and ``dim`` are then only
+    ``plan_for`` replaces the planner of ``statistic`` (``statistic`` and ``dim`` are then only
     descriptive); ``require_kind`` leaves out sites whose advertised allowed jobs lack that
     kind (the site would refuse the contribution anyway, after the others paid).
 
@@ -115,10 +118,9 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             planned = plan_for(participants, tolerated, max(1, sum(rows.values())))
             plan = await planned if inspect.isawaitable(planned) else planned
         else:
-            make = plan_gram if statistic == "gram" else plan_row_sum
-            plan = make(dim=dim, total_rows=max(1, sum(rows.values())), epsilon=epsilon,
-                        delta=delta, participants=participants, tolerated=tolerated,
-                        row_norm=row_norm)
+            plan = plan_statistic(statistic, dim=dim, total_rows=max(1, sum(rows.values())),
+                                  epsilon=epsilon, delta=delta, participants=participants,
+                                  tolerated=tolerated, row_norm=row_norm)
         relayed: dict[str, np.ndarray] = dict(arrays or {})
         for s in participants:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
@@ -129,6 +131,9 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             masked = result.arrays.get("masked")
             if masked is None or masked.dtype != np.uint64 or masked.shape != (n,):
                 raise ProtocolError(f"expected a uint64 masked vector of length {n}")
+            n_rows = result.metadata.get("n_rows")
+            if not isinstance(n_rows, int) or not 1 <= n_rows <= MAX_SITE_ROWS:
+                raise ProtocolError("a secure contribution lacks a valid positive n_rows")
 
         ctx.emit("secure", f"secure sum {name!r} attempt {attempt}: {len(participants)} "
                  f"participants, tolerating {tolerated} colluding parties", lo + (hi - lo) * 0.25)

@@ -14,8 +14,9 @@ and its privacy argument):
     Verify every participant's signed key against the federation CA, recompute the plan (bound,
     sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
     depends on a number the site cannot check — compute the exact integer statistic of the
-    task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, or ``query``; see
-    :mod:`dpfed.site_agent.handlers.secagg_sources`), add this site's Skellam share and its
+    task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, ``query``,
+    ``synth_counts`` or ``synth_latent``; see :mod:`dpfed.site_agent.handlers.secagg_sources`),
+    add this site's Skellam share and its
     pairwise masks. Charged to the ledger with the pooled guarantee; the ledger's mechanism name
     records the mode, the number of participants and the tolerated colluders. A source serving
     a job kind the site does not allow is refused.
@@ -26,8 +27,10 @@ Replace-one at this site. ``pca``: rows are the PCA feature map's unit-ball rows
 from the task), clipped to the public radius ``row_norm`` (centring happens at the coordinator,
 from a secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the
 sensitivity of the pooled integer statistic from the rounded-row bound and calibrates the
-Skellam variance. ``query``: :mod:`dpfed.site_agent.handlers.secagg_query`. This site adds
-``mu / (n - t)``.
+Skellam variance. ``query``: :mod:`dpfed.site_agent.handlers.secagg_query`. ``synth_counts``
+and ``synth_latent``: :mod:`dpfed.site_agent.handlers.synth_secure` (the synth job's exact
+per-column counts, L2 ``sqrt(2 C)`` and L1 ``2 C``, and its unit-ball latent rows). This site
+adds ``mu / (n - t)``.
 """
 
 from __future__ import annotations
@@ -56,12 +59,7 @@ from dpfed.common.secagg.keys import (
 )
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import (
-    integer_gram_upper,
-    integer_row_sum,
-    plan_from_scale,
-    site_contribution,
-)
+from dpfed.common.secagg.secure_sum import site_contribution
 from dpfed.common.transport.certs import (
     parse_certificates,
     parse_private_key,
@@ -72,13 +70,20 @@ from dpfed.common.transport.protocol import Task, TaskResult
 from dpfed.common.validation import check_choice, check_int, check_positive
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
 from dpfed.site_agent.handlers.secagg_query import QUERY_SOURCE
-from dpfed.site_agent.handlers.secagg_sources import Contribution, ContributionSource
+from dpfed.site_agent.handlers.secagg_sources import (
+    Contribution,
+    ContributionSource,
+    planned_contribution,
+    row_statistic,
+)
+from dpfed.site_agent.handlers.synth_secure import SYNTH_COUNTS_SOURCE, SYNTH_LATENT_SOURCE
 from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
 #: Ephemeral keys kept for sum tasks not yet contributed (oldest evicted first).
 _MAX_PENDING = 64
+
 
 @dataclass(frozen=True)
 class SiteIdentity:
@@ -221,7 +226,7 @@ class SecureAggregationHandler(TaskHandler):
                                        min_participants=self.policy.min_participants,
                                        tolerated=self.policy.tolerated, rng=rng)
             return TaskResult(task.task_id, cost, {"masked": masked},
-                              {"n_rows": n_rows, "statistic": plan.statistic,
+                              {"n_rows": n_rows, "statistic": plan.statistic, "source": source,
                                **contribution.metadata})
 
         return PreparedRelease(cost, release)
@@ -232,18 +237,13 @@ def pca_contribution(task: Task, data: DataAccess, participants: list[str],
     """Build the ``pca`` source: the exact integer Gram or row sum of the feature map's rows.
 
     Rows are the unit-ball rows of :class:`dpfed.common.pca.features.UnitBallMap` (clip norm
-    from the task), clipped to the public radius ``row_norm``, rounded into the plan's ball.
+    from the task), scaled onto the public radius ``row_norm`` where longer, and rounded into
+    the plan's ball.
     """
-    p = task.params
-    statistic = check_choice(p.get("statistic"), "statistic", ("gram", "row_sum"))
-    unit = UnitBallMap(data.schema, clip_norm=p.get("clip_norm"))
-    row_norm = check_positive(p.get("row_norm", 1.0), "row_norm")
-    plan = plan_from_scale(statistic, dim=unit.n_features,
-                           scale=check_positive(p.get("scale"), "scale"),
-                           row_norm=row_norm, epsilon=task.epsilon, delta=task.delta,
-                           participants=participants, tolerated=tolerated)
+    unit = UnitBallMap(data.schema, clip_norm=task.params.get("clip_norm"))
+    row_norm = check_positive(task.params.get("row_norm", 1.0), "row_norm")
 
-    def rows() -> Iterator[np.ndarray]:
+    def rows(_rng: np.random.Generator) -> Iterator[np.ndarray]:
         for table, _report in data.iter_chunks():
             x, _clipped = unit.transform(table)
             norms = np.linalg.norm(x, axis=1)
@@ -252,24 +252,15 @@ def pca_contribution(task: Task, data: DataAccess, participants: list[str],
                 x[over] *= (row_norm / norms[over])[:, None]
             yield x
 
-    def compute(rng: np.random.Generator) -> tuple[np.ndarray, int]:
-        n_rows = 0
-
-        def counted() -> Iterator[np.ndarray]:
-            nonlocal n_rows
-            for x in rows():
-                n_rows += x.shape[0]
-                yield x
-
-        make = integer_gram_upper if statistic == "gram" else integer_row_sum
-        stat = make(counted(), plan, rng)
-        return stat, n_rows
-
-    return Contribution(plan, compute)
+    return planned_contribution(task, participants, tolerated, statistics=("gram", "row_sum"),
+                                dim=unit.n_features, row_norm=row_norm,
+                                compute=row_statistic(rows))
 
 
 #: ``source`` name -> what a contribution sums (the task parameter; ``"pca"`` when absent).
 CONTRIBUTION_SOURCES: dict[str, ContributionSource] = {
     "pca": ContributionSource("pca", pca_contribution),
     "query": QUERY_SOURCE,
+    "synth_counts": SYNTH_COUNTS_SOURCE,
+    "synth_latent": SYNTH_LATENT_SOURCE,
 }

@@ -104,6 +104,10 @@ class SynthHandler(TaskHandler):
         extra, job = split_task_params(dict(task.params))
         dim = latent_dim(schema)
         params = SynthParams.from_mapping(job, latent_dim=dim)
+        if params.aggregation == "secure":
+            raise ValidationError(
+                "this job runs with --aggregation secure: its rounds are secure sums (kind "
+                "'secagg'), so a site-level synth release of it is refused")
         rnd = extra.get("round")
         if (rnd == "factors") != (self.kind == "synth_rows"):
             raise ValidationError(
