@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,7 +31,9 @@ from dpfed.common.evaluation.holdout import (
     holdout_positions,
     position_mask,
 )
-from dpfed.site_agent.handlers.base import DataAccess
+
+if TYPE_CHECKING:  # the handlers import this module; the protocol is only a type here
+    from dpfed.site_agent.handlers.base import DataAccess
 
 log = logging.getLogger(__name__)
 
