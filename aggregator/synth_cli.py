@@ -150,7 +150,8 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p.add_argument("--clip-norm", type=float, help="latent norm bound (default sqrt(dim))")
     p.add_argument("--evaluate", action="store_true",
                    help="send a synthetic sample to every site, which compares it with its own "
-                   "rows and writes an HTML report in its own directory (nothing comes back)")
+                   "rows and writes an HTML report in its own directory (nothing comes back); "
+                   "every site then holds out min(N/5, 20000) rows from every round")
     p.add_argument("--evaluate-rows", type=int, default=2000,
                    help="rows of that sample (default 2000, at most 50000)")
     p.add_argument("--evaluate-summary-epsilon", type=float, metavar="EPSILON",
