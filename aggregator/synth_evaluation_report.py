@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 import numpy as np  # noqa: E402
 
 from dpfed.aggregator.report import Report, figure_to_data_uri  # noqa: E402
+from dpfed.common.evaluation.dp_summary import excess_near_copies  # noqa: E402
 
 
 def add_rounds_section(report: Report, meta: dict[str, Any]) -> None:
@@ -72,17 +73,28 @@ def add_evaluation_section(report: Report, meta: dict[str, Any]) -> None:
         f"DP evaluation summaries were asked of the sites whose policy allows them ({asked}), "
         f"each charged epsilon {ev.get('summary_epsilon'):g}, delta {ev.get('summary_delta'):g} "
         "in its ledger. 'near' is the share of real rows whose closest synthetic row is within "
-        "the threshold (the median distance between synthetic rows): training rows well above "
-        "the holdout means the model reproduces its training rows.")
+        "the threshold (the 5th percentile of the distance between synthetic rows): training "
+        "rows well above the holdout means the model reproduces its training rows. The excess "
+        "(near: training - near: holdout) x training rows / synthetic rows estimates the share "
+        "of synthetic rows that sit on a training row beyond chance: about 1 for a model that "
+        "copies its rows, about 0 for one that does not.")
     if not summaries:
         report.paragraph("No site returned a summary.")
         return
-    report.table(
-        ("site", "training rows", "holdout rows", "mean TVD (noise sd)", "near: training",
-         "near: holdout", "threshold", "epsilon", "delta"),
-        [(s, int(v["n_train"]), int(v["n_holdout"]),
-          f"{np.mean(list(v['tvd'].values())):.3f} ({v['sigma_tvd']:.3f})",
-          f"{v['near_train']:.3f} ({v['sigma_near_train']:.3f})",
-          f"{v['near_holdout']:.3f} ({v['sigma_near_holdout']:.3f})",
-          f"{v['threshold']:.3g}", v["epsilon"], v["delta"]) for s, v in sorted(summaries.items())])
+    m = int(ev.get("sample_rows") or 1)
+    rows = []
+    for s, v in sorted(summaries.items()):
+        excess = excess_near_copies(v["near_train"], v["near_holdout"], n_train=int(v["n_train"]),
+                                    n_synthetic=m)
+        excess_sd = float(np.hypot(v["sigma_near_train"], v["sigma_near_holdout"])) * (
+            v["n_train"] / m)
+        rows.append((s, int(v["n_train"]), int(v["n_holdout"]),
+                     f"{np.mean(list(v['tvd'].values())):.3f} ({v['sigma_tvd']:.3f})",
+                     f"{v['near_train']:.3f} ({v['sigma_near_train']:.3f})",
+                     f"{v['near_holdout']:.3f} ({v['sigma_near_holdout']:.3f})",
+                     f"{excess:.2f} ({excess_sd:.2f})", f"{v['threshold']:.3g}", v["epsilon"],
+                     v["delta"]))
+    report.table(("site", "training rows", "holdout rows", "mean TVD (noise sd)",
+                  "near: training", "near: holdout", "excess near copies per synthetic row",
+                  "threshold", "epsilon", "delta"), rows)
     report.image(_summary_figure(summaries), "DP evaluation summaries per site")

@@ -32,7 +32,7 @@ import numpy as np
 from dpfed.common.data.demo_data import generate_demo
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
 from dpfed.common.data.schema import Schema
-from dpfed.common.evaluation.dp_summary import release_summary
+from dpfed.common.evaluation.dp_summary import excess_near_copies, release_summary
 from dpfed.common.evaluation.holdout import holdout_positions, job_key
 from dpfed.common.synth.link_release import LinkHistogramAccumulator
 from dpfed.common.transport.protocol import Task
@@ -52,6 +52,11 @@ class Frame:
     @property
     def schema(self) -> Schema:
         return self._schema
+
+    @property
+    def row_count(self) -> int:
+        """As a site's data: the count its first pass recorded (no extra counting pass)."""
+        return self.table.n_rows
 
     def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
         t = self.table
@@ -117,7 +122,7 @@ def main() -> None:
     train_idx = np.array([i for i in range(table.n_rows) if i not in held])
     print("\nPart 2 -- signal: near shares (exact), ratio, and one DP release at eps 1")
     print(f"  {'sample':<18} {'near_train':>10} {'near_hold':>10} {'ratio':>7} "
-          f"{'DP train':>9} {'DP hold':>9} {'sd train':>9} {'sd hold':>9}")
+          f"{'DP train':>9} {'DP hold':>9} {'sd':>7} {'excess':>7} {'DP excess':>9}")
     cases = {"fresh": sample,
              "copies": arrays_of(table, rng.choice(train_idx, 2000, replace=False)),
              "copies-old-split": arrays_of(table, rng.choice(table.n_rows, 2000,
@@ -130,9 +135,12 @@ def main() -> None:
         a_h = exact.scaled[-1] / exact.n_holdout
         out, meta = release_summary(exact, epsilon=1.0, delta=1e-6,
                                     rng=np.random.default_rng(5))
+        ex = excess_near_copies(a_t, a_h, n_train=exact.n_train, n_synthetic=2000)
+        dp_ex = excess_near_copies(float(out["near"][0]), float(out["near"][1]),
+                                   n_train=exact.n_train, n_synthetic=2000)
         print(f"  {name:<18} {a_t:>10.4f} {a_h:>10.4f} {a_t / max(a_h, 1e-12):>7.2f} "
               f"{out['near'][0]:>9.4f} {out['near'][1]:>9.4f} "
-              f"{meta['sigma_near_train']:>9.4f} {meta['sigma_near_holdout']:>9.4f}")
+              f"{meta['sigma_near_train']:>7.4f} {ex:>7.2f} {dp_ex:>9.2f}")
     print("\n(copies-old-split is what the old evaluation measured for a memorising model: "
           "when the 'holdout' also trained it, the two shares cannot differ.)")
 

@@ -104,14 +104,23 @@ class TrainingRows:
             if start > self.n_total:
                 break
             yield _rows(table, ~held), _rows(table, held), report
-        if start != self.n_total:
-            raise DataError(f"the data changed during the task ({start} valid rows, "
+        self._check_count(start)
+
+    def _check_count(self, seen: int) -> None:
+        if seen != self.n_total:
+            raise DataError(f"the data changed during the task ({seen} valid rows, "
                             f"{self.n_total} expected); the holdout cannot be kept")
 
     def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
         """Stream the training rows only."""
-        for train, _held, report in self.iter_parts():
-            yield train, report
+        start = 0
+        for table, report in self.data.iter_chunks():
+            held = position_mask(self.positions, start, table.n_rows)
+            start += table.n_rows
+            if start > self.n_total:
+                break
+            yield (_rows(table, ~held) if held.any() else table), report
+        self._check_count(start)
 
 
 def _rows(table: EncodedTable, mask: np.ndarray) -> EncodedTable:

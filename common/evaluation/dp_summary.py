@@ -15,8 +15,15 @@ addition release this small summary, with Gaussian noise, charged to its ledger:
 ``near_train`` well above ``near_holdout`` means the model reproduces its training rows
 more closely than unseen rows of the same population: memorisation. Distances are Euclidean
 on the public schema scaling (every column to [-1, 1],
-:class:`dpfed.common.pca.features.UnitBallMap`); ``threshold`` is the median distance of a
-synthetic row to its closest *other* synthetic row -- a function of the synthetic sample only.
+:class:`dpfed.common.pca.features.UnitBallMap`); ``threshold`` is the 5th percentile of the
+distance of a synthetic row to its closest *other* synthetic row -- a function of the
+synthetic sample only, low enough that few fresh rows are "near" (so the copies a memorising
+model makes stand out), and 0 -- exact copies only -- when the sample repeats rows.
+
+The excess ``(near_train - near_holdout) * n_t / m`` (``m`` synthetic rows) estimates the
+share of synthetic rows that sit on a training row beyond what fresh rows of the same
+population would (about 1 for a model that copies its training rows, about 0 for one that
+does not): :func:`excess_near_copies`, post-processing of the release.
 
 Privacy
 -------
@@ -60,6 +67,8 @@ from dpfed.common.synth.link_release import LinkHistogramAccumulator, histogram_
 
 #: Most training rows whose distance to the synthetic sample is compared (a keyed subsample).
 MAX_COMPARED_ROWS = 20_000
+#: Quantile of the synthetic rows' nearest-other-synthetic-row distances used as threshold.
+NEAR_QUANTILE = 0.05
 
 
 def summary_features(schema: Schema, table: EncodedTable) -> np.ndarray:
@@ -68,11 +77,22 @@ def summary_features(schema: Schema, table: EncodedTable) -> np.ndarray:
 
 
 def synthetic_threshold(synthetic_x: np.ndarray) -> float:
-    """Median distance of a synthetic row to its closest other synthetic row (public)."""
+    """Return the 5th percentile of the synthetic rows' distances to their closest other one."""
     if synthetic_x.shape[0] < 2:
         raise ValidationError("the synthetic sample needs at least 2 rows")
     d, _ = cKDTree(synthetic_x).query(synthetic_x, k=2)
-    return float(np.median(d[:, 1]))
+    return float(np.quantile(d[:, 1], NEAR_QUANTILE))
+
+
+def excess_near_copies(near_train: float, near_holdout: float, *, n_train: int,
+                       n_synthetic: int) -> float:
+    """Return ``(near_train - near_holdout) * n_train / n_synthetic`` (post-processing).
+
+    Each synthetic row that copies a training row makes at most one more training row "near";
+    fresh rows of the same population raise both shares alike. About 1 for a model that
+    copies its training rows, about 0 for one that does not.
+    """
+    return (near_train - near_holdout) * n_train / max(n_synthetic, 1)
 
 
 def near_count(rows_x: np.ndarray, tree: Any, threshold: float) -> int:
@@ -103,6 +123,7 @@ class ExactSummary:
     n_compared: int
     n_holdout: int
     threshold: float
+    n_synthetic: int = 0
 
     @property
     def divisors(self) -> np.ndarray:
@@ -134,6 +155,7 @@ class SummaryAccumulator:
         syn_x = summary_features(schema, synthetic)
         self.threshold = synthetic_threshold(syn_x)
         self.tree = cKDTree(syn_x)
+        self.n_synthetic = synthetic.n_rows
         self.near_train = 0
         self.n_compared = 0
 
@@ -161,7 +183,8 @@ class SummaryAccumulator:
             start += size
         near_h = near_count(summary_features(self.schema, holdout), self.tree, self.threshold)
         scaled = np.array([*tvd, float(self.near_train), float(near_h)], dtype=np.float64)
-        return ExactSummary(scaled, n_t, self.n_compared, holdout.n_rows, self.threshold)
+        return ExactSummary(scaled, n_t, self.n_compared, holdout.n_rows, self.threshold,
+                            self.n_synthetic)
 
 
 def summary_mechanism(n_columns: int, epsilon: float, delta: float) -> GaussianMechanism:
@@ -194,8 +217,9 @@ def release_summary(exact: ExactSummary, *, epsilon: float, delta: float,
     d = exact.scaled.shape[0] - 2
     mech = summary_mechanism(d, epsilon, delta)
     noisy = mech.release(exact.scaled, rng) / exact.divisors
-    meta = {"n_train": exact.n_train, "n_compared": exact.n_compared,
-            "n_holdout": exact.n_holdout, "threshold": exact.threshold,
+    meta = {"n_synthetic": exact.n_synthetic, "n_train": exact.n_train,
+            "n_compared": exact.n_compared, "n_holdout": exact.n_holdout,
+            "threshold": exact.threshold,
             "sigma_tvd": mech.sigma / exact.n_train,
             "sigma_near_train": mech.sigma / exact.n_compared,
             "sigma_near_holdout": mech.sigma / exact.n_holdout}
