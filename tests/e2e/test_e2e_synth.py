@@ -246,6 +246,27 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
             assert (fed.site_dir(s) / KEY_FILE).exists()
         html = synth_report(model, model.sample(500))
         assert "Evaluation at the sites" in html and "hospital-1" in html
+        # --plan lists the summary's charge at hospital-1 only; `dpfed sites` shows the policy.
+        import subprocess
+        import sys
+
+        kit = fed.certs / "analysts" / "analyst"
+        conn = ["--coordinator", fed.address, "--ca", str(kit / "ca.pem"), "--cert",
+                str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
+        dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
+        plan = subprocess.run([*dpfed, "synth", "--epsilon", "2", "--delta", "1e-5", "--plan",
+                               "--evaluate", "--evaluate-summary-epsilon", "0.25", *conn],
+                              capture_output=True, text=True, timeout=120)
+        assert plan.returncode == 0, plan.stderr
+        lines = plan.stdout.splitlines()
+        assert any(x.startswith("hospital-1") and "evaluate_summary" in x and "0.25" in x
+                   for x in lines), plan.stdout
+        assert sum("evaluate_summary: not asked" in x for x in lines) == 2
+        sites = subprocess.run([*dpfed, "sites", *conn], capture_output=True, text=True,
+                               timeout=60)
+        assert "eval summary" in sites.stdout
+        row = next(x for x in sites.stdout.splitlines() if x.startswith("hospital-1"))
+        assert row.rstrip().endswith("dp")
     finally:
         fed.stop_all()
 
