@@ -45,16 +45,21 @@ def site_secret(state_dir: Path) -> bytes:
     """Return the site's holdout secret, creating it (32 random bytes, mode 0600) if absent."""
     path = Path(state_dir) / KEY_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(os.urandom(KEY_BYTES))
-            fh.flush()
-            os.fsync(fh.fileno())
-        log.info("[site_secret] created the synthesis holdout secret %s", path)
-    secret = path.read_bytes()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(os.urandom(KEY_BYTES))
+                fh.flush()
+                os.fsync(fh.fileno())
+            log.info("[site_secret] created the synthesis holdout secret %s", path)
+        secret = path.read_bytes()
+    except OSError as exc:
+        log.error("[site_secret] cannot keep the holdout secret %s: %s", path, exc)
+        raise ValidationError("the site cannot keep its evaluation holdout secret (details "
+                              "are in the site's log)") from None
     if len(secret) != KEY_BYTES:
         raise ValidationError(f"{path} is not a holdout secret ({len(secret)} bytes, expected "
                               f"{KEY_BYTES}); remove it to make a new one")

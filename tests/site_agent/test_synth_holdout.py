@@ -72,6 +72,8 @@ def test_site_secret_is_created_once_private_and_checked(tmp_path: Path) -> None
     (tmp_path / KEY_FILE).write_bytes(b"not a key")
     with pytest.raises(ValidationError, match="remove it"):
         site_secret(tmp_path)
+    with pytest.raises(ValidationError, match="cannot keep its evaluation holdout secret"):
+        site_secret(tmp_path / "missing-directory")
 
 
 def test_training_rows_leave_out_the_same_positions_whatever_the_chunking(
