@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 
 def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
     from dpfed.aggregator.client import Coordinator
+    from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
     from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
-                                  aggregation=args.aggregation)
+                                  aggregation=args.aggregation,
+                                  evaluate_rows=args.evaluate_rows if args.evaluate else 0,
+                                  evaluate_summary=_summary_budget(args))
     params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
     plan = params.plan(args.epsilon, args.delta)
     sites = coord.sites()
@@ -38,13 +41,40 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         left = f"{site.budget.epsilon_remaining:.4g}" if site.budget else "?"
         for name, eps, dlt in plan:
             print(f"{site.site_id:<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
+        if params.summary_epsilon:
+            if SUMMARY_KIND in site.allowed_kinds:
+                print(f"{site.site_id:<16} {'evaluate_summary':<8} "
+                      f"{params.summary_epsilon:>10.4g} {params.summary_delta:>10.3g} {left:>13}")
+            else:
+                print(f"{site.site_id:<16} evaluate_summary: not asked (the site's policy has "
+                      "no evaluation_summary = \"dp\")")
     if not sites:
         for name, eps, dlt in plan:
             print(f"{'(every site)':<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")
+    if params.summary_epsilon:
+        print(f"plus, at sites whose policy allows DP evaluation summaries: epsilon "
+              f"{params.summary_epsilon:.4g}, delta {params.summary_delta:.3g} "
+              "(round evaluate_summary)")
+    if params.evaluate_rows:
+        print("with --evaluate every site holds out min(N/5, 20000) of its rows from every "
+              "round (they are its local evaluation's unseen rows)")
     return plan
+
+
+def _summary_budget(args: argparse.Namespace) -> tuple[float, float] | None:
+    """Return the DP evaluation summary's (epsilon, delta) from the flags, or None."""
+    if args.evaluate_summary_epsilon is None:
+        if args.evaluate_summary_delta is not None:
+            raise ValidationError("--evaluate-summary-delta needs --evaluate-summary-epsilon")
+        return None
+    if not args.evaluate:
+        raise ValidationError("--evaluate-summary-epsilon needs --evaluate (the summary is of "
+                              "the sites' evaluation of a synthetic sample)")
+    delta = args.delta if args.evaluate_summary_delta is None else args.evaluate_summary_delta
+    return args.evaluate_summary_epsilon, delta
 
 
 def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Coordinator],
@@ -83,7 +113,8 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
             clip_norm=args.clip_norm, min_sites=args.min_sites,
             deadline_seconds=args.deadline, on_event=on_event,
             evaluate_rows=args.evaluate_rows if args.evaluate else 0,
-            aggregation=args.aggregation)
+            aggregation=args.aggregation,
+            evaluate_summary=_summary_budget(args))
     model_path = model.save(args.model)
     written = model.write(args.out, args.rows, fmt=fmt)
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
@@ -136,9 +167,15 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p.add_argument("--clip-norm", type=float, help="latent norm bound (default sqrt(dim))")
     p.add_argument("--evaluate", action="store_true",
                    help="send a synthetic sample to every site, which compares it with its own "
-                   "rows and writes an HTML report in its own directory (nothing comes back)")
+                   "rows and writes an HTML report in its own directory (nothing comes back); "
+                   "every site then holds out min(N/5, 20000) rows from every round")
     p.add_argument("--evaluate-rows", type=int, default=2000,
                    help="rows of that sample (default 2000, at most 50000)")
+    p.add_argument("--evaluate-summary-epsilon", type=float, metavar="EPSILON",
+                   help="with --evaluate: also ask the sites whose policy allows it for a DP "
+                   "summary of their evaluation, charged at this epsilon (on top of --epsilon)")
+    p.add_argument("--evaluate-summary-delta", type=float, metavar="DELTA",
+                   help="delta of that summary (default: --delta)")
     p.add_argument("--model", default="synth_model.npz", help="where to save the model")
     p.add_argument("--report", default="report.html", help="HTML report ('' to skip)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")

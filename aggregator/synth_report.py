@@ -19,6 +19,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dpfed.aggregator.report import Report, figure_to_data_uri  # noqa: E402
+from dpfed.aggregator.synth_evaluation_report import (  # noqa: E402
+    add_evaluation_section,
+    add_rounds_section,
+)
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn  # noqa: E402
@@ -130,6 +134,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
         report.table(("site", "rows", *keys),
                      [(s["site_id"], s["n_rows"], *(s.get(k, "-") for k in keys))
                       for s in sites])
+    add_rounds_section(report, meta)
     report.heading("Marginals: released DP marginal vs synthetic")
     report.table(("column", "type", "TVD(DP marginal, synthetic)"),
                  [(c.name, c.type, 0.5 * float(np.abs(dp[c.name] - synthetic[c.name]).sum()))
@@ -141,6 +146,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
                      "correlation of the synthetic rows mapped back to the latent space.")
     report.image(_heatmaps(model.dp_correlation, synth_corr, links.latent_names),
                  "latent correlation heat maps")
+    add_evaluation_section(report, meta)
     return report.render()
 
 

@@ -16,6 +16,8 @@ from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
 from dpfed.common.validation import (
     check_choice,
+    check_delta,
+    check_epsilon,
     check_int,
     check_positive,
     check_probability,
@@ -170,6 +172,23 @@ SYNTH_MAX_BINS = 1024
 SYNTH_MAX_LATENT_DIM = 2000
 
 
+def _summary_budget(params: Mapping[str, Any], evaluate_rows: int) -> tuple[float, float]:
+    """Validate the DP evaluation summary's (epsilon, delta); (0, 0) when none is asked."""
+    raw_eps = params.get("summary_epsilon", 0.0)
+    raw_delta = params.get("summary_delta", 0.0)
+    if raw_eps in (0, 0.0, None):
+        if raw_delta not in (0, 0.0, None):
+            raise ValidationError("--evaluate-summary-delta needs --evaluate-summary-epsilon")
+        return 0.0, 0.0
+    if not evaluate_rows:
+        raise ValidationError("--evaluate-summary-epsilon needs --evaluate (the summary is of "
+                              "the sites' evaluation of a synthetic sample)")
+    eps = check_epsilon(raw_eps, "--evaluate-summary-epsilon")
+    delta = check_delta(raw_delta, "--evaluate-summary-delta")
+    gaussian_sigma(eps, delta, 1.0)
+    return eps, delta
+
+
 @dataclass(frozen=True)
 class SynthParams:
     """Parameters of a ``synth`` job (federated factor-model synthesis).
@@ -199,6 +218,11 @@ class SynthParams:
         ``site`` (default): every site noises its own histograms and DP-PCA factor;
         ``secure``: the sites' exact count vectors and latent Gram matrices are summed under
         secure aggregation with distributed Skellam noise (generative mode only).
+        Every site then holds out ``holdout_size(N_s)`` rows from every round of the job.
+    summary_epsilon, summary_delta : float
+        When ``summary_epsilon > 0`` (needs ``evaluate_rows``), the sites whose policy allows
+        it (``evaluation_summary = "dp"``) also release a DP summary of their evaluation,
+        charged at this (epsilon, delta) on top of the rounds' budget.
     """
 
     mode: str = "generative"
@@ -211,13 +235,15 @@ class SynthParams:
     split: tuple[tuple[str, float, float], ...] = ()
     evaluate_rows: int = 0
     aggregation: str = "site"
+    summary_epsilon: float = 0.0
+    summary_delta: float = 0.0
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
         """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
                           "info_threshold", "calibration", "split", "evaluate_rows",
-                          "aggregation"}, "synth")
+                          "aggregation", "summary_epsilon", "summary_delta"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -247,8 +273,9 @@ class SynthParams:
                 "--mode row-aligned cannot run with --aggregation secure: its factors round "
                 "releases one noisy row per real row, which is not a sum; use --mode "
                 "generative with --aggregation secure, or --aggregation site")
+        summary_eps, summary_delta = _summary_budget(params, evaluate_rows)
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
-                   evaluate_rows, aggregation)
+                   evaluate_rows, aggregation, summary_eps, summary_delta)
 
     @staticmethod
     def _split(mode: str, raw: Any) -> tuple[tuple[str, float, float], ...]:
@@ -309,4 +336,7 @@ class SynthParams:
             out["evaluate_rows"] = self.evaluate_rows
         if self.aggregation != "site":
             out["aggregation"] = self.aggregation
+        if self.summary_epsilon:
+            out["summary_epsilon"] = self.summary_epsilon
+            out["summary_delta"] = self.summary_delta
         return out

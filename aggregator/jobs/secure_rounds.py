@@ -71,12 +71,14 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
                      row_norm: float = 1.0, arrays: Mapping[str, np.ndarray] | None = None,
                      progress: tuple[float, float] = (0.05, 0.9),
                      plan_for: Planner | None = None,
-                     require_kind: str | None = None) -> SecureSumOutcome:
+                     require_kind: str | None = None,
+                     among: list[str] | None = None) -> SecureSumOutcome:
     """Run one secure sum over the eligible sites; return the decoded noisy pooled statistic.
 
     ``plan_for`` replaces the planner of ``statistic`` (``statistic`` and ``dim`` are then only
     descriptive); ``require_kind`` leaves out sites whose advertised allowed jobs lack that
-    kind (the site would refuse the contribution anyway, after the others paid).
+    kind (the site would refuse the contribution anyway, after the others paid); ``among``
+    limits the sum to those sites (e.g. the ones whose earlier round this sum builds on).
 
     Raises
     ------
@@ -89,7 +91,8 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sum_round = f"{name}-sum-{attempt}"
         eligible = [s.site_id for s in ctx.registry.connected() if s.site_id not in excluded
-                    and (require_kind is None or require_kind in s.hello.allowed_kinds)]
+                    and (require_kind is None or require_kind in s.hello.allowed_kinds)
+                    and (among is None or s.site_id in among)]
         keys = await ctx.dispatch(
             "secagg", {"stage": "keys", "job_id": ctx.job_id, "sum_round": sum_round,
                        "sum_task_id": f"{ctx.job_id}/{sum_round}"},

@@ -17,6 +17,14 @@ With ``aggregation="secure"`` (generative mode only) rounds 1 and 2 are secure s
 matrix of their unit-ball latent rows, each with distributed Skellam noise calibrated to one row
 of the pooled data; the coordinator sees only the noisy totals.
 
+Rounds after the first go only to the sites that answered the round before (``only=``): a
+site that joins or comes back late never gets a round computed from sums it did not take
+part in, and a site that drops out is not asked again (the quorum decides whether the job
+goes on; what it was charged stays in its ledger). The model's metadata records which sites
+each round used (``rounds``). With an evaluation (``evaluate_rows``), every site holds out
+``holdout_size(N_s)`` rows from every round and reports its public training count as
+``n_rows``; the evaluation rounds run in :mod:`dpfed.aggregator.jobs.synth_evaluation`.
+
 The task parameters of each round are a deterministic function of the job's parameters and
 of the earlier rounds' (replayed) releases, so a coordinator restarted between rounds sends
 the same task ids with the same payloads: one charge per site per round. (If a site that
@@ -38,6 +46,7 @@ from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
 from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
+from dpfed.aggregator.jobs.synth_evaluation import run_evaluation
 from dpfed.aggregator.jobs.synth_secure import (
     pooled_counts_sigma,
     secure_latent_pca,
@@ -45,9 +54,9 @@ from dpfed.aggregator.jobs.synth_secure import (
     secure_metadata,
 )
 from dpfed.aggregator.synth_model import SynthModel
-from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ProtocolError, QuorumError, ValidationError
+from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate, combine
 from dpfed.common.privacy.rng import production_rng
@@ -69,8 +78,6 @@ log = logging.getLogger(__name__)
 
 #: Largest expected L1 error of a column's pooled DP proportions a job may start with.
 MAX_PROPORTION_ERROR = 0.5
-#: Task kind of the local-only evaluation round.
-EVAL_KIND = "synth_eval"
 #: Task kind of the row-aligned factors round (sites must allow it explicitly).
 ROWS_KIND = "synth_rows"
 #: Largest row-aligned output the coordinator accepts from one site.
@@ -130,6 +137,8 @@ class SynthJob(JobType):
         secure = params.aggregation == "secure"
         rows = [s.hello.row_count for s in ctx.registry.connected()
                 if not ctx.spec.sites or s.site_id in ctx.spec.sites]
+        if params.evaluate_rows:
+            rows = [training_count(n) for n in rows]  # the holdout trains nothing
         if rows and min(rows) > 0:
             check_budget_for_cells(schema, params, ctx.spec.epsilon, ctx.spec.delta, rows)
         base = {**params.to_mapping(), "schema_digest": schema.digest()}
@@ -186,13 +195,13 @@ class SynthJob(JobType):
         if secure:
             estimate, secure_outcomes["pca"] = await secure_latent_pca(
                 ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
-                epsilon=pca_eps, delta=pca_delta)
+                epsilon=pca_eps, delta=pca_delta, among=order)
             r2 = {}
         else:
             r2 = await ctx.dispatch(self.kind, {**base, "round": "pca", "links_digest": digest},
                                     round_name="pca", arrays=link_arrays, epsilon=pca_eps,
                                     delta=pca_delta, check_result=check_factor,
-                                    progress=(0.35, 0.7))
+                                    progress=(0.35, 0.7), only=order)
             estimate = await asyncio.to_thread(
                 combine, [r2[s].arrays["factor"] for s in sorted(r2)], dim)
         clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
@@ -225,7 +234,8 @@ class SynthJob(JobType):
             r3 = await ctx.dispatch(
                 ROWS_KIND, {**base, "round": "factors", "links_digest": digest},
                 round_name="factors", arrays={**link_arrays, "loadings": v},
-                epsilon=f_eps, delta=f_delta, check_result=check_w, progress=(0.75, 0.9))
+                epsilon=f_eps, delta=f_delta, check_result=check_w, progress=(0.75, 0.9),
+                only=sorted(r2))
             last_sites = sorted(r3)
             b = max(float(r.spend.noise_scale) for r in r3.values())
             scale = latent_rescaling(links, v, fm_plain.eigenvalues, clip_norm=clip,
@@ -260,31 +270,12 @@ class SynthJob(JobType):
         if secure:
             summary["tolerated_colluders"] = metadata["secure"]["tolerated_colluders"]
         if params.evaluate_rows:
-            summary["evaluated_sites"] = await self._evaluate(ctx, model, params, schema)
+            evaluation = await run_evaluation(ctx, model, params, schema, sorted(last_sites))
+            model.metadata["evaluation"] = evaluation
+            summary["evaluated_sites"] = evaluation["local_report_sites"]
+            if "summaries" in evaluation:
+                summary["summary_sites"] = sorted(evaluation["summaries"])
         return JobOutput(model.arrays(), model.file_metadata(), summary)
-
-    async def _evaluate(self, ctx: JobContext, model: SynthModel, params: SynthParams,
-                        schema: Schema) -> list[str]:
-        """Local-only round: every site evaluates a synthetic sample against its own rows.
-
-        Sites answer only that their report was written; a failure here does not fail the
-        job (the synthetic table is already made).
-        """
-        sample = EncodedTable.concatenate(list(model.iter_encoded(
-            None if model.factors is not None else params.evaluate_rows)))
-        take = min(sample.n_rows, params.evaluate_rows)
-        arrays = {f"col:{c.name}": np.ascontiguousarray(sample.columns[c.name][:take])
-                  for c in schema.columns}
-        ctx.emit("evaluate", f"sending a {take}-row synthetic sample to every site for its "
-                 "local evaluation (nothing comes back, nothing is charged)", 0.95)
-        try:
-            results = await ctx.dispatch(EVAL_KIND, {"schema_digest": schema.digest()},
-                                         round_name="evaluate", arrays=arrays, epsilon=0.0,
-                                         delta=0.0, progress=(0.95, 0.99))
-        except QuorumError as exc:
-            ctx.emit("evaluate", f"site-local evaluation incomplete: {exc}", 0.99)
-            return []
-        return sorted(results)
 
     def _metadata(self, ctx: JobContext, params: SynthParams,
                   plan: list[tuple[str, float, float]], n_rows: dict[str, int],
@@ -292,8 +283,11 @@ class SynthJob(JobType):
                   estimate: PCAEstimate, fm: FactorModel) -> dict[str, Any]:
         """Sites' rows and per-round charges, the plan and the mode (file metadata)."""
         sites = []
+        hello_rows = {s.site_id: s.hello.row_count for s in ctx.registry.connected()}
         for s in sorted(n_rows):
             row: dict[str, Any] = {"site_id": s, "n_rows": n_rows[s]}
+            if params.evaluate_rows and s in hello_rows:
+                row["n_holdout"] = holdout_size(hello_rows[s])
             for name, charged in spends.items():
                 if s in charged:
                     row[f"{name}_epsilon"], row[f"{name}_delta"] = charged[s]
@@ -302,9 +296,17 @@ class SynthJob(JobType):
                 "delta": ctx.spec.delta, "params": params.to_mapping(),
                 "aggregation": params.aggregation,
                 "plan": [{"round": n, "epsilon": e, "delta": d} for n, e, d in plan],
-                "sites": sites, "n_rows_total": sum(n_rows.get(s, 0) for s in last),
+                "sites": sites,
+                "rounds": {name: sorted(charged) for name, charged in spends.items()},
+                "n_rows_total": sum(n_rows.get(s, 0) for s in last),
                 "rank": fm.rank, "total_variance": float(estimate.total_variance),
                 "software_version": __version__}
+
+
+def _rounds_used(params: SynthParams, *results: dict[str, Any]) -> dict[str, list[str]]:
+    """Which sites' releases each round of the model used (round name -> sorted site ids)."""
+    names = ("links", "pca", "factors") if params.mode == "row_aligned" else ("links", "pca")
+    return {name: sorted(r) for name, r in zip(names, results, strict=False)}
 
 
 def _check_rows(result: TaskResult) -> int:

@@ -91,15 +91,20 @@ async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
 
 async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
                             digest: str, proportions: np.ndarray, epsilon: float,
-                            delta: float) -> tuple[PCAEstimate, SecureSumOutcome]:
-    """Round ``pca``: the secure Gram sum of the unit-ball latent rows; all p eigenpairs."""
+                            delta: float, among: list[str]) -> tuple[PCAEstimate,
+                                                                     SecureSumOutcome]:
+    """Round ``pca``: the secure Gram sum of the unit-ball latent rows; all p eigenpairs.
+
+    Only the sites in ``among`` (those whose counts built the links) take part.
+    """
     dim = latent_dim(schema)
     out = await secure_sum(
         ctx, name="pca", statistic="gram", dim=dim,
         site_params={"source": "synth_latent", "job": base["job"],
                      "schema_digest": base["schema_digest"], "links_digest": digest},
         epsilon=epsilon, delta=delta, row_norm=1.0,
-        arrays={"link_proportions": proportions}, progress=(0.35, 0.7), require_kind="synth")
+        arrays={"link_proportions": proportions}, progress=(0.35, 0.7), require_kind="synth",
+        among=among)
     a = symmetric_from_upper(out.value, dim) / out.n_rows_total
     estimate = await asyncio.to_thread(decompose_second_moment, a, dim)
     return estimate, out

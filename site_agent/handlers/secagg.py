@@ -35,6 +35,7 @@ adds ``mu / (n - t)``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
@@ -121,6 +122,15 @@ class SecureAggregationHandler(TaskHandler):
         self.allowed_kinds = allowed_kinds
         self._pending: OrderedDict[str, tuple[X25519PrivateKey, SignedKey]] = OrderedDict()
         self._lock = threading.Lock()
+        #: The site's state directory (the ledger's), set by :meth:`for_site`; sources that
+        #: keep site secrets there (the synth evaluation holdout) read it.
+        self.state_dir: Path | None = None
+
+    def for_site(self, ledger_path: Path) -> TaskHandler:
+        """Return a copy bound to the directory of ``ledger_path`` (pending keys shared)."""
+        bound = copy.copy(self)
+        bound.state_dir = Path(ledger_path).parent
+        return bound
 
     # ------------------------------------------------------------------ keys (no data)
     def responds_without_data(self, task: Task) -> bool:
@@ -186,7 +196,8 @@ class SecureAggregationHandler(TaskHandler):
                                   f"{registered.job_kind!r} jobs (allowed: "
                                   f"{', '.join(self.allowed_kinds)})")
         contribution = registered.build(task, data, participants,
-                                        check_int(p.get("tolerated"), "tolerated", minimum=0))
+                                        check_int(p.get("tolerated"), "tolerated", minimum=0),
+                                        site_dir=self.state_dir)
         plan = contribution.plan
         try:
             signed = {s: signed_key_from_arrays(task.arrays, s) for s in plan.participants}
@@ -233,13 +244,14 @@ class SecureAggregationHandler(TaskHandler):
 
 
 def pca_contribution(task: Task, data: DataAccess, participants: list[str],
-                     tolerated: int) -> Contribution:
+                     tolerated: int, *, site_dir: Path | None = None) -> Contribution:
     """Build the ``pca`` source: the exact integer Gram or row sum of the feature map's rows.
 
     Rows are the unit-ball rows of :class:`dpfed.common.pca.features.UnitBallMap` (clip norm
     from the task), scaled onto the public radius ``row_norm`` where longer, and rounded into
     the plan's ball.
     """
+    del site_dir  # no site state: the statistic depends on the task and the rows only
     unit = UnitBallMap(data.schema, clip_norm=task.params.get("clip_norm"))
     row_norm = check_positive(task.params.get("row_norm", 1.0), "row_norm")
 

@@ -20,6 +20,7 @@ Only the masked vector and the public row count leave the site, after the charge
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 
@@ -39,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 def query_contribution(task: Task, data: DataAccess, participants: list[str],
-                       tolerated: int) -> Contribution:
+                       tolerated: int, *, site_dir: Path | None = None) -> Contribution:
     """Build this site's ``Ã x_s`` contribution (raises ValidationError on any bad field)."""
+    del site_dir  # no site state: the statistic depends on the task and the rows only
     p = task.params
     check_choice(p.get("statistic"), "statistic", ("linear",))
     d = p.get("domain")

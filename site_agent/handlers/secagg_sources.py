@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,8 +57,17 @@ class Contribution:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
-#: ``build(task, data, participants, tolerated) -> Contribution``; raises ValidationError.
-ContributionBuilder = Callable[[Task, DataAccess, list[str], int], Contribution]
+class ContributionBuilder(Protocol):
+    """``build(task, data, participants, tolerated, site_dir=...) -> Contribution``.
+
+    ``site_dir`` is the site's state directory (the ledger's), for sources that keep site
+    secrets there (the synth job's evaluation holdout); None when the handler is unbound.
+    Raises ValidationError to refuse the task (nothing charged).
+    """
+
+    def __call__(self, task: Task, data: DataAccess, participants: list[str], tolerated: int,
+                 *, site_dir: Path | None = None) -> Contribution:
+        """Validate the task's source parameters and build the contribution."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,7 @@ from dpfed.site_agent.handlers.secagg_sources import (
     planned_contribution,
     row_statistic,
 )
-from dpfed.site_agent.handlers.synth import check_links
+from dpfed.site_agent.handlers.synth import check_links, training_rows
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,11 @@ def count_vector_norm(n_columns: int) -> float:
 
 
 def synth_counts_contribution(task: Task, data: DataAccess, participants: list[str],
-                              tolerated: int) -> Contribution:
+                              tolerated: int, *, site_dir: Path | None = None) -> Contribution:
     """Build ``synth_counts``: exact per-column histograms, concatenated (module docstring)."""
     schema = data.schema
     params = _synth_params(task, data)
+    data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
 
     def compute(plan: SecureSumPlan, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
         acc = LinkHistogramAccumulator(schema, params.n_bins)
@@ -90,13 +92,14 @@ def synth_counts_contribution(task: Task, data: DataAccess, participants: list[s
 
 
 def synth_latent_contribution(task: Task, data: DataAccess, participants: list[str],
-                              tolerated: int) -> Contribution:
+                              tolerated: int, *, site_dir: Path | None = None) -> Contribution:
     """Build ``synth_latent``: unit-ball latent rows under the links the task carries.
 
     The links' digest is checked before anything else (a mismatch refuses, uncharged).
     """
     schema = data.schema
     params = _synth_params(task, data)
+    data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
     extra: dict[str, Any] = {"links_digest": task.params.get("links_digest")}
     links = check_links(schema, params, extra, dict(task.arrays))
     dim = latent_dim(schema)

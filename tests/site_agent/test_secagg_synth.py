@@ -309,3 +309,26 @@ def test_required_sites_refuse_site_level_synth_and_no_site_runs_a_secure_jobs_r
         assert isinstance(answer, Refusal) and "--aggregation secure" in answer.reason
     assert r.ledger.events() == []
 
+
+
+def test_secure_synth_sources_leave_the_evaluation_holdout_out(tmp_path: Path) -> None:
+    from dpfed.common.errors import ValidationError
+    from dpfed.common.evaluation.holdout import training_count
+
+    frame = base_frame(500, seed=3)
+    task = Task("j/links-sum-1", "j", "secagg", 1.0, 1e-6,
+                {"stage": "contribute", "source": "synth_counts",
+                 "job": job_params(evaluate_rows=100), "schema_digest": SCHEMA.digest(),
+                 "statistic": "counts", "scale": 1.0})
+    given = synth_counts_contribution(task, TableAccess(frame), list(SITES[:2]), 0,
+                                      site_dir=tmp_path)
+    stat, n_rows = given.compute(np.random.default_rng(0))
+    assert n_rows == training_count(len(frame)) < len(frame)
+    assert int(stat.sum()) == n_rows * len(SCHEMA.columns)  # one count per column per row
+    # the same task twice reads the same training rows (the split is keyed, not random)
+    again, _ = synth_counts_contribution(task, TableAccess(frame), list(SITES[:2]), 0,
+                                         site_dir=tmp_path).compute(np.random.default_rng(1))
+    assert np.array_equal(stat, again)
+    # unbound (no site directory for the secret): refused, never computed on every row
+    with pytest.raises(ValidationError, match="holdout needs the site's secret"):
+        synth_counts_contribution(task, TableAccess(frame), list(SITES[:2]), 0)
