@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -85,26 +85,31 @@ def build_model(seed: int = 3) -> SynthModel:
                             dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)
 
 
-def floor_seconds(model: SynthModel, rows: int, path: Path) -> tuple[float, float]:
-    """(normals + product, Parquet write of a pre-built table) for ``rows`` rows, one thread."""
+def floor_seconds(model: SynthModel, rows: int, path: Path) -> tuple[float, float, float]:
+    """Seconds of (normals + product, Parquet write of a pre-built table) for ``rows`` rows on
+    one thread, and the CPU seconds of both."""
     p = model.factor_model.dim
     rng = np.random.default_rng(1)
     root = rng.standard_normal((p, p)).astype(np.float32)
+    cpu = time.process_time()
     t = time.perf_counter()
     for start in range(0, rows, CHUNK_ROWS):
         n = min(CHUNK_ROWS, rows - start)
         root @ rng.standard_normal((p, n), dtype=np.float32)
     draw = time.perf_counter() - t
+    cpu = time.process_time() - cpu
     chunk = next(model.iter_encoded(CHUNK_ROWS, rng=rng, workers=1))
     labels = arrow_dictionaries(model.schema)
     table = arrow_table(chunk, labels)
+    cpu_write = time.process_time()
     t = time.perf_counter()
     with pq.ParquetWriter(path, table.schema, use_dictionary=list(labels),
                           **PARQUET_OPTIONS) as writer:
         for start in range(0, rows, CHUNK_ROWS):
             n = min(CHUNK_ROWS, rows - start)
             writer.write_table(table if n == CHUNK_ROWS else table.slice(0, n))
-    return draw, time.perf_counter() - t
+    write = time.perf_counter() - t
+    return draw, write, cpu + time.process_time() - cpu_write
 
 
 def stages(model: SynthModel, rows: int) -> dict[str, float]:
@@ -136,21 +141,43 @@ def stages(model: SynthModel, rows: int) -> dict[str, float]:
     return out
 
 
+def rss_mib() -> float:
+    """Current resident set size of this process (Linux /proc)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class RssPeak(threading.Thread):
+    """Samples the RSS every 5 ms until stopped; ``peak`` is the largest sample."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = rss_mib()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, rss_mib())
+
+
 def child(model_path: str, rows: int, trace: bool) -> None:
-    """Write ``rows`` rows; print JSON with seconds, peak RSS (MiB) and peak traced MiB."""
+    """Write ``rows`` rows; print JSON with seconds, RSS before/peak (MiB), peak traced MiB."""
     model = SynthModel.load(model_path)
     with tempfile.TemporaryDirectory() as tmp:
         if trace:
             tracemalloc.start()
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        before = rss_mib()
+        sampler = RssPeak()
+        sampler.start()
         t = time.perf_counter()
         model.write(Path(tmp) / "synth.parquet", rows, rng=np.random.default_rng(5))
         seconds = time.perf_counter() - t
+        sampler.done.set()
+        sampler.join()
         size = (Path(tmp) / "synth.parquet").stat().st_size
         traced = tracemalloc.get_traced_memory()[1] / 2**20 if trace else float("nan")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"rows": rows, "seconds": seconds, "rss_mib": rss,
-                      "rss_before_mib": base, "traced_mib": traced, "bytes": size}))
+    print(json.dumps({"rows": rows, "seconds": seconds, "rss_mib": sampler.peak,
+                      "rss_before_mib": before, "traced_mib": traced, "bytes": size}))
 
 
 def run_child(model_path: Path, rows: int, trace: bool) -> dict[str, float]:
@@ -174,8 +201,11 @@ def main() -> None:
     if args.child:
         child(args.model, args.child, args.trace)
         return
-    rows = 300_000 if args.quick else args.rows
-    rounds = 2 if args.quick else args.rounds
+    run(300_000 if args.quick else args.rows, 2 if args.quick else args.rounds, args.big)
+
+
+def run(rows: int, rounds: int, big_rows: int = 0) -> None:
+    """Print the figures (see the module docstring)."""
     model = build_model()
     p = model.factor_model.dim
     print(f"generation: {len(model.schema.columns)} mixed columns (latent dimension {p}), "
@@ -186,15 +216,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = model.save(Path(tmp) / "model.npz")
         for r in range(rounds):
-            cpu = time.process_time()
-            draw, write = floor_seconds(model, rows, Path(tmp) / "floor.parquet")
-            floor, floor_cpu = draw + write, time.process_time() - cpu
+            draw, write, floor_cpu = floor_seconds(model, rows, Path(tmp) / "floor.parquet")
+            floor = draw + write
             cpu, t = time.process_time(), time.perf_counter()
             model.write(Path(tmp) / "ours.parquet", rows, rng=np.random.default_rng(r))
             ours, ours_cpu = time.perf_counter() - t, time.process_time() - cpu
             t = time.perf_counter()
             model.write(Path(tmp) / "one.parquet", rows, rng=np.random.default_rng(r),
-                        workers=1)
+                        workers=0)
             one = time.perf_counter() - t
             ratios.append(ours / floor)
             ratios_1.append(one / floor)
@@ -217,17 +246,21 @@ def main() -> None:
         small, large = max(rows // 4, 4 * CHUNK_ROWS), 4 * max(rows // 4, 4 * CHUNK_ROWS)
         mem = [run_child(model_path, n, trace=True) for n in (small, large)]
         rss = [run_child(model_path, n, trace=False) for n in (small, large)]
-        big = run_child(model_path, args.big, trace=False) if args.big else None
+        big = run_child(model_path, big_rows, trace=False) if big_rows else None
     print(f"  peak traced memory: {mem[0]['traced_mib']:.0f} MiB at {small:,} rows, "
           f"{mem[1]['traced_mib']:.0f} MiB at {large:,} rows (ratio "
           f"{mem[1]['traced_mib'] / max(mem[0]['traced_mib'], 1e-9):.2f}; 1 = independent of N)")
-    print(f"  peak RSS: {rss[0]['rss_mib']:.0f} MiB at {small:,} rows, {rss[1]['rss_mib']:.0f} "
-          f"MiB at {large:,} rows (ratio {rss[1]['rss_mib'] / rss[0]['rss_mib']:.2f}; "
-          f"{rss[0]['rss_before_mib']:.0f} MiB before writing)")
+    grow = [r["rss_mib"] - r["rss_before_mib"] for r in rss]
+    print(f"  peak RSS while writing: {rss[0]['rss_mib']:.0f} MiB at {small:,} rows, "
+          f"{rss[1]['rss_mib']:.0f} MiB at {large:,} rows (ratio "
+          f"{rss[1]['rss_mib'] / rss[0]['rss_mib']:.2f}); above the "
+          f"{rss[0]['rss_before_mib']:.0f} MiB of the loaded model: {grow[0]:.0f} and "
+          f"{grow[1]:.0f} MiB")
     if big is not None:
-        print(f"  {args.big:,} rows: {big['seconds']:.1f}s ({args.big / big['seconds']:,.0f} "
-              f"rows/s), peak RSS {big['rss_mib']:.0f} MiB, {big['bytes'] / 2**30:.2f} GiB "
-              f"({big['bytes'] / args.big:.0f} bytes/row)")
+        print(f"  {big_rows:,} rows: {big['seconds']:.1f}s ({big_rows / big['seconds']:,.0f} "
+              f"rows/s), peak RSS {big['rss_mib']:.0f} MiB ({big['rss_before_mib']:.0f} MiB "
+              f"before writing), {big['bytes'] / 2**30:.2f} GiB "
+              f"({big['bytes'] / big_rows:.0f} bytes/row)")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ log = logging.getLogger(__name__)
 CHUNK_ROWS = 131072
 #: Simulated rows of the final calibration.
 CALIBRATION_ROWS = 200_000
-#: Most threads :func:`iter_samples` uses by default (beyond it the Parquet writer, one
-#: thread, is the limit).
+#: Most background threads :func:`iter_samples` uses by default (beyond it the Parquet
+#: writer, one thread, is the limit).
 MAX_WORKERS = 4
 _NOMINAL_STEPS = 6
 _T = TypeVar("_T")
@@ -245,23 +245,28 @@ def decoding_links(links: LatentLinks, calibrated: list[np.ndarray | None]) -> L
 
 
 def default_workers() -> int:
-    """Threads for :func:`iter_samples`: the CPUs this process may use, at most ``MAX_WORKERS``."""
+    """Return the default number of background threads of :func:`iter_samples`.
+
+    One fewer than the CPUs this process may use (that one is the consumer's, e.g. the Parquet
+    writer's), at most ``MAX_WORKERS``; 0 (draw in the calling thread) on a single CPU.
+    """
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover -- platforms without sched_getaffinity
         cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_WORKERS))
+    return max(0, min(cpus - 1, MAX_WORKERS))
 
 
 def in_order(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
-    """Yield ``map(fn, items)`` computed on ``workers`` threads, in order.
+    """Yield ``map(fn, items)`` computed on ``workers`` background threads, in order.
 
     At most ``workers + 1`` results are computed ahead of the consumer, so memory stays
-    bounded however many items there are.
+    bounded however many items there are; ``workers = 0`` computes each item in the
+    consumer's thread when it asks for it.
 
     Worth it only where ``fn`` spends its time outside the GIL (numpy, BLAS, pyarrow).
     """
-    if workers <= 1:
+    if workers <= 0:
         yield from map(fn, items)
         return
     pending: deque[Future[_R]] = deque()
@@ -284,14 +289,14 @@ def iter_samples(model: FactorModel, decode: LatentLinks, n_rows: int,
     """Yield ``n_rows`` synthetic rows in chunks of at most ``chunk_rows`` (post-processing).
 
     Each chunk is drawn with its own generator derived from ``rng`` in chunk order
-    (:func:`dpfed.common.privacy.rng.derived_rng`), so ``workers`` threads (default
-    :func:`default_workers`) can draw and decode chunks in parallel and the rows depend on
-    ``rng`` and ``chunk_rows`` only, never on ``workers``. At most ``workers + 1`` chunks are
-    computed ahead of the consumer.
+    (:func:`dpfed.common.privacy.rng.derived_rng`), so ``workers`` background threads (default
+    :func:`default_workers`; 0: the calling thread) can draw and decode chunks in parallel,
+    while the consumer writes, and the rows depend on ``rng`` and ``chunk_rows`` only, never
+    on ``workers``. At most ``workers + 1`` chunks are computed ahead of the consumer.
     """
     n = check_int(n_rows, "n_rows", minimum=0)
     size = check_int(chunk_rows, "chunk_rows", minimum=1)
-    threads = default_workers() if workers is None else check_int(workers, "workers", minimum=1)
+    threads = default_workers() if workers is None else check_int(workers, "workers", minimum=0)
     if decode.dim != model.dim:
         raise ValidationError(f"links have dimension {decode.dim}, the model {model.dim}")
 

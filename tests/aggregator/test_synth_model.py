@@ -132,7 +132,7 @@ def test_schema_of_the_fixture_has_every_column_type() -> None:
 def test_parallel_write_equals_one_thread_and_reports_progress(tmp_path: Path) -> None:
     model = build()
     seen: list[tuple[int, int]] = []
-    model.write(tmp_path / "one.parquet", 20_000, chunk_rows=3000, workers=1,
+    model.write(tmp_path / "one.parquet", 20_000, chunk_rows=3000, workers=0,
                 rng=np.random.default_rng(7))
     model.write(tmp_path / "two.parquet", 20_000, chunk_rows=3000, workers=2,
                 rng=np.random.default_rng(7), progress=lambda w, t: seen.append((w, t)))
