@@ -244,9 +244,8 @@ class SynthModel:
         Memory does not depend on ``rows``: at most ``workers + 2`` chunks of ``chunk_rows``
         rows exist at a time (drawn on ``workers`` background threads while this thread
         writes; pyarrow writes without the GIL). Every chunk is one Parquet row group.
-        ``progress(written,
-        total)`` is called after every chunk. The file appears under its name only when
-        complete (written to ``<name>.partial`` first).
+        ``progress(written, total)`` is called after every chunk. The file appears under its
+        name only when complete (written to ``<name>.partial`` first).
         """
         out = Path(path)
         kind = output_format(out, fmt)
