@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +170,17 @@ def test_cli_progress_lines_for_long_writes(capsys: pytest.CaptureFixture[str]) 
     quiet = write_progress("out.parquet")  # a write shorter than 2 s prints nothing
     quiet(500, 1000)
     assert capsys.readouterr().err == ""
+
+
+def test_write_memory_does_not_grow_with_the_row_count(tmp_path: Path) -> None:
+    model = build()
+    peaks = []
+    for rows in (4 * 8192, 24 * 8192):
+        tracemalloc.start()
+        model.write(tmp_path / f"m{rows}.parquet", rows, chunk_rows=8192, workers=1,
+                    rng=np.random.default_rng(8))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    # At most workers + 2 chunks exist at a time, whatever the row count (a chunk of 8192
+    # rows is ~0.4 MB here; holding all 24 chunks would be ~10 MB).
+    assert peaks[1] < 1.5 * peaks[0] + 2**20, peaks
