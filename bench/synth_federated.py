@@ -27,10 +27,9 @@ training row over the median distance of holdout rows to the training rows (1 = 
 fresh data; < 1 closer), ``nndr`` median nearest-neighbour distance ratio. Ratios printed:
 ``tvd1 / tvd1(indep)`` (goal <= 1.2) and federated / ours-1site.
 
-Part 2 -- generation at the coordinator: a model over 20 mixed columns writes ``--rows`` rows
-to Parquet in chunks; rows/s, against a floor measured in the same run (drawing the same
-number of standard normals, n x p, and nothing else); peak traced memory for N and 4N rows
-(must not grow with N).
+Part 2 -- generation at the coordinator: ``bench/synth_generation.py`` (a model over 20 mixed
+columns writes ``--rows`` rows to Parquet; rows/s against a floor measured in the same run --
+the normal draws and their product plus writing a pre-built table -- and memory at N and 4N).
 
 Part 3 -- fitting the model (correlation correction included) at latent dimension 200 and
 400, and the old ``latent_correlation`` at 200 for the ratio.
@@ -43,9 +42,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +53,6 @@ from scipy import special
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
-from dpfed.common.data.demo_data import generate_demo  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import (  # noqa: E402
     ContinuousColumn,
@@ -339,53 +335,11 @@ def part_quality(n_per_site: int, epsilons: list[float], seed: int) -> None:
 
 
 def part_generation(rows: int) -> None:
-    schema, frames = generate_demo(1, 20_000, 20, seed=3, mixed=True)
-    table, _ = encode_table(schema, frames[0])
-    rng = np.random.default_rng(0)
-    acc = LinkHistogramAccumulator(schema, BINS)
-    acc.add(table)
-    props = proportions_from_histograms(acc.counts.astype(float), schema, BINS)
-    links = links_from_proportions(schema, props, BINS)
-    dim = links.dim
-    clip = default_clip_norm(dim)
-    unit, _ = clip_to_unit_ball(links.to_latent(table, rng), clip)
-    g = dppca.GramAccumulator(dim)
-    g.add(unit)
-    est = dppca.combine([dppca.site_release(g.gram(), table.n_rows, epsilon=1.0, delta=1e-6,
-                                            rank=dim, rng=rng).factor], dim)
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
-    model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
-                             n_bins=BINS, proportions=props, factor_model=fm,
-                             dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)
-    print(f"\nPart 2: generation, {len(schema.columns)} mixed columns (latent dim {dim}), "
-          f"{rows:,} rows streamed to Parquet")
-    t = time.perf_counter()
-    for s in range(0, rows, 131072):
-        rng.standard_normal((min(131072, rows - s), dim))
-    floor = time.perf_counter() - t
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        model.write(Path(tmp) / "synth.parquet", rows, rng=rng)
-        total = time.perf_counter() - t
-        t = time.perf_counter()
-        for _chunk in model.iter_encoded(rows, rng=rng):
-            pass
-        sampling = time.perf_counter() - t
-        peaks = []
-        for n in (max(rows // 4, 4 * 131072), max(rows, 16 * 131072)):
-            tracemalloc.start()
-            model.write(Path(tmp) / f"m{n}.parquet", n, rng=rng)
-            peaks.append(tracemalloc.get_traced_memory()[1] / 2 ** 20)
-            tracemalloc.stop()
-    print(f"  floor (normal draws only): {rows / floor:,.0f} rows/s")
-    print(f"  sampling + decoding:       {rows / sampling:,.0f} rows/s "
-          f"(x{sampling / floor:.1f} the floor)")
-    print(f"  sampling + Parquet write:  {rows / total:,.0f} rows/s (x{total / floor:.1f} the "
-          "floor)")
-    n_small, n_big = max(rows // 4, 4 * 131072), max(rows, 16 * 131072)
-    print(f"  peak traced memory: {peaks[0]:.0f} MiB at {n_small:,} rows, {peaks[1]:.0f} MiB "
-          f"at {n_big:,} rows (ratio {peaks[1] / max(peaks[0], 1e-9):.2f}; 1 = independent "
-          "of N)")
+    """Generation speed and memory: ``bench/synth_generation.py`` (floor measured in the run)."""
+    import synth_generation  # bench/ is on sys.path when this script runs
+
+    print(f"\nPart 2: generation at the coordinator, {rows:,} rows streamed to Parquet")
+    synth_generation.run(rows, rounds=2)
 
 
 def _wide_links(p: int) -> Any:
