@@ -205,7 +205,7 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", *conn)
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.count("links") == 3 and plan.stdout.count("pca") == 3
-    assert "1.2" in plan.stdout and "0.8" in plan.stdout  # 60 % / 40 % of epsilon 2
+    assert "1.6" in plan.stdout and "0.4" in plan.stdout  # 80 % / 20 % of epsilon 2
     assert all(ledger_tasks(fed, s) == [] for s in fed.site_ids)  # --plan charges nothing
     bad = run("synth", "--epsilon", "2", "--delta", "1e-5", "--rows", "0", *conn)
     assert bad.returncode != 0 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
