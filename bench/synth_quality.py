@@ -112,7 +112,8 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
         g.add(unit)
         factors.append(dppca.site_release(g.gram(), t.n_rows, epsilon=ep, delta=dp, rank=dim,
                                           rng=rng).factor)
-    est = combine_factors(factors, [t.n_rows for t in tables], dim)
+    rows = [t.n_rows for t in tables]
+    est = combine_factors(factors, rows, dim)
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
     dpc = dp_second_moment(est, dim)
     d = np.sqrt(np.diag(dpc))

@@ -8,8 +8,8 @@ statistics:
 
 1. :func:`links_from_histograms` -- summed DP histograms -> DP proportions -> links;
 2. :func:`combine_factors` -- the sites' DP-PCA factors -> one estimate (size weighted);
-3. :func:`dpfed.common.synth.generative.fit_factor_model` (generative) or
-   :func:`row_aligned_model` (row-aligned) -- the factor model;
+3. :func:`dpfed.common.synth.generative.fit_factor_model` (generative, with the correlation
+   correction) or :func:`row_aligned_model` (row-aligned) -- the factor model;
 4. :func:`calibrated_links` -- the final per-column calibration: decoding links under which
    the model's latent reproduces every released DP marginal.
 
