@@ -92,8 +92,12 @@ def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFra
 
 def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
                   links_share: tuple[float, float], n_bins: int,
-                  rng: np.random.Generator) -> SynthModel:
-    """The ``synth`` job's rounds through the same site and coordinator functions."""
+                  rng: np.random.Generator, weighting: str = "size") -> SynthModel:
+    """The ``synth`` job's rounds through the same site and coordinator functions.
+
+    ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
+    of the job's size weights (for the weighting check).
+    """
     el, dl = links_share[0] * eps, links_share[1] * delta
     ep, dp = (1.0 - links_share[0]) * eps, (1.0 - links_share[1]) * delta
     rels = []
@@ -113,7 +117,8 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
         factors.append(dppca.site_release(g.gram(), t.n_rows, epsilon=ep, delta=dp, rank=dim,
                                           rng=rng).factor)
     rows = [t.n_rows for t in tables]
-    est = combine_factors(factors, rows, dim)
+    est = (combine_factors(factors, rows, dim) if weighting == "size"
+           else dppca.combine(factors, dim))
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
     dpc = dp_second_moment(est, dim)
     d = np.sqrt(np.diag(dpc))
@@ -327,6 +332,41 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
     return rows
 
 
+#: Fractions of each non-IID site's rows kept by the weighting check (unequal sizes).
+UNEQUAL = (1.0, 0.45, 0.2, 0.08)
+
+
+def weighting_check(table: str, epsilons: list[float], links_share: tuple[float, float],
+                    n_bins: int, seed: int, reps: int) -> None:
+    """Non-IID sites of unequal sizes: the factors combined with size vs equal weights."""
+    schema, frame, target = load(table, seed)
+    sites_non, holdout = split_sites(frame, N_SITES, iid=False, seed=seed)
+    sites = [s.iloc[:max(int(len(s) * f), 50)] for s, f in zip(sites_non, UNEQUAL, strict=True)]
+    train = pd.concat(sites, ignore_index=True)
+    metrics = Metrics(schema, target, train, holdout, n_bins)
+    enc = [encode_table(schema, s)[0] for s in sites]
+    print(f"\n{table}: weighting check, non-IID sites of {[len(s) for s in sites]} rows; "
+          "mean over noise draws of tvd2 / corr / auc; ratio equal/size (> 1: size is better)")
+    for eps in epsilons:
+        out = {}
+        for weighting in ("size", "equal"):
+            vals = []
+            for rep in range(reps):
+                rng = np.random.default_rng([seed, int(eps * 100), rep, 7])
+                model = fit_federated(schema, enc, eps, DELTA, links_share, n_bins, rng,
+                                      weighting)
+                syn = model.sample(len(train), rng=rng)
+                t2 = metrics.tvds(syn)[1]
+                corr = table_correlation_error(holdout, syn, schema).mean_abs
+                vals.append((t2, corr, metrics.auc(syn)))
+            out[weighting] = np.mean(vals, axis=0)
+        size, equal = out["size"], out["equal"]
+        print(f"  eps {eps:g}: size {size[0]:.4f} / {size[1]:.4f} / {size[2]:.4f}   equal "
+              f"{equal[0]:.4f} / {equal[1]:.4f} / {equal[2]:.4f}   ratio "
+              f"{equal[0] / size[0]:.2f} / {equal[1] / size[1]:.2f} / "
+              f"{(size[2] - 0.5) / max(equal[2] - 0.5, 1e-9):.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", choices=("flchain", "health_insurance", "generated", "all"),
@@ -339,6 +379,8 @@ def main() -> None:
                     help="delta share of the link round (default: the job's)")
     ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--weighting-check", action="store_true",
+                    help="also compare size vs equal factor weights on unequal non-IID sites")
     ap.add_argument("--reps", type=int, default=3,
                     help="noise repetitions averaged per epsilon (same data split)")
     args = ap.parse_args()
@@ -346,6 +388,9 @@ def main() -> None:
               else [args.table])
     for table in tables:
         run(table, args.eps, (args.split, args.delta_split), args.bins, args.seed, args.reps)
+        if args.weighting_check:
+            weighting_check(table, args.eps, (args.split, args.delta_split), args.bins,
+                            args.seed, args.reps)
 
 
 if __name__ == "__main__":
