@@ -329,6 +329,13 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
         show(eps, mean["central"], mean["indep"]["tvd1"], None)
         for name in ("fed-iid", "fed-noniid"):
             show(eps, mean[name], mean["indep-fed"]["tvd1"], mean["central"])
+    print("federated / central per metric (errors fed/central; auc, dcr, nndr central/fed; "
+          "goal <= 1.2):")
+    print(f"{'eps':>10} {'method':>10} " + " ".join(f"{k:>8}" for k in ERRORS + HIGHER))
+    for row in rows:
+        if "fed_central" in row and row.get("fed_central"):
+            print(f"{row['eps']!s:>10} {row['method'][:10]:>10} " + " ".join(
+                f"{row['fed_central'][k]:>8.2f}" for k in ERRORS + HIGHER))
     return rows
 
 

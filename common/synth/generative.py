@@ -30,7 +30,7 @@ from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.errors import ValidationError
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.synth.correlation import fast_latent_correlation
-from dpfed.common.synth.factor_model import (
+from dpfed.common.synth.latent_model import (
     choose_rank,
     dp_second_moment,
     latent_rescaling,
