@@ -35,16 +35,15 @@ from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
 from dpfed.common.synth.generative import (
-    CALIBRATION_ROWS,
     CHUNK_ROWS,
     FactorModel,
-    calibrate_proportions,
     default_workers,
     in_order,
     iter_samples,
 )
 from dpfed.common.synth.link_release import links_from_proportions, split_proportions
 from dpfed.common.synth.links import LatentLinks
+from dpfed.common.synth.pipeline import aligned_latent, calibrated_links
 from dpfed.common.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -156,15 +155,11 @@ class SynthModel:
               metadata: Mapping[str, Any] | None = None) -> SynthModel:
         """Assemble a model and run the final per-column calibration (post-processing).
 
-        Generative mode calibrates on ``CALIBRATION_ROWS`` simulated latent rows; row-aligned
-        mode on the reconstructed latent rows themselves.
+        :func:`dpfed.common.synth.pipeline.calibrated_links`: generative mode calibrates on
+        simulated latent rows, row-aligned mode on the reconstructed latent rows themselves.
         """
         links = links_from_proportions(schema, proportions, n_bins, continuous_link)
-        if factors is None:
-            latent = factor_model.latent(CALIBRATION_ROWS, rng)
-        else:
-            latent = cls._aligned_latent(factors, factor_model)
-        calibrated = calibrate_proportions(latent, links)
+        _, calibrated = calibrated_links(links, factor_model, rng, factors)
         blocks = split_proportions(proportions, schema, n_bins)
         decode = np.concatenate([blocks[c.name] if p is None else p
                                  for c, p in zip(schema.columns, calibrated, strict=True)])
@@ -174,7 +169,7 @@ class SynthModel:
 
     @staticmethod
     def _aligned_latent(factors: np.ndarray, fm: FactorModel) -> np.ndarray:
-        return np.asarray(factors @ (fm.loadings.T * fm.multiplier[None, :]))
+        return aligned_latent(factors, fm)
 
     # ------------------------------------------------------------------ links
     @property

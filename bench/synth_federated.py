@@ -2,30 +2,11 @@
 
 Part 1 -- quality. Data: 11 mixed columns like a small health/insurance table -- 4
 continuous (log-normal length of stay, bimodal lab, skewed cost, Gaussian age), 3 ordinal, 3
-nominal and a binary ``outcome`` -- from a latent Gaussian with a factor structure. Pooled
-training rows split over 4 sites (IID: at random; non-IID: sorted by the first latent factor,
-so sites differ systematically), plus a holdout of real rows. At every epsilon in
-{0.5, 1, 2, 5} (per site; delta 1e-6) and in one run:
-
-* ``indep``: every column sampled independently from its own DP histogram (the same Gaussian
-  histogram release, all of the budget, pooled rows as one site) -- the "independent DP
-  marginals" baseline; ``indep-fed``: the same with the 4 IID sites each releasing (the
-  baseline the federated rows' ``tvd1/indep`` ratio uses);
-* ``central-FM``: the library's central ``FactorModelSynthesizer`` (generative, identity links)
-  on the pooled rows;
-* ``ours-1site``: this job's pipeline (quantile links, correction, calibration) on the pooled
-  rows as one site;
-* ``fed-iid`` / ``fed-noniid``: the same pipeline with 4 sites, run through the site and
-  coordinator functions the job uses.
-
-Metrics (against the real holdout unless said otherwise): ``tvd1`` mean 1-way TVD (continuous
-columns on 20 equal-width bins), ``tvd2``/``tvd2max`` mean/max 2-way TVD over all column pairs
-(continuous on 5 bins), ``corr`` mean |correlation difference| (UnitBallMap encoding), ``auc``
-of a logistic regression for ``outcome`` trained on the synthetic rows and tested on the
-holdout (``real`` row: trained on the training rows), ``dcr`` median distance to the closest
-training row over the median distance of holdout rows to the training rows (1 = as close as
-fresh data; < 1 closer), ``nndr`` median nearest-neighbour distance ratio. Ratios printed:
-``tvd1 / tvd1(indep)`` (goal <= 1.2) and federated / ours-1site.
+nominal and a binary ``outcome`` -- from a latent Gaussian with a factor structure
+(:func:`make_data`). The table, the methods (independent DP marginals, the central
+``FactorModelSynthesizer``, the federated job with IID and non-IID sites), the metrics and the
+ratios are those of ``bench/synth_quality.py --table generated``, which also runs the real
+tables.
 
 Part 2 -- generation at the coordinator: ``bench/synth_generation.py`` (a model over 20 mixed
 columns writes ``--rows`` rows to Parquet; rows/s against a floor measured in the same run --
@@ -52,40 +33,24 @@ from scipy import special
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
-from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import (  # noqa: E402
     ContinuousColumn,
     NominalColumn,
     OrdinalColumn,
     Schema,
 )
-from dpfed.common.evaluation.disclosure import (  # noqa: E402
-    nearest_neighbours,
-    neighbour_distance_ratio,
-    standardize,
-)
-from dpfed.common.evaluation.utility_metrics import table_correlation_error  # noqa: E402
-from dpfed.common.pca import dppca  # noqa: E402
+from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.pca.dppca import PCAEstimate  # noqa: E402
-from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.synth.factor_model import (  # noqa: E402
-    FactorModelSynthesizer,
     dp_second_moment,
     latent_correlation,
 )
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
-    LinkHistogramAccumulator,
     histogram_sizes,
     links_from_proportions,
-    proportions_from_histograms,
-    release_link_histograms,
-    sum_histograms,
 )
-from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
 
-SPLIT = {"links": (0.6, 0.5), "pca": (0.4, 0.5)}
 BINS = 32
 SCHEMA = Schema((
     ContinuousColumn("los", 0.0, 60.0), ContinuousColumn("lab", -10.0, 10.0),
@@ -126,212 +91,16 @@ def make_data(n: int, seed: int) -> tuple[pd.DataFrame, np.ndarray]:
     return frame, f[:, 0]
 
 
-# --------------------------------------------------------------------------- methods
-
-
-def fit_federated(tables: list[EncodedTable], eps: float, delta: float,
-                  rng: np.random.Generator) -> SynthModel:
-    """The job's rounds, run through the same site and coordinator functions."""
-    el, dl = SPLIT["links"][0] * eps, SPLIT["links"][1] * delta
-    ep, dp = SPLIT["pca"][0] * eps, SPLIT["pca"][1] * delta
-    rels = []
-    for t in tables:
-        acc = LinkHistogramAccumulator(SCHEMA, BINS)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, SCHEMA, epsilon=el, delta=dl, rng=rng))
-    props = proportions_from_histograms(sum_histograms(rels, SCHEMA, BINS), SCHEMA, BINS,
-                                        n_rows=sum(t.n_rows for t in tables))
-    links = links_from_proportions(SCHEMA, props, BINS)
-    dim = links.dim
-    clip = default_clip_norm(dim)
-    factors = []
-    for t in tables:
-        unit, _ = clip_to_unit_ball(links.to_latent(t, rng), clip)
-        g = dppca.GramAccumulator(dim)
-        g.add(unit)
-        factors.append(dppca.site_release(g.gram(), t.n_rows, epsilon=ep, delta=dp, rank=dim,
-                                          rng=rng).factor)
-    est = dppca.combine(factors, dim)
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
-    dpc = dp_second_moment(est, dim)
-    d = np.sqrt(np.diag(dpc))
-    return SynthModel.build(SCHEMA, mode="generative", continuous_link="quantile", n_bins=BINS,
-                            proportions=props, factor_model=fm, dp_correlation=dpc / np.outer(d, d),
-                            rng=rng, latent_correlation=corr)
-
-
-def independent_marginals(tables: list[EncodedTable], eps: float, delta: float, n: int,
-                          rng: np.random.Generator) -> pd.DataFrame:
-    """Every column from its own DP histogram (all of the budget; summed over the sites)."""
-    rels = []
-    for t in tables:
-        acc = LinkHistogramAccumulator(SCHEMA, BINS)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, SCHEMA, epsilon=eps, delta=delta,
-                                            rng=rng))
-    props = proportions_from_histograms(sum_histograms(rels, SCHEMA, BINS), SCHEMA, BINS,
-                                        n_rows=sum(t.n_rows for t in tables))
-    links = links_from_proportions(SCHEMA, props, BINS)
-    # Independent standard normal latent: every column from its own DP marginal, no joint.
-    return links.from_latent(rng.standard_normal((n, links.dim))).to_frame()
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def _binned(frame: pd.DataFrame, bins: int) -> dict[str, np.ndarray]:
-    table, _ = encode_table(SCHEMA, frame)
-    out = {}
-    for col in SCHEMA.columns:
-        v = table.columns[col.name]
-        if isinstance(col, ContinuousColumn):
-            w = (col.max - col.min) / bins
-            out[col.name] = np.clip(((v - col.min) / w).astype(int), 0, bins - 1)
-        else:
-            out[col.name] = v.astype(int)
-    return out
-
-
-def _tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
-    pa = np.bincount(a, minlength=size) / a.size
-    pb = np.bincount(b, minlength=size) / b.size
-    return 0.5 * float(np.abs(pa - pb).sum())
-
-
-def _size(col: Any, bins: int) -> int:
-    if isinstance(col, ContinuousColumn):
-        return bins
-    return col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
-
-
-def tvds(real: pd.DataFrame, syn: pd.DataFrame) -> tuple[float, float, float]:
-    r1, s1 = _binned(real, 20), _binned(syn, 20)
-    one = [_tvd(r1[c.name], s1[c.name], _size(c, 20)) for c in SCHEMA.columns]
-    r2, s2 = _binned(real, 5), _binned(syn, 5)
-    two = []
-    cols = SCHEMA.columns
-    for i in range(len(cols)):
-        for j in range(i + 1, len(cols)):
-            a, b = cols[i], cols[j]
-            sb = _size(b, 5)
-            size = _size(a, 5) * sb
-            two.append(_tvd(r2[a.name] * sb + r2[b.name], s2[a.name] * sb + s2[b.name], size))
-    return float(np.mean(one)), float(np.mean(two)), float(np.max(two))
-
-
-def _features(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    table, _ = encode_table(SCHEMA, frame)
-    y = (table.columns["outcome"] == 1).astype(float)
-    x = UnitBallMap(SCHEMA).scaled(table)
-    names = feature_names(SCHEMA)
-    keep = [i for i, nm in enumerate(names) if not nm.startswith("outcome")]
-    return x[:, keep], y
-
-
-def logistic_auc(train: pd.DataFrame, test: pd.DataFrame) -> float:
-    """L2-regularised logistic regression (Newton steps, numpy) -> AUC on ``test``."""
-    x, y = _features(train)
-    xt, yt = _features(test)
-    if y.min() == y.max():
-        return 0.5
-    x1 = np.hstack([x, np.ones((x.shape[0], 1))])
-    w = np.zeros(x1.shape[1])
-    lam = 1e-3 * x1.shape[0]
-    for _ in range(25):
-        pr = special.expit(x1 @ w)
-        grad = x1.T @ (pr - y) + lam * w
-        hess = (x1 * (pr * (1 - pr))[:, None]).T @ x1 + lam * np.eye(x1.shape[1])
-        w -= np.linalg.solve(hess, grad)
-    score = np.hstack([xt, np.ones((xt.shape[0], 1))]) @ w
-    ranks = pd.Series(score).rank().to_numpy()
-    pos = yt == 1
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def privacy(train: pd.DataFrame, syn: pd.DataFrame, holdout: pd.DataFrame,
-            m: int = 3000) -> tuple[float, float]:
-    fmap = UnitBallMap(SCHEMA)
-    enc = [fmap.scaled(encode_table(SCHEMA, f.iloc[:m])[0]) for f in (train, syn, holdout)]
-    tr, sy, ho = standardize(*enc)
-    nb = nearest_neighbours(sy, tr, k=2)
-    ref = nearest_neighbours(ho, tr, k=1)
-    dcr = float(np.median(nb.distances[:, 0]) / max(np.median(ref.distances[:, 0]), 1e-12))
-    return dcr, float(np.median(neighbour_distance_ratio(nb)))
-
-
-def evaluate(name: str, syn: pd.DataFrame, train: pd.DataFrame, holdout: pd.DataFrame,
-             seconds: float) -> dict[str, Any]:
-    t1, t2, t2m = tvds(holdout, syn)
-    corr = table_correlation_error(holdout, syn, SCHEMA).mean_abs
-    dcr, nndr = privacy(train, syn, holdout)
-    return {"method": name, "tvd1": t1, "tvd2": t2, "tvd2max": t2m, "corr": corr,
-            "auc": logistic_auc(syn, holdout), "dcr": dcr, "nndr": nndr, "s": seconds}
-
-
 # --------------------------------------------------------------------------- parts
 
 
 def part_quality(n_per_site: int, epsilons: list[float], seed: int) -> None:
-    frame, factor = make_data(5 * n_per_site, seed)
-    train, holdout = frame.iloc[:4 * n_per_site], frame.iloc[4 * n_per_site:]
-    f_train = factor[:4 * n_per_site]
-    pooled, _ = encode_table(SCHEMA, train)
-    iid = np.array_split(np.random.default_rng(seed).permutation(len(train)), 4)
-    order = np.argsort(f_train + 0.5 * np.random.default_rng(seed + 1).standard_normal(
-        len(train)))
-    noniid = np.array_split(order, 4)
-    splits = {"fed-iid": iid, "fed-noniid": noniid}
-    n = len(train)
-    delta = 1e-6
-    print(f"\nPart 1: quality, {n} training rows (4 sites x {n_per_site}), {len(holdout)} "
-          f"holdout rows, {len(SCHEMA.columns)} columns, delta {delta:g}")
-    base = evaluate("holdout-vs-holdout(real train)", train.iloc[:len(holdout)], train,
-                    holdout, 0.0)
-    base["auc"] = logistic_auc(train, holdout)
-    header = ("eps", "method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s",
-              "tvd1/indep", "vs 1site")
-    print(" ".join(f"{h:>10}" for h in header))
+    """Part 1: the quality table of ``bench/synth_quality.py`` on this generated table."""
+    import synth_quality
 
-    def show(eps: float | str, row: dict[str, Any], indep: float | None,
-             one: dict[str, Any] | None) -> None:
-        r1 = "" if indep is None else f"{row['tvd1'] / indep:.2f}"
-        vs = ""
-        if one is not None:
-            vs = "/".join(f"{row[k] / one[k]:.2f}" for k in ("tvd1", "tvd2", "corr"))
-        cells = [str(eps), row["method"][:10]] + [f"{row[k]:.4f}" for k in (
-            "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr")] + [f"{row['s']:.1f}",
-                                                                        r1, vs]
-        print(" ".join(f"{c:>10}" for c in cells), flush=True)
-
-    show("real", base, None, None)
-    for eps in epsilons:
-        rng = np.random.default_rng(seed + int(eps * 100))
-        t = time.perf_counter()
-        indep = independent_marginals([pooled], eps, delta, n, rng)
-        ind = evaluate("indep", indep, train, holdout, time.perf_counter() - t)
-        show(eps, ind, ind["tvd1"], None)
-        t = time.perf_counter()
-        iid_tables = [encode_table(SCHEMA, train.iloc[np.sort(p)])[0] for p in iid]
-        indep_fed = independent_marginals(iid_tables, eps, delta, n, rng)
-        ind_fed = evaluate("indep-fed", indep_fed, train, holdout, time.perf_counter() - t)
-        show(eps, ind_fed, ind_fed["tvd1"], None)
-        t = time.perf_counter()
-        fm = FactorModelSynthesizer(SCHEMA, epsilon=eps, delta=delta, rng=rng).fit(train)
-        cen = evaluate("central-FM", fm.sample(n), train, holdout, time.perf_counter() - t)
-        show(eps, cen, ind["tvd1"], None)
-        t = time.perf_counter()
-        one_model = fit_federated([pooled], eps, delta, rng)
-        one = evaluate("ours-1site", one_model.sample(n, rng=rng), train, holdout,
-                       time.perf_counter() - t)
-        show(eps, one, ind["tvd1"], None)
-        for name, parts in splits.items():
-            tables = [encode_table(SCHEMA, train.iloc[np.sort(p)])[0] for p in parts]
-            t = time.perf_counter()
-            model = fit_federated(tables, eps, delta, rng)
-            row = evaluate(name, model.sample(n, rng=rng), train, holdout,
-                           time.perf_counter() - t)
-            show(eps, row, ind_fed["tvd1"], one)
+    links = SYNTH_DEFAULT_SPLIT["generative"]["links"]
+    synth_quality.run("generated", epsilons, links, BINS, seed, reps=1 if n_per_site < 5000
+                      else 3, n_rows=5 * n_per_site)
 
 
 def part_generation(rows: int) -> None:

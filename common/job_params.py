@@ -165,7 +165,7 @@ SYNTH_ROUNDS: dict[str, tuple[str, ...]] = {
 }
 #: Default (epsilon share, delta share) of each round, per mode.
 SYNTH_DEFAULT_SPLIT: dict[str, dict[str, tuple[float, float]]] = {
-    "generative": {"links": (0.6, 0.5), "pca": (0.4, 0.5)},
+    "generative": {"links": (0.8, 0.5), "pca": (0.2, 0.5)},
     "row_aligned": {"links": (0.2, 0.5), "pca": (0.2, 0.5), "factors": (0.6, 0.0)},
 }
 SYNTH_MAX_BINS = 1024

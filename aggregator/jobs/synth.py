@@ -58,9 +58,9 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
-from dpfed.common.pca.dppca import PCAEstimate, combine
+from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.rng import production_rng
-from dpfed.common.synth.factor_model import dp_second_moment, latent_rescaling
+from dpfed.common.synth.factor_model import dp_second_moment
 from dpfed.common.synth.generative import FactorModel, fit_factor_model
 from dpfed.common.synth.link_release import (
     expected_proportion_error,
@@ -71,6 +71,7 @@ from dpfed.common.synth.link_release import (
     sum_histograms,
 )
 from dpfed.common.synth.links import default_clip_norm, latent_dim
+from dpfed.common.synth.pipeline import combine_factors, row_aligned_model
 from dpfed.common.transport.protocol import JobSpec, TaskResult
 from dpfed.common.validation import check_delta, check_epsilon
 
@@ -202,8 +203,10 @@ class SynthJob(JobType):
                                     round_name="pca", arrays=link_arrays, epsilon=pca_eps,
                                     delta=pca_delta, check_result=check_factor,
                                     progress=(0.35, 0.7), only=order)
+            sites2 = sorted(r2)
             estimate = await asyncio.to_thread(
-                combine, [r2[s].arrays["factor"] for s in sorted(r2)], dim)
+                combine_factors, [r2[s].arrays["factor"] for s in sites2],
+                [int(r2[s].metadata["n_rows"]) for s in sites2], dim)
         clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
         dp_corr = _correlation(dp_second_moment(estimate, dim))
         rng = production_rng()  # post-processing only (simulation, sampling)
@@ -238,10 +241,8 @@ class SynthJob(JobType):
                 only=sorted(r2))
             last_sites = sorted(r3)
             b = max(float(r.spend.noise_scale) for r in r3.values())
-            scale = latent_rescaling(links, v, fm_plain.eigenvalues, clip_norm=clip,
-                                     residual=0.0, factor_noise_variance=2.0 * b * b,
-                                     include_residual=False)
-            fm = FactorModel(v, fm_plain.eigenvalues, 0.0, clip * scale)
+            fm = row_aligned_model(links, v, fm_plain.eigenvalues, clip_norm=clip,
+                                   noise_scale=b)
             factors = np.concatenate([r3[s].arrays["factors"] for s in last_sites])
         ctx.emit("calibrate", "calibrating every column to its released DP marginal", 0.92)
         if secure:

@@ -35,7 +35,7 @@ from dpfed.common.errors import ValidationError
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.rng import derived_rng
 from dpfed.common.synth.correlation import fast_latent_correlation
-from dpfed.common.synth.factor_model import (
+from dpfed.common.synth.latent_model import (
     choose_rank,
     dp_second_moment,
     latent_rescaling,
@@ -129,15 +129,39 @@ class FactorModel:
         return np.asarray(cov * np.outer(self.multiplier, self.multiplier))
 
 
+def build_factor_model(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.ndarray, *,
+                       clip_norm: float, residual: float = 0.0, rescale: bool = True,
+                       factor_noise_variance: float = 0.0,
+                       include_residual: bool = True) -> FactorModel:
+    """Return the :class:`FactorModel` of DP loadings/eigenvalues with its link-unit multiplier.
+
+    The multiplier is ``clip_norm`` times :func:`~dpfed.common.synth.factor_model.
+    latent_rescaling` (``rescale=True``) or ``clip_norm`` alone. Row-aligned models pass the
+    factor noise variance ``2 b^2`` and ``include_residual=False`` (their rows carry the
+    noise, not the residual). Post-processing of DP releases only.
+    """
+    scale = (latent_rescaling(links, loadings, eigenvalues, clip_norm=clip_norm,
+                              residual=residual, factor_noise_variance=factor_noise_variance,
+                              include_residual=include_residual)
+             if rescale else np.ones(links.dim))
+    return FactorModel(np.ascontiguousarray(loadings), np.asarray(eigenvalues, dtype=np.float64),
+                       float(residual) if include_residual else 0.0, clip_norm * scale)
+
+
 def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: float,
                      rng: np.random.Generator, rank: int | None = None,
                      info_threshold: float = 0.8, max_rank: int | None = None,
-                     correct_correlation: bool = True) -> tuple[FactorModel, np.ndarray | None]:
+                     correct_correlation: bool = True, residual: bool = True,
+                     rescale: bool = True, n_simulations: int | None = None
+                     ) -> tuple[FactorModel, np.ndarray | None]:
     """Build the generative factor model from a DP-PCA estimate of the unit-ball latent rows.
 
     Returns the model and the corrected latent correlation (None when not corrected).
     ``estimate`` must have been computed on the latent layout of ``links`` (p = links.dim);
     it should carry all p components (otherwise the complement is filled isotropically).
+    ``residual=False`` drops the PPCA residual, ``rescale=False`` the per-coordinate
+    rescaling; ``n_simulations`` caps the rows of the correlation correction's simulation
+    (default: its own adaptive size).
 
     Privacy
     -------
@@ -157,8 +181,11 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
                         max_rank=max_rank)
     corr: np.ndarray | None = None
     if correct_correlation and bool(np.all(links.standard_normal)):
+        sizes = ({} if n_simulations is None else
+                 {"max_rows": check_int(n_simulations, "n_simulations", minimum=100),
+                  "min_rows": min(20_000, int(n_simulations))})
         corr = fast_latent_correlation(dp_second_moment(estimate, p), links,
-                                       clip_norm=clip_norm, rng=rng)
+                                       clip_norm=clip_norm, rng=rng, **sizes)
         values, vectors = np.linalg.eigh(corr)
         values, vectors = values[::-1], vectors[:, ::-1]
         idx = np.argmax(np.abs(vectors[:, :r]), axis=0)
@@ -169,14 +196,14 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
         kept = np.clip(values[:r], 0.0, None)
         eigenvalues = kept / c2
         left = max(float(np.trace(corr)) - float(kept.sum()), 0.0)
-        residual = left / (p - r) / c2 if r < p else 0.0
+        res = left / (p - r) / c2 if r < p and residual else 0.0
     else:
         loadings = np.ascontiguousarray(estimate.components[:r].T)
         eigenvalues = np.clip(np.asarray(estimate.eigenvalues[:r], dtype=np.float64), 0.0, None)
-        residual = residual_variance(estimate, r, p)
-    scale = latent_rescaling(links, loadings, eigenvalues, clip_norm=clip_norm,
-                             residual=residual)
-    return FactorModel(loadings, eigenvalues, residual, clip_norm * scale), corr
+        res = residual_variance(estimate, r, p) if residual else 0.0
+    model = build_factor_model(links, loadings, eigenvalues, clip_norm=clip_norm, residual=res,
+                               rescale=rescale)
+    return model, corr
 
 
 def _width_one_calibration(z: np.ndarray, target: np.ndarray) -> np.ndarray:
