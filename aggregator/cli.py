@@ -103,7 +103,7 @@ def print_event(event: JobEvent) -> None:
 
 def cmd_sites(args: argparse.Namespace) -> int:
     """List sites."""
-    from dpfed.aggregator.json_views import site_json
+    from dpfed.aggregator.json_views import evaluation_summary_policy, site_json
 
     with connect(args) as coord:
         sites = coord.sites(include_disconnected=args.all)
@@ -120,9 +120,9 @@ def cmd_sites(args: argparse.Namespace) -> int:
                      f"{b.epsilon_spent:.4g}" if b else "?",
                      f"{b.epsilon_remaining:.4g}" if b else "?",
                      f"{b.delta_remaining:.3g}" if b else "?", ",".join(s.allowed_kinds),
-                     s.secure_policy or "off"))
+                     s.secure_policy or "off", evaluation_summary_policy(s)))
     print(format_table(("site", "state", "rows", "eps spent", "eps left", "delta left", "jobs",
-                        "secure aggregation"), rows, right=(2, 3, 4, 5)))
+                        "secure aggregation", "eval summary"), rows, right=(2, 3, 4, 5)))
     return exit_codes.OK
 
 

@@ -405,7 +405,8 @@ class Coordinator:
               noise: str = "auto", reconstruction: str = "least_squares",
               min_sites: int = 0, deadline_seconds: float = 0.0,
               sites: tuple[str, ...] = (),
-              on_event: Callable[[JobEvent], None] | None = None) -> QueryJobResult:
+              on_event: Callable[[JobEvent], None] | None = None,
+              aggregation: str = "site") -> QueryJobResult:
         """Answer a linear workload over a histogram domain with the matrix mechanism.
 
         Parameters
@@ -418,6 +419,9 @@ class Coordinator:
         noise : {"auto", "laplace", "gaussian"}
             Gaussian needs ``delta`` in (0, 1); Laplace needs ``delta = 0``.
         reconstruction : {"least_squares", "nnls", "l1"}
+        aggregation : {"site", "secure"}
+            ``secure``: one secure sum with distributed Skellam noise (one pooled noise draw;
+            needs ``delta`` in (0, 1) and noise ``auto`` or ``gaussian``); docs/queries.md.
         """
         domain: dict[str, Any] = {"columns": [columns] if isinstance(columns, str)
                                   else list(columns)}
@@ -432,6 +436,8 @@ class Coordinator:
                            else np.asarray(workload_matrix, dtype=np.float64).tolist())
         params = {"domain": domain, "workload": w, "strategy": strategy, "noise": noise,
                   "reconstruction": reconstruction}
+        if aggregation != "site":
+            params["aggregation"] = aggregation
         job = self.submit(JobSpec("query", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         if job.state != "succeeded":
@@ -444,14 +450,25 @@ class Coordinator:
                    info_threshold: float = 0.8, min_sites: int = 0,
                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                    on_event: Callable[[JobEvent], None] | None = None,
-                   evaluate_rows: int = 0) -> tuple[pd.DataFrame, SynthModel]:
+                   evaluate_rows: int = 0,
+                   aggregation: str = "site",
+                   evaluate_summary: tuple[float, float] | None = None,
+                   ) -> tuple[pd.DataFrame, SynthModel]:
         """Run a federated DP synthesis job; return a synthetic table and the fitted model.
 
         ``mode="generative"`` (default) samples ``rows`` new rows from the DP model (any
         number, no extra budget; ``model.sample(n)`` / ``model.write(path, n)`` draw more);
         ``mode="row_aligned"`` returns one noisy row per real row (``rows`` must be None).
         ``evaluate_rows > 0`` sends that many synthetic rows to every site, which writes a
-        site-local evaluation report in its own directory (nothing comes back or is charged).
+        site-local evaluation report in its own directory (nothing comes back or is charged);
+        every site then holds out some of its rows from every round to compare against.
+        ``evaluate_summary=(epsilon, delta)`` also asks the sites whose policy allows it for a
+        DP summary of their evaluation, charged at that budget (``model.metadata
+        ["evaluation"]["summaries"]``).
+
+        ``aggregation="secure"`` (generative mode only) sums the sites' histograms and latent
+        Gram matrices under secure aggregation (noise of one row of the pooled data; the
+        coordinator sees only the noisy totals); ``"site"`` (default) noises every site alone.
         The DataFrame is typed: floats within the schema bounds, categoricals with the
         schema's labels (ordered for ordinal columns).
 
@@ -466,7 +483,9 @@ class Coordinator:
                                  continuous_link=continuous_link, n_bins=n_bins, rank=rank,
                                  clip_norm=clip_norm, info_threshold=info_threshold,
                                  min_sites=min_sites, deadline_seconds=deadline_seconds,
-                                 sites=sites, on_event=on_event, evaluate_rows=evaluate_rows)
+                                 sites=sites, on_event=on_event, evaluate_rows=evaluate_rows,
+                                 aggregation=aggregation,
+                                 evaluate_summary=evaluate_summary)
         return model.sample(rows), model
 
     def synth_model(self, *, epsilon: float, delta: float, rows: int | None = None,
@@ -475,7 +494,8 @@ class Coordinator:
                     info_threshold: float = 0.8, min_sites: int = 0,
                     deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                     on_event: Callable[[JobEvent], None] | None = None,
-                    evaluate_rows: int = 0) -> SynthModel:
+                    evaluate_rows: int = 0, aggregation: str = "site",
+                    evaluate_summary: tuple[float, float] | None = None) -> SynthModel:
         """Run a synthesis job and return only the fitted model (see :meth:`synthesize`)."""
         mode = mode.replace("-", "_")
         if mode == "row_aligned":
@@ -489,7 +509,9 @@ class Coordinator:
                                           rank=rank, clip_norm=clip_norm,
                                           info_threshold=info_threshold, min_sites=min_sites,
                                           deadline_seconds=deadline_seconds, sites=sites,
-                                          evaluate_rows=evaluate_rows),
+                                          evaluate_rows=evaluate_rows,
+                                          aggregation=aggregation,
+                                          evaluate_summary=evaluate_summary),
                           on_event=on_event)
         return self.synth_result(job)
 
@@ -499,7 +521,8 @@ class Coordinator:
                    rank: int | None = None, clip_norm: float | None = None,
                    info_threshold: float = 0.8, min_sites: int = 0,
                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
-                   evaluate_rows: int = 0) -> JobSpec:
+                   evaluate_rows: int = 0, aggregation: str = "site",
+                   evaluate_summary: tuple[float, float] | None = None) -> JobSpec:
         """Return the job spec of a synthesis job (what :meth:`synthesize` submits)."""
         params: dict[str, Any] = {"mode": mode.replace("-", "_"),
                                   "continuous_link": continuous_link, "n_bins": n_bins,
@@ -510,6 +533,10 @@ class Coordinator:
             params["clip_norm"] = clip_norm
         if evaluate_rows:
             params["evaluate_rows"] = evaluate_rows
+        if aggregation != "site":
+            params["aggregation"] = aggregation
+        if evaluate_summary is not None:
+            params["summary_epsilon"], params["summary_delta"] = evaluate_summary
         return JobSpec("synth", epsilon, delta, params, min_sites, deadline_seconds,
                        tuple(sites))
 

@@ -32,7 +32,13 @@ def site_json(s: SiteInfo) -> dict[str, Any]:
             "max_epsilon_per_task": s.max_epsilon_per_task,
             "software_version": s.software_version, "schema_digest": s.schema_digest,
             "first_seen": s.first_seen, "last_seen": s.last_seen,
-            "budget": budget_json(s.budget), "secure_aggregation": s.secure_policy or "off"}
+            "budget": budget_json(s.budget), "secure_aggregation": s.secure_policy or "off",
+            "evaluation_summary": evaluation_summary_policy(s)}
+
+
+def evaluation_summary_policy(s: SiteInfo) -> str:
+    """Return a site's ``policy.evaluation_summary``: "dp" when it advertises the DP summary."""
+    return "dp" if "synth_eval_dp" in s.allowed_kinds else "none"
 
 
 def budget_row_json(site_id: str, connected: bool, b: BudgetStatus | None) -> dict[str, Any]:

@@ -45,6 +45,8 @@ class SiteSettings:
     noise_seed: int | None = None
     #: ``[budget.analysts]``: per-analyst epsilon shares, as (analyst id, epsilon) pairs.
     analyst_budgets: tuple[tuple[str, float], ...] = ()
+    #: ``policy.evaluation_summary`` ("none" or "dp").
+    evaluation_summary: str = "none"
 
 
 @dataclass
@@ -155,6 +157,8 @@ class LocalFederation:
         policy = f"[policy]\nallowed_jobs = {json.dumps(list(s.allowed_jobs))}\n"
         if s.max_epsilon_per_task is not None:
             policy += f"max_epsilon_per_task = {s.max_epsilon_per_task}\n"
+        if s.evaluation_summary != "none":
+            policy += f"evaluation_summary = {json.dumps(s.evaluation_summary)}\n"
         shares = "".join(f"{name} = {eps}\n" for name, eps in s.analyst_budgets)
         analysts = f"\n[budget.analysts]\n{shares}" if shares else ""
         testing = ("" if s.noise_seed is None else

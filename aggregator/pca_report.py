@@ -165,7 +165,9 @@ def secure_sentence(result: PCAResult) -> str | None:
             "summed their contributions under pairwise masks; the coordinator saw only the "
             "noisy total, whose Skellam noise (variance "
             f"{s.get('noise_variance_integer', 0):.4g} at fixed-point scale "
-            f"{s.get('scale', 0):.4g}) is calibrated to one row of the pooled data. Every site "
+            f"{s.get('scale', 0):.4g}; the honest sites' shares alone carry at least "
+            f"{s.get('guaranteed_variance_integer', s.get('noise_variance_integer', 0)):.4g}) "
+            "is calibrated to one row of the pooled data. Every site "
             f"sized its share so that the guarantee above holds even if "
             f"{s.get('tolerated_colluders', '?')} other part(ies), the coordinator included, "
             f"pool what they know; the sum took {s.get('attempts', 1)} attempt(s).")

@@ -8,7 +8,8 @@ dpfed query --columns ward,severity | --columns age --bins age=0,18,65,110
 --workload identity|all_range|prefix|marginals|custom [--k K]
 [--workload-file W.npy|W.csv] [--strategy auto|identity|h2|wavelet|prefix|optimized]
 [--noise auto|laplace|gaussian] --epsilon E [--delta D]
-[--reconstruction least_squares|nnls|l1] [--out query.npz|query.csv] [--json]
+[--reconstruction least_squares|nnls|l1] [--aggregation site|secure]
+[--out query.npz|query.csv] [--json]
 dpfed report RESULT.npz [--out report.html]
 """
 
@@ -115,18 +116,25 @@ def cmd_query(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
                              workload_matrix=args.workload_file, strategy=args.strategy,
                              noise=args.noise, reconstruction=args.reconstruction,
                              min_sites=args.min_sites, deadline_seconds=args.deadline,
-                             on_event=None if args.json else on_event)
+                             on_event=None if args.json else on_event,
+                             aggregation=args.aggregation)
+    secure = result.metadata.get("secure")
     if args.out:
         result.save(args.out)
     if args.json:
         print(json.dumps({"job_id": result.metadata["job_id"], "strategy": result.strategy,
-                          "noise": result.noise, "expected_rmse": result.expected_rmse,
+                          "noise": result.noise, "aggregation": args.aggregation,
+                          "secure": secure, "expected_rmse": result.expected_rmse,
                           "identity_expected_rmse": result.identity_expected_rmse,
                           "histogram": _frame_json(result.histogram),
                           "answers": _frame_json(result.answers)}, indent=1, default=str))
         return exit_codes.OK
     print(f"strategy {result.strategy} ({result.noise} noise): expected RMSE per query "
           f"{result.expected_rmse:.4g} (identity {result.identity_expected_rmse:.4g})")
+    if isinstance(secure, dict):
+        print(f"secure aggregation: {len(secure['participants'])} participants "
+              f"({', '.join(secure['participants'])}), tolerating {secure['tolerated_colluders']}"
+              f" colluding parties; {secure['guarantee']}")
     import pandas as pd
 
     with pd.option_context("display.max_rows", 60, "display.width", 160):
@@ -176,6 +184,9 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p.add_argument("--delta", type=float, default=0.0, help="delta per site (Gaussian only)")
     p.add_argument("--reconstruction", default="least_squares",
                    choices=["least_squares", "nnls", "l1"])
+    p.add_argument("--aggregation", default="site", choices=["site", "secure"],
+                   help="site = each site noises its own answers (default); secure = one secure "
+                   "sum with distributed Skellam noise (pooled-data error; needs --delta)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", help="write the result (.npz) or the answers (.csv)")

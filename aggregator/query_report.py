@@ -76,6 +76,16 @@ def query_report(result: QueryJobResult, truth: np.ndarray | None = None,
         "expected RMSE per query (identity)": result.identity_expected_rmse,
         "identity / chosen": gain, "reconstruction": m.get("reconstruction"),
         "strategy digest": m.get("strategy_digest")})
+    secure = m.get("secure")
+    if isinstance(secure, dict):
+        rep.key_values({
+            "aggregation": "secure (distributed Skellam noise, one pooled draw)",
+            "participants": ", ".join(secure.get("participants", [])),
+            "tolerated colluders t": secure.get("tolerated_colluders"),
+            "fixed-point scale s": secure.get("scale"),
+            "sensitivity of Ã (L2, integer)": secure.get("l2_sensitivity_integer"),
+            "pooled noise sigma per answer": secure.get("pooled_noise_sigma"),
+            "guarantee": secure.get("guarantee")})
     rep.image(strategy_plot(result), "expected error per strategy")
     rep.heading("Estimated histogram")
     rep.image(histogram_plot(result, truth), "estimated histogram with error bars")

@@ -91,7 +91,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
     p.add_argument("--aggregation", choices=list(AGGREGATIONS), default="site",
                    help="site = each site noises its own release (default); secure = a secure "
-                        "sum with distributed noise (pooled-data utility)")
+                        "sum with distributed noise (pooled-data utility; --job pca, synth or "
+                        "query)")
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
                    "only: the noise is then not private)")
     p.add_argument("--data", type=Path, action="append", default=[],

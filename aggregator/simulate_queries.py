@@ -143,7 +143,9 @@ def _run_svt(fed: LocalFederation, coord: Any, opts: Any, rep: Report,
 
 def _run_query(fed: LocalFederation, coord: Any, opts: Any, rep: Report, progress: Any,
                out: Path) -> list[str]:
-    lines = [f"dpfed simulate --job query: epsilon {opts.epsilon:g} per site"]
+    lines = [f"dpfed simulate --job query: epsilon {opts.epsilon:g} per site"
+             + (f", delta {opts.delta:g}, secure aggregation" if opts.aggregation == "secure"
+                else "")]
     jobs: tuple[tuple[str, Any, dict[str, Any], list[Any]], ...] = (
         ("age-ranges", ["age"], {"bins": {"age": 32}, "workload": "all_range"},
          [{"per": "age", "bins": 32}]),
@@ -151,6 +153,8 @@ def _run_query(fed: LocalFederation, coord: Any, opts: Any, rep: Report, progres
          [{"cross": ["ward", "severity"]}]),
     )
     for tag, cols, kw, raw in jobs:
+        if opts.aggregation == "secure":  # Skellam noise: an (epsilon, delta) mechanism
+            kw = {**kw, "aggregation": "secure", "delta": opts.delta}
         res: QueryJobResult = coord.query(cols, epsilon=opts.epsilon, on_event=progress, **kw)
         res.save(out / f"query-{tag}.npz")
         res.save(out / f"query-{tag}.csv")

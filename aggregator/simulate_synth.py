@@ -20,7 +20,8 @@ from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.simulation_output import say
 from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
-from dpfed.common.errors import DpfedError, JobFailedError
+from dpfed.common.errors import DpfedError, JobFailedError, ValidationError
+from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 from dpfed.common.transport.protocol import JobEvent
 
 if TYPE_CHECKING:
@@ -34,6 +35,12 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     """Run the synthesis simulation (``opts.out`` already prepared); return an exit code."""
     out = opts.out.resolve()
     t0 = time.monotonic()
+    # --synth-mode / --aggregation combinations are refused before anything starts
+    try:
+        SynthParams.from_mapping({"mode": opts.synth_mode, "aggregation": opts.aggregation},
+                                 latent_dim=SYNTH_MAX_LATENT_DIM)
+    except ValidationError as exc:
+        raise ValidationError(str(exc).replace("--mode", "--synth-mode")) from None
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if not opts.data:
         say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} mixed "
@@ -64,7 +71,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                           rows=None if opts.synth_mode == "row_aligned"
                                           else opts.synth_rows,
                                           mode=opts.synth_mode, min_sites=opts.min_sites,
-                                          on_event=progress, evaluate_rows=EVALUATION_ROWS)
+                                          on_event=progress, evaluate_rows=EVALUATION_ROWS,
+                                          aggregation=opts.aggregation)
             except JobFailedError as exc:
                 say("synth", f"FAILED: {exc}")
                 return exit_codes.JOB_FAILED
@@ -92,7 +100,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
         say("evaluate", f"{site_id}: site-local evaluation report {state}: {path}")
     print()
     print(f"dpfed simulate --job synth: {len(fed.site_ids)} sites, mode {model.mode}, "
-          f"latent dimension {model.links.dim}, rank {model.factor_model.rank}")
+          f"aggregation {opts.aggregation}, latent dimension {model.links.dim}, "
+          f"rank {model.factor_model.rank}")
     for site_id, _connected, b in budgets:
         if b is not None:
             print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "

@@ -7,6 +7,8 @@ commands so that ``dpfed --help`` stays fast. See docs/synthesis.md.
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,36 +20,104 @@ if TYPE_CHECKING:
     from dpfed.common.transport.protocol import JobEvent
 
 
+#: Seconds between two progress lines of a long write (a short write prints none).
+PROGRESS_SECONDS = 2.0
+
+
+def write_progress(out: str, every: float = PROGRESS_SECONDS) -> Callable[[int, int], None]:
+    """Return a ``progress(written, total)`` callback for :meth:`SynthModel.write`.
+
+    It prints ``writing OUT: 3,145,728 / 10,000,000 rows (31%), 1,204,000 rows/s`` to stderr
+    at most every ``every`` seconds (nothing for a write shorter than that).
+    """
+    start = time.monotonic()
+    last = start
+
+    def report(written: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < every or written >= total:
+            return
+        last = now
+        rate = written / max(now - start, 1e-9)
+        print(f"writing {out}: {written:,} / {total:,} rows ({written / total:.0%}), "
+              f"{rate:,.0f} rows/s", file=sys.stderr, flush=True)
+
+    return report
+
+
 def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
     from dpfed.aggregator.client import Coordinator
+    from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
     from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 
-    spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode)
+    spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
+                                  aggregation=args.aggregation,
+                                  evaluate_rows=args.evaluate_rows if args.evaluate else 0,
+                                  evaluate_summary=_summary_budget(args))
     params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
     plan = params.plan(args.epsilon, args.delta)
     sites = coord.sites()
-    print(f"synth plan ({params.mode}): every site is charged, per round:")
+    print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site is "
+          "charged, per round:")
+    if params.aggregation == "secure":
+        print("  links and pca are secure sums (Skellam noise shared among the sites, sized "
+              "for the largest tolerated-colluders t among them); the coordinator sees only "
+              "the noisy pooled totals")
     print(f"{'site':<16} {'round':<8} {'epsilon':>10} {'delta':>10} {'eps left now':>13}")
     for site in sites or []:
         left = f"{site.budget.epsilon_remaining:.4g}" if site.budget else "?"
         for name, eps, dlt in plan:
             print(f"{site.site_id:<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
+        if params.summary_epsilon:
+            if SUMMARY_KIND in site.allowed_kinds:
+                print(f"{site.site_id:<16} {'evaluate_summary':<8} "
+                      f"{params.summary_epsilon:>10.4g} {params.summary_delta:>10.3g} {left:>13}")
+            else:
+                print(f"{site.site_id:<16} evaluate_summary: not asked (the site's policy has "
+                      "no evaluation_summary = \"dp\")")
     if not sites:
         for name, eps, dlt in plan:
             print(f"{'(every site)':<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")
+    if params.summary_epsilon:
+        print(f"plus, at sites whose policy allows DP evaluation summaries: epsilon "
+              f"{params.summary_epsilon:.4g}, delta {params.summary_delta:.3g} "
+              "(round evaluate_summary)")
+    if params.evaluate_rows:
+        print("with --evaluate every site holds out min(N/5, 20000) of its rows from every "
+              "round (they are its local evaluation's unseen rows)")
     return plan
+
+
+def _summary_budget(args: argparse.Namespace) -> tuple[float, float] | None:
+    """Return the DP evaluation summary's (epsilon, delta) from the flags, or None."""
+    if args.evaluate_summary_epsilon is None:
+        if args.evaluate_summary_delta is not None:
+            raise ValidationError("--evaluate-summary-delta needs --evaluate-summary-epsilon")
+        return None
+    if not args.evaluate:
+        raise ValidationError("--evaluate-summary-epsilon needs --evaluate (the summary is of "
+                              "the sites' evaluation of a synthetic sample)")
+    delta = args.delta if args.evaluate_summary_delta is None else args.evaluate_summary_delta
+    return args.evaluate_summary_epsilon, delta
 
 
 def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Coordinator],
               on_event: Callable[[JobEvent], None]) -> int:
     """Run a federated synthesis job; write the table, the model and the report."""
+    from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.synth_model import check_rows, output_format
     from dpfed.aggregator.synth_report import write_synth_report
+    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 
     mode = args.mode.replace("-", "_")
+    # --mode / --aggregation combinations are refused here, before anything connects or runs
+    SynthParams.from_mapping(Coordinator.synth_spec(
+        epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation).params,
+        latent_dim=SYNTH_MAX_LATENT_DIM)
     if mode == "row_aligned":
         if args.rows is not None:
             raise ValidationError("--rows: row-aligned mode releases exactly one noisy row per "
@@ -70,9 +140,11 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
             continuous_link=args.continuous_link, n_bins=args.n_bins, rank=args.rank,
             clip_norm=args.clip_norm, min_sites=args.min_sites,
             deadline_seconds=args.deadline, on_event=on_event,
-            evaluate_rows=args.evaluate_rows if args.evaluate else 0)
+            evaluate_rows=args.evaluate_rows if args.evaluate else 0,
+            aggregation=args.aggregation,
+            evaluate_summary=_summary_budget(args))
     model_path = model.save(args.model)
-    written = model.write(args.out, args.rows, fmt=fmt)
+    written = model.write(args.out, args.rows, fmt=fmt, progress=write_progress(args.out))
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
              else "generative: new rows from the DP model")
     print(f"wrote {args.out} ({written} rows, {fmt}; {label})")
@@ -90,7 +162,8 @@ def cmd_synth_sample(args: argparse.Namespace) -> int:
 
     model = SynthModel.load(args.model)
     rows = None if args.rows is None else check_rows(args.rows)
-    written = model.write(args.out, rows, fmt=output_format(args.out, args.format))
+    written = model.write(args.out, rows, fmt=output_format(args.out, args.format),
+                          progress=write_progress(args.out))
     print(f"wrote {args.out} ({written} rows)")
     return exit_codes.OK
 
@@ -112,6 +185,10 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
                    "noisy row per real row")
     p.add_argument("--plan", action="store_true",
                    help="print each site's epsilon/delta per round and exit (nothing runs)")
+    p.add_argument("--aggregation", choices=["site", "secure"], default="site",
+                   help="site (default): every site noises its own histograms and PCA factor; "
+                   "secure: secure sums with distributed noise (pooled-data utility; "
+                   "generative mode only)")
     p.add_argument("--continuous-link", choices=["quantile", "identity"], default="quantile")
     p.add_argument("--n-bins", type=int, default=32,
                    help="public bins per continuous column (default 32)")
@@ -119,9 +196,15 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p.add_argument("--clip-norm", type=float, help="latent norm bound (default sqrt(dim))")
     p.add_argument("--evaluate", action="store_true",
                    help="send a synthetic sample to every site, which compares it with its own "
-                   "rows and writes an HTML report in its own directory (nothing comes back)")
+                   "rows and writes an HTML report in its own directory (nothing comes back); "
+                   "every site then holds out min(N/5, 20000) rows from every round")
     p.add_argument("--evaluate-rows", type=int, default=2000,
                    help="rows of that sample (default 2000, at most 50000)")
+    p.add_argument("--evaluate-summary-epsilon", type=float, metavar="EPSILON",
+                   help="with --evaluate: also ask the sites whose policy allows it for a DP "
+                   "summary of their evaluation, charged at this epsilon (on top of --epsilon)")
+    p.add_argument("--evaluate-summary-delta", type=float, metavar="DELTA",
+                   help="delta of that summary (default: --delta)")
     p.add_argument("--model", default="synth_model.npz", help="where to save the model")
     p.add_argument("--report", default="report.html", help="HTML report ('' to skip)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")

@@ -19,6 +19,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dpfed.aggregator.report import Report, figure_to_data_uri  # noqa: E402
+from dpfed.aggregator.synth_evaluation_report import (  # noqa: E402
+    add_evaluation_section,
+    add_rounds_section,
+)
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn  # noqa: E402
@@ -76,6 +80,25 @@ def _heatmaps(dp_corr: np.ndarray, synth_corr: np.ndarray, names: tuple[str, ...
     return figure_to_data_uri(fig)
 
 
+def secure_paragraph(meta: dict[str, Any]) -> str | None:
+    """Return what secure aggregation adds to the guarantee (None for a site-level job)."""
+    s = meta.get("secure")
+    if not isinstance(s, dict):
+        return None
+    rounds = s.get("rounds", {}) if isinstance(s.get("rounds"), dict) else {}
+    parts = [f"round {name}: {r.get('statistic')} sum of {len(r.get('participants', []))} "
+             f"sites, Skellam variance {float(r.get('noise_variance_integer', 0)):.4g} at "
+             f"scale {float(r.get('scale', 0)):.4g}, {r.get('attempts', 1)} attempt(s)"
+             for name, r in rounds.items() if isinstance(r, dict)]
+    return (f"The participating sites ({', '.join(map(str, s.get('participants', [])))}) "
+            "summed their exact histograms and latent Gram matrices under pairwise masks; the "
+            "coordinator saw only the noisy pooled totals, whose noise is calibrated to one row "
+            "of the pooled data. Every site sized its share so that the guarantee holds even if "
+            f"{s.get('tolerated_colluders', '?')} other part(ies), the coordinator included, "
+            f"pool what they know (t = {s.get('tolerated_colluders', '?')}). "
+            + "; ".join(parts) + ".")
+
+
 def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed synthesis",
                  extra: dict[str, Any] | None = None) -> str:
     """Build the report's HTML from the model and a synthetic sample of it."""
@@ -90,12 +113,17 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
     report.heading("Summary")
     report.key_values({"mode": model.mode + (" (one noisy row per real row)"
                                              if model.mode == "row_aligned" else ""),
+                       "aggregation": meta.get("aggregation", "site"),
                        "continuous link": model.continuous_link, "bins": model.n_bins,
                        "latent dimension": links.dim, "factors (rank)": model.factor_model.rank,
                        "job": meta.get("job_id", "?"), "epsilon per site": meta.get("epsilon"),
                        "delta per site": meta.get("delta"),
                        "rows pooled": meta.get("n_rows_total"),
                        "synthetic rows in this report": table.n_rows, **(extra or {})})
+    secure = secure_paragraph(meta)
+    if secure is not None:
+        report.heading("Aggregation: secure")
+        report.paragraph(secure)
     report.heading("Privacy budget (charged at every site, per round)")
     report.table(("round", "epsilon", "delta"),
                  [(p["round"], p["epsilon"], p["delta"]) for p in meta.get("plan", [])])
@@ -106,6 +134,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
         report.table(("site", "rows", *keys),
                      [(s["site_id"], s["n_rows"], *(s.get(k, "-") for k in keys))
                       for s in sites])
+    add_rounds_section(report, meta)
     report.heading("Marginals: released DP marginal vs synthetic")
     report.table(("column", "type", "TVD(DP marginal, synthetic)"),
                  [(c.name, c.type, 0.5 * float(np.abs(dp[c.name] - synthetic[c.name]).sum()))
@@ -117,6 +146,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
                      "correlation of the synthetic rows mapped back to the latent space.")
     report.image(_heatmaps(model.dp_correlation, synth_corr, links.latent_names),
                  "latent correlation heat maps")
+    add_evaluation_section(report, meta)
     return report.render()
 
 

@@ -10,13 +10,13 @@ private-pgm (``mbi``, JAX), which dpfed does not depend on and CI never installs
 Data: the real tables of ``bench/real_tables.py`` (flchain, health_insurance), split by
 ``split_sites`` into a real holdout (20 %) and 4 IID site tables; the pooled site tables are the
 training rows every central method sees. Every method writes as many rows as there are training
-rows; every metric is measured against the holdout (``bench/synth_metrics.py``).
+rows; every metric is measured against the holdout (``Metrics`` of ``bench/synth_quality.py``).
 
 Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
 
 ``indep``
     every column from its own DP histogram, all of the budget (dpfed's Gaussian histogram
-    release; ``independent_marginals`` of ``bench/synth_federated.py``);
+    release; ``independent_marginals`` of ``bench/synth_quality.py``);
 ``MST``
     McKenna, Miklau & Sheldon (2021), the NIST 2018 winner generalised: one third of rho
     measures every 1-way marginal (Gaussian), one third picks a maximum spanning tree of 2-way
@@ -38,11 +38,9 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
     model marginals come from an exact numpy variable elimination (mbi's ``model.project``
     compiles a JAX program per candidate per round, most of AIM's time here), and the model
     of the last round is sampled without the reference's extra final refit;
-``central-FM``
-    dpfed's central ``FactorModelSynthesizer`` on the pooled training rows;
-``ours-1site``
-    the ``dpfed synth`` job's pipeline (quantile links, DP-PCA, factor model; ``fit_federated``
-    of ``bench/synth_federated.py``) on the pooled rows as one site;
+``central``
+    dpfed's central ``FactorModelSynthesizer`` on the pooled training rows (the ``synth``
+    job's pipeline with one site, the job's default budget split and bins);
 ``fed-iid``
     the same pipeline over the 4 IID sites, each spending the full (epsilon, delta) on its own
     rows (parallel composition, as in the federation).
@@ -68,7 +66,7 @@ uniformly inside the bin.
 seconds) and prints the mean, with the standard deviation of tvd2 and auc; MST and AIM run once
 unless ``--repeat-baselines``. A summary of tvd2 / auc / seconds per epsilon closes the run.
 
-Metrics (``bench/synth_metrics.py``): ``tvd1`` mean 1-way TVD (20 bins), ``tvd2``/``tvd2max``
+Metrics (``bench/synth_quality.py``): ``tvd1`` mean 1-way TVD (20 bins), ``tvd2``/``tvd2max``
 mean/max 2-way TVD over all column pairs (5 bins), ``corr`` mean |correlation difference|,
 ``auc`` of a logistic regression for the table's binary target trained on the synthetic rows
 and tested on the holdout (``real`` row: trained on the training rows), ``dcr`` (1 = synthetic
@@ -113,14 +111,15 @@ except ImportError:
                      "bench/envs/dp_baselines/setup.sh, then bench/envs/dp_baselines/.venv/bin/"
                      "python bench/dp_baselines.py") from None
 
-import synth_metrics  # noqa: E402
 from real_tables import TABLES, load_table, split_sites  # noqa: E402
-from synth_federated import fit_federated, independent_marginals  # noqa: E402
+from synth_quality import Metrics, fit_federated, independent_marginals  # noqa: E402
 
 from dpfed.common.data.encoding import encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
+from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.privacy.accounting import rho_for_epsilon  # noqa: E402
 from dpfed.common.synth.factor_model import FactorModelSynthesizer  # noqa: E402
+from dpfed.common.synth.quantile_link import DEFAULT_BINS  # noqa: E402
 
 # --------------------------------------------------------------------------- relation
 
@@ -403,6 +402,7 @@ def aim(data: Dataset, rho: float, rel: Relation, rng: np.random.Generator, *, d
 # --------------------------------------------------------------------------- bench
 
 
+DPFED_BINS = DEFAULT_BINS  # the job's default bins per continuous column
 HEADER = ("method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s")
 METRICS = HEADER[1:]
 Method = Callable[[np.random.Generator], tuple[pd.DataFrame, str]]
@@ -430,11 +430,15 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
           f"{len(schema.columns)} columns, target {target!r}, delta {delta:g}; MST/AIM domain "
           f"{disc.domain.size():.3g} cells ({args.bins} bins per continuous column)")
 
+    metrics = Metrics(schema, target, train, holdout, DPFED_BINS)
+    share = SYNTH_DEFAULT_SPLIT["generative"]["links"]
+    split = {"marginals": share[0], "pca": 1.0 - share[0]}
+
     def ev(method: str, syn: pd.DataFrame, seconds: float) -> dict[str, Any]:
-        return synth_metrics.evaluate(schema, target, method, syn, train, holdout, seconds)
+        return metrics.evaluate(method, syn, seconds)
 
     real = ev("real (train rows)", train.iloc[:len(holdout)], 0.0)
-    real["auc"] = synth_metrics.logistic_auc(schema, target, train, holdout)
+    real["auc"] = metrics.auc(train)
     rows: list[dict[str, Any]] = []
     for eps in epsilons:
         rho = rho_for_epsilon(eps, delta)
@@ -444,7 +448,8 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
         methods: list[tuple[str, Method, bool]] = []  # (name, run, cheap: repeated)
 
         def indep(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
-            return independent_marginals([pooled], _eps, delta, n, rng, schema=schema), "indep"
+            syn, _ = independent_marginals(schema, [pooled], _eps, delta, n, DPFED_BINS, rng)
+            return syn, "indep"
 
         methods.append(("indep", indep, True))
         for rel in relations:
@@ -473,19 +478,15 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
                 methods.append(("AIM", run_aim, False))
 
         def central(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
-            fm = FactorModelSynthesizer(schema, epsilon=_eps, delta=delta, rng=rng).fit(train)
-            return fm.sample(n), "central-FM"
-
-        def one_site(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
-            model = fit_federated([pooled], _eps, delta, rng, schema=schema)
-            return model.sample(n, rng=rng), "ours-1site"
+            fm = FactorModelSynthesizer(schema, epsilon=_eps, delta=delta, budget_split=split,
+                                        n_bins=DPFED_BINS, rng=rng).fit(train)
+            return fm.sample(n), "central"
 
         def fed(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
-            model = fit_federated(site_tables, _eps, delta, rng, schema=schema)
+            model = fit_federated(schema, site_tables, _eps, delta, share, DPFED_BINS, rng)
             return model.sample(n, rng=rng), "fed-iid"
 
-        methods += [("central-FM", central, True), ("ours-1site", one_site, True),
-                    ("fed-iid", fed, True)]
+        methods += [("central", central, True), ("fed-iid", fed, True)]
         here = []
         for index, (_name, run, cheap) in enumerate(methods):
             runs = []
@@ -511,7 +512,7 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
 def ratios(rows: list[dict[str, Any]]) -> None:
     """dpfed's methods against AIM and MST (of every relation run): tvd2, auc, time."""
     refs = [r for r in rows if r["method"].startswith(("AIM", "MST"))]
-    ours = [r for r in rows if r["method"] in ("central-FM", "ours-1site", "fed-iid")]
+    ours = [r for r in rows if r["method"] in ("central", "fed-iid")]
     for ref in refs:
         print(f"  vs {ref['method']}: " + "; ".join(
             f"{r['method']} tvd2 x{r['tvd2'] / ref['tvd2']:.2f}, auc x{r['auc'] / ref['auc']:.2f}"

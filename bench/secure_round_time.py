@@ -5,6 +5,11 @@ loopback, ledgers on disk (default 4 x 200k x 100). Both modes run on the same f
 after the other, alternating, median of the repeats; the ratio secure / site-level is the
 figure (both see the same machine load). Also printed: what one site sends in each mode.
 
+Also printed: the bytes one site actually released per round (its ledger stores exactly the
+serialized answer it sent) and every process's peak resident memory. With ``--features 1000``
+this is the p = 1000 end-to-end check (a 4 MB masked vector per site, sent in 1 MiB chunks; a
+bench rather than a test: its data and Gram take too long for CI).
+
 Run: ``python bench/secure_round_time.py [--quick] [--rows N] [--features P] [--sites S]``.
 """
 
@@ -57,8 +62,10 @@ def main() -> None:
                         times[mode].append(time.perf_counter() - t)
                         if mode == "secure":
                             secure_meta = result.metadata["secure"]
+            peaks = {name: _peak_rss_mb(proc.pid) for name, (proc, _log) in fed.procs.items()}
         finally:
             fed.stop_all()
+        released = _released_bytes(fed, fed.site_ids[0])
     site, secure = statistics.median(times["site"]), statistics.median(times["secure"])
     p, r = args.features, 2 * args.k
     print(f"round wall time, median of {args.repeats}: site-level {site:.2f} s, secure "
@@ -66,6 +73,30 @@ def main() -> None:
     print(f"one site sends: site-level P_s {p * r * 8 / 1e6:.2f} MB (p x R float64); secure "
           f"{p * (p + 1) // 2 * 8 / 1e6:.2f} MB (p(p+1)/2 uint64) plus a signed key "
           f"(~0.6 KB with its certificate); secure attempts {secure_meta['attempts']}")
+    print(f"{fed.site_ids[0]} released (serialized, from its ledger): "
+          + ", ".join(f"{mech} {size / 1e6:.3f} MB" for mech, size in released))
+    print("peak resident memory: " + ", ".join(f"{name} {mb:.0f} MB"
+                                               for name, mb in sorted(peaks.items())))
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """Peak resident set size of a live process (Linux /proc), in MB; NaN elsewhere."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _released_bytes(fed: LocalFederation, site_id: str) -> list[tuple[str, int]]:
+    """(mechanism, serialized size) of every release the site's ledger recorded."""
+    from dpfed.common.privacy.accounting import BudgetPolicy
+    from dpfed.site_agent.ledger import Ledger
+
+    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e9, 0.99)) as ledger:
+        return [(e.mechanism, len(ledger.stored_result(e.task_id))) for e in ledger.events()]
 
 
 if __name__ == "__main__":

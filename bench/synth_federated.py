@@ -2,35 +2,15 @@
 
 Part 1 -- quality. Data: 11 mixed columns like a small health/insurance table -- 4
 continuous (log-normal length of stay, bimodal lab, skewed cost, Gaussian age), 3 ordinal, 3
-nominal and a binary ``outcome`` -- from a latent Gaussian with a factor structure. Pooled
-training rows split over 4 sites (IID: at random; non-IID: sorted by the first latent factor,
-so sites differ systematically), plus a holdout of real rows. At every epsilon in
-{0.5, 1, 2, 5} (per site; delta 1e-6) and in one run:
+nominal and a binary ``outcome`` -- from a latent Gaussian with a factor structure
+(:func:`make_data`). The table, the methods (independent DP marginals, the central
+``FactorModelSynthesizer``, the federated job with IID and non-IID sites), the metrics and the
+ratios are those of ``bench/synth_quality.py --table generated``, which also runs the real
+tables.
 
-* ``indep``: every column sampled independently from its own DP histogram (the same Gaussian
-  histogram release, all of the budget, pooled rows as one site) -- the "independent DP
-  marginals" baseline; ``indep-fed``: the same with the 4 IID sites each releasing (the
-  baseline the federated rows' ``tvd1/indep`` ratio uses);
-* ``central-FM``: the library's central ``FactorModelSynthesizer`` (generative, identity links)
-  on the pooled rows;
-* ``ours-1site``: this job's pipeline (quantile links, correction, calibration) on the pooled
-  rows as one site;
-* ``fed-iid`` / ``fed-noniid``: the same pipeline with 4 sites, run through the site and
-  coordinator functions the job uses.
-
-Metrics (against the real holdout unless said otherwise): ``tvd1`` mean 1-way TVD (continuous
-columns on 20 equal-width bins), ``tvd2``/``tvd2max`` mean/max 2-way TVD over all column pairs
-(continuous on 5 bins), ``corr`` mean |correlation difference| (UnitBallMap encoding), ``auc``
-of a logistic regression for ``outcome`` trained on the synthetic rows and tested on the
-holdout (``real`` row: trained on the training rows), ``dcr`` median distance to the closest
-training row over the median distance of holdout rows to the training rows (1 = as close as
-fresh data; < 1 closer), ``nndr`` median nearest-neighbour distance ratio. Ratios printed:
-``tvd1 / tvd1(indep)`` (goal <= 1.2) and federated / ours-1site.
-
-Part 2 -- generation at the coordinator: a model over 20 mixed columns writes ``--rows`` rows
-to Parquet in chunks; rows/s, against a floor measured in the same run (drawing the same
-number of standard normals, n x p, and nothing else); peak traced memory for N and 4N rows
-(must not grow with N).
+Part 2 -- generation at the coordinator: ``bench/synth_generation.py`` (a model over 20 mixed
+columns writes ``--rows`` rows to Parquet; rows/s against a floor measured in the same run --
+the normal draws and their product plus writing a pre-built table -- and memory at N and 4N).
 
 Part 3 -- fitting the model (correlation correction included) at latent dimension 200 and
 400, and the old ``latent_correlation`` at 200 for the ratio.
@@ -43,9 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -54,38 +32,25 @@ import pandas as pd
 from scipy import special
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import synth_metrics  # noqa: E402
-
-from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
-from dpfed.common.data.demo_data import generate_demo  # noqa: E402
-from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import (  # noqa: E402
     ContinuousColumn,
     NominalColumn,
     OrdinalColumn,
     Schema,
 )
-from dpfed.common.pca import dppca  # noqa: E402
+from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.pca.dppca import PCAEstimate  # noqa: E402
 from dpfed.common.synth.factor_model import (  # noqa: E402
-    FactorModelSynthesizer,
     dp_second_moment,
     latent_correlation,
 )
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
-    LinkHistogramAccumulator,
     histogram_sizes,
     links_from_proportions,
-    proportions_from_histograms,
-    release_link_histograms,
-    sum_histograms,
 )
-from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
 
-SPLIT = {"links": (0.6, 0.5), "pca": (0.4, 0.5)}
 BINS = 32
 SCHEMA = Schema((
     ContinuousColumn("los", 0.0, 60.0), ContinuousColumn("lab", -10.0, 10.0),
@@ -126,181 +91,24 @@ def make_data(n: int, seed: int) -> tuple[pd.DataFrame, np.ndarray]:
     return frame, f[:, 0]
 
 
-# --------------------------------------------------------------------------- methods
-
-
-def fit_federated(tables: list[EncodedTable], eps: float, delta: float,
-                  rng: np.random.Generator, schema: Schema = SCHEMA) -> SynthModel:
-    """The job's rounds, run through the same site and coordinator functions."""
-    el, dl = SPLIT["links"][0] * eps, SPLIT["links"][1] * delta
-    ep, dp = SPLIT["pca"][0] * eps, SPLIT["pca"][1] * delta
-    rels = []
-    for t in tables:
-        acc = LinkHistogramAccumulator(schema, BINS)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, epsilon=el, delta=dl, rng=rng))
-    props = proportions_from_histograms(sum_histograms(rels, schema, BINS), schema, BINS,
-                                        n_rows=sum(t.n_rows for t in tables))
-    links = links_from_proportions(schema, props, BINS)
-    dim = links.dim
-    clip = default_clip_norm(dim)
-    factors = []
-    for t in tables:
-        unit, _ = clip_to_unit_ball(links.to_latent(t, rng), clip)
-        g = dppca.GramAccumulator(dim)
-        g.add(unit)
-        factors.append(dppca.site_release(g.gram(), t.n_rows, epsilon=ep, delta=dp, rank=dim,
-                                          rng=rng).factor)
-    est = dppca.combine(factors, dim)
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
-    dpc = dp_second_moment(est, dim)
-    d = np.sqrt(np.diag(dpc))
-    return SynthModel.build(schema, mode="generative", continuous_link="quantile", n_bins=BINS,
-                            proportions=props, factor_model=fm, dp_correlation=dpc / np.outer(d, d),
-                            rng=rng, latent_correlation=corr)
-
-
-def independent_marginals(tables: list[EncodedTable], eps: float, delta: float, n: int,
-                          rng: np.random.Generator, schema: Schema = SCHEMA) -> pd.DataFrame:
-    """Every column from its own DP histogram (all of the budget; summed over the sites)."""
-    rels = []
-    for t in tables:
-        acc = LinkHistogramAccumulator(schema, BINS)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, epsilon=eps, delta=delta,
-                                            rng=rng))
-    props = proportions_from_histograms(sum_histograms(rels, schema, BINS), schema, BINS,
-                                        n_rows=sum(t.n_rows for t in tables))
-    links = links_from_proportions(schema, props, BINS)
-    # Independent standard normal latent: every column from its own DP marginal, no joint.
-    return links.from_latent(rng.standard_normal((n, links.dim))).to_frame()
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def logistic_auc(train: pd.DataFrame, test: pd.DataFrame) -> float:
-    return synth_metrics.logistic_auc(SCHEMA, "outcome", train, test)
-
-
-def evaluate(name: str, syn: pd.DataFrame, train: pd.DataFrame, holdout: pd.DataFrame,
-             seconds: float) -> dict[str, Any]:
-    return synth_metrics.evaluate(SCHEMA, "outcome", name, syn, train, holdout, seconds)
-
-
 # --------------------------------------------------------------------------- parts
 
 
 def part_quality(n_per_site: int, epsilons: list[float], seed: int) -> None:
-    frame, factor = make_data(5 * n_per_site, seed)
-    train, holdout = frame.iloc[:4 * n_per_site], frame.iloc[4 * n_per_site:]
-    f_train = factor[:4 * n_per_site]
-    pooled, _ = encode_table(SCHEMA, train)
-    iid = np.array_split(np.random.default_rng(seed).permutation(len(train)), 4)
-    order = np.argsort(f_train + 0.5 * np.random.default_rng(seed + 1).standard_normal(
-        len(train)))
-    noniid = np.array_split(order, 4)
-    splits = {"fed-iid": iid, "fed-noniid": noniid}
-    n = len(train)
-    delta = 1e-6
-    print(f"\nPart 1: quality, {n} training rows (4 sites x {n_per_site}), {len(holdout)} "
-          f"holdout rows, {len(SCHEMA.columns)} columns, delta {delta:g}")
-    base = evaluate("holdout-vs-holdout(real train)", train.iloc[:len(holdout)], train,
-                    holdout, 0.0)
-    base["auc"] = logistic_auc(train, holdout)
-    header = ("eps", "method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s",
-              "tvd1/indep", "vs 1site")
-    print(" ".join(f"{h:>10}" for h in header))
+    """Part 1: the quality table of ``bench/synth_quality.py`` on this generated table."""
+    import synth_quality
 
-    def show(eps: float | str, row: dict[str, Any], indep: float | None,
-             one: dict[str, Any] | None) -> None:
-        r1 = "" if indep is None else f"{row['tvd1'] / indep:.2f}"
-        vs = ""
-        if one is not None:
-            vs = "/".join(f"{row[k] / one[k]:.2f}" for k in ("tvd1", "tvd2", "corr"))
-        cells = [str(eps), row["method"][:10]] + [f"{row[k]:.4f}" for k in (
-            "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr")] + [f"{row['s']:.1f}",
-                                                                        r1, vs]
-        print(" ".join(f"{c:>10}" for c in cells), flush=True)
-
-    show("real", base, None, None)
-    for eps in epsilons:
-        rng = np.random.default_rng(seed + int(eps * 100))
-        t = time.perf_counter()
-        indep = independent_marginals([pooled], eps, delta, n, rng)
-        ind = evaluate("indep", indep, train, holdout, time.perf_counter() - t)
-        show(eps, ind, ind["tvd1"], None)
-        t = time.perf_counter()
-        iid_tables = [encode_table(SCHEMA, train.iloc[np.sort(p)])[0] for p in iid]
-        indep_fed = independent_marginals(iid_tables, eps, delta, n, rng)
-        ind_fed = evaluate("indep-fed", indep_fed, train, holdout, time.perf_counter() - t)
-        show(eps, ind_fed, ind_fed["tvd1"], None)
-        t = time.perf_counter()
-        fm = FactorModelSynthesizer(SCHEMA, epsilon=eps, delta=delta, rng=rng).fit(train)
-        cen = evaluate("central-FM", fm.sample(n), train, holdout, time.perf_counter() - t)
-        show(eps, cen, ind["tvd1"], None)
-        t = time.perf_counter()
-        one_model = fit_federated([pooled], eps, delta, rng)
-        one = evaluate("ours-1site", one_model.sample(n, rng=rng), train, holdout,
-                       time.perf_counter() - t)
-        show(eps, one, ind["tvd1"], None)
-        for name, parts in splits.items():
-            tables = [encode_table(SCHEMA, train.iloc[np.sort(p)])[0] for p in parts]
-            t = time.perf_counter()
-            model = fit_federated(tables, eps, delta, rng)
-            row = evaluate(name, model.sample(n, rng=rng), train, holdout,
-                           time.perf_counter() - t)
-            show(eps, row, ind_fed["tvd1"], one)
+    links = SYNTH_DEFAULT_SPLIT["generative"]["links"]
+    synth_quality.run("generated", epsilons, links, BINS, seed, reps=1 if n_per_site < 5000
+                      else 3, n_rows=5 * n_per_site)
 
 
 def part_generation(rows: int) -> None:
-    schema, frames = generate_demo(1, 20_000, 20, seed=3, mixed=True)
-    table, _ = encode_table(schema, frames[0])
-    rng = np.random.default_rng(0)
-    acc = LinkHistogramAccumulator(schema, BINS)
-    acc.add(table)
-    props = proportions_from_histograms(acc.counts.astype(float), schema, BINS)
-    links = links_from_proportions(schema, props, BINS)
-    dim = links.dim
-    clip = default_clip_norm(dim)
-    unit, _ = clip_to_unit_ball(links.to_latent(table, rng), clip)
-    g = dppca.GramAccumulator(dim)
-    g.add(unit)
-    est = dppca.combine([dppca.site_release(g.gram(), table.n_rows, epsilon=1.0, delta=1e-6,
-                                            rank=dim, rng=rng).factor], dim)
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
-    model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
-                             n_bins=BINS, proportions=props, factor_model=fm,
-                             dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)
-    print(f"\nPart 2: generation, {len(schema.columns)} mixed columns (latent dim {dim}), "
-          f"{rows:,} rows streamed to Parquet")
-    t = time.perf_counter()
-    for s in range(0, rows, 131072):
-        rng.standard_normal((min(131072, rows - s), dim))
-    floor = time.perf_counter() - t
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        model.write(Path(tmp) / "synth.parquet", rows, rng=rng)
-        total = time.perf_counter() - t
-        t = time.perf_counter()
-        for _chunk in model.iter_encoded(rows, rng=rng):
-            pass
-        sampling = time.perf_counter() - t
-        peaks = []
-        for n in (max(rows // 4, 4 * 131072), max(rows, 16 * 131072)):
-            tracemalloc.start()
-            model.write(Path(tmp) / f"m{n}.parquet", n, rng=rng)
-            peaks.append(tracemalloc.get_traced_memory()[1] / 2 ** 20)
-            tracemalloc.stop()
-    print(f"  floor (normal draws only): {rows / floor:,.0f} rows/s")
-    print(f"  sampling + decoding:       {rows / sampling:,.0f} rows/s "
-          f"(x{sampling / floor:.1f} the floor)")
-    print(f"  sampling + Parquet write:  {rows / total:,.0f} rows/s (x{total / floor:.1f} the "
-          "floor)")
-    n_small, n_big = max(rows // 4, 4 * 131072), max(rows, 16 * 131072)
-    print(f"  peak traced memory: {peaks[0]:.0f} MiB at {n_small:,} rows, {peaks[1]:.0f} MiB "
-          f"at {n_big:,} rows (ratio {peaks[1] / max(peaks[0], 1e-9):.2f}; 1 = independent "
-          "of N)")
+    """Generation speed and memory: ``bench/synth_generation.py`` (floor measured in the run)."""
+    import synth_generation  # bench/ is on sys.path when this script runs
+
+    print(f"\nPart 2: generation at the coordinator, {rows:,} rows streamed to Parquet")
+    synth_generation.run(rows, rounds=2)
 
 
 def _wide_links(p: int) -> Any:

@@ -16,6 +16,8 @@ from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
 from dpfed.common.validation import (
     check_choice,
+    check_delta,
+    check_epsilon,
     check_int,
     check_positive,
     check_probability,
@@ -163,11 +165,28 @@ SYNTH_ROUNDS: dict[str, tuple[str, ...]] = {
 }
 #: Default (epsilon share, delta share) of each round, per mode.
 SYNTH_DEFAULT_SPLIT: dict[str, dict[str, tuple[float, float]]] = {
-    "generative": {"links": (0.6, 0.5), "pca": (0.4, 0.5)},
+    "generative": {"links": (0.8, 0.5), "pca": (0.2, 0.5)},
     "row_aligned": {"links": (0.2, 0.5), "pca": (0.2, 0.5), "factors": (0.6, 0.0)},
 }
 SYNTH_MAX_BINS = 1024
 SYNTH_MAX_LATENT_DIM = 2000
+
+
+def _summary_budget(params: Mapping[str, Any], evaluate_rows: int) -> tuple[float, float]:
+    """Validate the DP evaluation summary's (epsilon, delta); (0, 0) when none is asked."""
+    raw_eps = params.get("summary_epsilon", 0.0)
+    raw_delta = params.get("summary_delta", 0.0)
+    if raw_eps in (0, 0.0, None):
+        if raw_delta not in (0, 0.0, None):
+            raise ValidationError("--evaluate-summary-delta needs --evaluate-summary-epsilon")
+        return 0.0, 0.0
+    if not evaluate_rows:
+        raise ValidationError("--evaluate-summary-epsilon needs --evaluate (the summary is of "
+                              "the sites' evaluation of a synthetic sample)")
+    eps = check_epsilon(raw_eps, "--evaluate-summary-epsilon")
+    delta = check_delta(raw_delta, "--evaluate-summary-delta")
+    gaussian_sigma(eps, delta, 1.0)
+    return eps, delta
 
 
 @dataclass(frozen=True)
@@ -195,6 +214,15 @@ class SynthParams:
     evaluate_rows : int
         When > 0, a final local-only round sends a synthetic sample of this many rows to
         every site for its site-local evaluation report (nothing is released or charged).
+    aggregation : {"site", "secure"}
+        ``site`` (default): every site noises its own histograms and DP-PCA factor;
+        ``secure``: the sites' exact count vectors and latent Gram matrices are summed under
+        secure aggregation with distributed Skellam noise (generative mode only).
+        Every site then holds out ``holdout_size(N_s)`` rows from every round of the job.
+    summary_epsilon, summary_delta : float
+        When ``summary_epsilon > 0`` (needs ``evaluate_rows``), the sites whose policy allows
+        it (``evaluation_summary = "dp"``) also release a DP summary of their evaluation,
+        charged at this (epsilon, delta) on top of the rounds' budget.
     """
 
     mode: str = "generative"
@@ -206,12 +234,16 @@ class SynthParams:
     calibration: str = "analytic"
     split: tuple[tuple[str, float, float], ...] = ()
     evaluate_rows: int = 0
+    aggregation: str = "site"
+    summary_epsilon: float = 0.0
+    summary_delta: float = 0.0
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
         """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
-                          "info_threshold", "calibration", "split", "evaluate_rows"}, "synth")
+                          "info_threshold", "calibration", "split", "evaluate_rows",
+                          "aggregation", "summary_epsilon", "summary_delta"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -234,8 +266,16 @@ class SynthParams:
         split = cls._split(mode, params.get("split"))
         evaluate_rows = check_int(params.get("evaluate_rows", 0), "evaluate_rows", minimum=0,
                                   maximum=50_000)
+        aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
+                                   AGGREGATIONS)
+        if aggregation == "secure" and mode == "row_aligned":
+            raise ValidationError(
+                "--mode row-aligned cannot run with --aggregation secure: its factors round "
+                "releases one noisy row per real row, which is not a sum; use --mode "
+                "generative with --aggregation secure, or --aggregation site")
+        summary_eps, summary_delta = _summary_budget(params, evaluate_rows)
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
-                   evaluate_rows)
+                   evaluate_rows, aggregation, summary_eps, summary_delta)
 
     @staticmethod
     def _split(mode: str, raw: Any) -> tuple[tuple[str, float, float], ...]:
@@ -294,4 +334,9 @@ class SynthParams:
             out["rank"] = self.rank
         if self.evaluate_rows:
             out["evaluate_rows"] = self.evaluate_rows
+        if self.aggregation != "site":
+            out["aggregation"] = self.aggregation
+        if self.summary_epsilon:
+            out["summary_epsilon"] = self.summary_epsilon
+            out["summary_delta"] = self.summary_delta
         return out

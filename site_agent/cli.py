@@ -136,10 +136,11 @@ def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ..
     from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 
     handlers: dict[str, TaskHandler] = dict(HANDLERS)
-    kinds = config.allowed_jobs
+    kinds = config.advertised_kinds
     if config.secure.mode != "off" and config.tls is not None:
         identity = SiteIdentity.load(config.tls.ca, config.tls.cert, config.tls.key)
-        handlers["secagg"] = SecureAggregationHandler(identity, config.secure)
+        handlers["secagg"] = SecureAggregationHandler(identity, config.secure,
+                                                      allowed_kinds=config.allowed_jobs)
         kinds = (*kinds, "secagg")
     elif config.secure.mode == "required":
         raise ConfigError(f"{config.source}: policy.secure_aggregation = \"required\" needs TLS "

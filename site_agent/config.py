@@ -45,6 +45,7 @@ Example (paths are relative to the file)::
     secure_aggregation = "allowed"   # off | allowed | required
     secure_min_participants = 2      # refuse secure rounds with fewer verified sites
     secure_tolerated_colluders = 1   # other parties (coordinator counted) that may collude
+    evaluation_summary = "none"      # none | dp: release a DP summary of synth evaluations
 
     [logging]
     level = "INFO"
@@ -85,6 +86,11 @@ KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows"
 #: synthesis, one noisy release per real row) must be listed explicitly.
 DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+#: Values of ``policy.evaluation_summary``: "dp" lets the site release a DP summary of its
+#: synthetic-data evaluation (task kind ``synth_eval_dp``, charged to its ledger).
+EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
+#: The task kind a site runs (and advertises) when ``evaluation_summary = "dp"``.
+EVALUATION_SUMMARY_KIND = "synth_eval_dp"
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,15 @@ class SiteConfig:
     #: Per-analyst epsilon caps (analyst id -> epsilon), within the total budget.
     analyst_budgets: dict[str, float] = field(default_factory=dict)
     keepalive_s: float = DEFAULT_KEEPALIVE_S
+    #: ``policy.evaluation_summary``: "dp" releases DP summaries of synth evaluations.
+    evaluation_summary: str = "none"
+
+    @property
+    def advertised_kinds(self) -> tuple[str, ...]:
+        """``allowed_jobs`` plus the kinds other policy keys enable (the DP summary)."""
+        if self.evaluation_summary == "dp":
+            return (*self.allowed_jobs, EVALUATION_SUMMARY_KIND)
+        return self.allowed_jobs
 
     @property
     def insecure(self) -> bool:
@@ -283,6 +298,13 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
     allowed = policy.str_list("allowed_jobs", list(DEFAULT_ALLOWED_JOBS))
+    if EVALUATION_SUMMARY_KIND in allowed:
+        raise ConfigError(f"{source}: policy.allowed_jobs: {EVALUATION_SUMMARY_KIND!r} is "
+                          "enabled by policy.evaluation_summary = \"dp\", not by allowed_jobs")
+    summary = policy.string("evaluation_summary", "none") or "none"
+    if summary not in EVALUATION_SUMMARY_CHOICES:
+        raise ConfigError(f"{source}: policy.evaluation_summary must be one of "
+                          f"{', '.join(EVALUATION_SUMMARY_CHOICES)}, got {summary!r}")
     unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "
@@ -322,7 +344,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         budget=budget_policy, allowed_jobs=tuple(allowed), secure=secure,
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
-        keepalive_s=keepalive_s, log_format=log_format,
+        keepalive_s=keepalive_s, log_format=log_format, evaluation_summary=summary,
     )
 
 

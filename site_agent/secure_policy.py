@@ -9,7 +9,7 @@ from dpfed.common.validation import check_choice, check_int
 
 SECURE_MODES: tuple[str, ...] = ("off", "allowed", "required")
 #: Job kinds whose site-level release a site with ``secure_aggregation = "required"`` refuses.
-SUM_KINDS: tuple[str, ...] = ("pca",)
+SUM_KINDS: tuple[str, ...] = ("pca", "query", "synth")
 
 
 @dataclass(frozen=True)

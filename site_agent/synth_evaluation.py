@@ -3,8 +3,10 @@
 Runs where the real rows are -- at the site -- and writes ``synth_evaluation.html`` in the
 site's own directory: per-column TVD (categorical) and KS (continuous), the pairwise
 correlation error, DCR against a local holdout, NNDR and seed 003's disclosure measure
-``M_best`` (:func:`dpfed.common.evaluation.metrics.evaluate_synthetic`). The site's rows are
-split deterministically into a "train" part and a local holdout of ``holdout_fraction``.
+``M_best`` (:func:`dpfed.common.evaluation.metrics.evaluate_synthetic`). The caller gives the
+two parts of the site's rows: the training rows of the job and its holdout, which the job's
+rounds never read (:mod:`dpfed.site_agent.synth_holdout`), so "distance to the training rows"
+against "distance to the holdout" measures what the model learnt from individual rows.
 
 **Nothing computed here leaves the site**: it is an exact evaluation of real rows for the
 site operator's eyes, not a DP release, and it is never sent to the coordinator.
@@ -31,32 +33,27 @@ log = logging.getLogger(__name__)
 REPORT_NAME = "synth_evaluation.html"
 
 
-def _split(table: EncodedTable, holdout_fraction: float,
-           max_rows: int) -> tuple[EncodedTable, EncodedTable]:
-    n = table.n_rows
-    # A fixed permutation (evaluation only, no privacy role): the same split on every run.
-    order = np.random.default_rng(20240611).permutation(n)[:max_rows]
-    cut = max(3, int(len(order) * (1.0 - holdout_fraction)))
-    parts = []
-    for idx in (np.sort(order[:cut]), np.sort(order[cut:])):
-        parts.append(EncodedTable(table.schema, {k: v[idx] for k, v in table.columns.items()},
-                                  int(idx.size)))
-    return parts[0], parts[1]
+def _cap(table: EncodedTable, max_rows: int) -> EncodedTable:
+    """At most ``max_rows`` rows (a fixed subsample: evaluation only, nothing is released)."""
+    if table.n_rows <= max_rows:
+        return table
+    idx = np.sort(np.random.default_rng(20240611).permutation(table.n_rows)[:max_rows])
+    return EncodedTable(table.schema, {k: v[idx] for k, v in table.columns.items()}, max_rows)
 
 
-def evaluate_at_site(schema: Schema, rows: EncodedTable, synthetic: pd.DataFrame, *,
-                     site_id: str, out_dir: str | Path, holdout_fraction: float = 0.2,
+def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,
+                     synthetic: pd.DataFrame, *, site_id: str, out_dir: str | Path,
                      max_rows: int = 20_000) -> tuple[Path, SyntheticReport]:
-    """Evaluate ``synthetic`` against this site's ``rows`` and write the HTML report.
+    """Evaluate ``synthetic`` against this site's training rows and holdout; write the report.
 
     Returns the report path and the metrics (which stay at the site).
     """
-    if rows.n_rows < 10:
+    if train.n_rows < 10:
         raise DataError("the site has too few rows to evaluate against")
     cap = check_int(max_rows, "max_rows", minimum=10)
-    train, holdout = _split(rows, holdout_fraction, cap)
     syn = synthetic.iloc[:cap] if len(synthetic) > cap else synthetic
-    report = evaluate_synthetic(train, syn, schema, holdout=holdout if holdout.n_rows else None)
+    report = evaluate_synthetic(_cap(train, cap), syn, schema,
+                                holdout=_cap(holdout, cap) if holdout.n_rows else None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_NAME
@@ -78,13 +75,13 @@ def _html(site_id: str, r: SyntheticReport) -> str:
     dcr, nndr, disc = d["dcr"], d["nndr"], d["disclosure"]
     marg = "".join(_row([m.column, m.column_type, m.statistic, m.value]) for m in r.marginals)
     summary = [
-        ("training rows compared / local holdout / synthetic", f"{r.n_train} / {r.n_holdout} / "
-         f"{r.n_synthetic}"),
+        ("training rows compared / holdout (kept out of every round of the job) / synthetic",
+         f"{r.n_train} / {r.n_holdout} / {r.n_synthetic}"),
         ("mean / max TVD (categorical columns)", f"{r.mean_tvd} / {r.max_tvd}"),
         ("mean / max KS (continuous columns)", f"{r.mean_ks} / {r.max_ks}"),
         ("correlation error", str(d["correlation"])),
         ("DCR median (synthetic -> train)", str(dcr.get("train_median"))),
-        ("DCR median (synthetic -> local holdout)", str(dcr.get("holdout_median"))),
+        ("DCR median (synthetic -> holdout)", str(dcr.get("holdout_median"))),
         ("share of synthetic rows closer to train than to holdout (expected)",
          f"{dcr.get('share_closer_to_train')} ({dcr.get('expected_share')})"),
         ("exact copies of training rows (share)", str(dcr.get("exact_copy_share"))),

@@ -128,6 +128,7 @@ class JobContext:
                        epsilon: float | None = None, delta: float | None = None,
                        only: Collection[str] | None = None,
                        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+                       quorum: int | None = None,
                        ) -> dict[str, TaskResult]:
         """Run one round: the same task at every eligible site; return the ok results.
 
@@ -139,7 +140,9 @@ class JobContext:
         :meth:`refuse_over_budget`) is not sent later rounds; each site's outcome accumulates
         its spend over the job's rounds. ``only`` restricts the round to these sites (e.g. the
         participants of a secure sum). ``max_result_bytes`` caps each site's serialized answer
-        (give the kind's expected size plus a margin). ``check_result`` raises
+        (give the kind's expected size plus a margin). ``quorum`` overrides ``min_sites`` for
+        a round whose answers are each site's own (e.g. an optional per-site summary), so
+        that what the answering sites paid for is not discarded. ``check_result`` raises
         :class:`ProtocolError` for a release no honest site could have sent (see
         ``dpfed.aggregator.jobs.validators``); that site's outcome is "error".
 
@@ -152,15 +155,16 @@ class JobContext:
         QuorumError
             When fewer than ``min_sites`` sites are eligible, or answered successfully.
         """
-        if self.wait_for_quorum_s > 0:
+        min_sites = self.min_sites if quorum is None else quorum
+        if self.wait_for_quorum_s > 0 and quorum is None:
             await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
         targets = self._targets(kind, only)
-        if len(targets) < self.min_sites:
+        if len(targets) < min_sites:
             refused = "; ".join(f"{o.site_id}: {o.reason}" for o in self.outcomes.values()
                                 if o.status == "refused")
             raise QuorumError(
                 f"{len(targets)} eligible site(s) connected ({', '.join(targets) or 'none'}); "
-                f"this job needs min_sites={self.min_sites}" + (f". {refused}" if refused else ""))
+                f"this job needs min_sites={min_sites}" + (f". {refused}" if refused else ""))
         round_eps = self.spec.epsilon if epsilon is None else epsilon
         round_delta = self.spec.delta if delta is None else delta
         task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, round_eps,
@@ -208,7 +212,7 @@ class JobContext:
                 for t in finished & set(running):
                     t.result()  # re-raise a bug in one() instead of hiding it
                 waiting = {running[t] for t in pending}
-                if pending and len(results) >= self.min_sites and waiting <= self._absent:
+                if pending and len(results) >= min_sites and waiting <= self._absent:
                     for t in pending:
                         t.cancel()
                     await asyncio.gather(*pending, return_exceptions=True)
@@ -222,11 +226,11 @@ class JobContext:
         finally:
             for t in pending:
                 t.cancel()
-        if len(results) < self.min_sites:
+        if len(results) < min_sites:
             failed = "; ".join(f"{o.site_id}: {o.status} ({o.reason})"
                                for o in self.outcomes.values() if o.status != "ok")
             raise QuorumError(f"only {len(results)} site(s) answered round {round_name!r}; "
-                              f"this job needs min_sites={self.min_sites}. {failed}")
+                              f"this job needs min_sites={min_sites}. {failed}")
         return results
 
     async def _wait_for_return(self, site_id: str, remaining: float) -> SiteSession | None:

@@ -24,7 +24,12 @@ from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.pca.features import max_feature_norm
 
 
-def _decompose(a: np.ndarray, k: int) -> PCAEstimate:
+def decompose_second_moment(a: np.ndarray, k: int) -> PCAEstimate:
+    """Top-``k`` eigenpairs of a decoded (noisy) symmetric matrix as a PCAEstimate.
+
+    Post-processing: components in sklearn orientation with the largest-magnitude entry of each
+    made positive; the spectrum's negative (noise) eigenvalues are clipped to 0.
+    """
     values, vectors = linalg.eigh(a, check_finite=False)
     order = np.argsort(values)[::-1]
     values, vectors = values[order], vectors[:, order]
@@ -63,7 +68,7 @@ async def run_secure_pca(ctx: JobContext, params: PCAParams, kind: str) -> JobOu
         eps, dl = budget["mean"]
         mean_out = await secure_sum(ctx, name="mean", statistic="row_sum", dim=p,
                                     site_params=site_params, epsilon=eps, delta=dl,
-                                    progress=(start, 0.4))
+                                    progress=(start, 0.4), require_kind=kind)
         mu = mean_out.value / mean_out.n_rows_total
         norm = float(np.linalg.norm(mu))
         if norm > 1.0:  # the true mean of unit-ball rows lies in the ball: post-processing
@@ -74,7 +79,7 @@ async def run_secure_pca(ctx: JobContext, params: PCAParams, kind: str) -> JobOu
         start = 0.45
     eps, dl = budget["pca"]
     out = await secure_sum(ctx, name="pca", statistic="gram", dim=p, site_params=site_params,
-                           epsilon=eps, delta=dl, progress=(start, 0.9))
+                           epsilon=eps, delta=dl, progress=(start, 0.9), require_kind=kind)
     rounds.append({"round": "pca", "epsilon": eps, "delta": dl,
                    "sites": list(out.plan.participants)})
     n_total = out.n_rows_total
@@ -82,7 +87,7 @@ async def run_secure_pca(ctx: JobContext, params: PCAParams, kind: str) -> JobOu
              f"({n_total} rows); top {params.n_components} of the pooled "
              f"{'covariance' if centred else 'second moment'}", 0.92)
     a = symmetric_from_upper(out.value, p) / n_total - np.outer(mu, mu)
-    estimate = await asyncio.to_thread(_decompose, a, params.n_components)
+    estimate = await asyncio.to_thread(decompose_second_moment, a, params.n_components)
     cal = out.plan.calibration
     sites: list[dict[str, Any]] = [
         {"site_id": s, "n_rows": out.n_rows[s],
@@ -99,9 +104,10 @@ async def run_secure_pca(ctx: JobContext, params: PCAParams, kind: str) -> JobOu
         "schema_toml": schema.to_toml(), "software_version": __version__,
         "secure": {"participants": list(out.plan.participants),
                    "tolerated_colluders": out.plan.tolerated, "attempts": out.attempts,
-                   "mechanism": "skellam", "noise_variance_integer": out.plan.mu_total,
+                   "mechanism": "skellam", "noise_variance_integer": out.plan.pooled_variance,
+                   "guaranteed_variance_integer": out.plan.mu_total,
                    "scale": out.plan.scale, "l2_sensitivity_integer": cal.l2_sensitivity,
-                   "pooled_noise_sigma": float(np.sqrt(out.plan.mu_total))
+                   "pooled_noise_sigma": float(np.sqrt(out.plan.pooled_variance))
                    / out.plan.scale ** 2 / n_total},
     }
     ratio = estimate.explained_variance_ratio

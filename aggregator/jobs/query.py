@@ -8,6 +8,9 @@
    or NNLS / the seed's L1 programme on request) and answers the workload, each answer with
    its closed-form standard error for the number of sites that answered.
 
+With ``aggregation = "secure"`` step 3 is one secure sum of ``Ã x_s`` with distributed
+Skellam noise instead (:mod:`dpfed.aggregator.jobs.query_secure`).
+
 The choice is deterministic (the optimiser uses a fixed seed), so a resumed job sends the same
 task payload and every site replays its ledger's answer instead of charging again.
 """
@@ -22,11 +25,13 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.query_secure import run_secure_query
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.queries.federated_matrix import (
     SiteMatrixRelease,
     per_query_std_error,
     strategy_digest,
+    strategy_transport,
 )
 from dpfed.common.queries.matrix_mechanism import reconstruct
 from dpfed.common.queries.query_language import Domain, parse_domain
@@ -42,7 +47,8 @@ from dpfed.common.validation import check_delta, check_epsilon
 
 NOISE_CHOICES: tuple[str, ...] = ("auto", "laplace", "gaussian")
 RECONSTRUCTIONS: tuple[str, ...] = ("least_squares", "nnls", "l1")
-_KEYS = {"domain", "workload", "strategy", "noise", "reconstruction"}
+AGGREGATIONS: tuple[str, ...] = ("site", "secure")
+_KEYS = {"domain", "workload", "strategy", "noise", "reconstruction", "aggregation"}
 
 
 def parse_query_params(spec: JobSpec, federation: Federation
@@ -70,6 +76,18 @@ def parse_query_params(spec: JobSpec, federation: Federation
     noise = params.get("noise", "auto")
     if noise not in NOISE_CHOICES:
         raise ValidationError(f"noise must be one of {list(NOISE_CHOICES)}, got {noise!r}")
+    aggregation = params.get("aggregation", "site")
+    if aggregation not in AGGREGATIONS:
+        raise ValidationError(f"aggregation must be one of {list(AGGREGATIONS)}, got "
+                              f"{aggregation!r}")
+    if aggregation == "secure":
+        if noise == "laplace":
+            raise ValidationError("aggregation 'secure' sums the answers with distributed "
+                                  "Skellam noise, an (epsilon, delta) mechanism: use noise "
+                                  "'auto' or 'gaussian', not 'laplace'")
+        if spec.delta == 0.0:
+            raise ValidationError("aggregation 'secure' needs delta in (0, 1) (--delta): its "
+                                  "Skellam noise is an (epsilon, delta) mechanism")
     check_epsilon(spec.epsilon)
     if noise == "laplace" and spec.delta != 0.0:
         raise ValidationError(f"Laplace noise is pure epsilon-DP: delta must be 0, got "
@@ -84,6 +102,8 @@ def parse_query_params(spec: JobSpec, federation: Federation
                               f"{recon!r}")
     canonical = {"domain": domain.to_json(), "workload": w, "strategy": strategy_name,
                  "noise": noise, "reconstruction": recon}
+    if aggregation == "secure":  # absent for site level: older jobs' parameters unchanged
+        canonical["aggregation"] = aggregation
     return domain, workload, canonical
 
 
@@ -100,6 +120,8 @@ class QueryJob(JobType):
     async def run(self, ctx: JobContext) -> JobOutput:
         """Choose the strategy, dispatch, sum, reconstruct, answer with standard errors."""
         domain, workload, params = parse_query_params(ctx.spec, ctx.federation)
+        if params.get("aggregation") == "secure":
+            return await run_secure_query(ctx, domain, workload, params)
         eps, delta = ctx.spec.epsilon, ctx.spec.delta
         noises = {"auto": ("laplace", "gaussian") if delta > 0 else ("laplace",),
                   "laplace": ("laplace",), "gaussian": ("gaussian",)}[params["noise"]]
@@ -111,13 +133,7 @@ class QueryJob(JobType):
                                        epsilon=eps, delta=delta, n_sites=n_expected)
         a = pick.matrix
         digest = strategy_digest(a)
-        arrays: dict[str, np.ndarray] = {}
-        if pick.name == "optimized":
-            strategy_spec: dict[str, Any] = {"name": "matrix", "digest": digest,
-                                             "shape": [int(a.shape[0]), int(a.shape[1])]}
-            arrays["strategy"] = np.ascontiguousarray(a, dtype=np.float64)
-        else:
-            strategy_spec = {"name": pick.name, "n": domain.n_cells}
+        strategy_spec, arrays = strategy_transport(pick.name, a, domain.n_cells)
         ctx.emit("strategy", f"strategy {pick.name} with {pick.noise} noise: expected RMSE "
                  f"{pick.rmse:.4g} per query (identity {pick.identity_rmse:.4g})", 0.04)
         site_delta = delta if pick.noise == "gaussian" else 0.0

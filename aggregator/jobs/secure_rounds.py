@@ -11,8 +11,9 @@ The coordinator sees nothing but uniform-looking vectors and their noisy sum.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +23,16 @@ from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.validators import RESULT_ENVELOPE_BYTES
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum, plan_gram, plan_row_sum
+from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum
+from dpfed.common.secagg.secure_sum import plan_for as plan_statistic
 from dpfed.common.transport.protocol import TaskResult
 
 log = logging.getLogger(__name__)
 
 #: Attempts of one secure sum before the job fails (each drops the sites that vanished).
 MAX_ATTEMPTS = 3
+#: Largest row count a site may report with its contribution (the decode divides by the sum).
+MAX_SITE_ROWS = 10 ** 12
 #: A keys answer: a 32-byte key, a signature and a certificate (each array capped at 16 KiB
 #: by the decoder), in the usual envelope.
 KEYS_RESULT_BYTES = 3 * (16 << 10) + RESULT_ENVELOPE_BYTES
@@ -57,11 +61,24 @@ def _check_keys(result: TaskResult, site_id: str) -> None:
             raise ProtocolError(f"secure keys lack a valid {name}")
 
 
+#: ``plan_for(participants, tolerated, total_rows)``: a job's own planner (e.g. a linear sum's);
+#: a coroutine function is awaited (heavy planning belongs in a worker thread).
+Planner = Callable[[list[str], int, int], SecureSumPlan | Awaitable[SecureSumPlan]]
+
+
 async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
                      site_params: Mapping[str, Any], epsilon: float, delta: float,
                      row_norm: float = 1.0, arrays: Mapping[str, np.ndarray] | None = None,
-                     progress: tuple[float, float] = (0.05, 0.9)) -> SecureSumOutcome:
+                     progress: tuple[float, float] = (0.05, 0.9),
+                     plan_for: Planner | None = None,
+                     require_kind: str | None = None,
+                     among: list[str] | None = None) -> SecureSumOutcome:
     """Run one secure sum over the eligible sites; return the decoded noisy pooled statistic.
+
+    ``plan_for`` replaces the planner of ``statistic`` (``statistic`` and ``dim`` are then only
+    descriptive); ``require_kind`` leaves out sites whose advertised allowed jobs lack that
+    kind (the site would refuse the contribution anyway, after the others paid); ``among``
+    limits the sum to those sites (e.g. the ones whose earlier round this sum builds on).
 
     Raises
     ------
@@ -73,7 +90,9 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
     excluded: set[str] = set()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sum_round = f"{name}-sum-{attempt}"
-        eligible = [s.site_id for s in ctx.registry.connected() if s.site_id not in excluded]
+        eligible = [s.site_id for s in ctx.registry.connected() if s.site_id not in excluded
+                    and (require_kind is None or require_kind in s.hello.allowed_kinds)
+                    and (among is None or s.site_id in among)]
         keys = await ctx.dispatch(
             "secagg", {"stage": "keys", "job_id": ctx.job_id, "sum_round": sum_round,
                        "sum_task_id": f"{ctx.job_id}/{sum_round}"},
@@ -98,10 +117,13 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
         for s in participants:
             session = ctx.registry.get(s)
             rows[s] = session.hello.row_count if session is not None else 0
-        make = plan_gram if statistic == "gram" else plan_row_sum
-        plan = make(dim=dim, total_rows=max(1, sum(rows.values())), epsilon=epsilon,
-                    delta=delta, participants=participants, tolerated=tolerated,
-                    row_norm=row_norm)
+        if plan_for is not None:
+            planned = plan_for(participants, tolerated, max(1, sum(rows.values())))
+            plan = await planned if inspect.isawaitable(planned) else planned
+        else:
+            plan = plan_statistic(statistic, dim=dim, total_rows=max(1, sum(rows.values())),
+                                  epsilon=epsilon, delta=delta, participants=participants,
+                                  tolerated=tolerated, row_norm=row_norm)
         relayed: dict[str, np.ndarray] = dict(arrays or {})
         for s in participants:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
@@ -112,6 +134,9 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
             masked = result.arrays.get("masked")
             if masked is None or masked.dtype != np.uint64 or masked.shape != (n,):
                 raise ProtocolError(f"expected a uint64 masked vector of length {n}")
+            n_rows = result.metadata.get("n_rows")
+            if not isinstance(n_rows, int) or not 1 <= n_rows <= MAX_SITE_ROWS:
+                raise ProtocolError("a secure contribution lacks a valid positive n_rows")
 
         ctx.emit("secure", f"secure sum {name!r} attempt {attempt}: {len(participants)} "
                  f"participants, tolerating {tolerated} colluding parties", lo + (hi - lo) * 0.25)

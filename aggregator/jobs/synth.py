@@ -12,6 +12,19 @@ identical tasks and the sites replay their ledgers):
    explicitly) -- the coordinator sends the DP loadings; every site releases one noisy factor
    row per real row.
 
+With ``aggregation="secure"`` (generative mode only) rounds 1 and 2 are secure sums instead
+(:mod:`dpfed.aggregator.jobs.synth_secure`): the sites' exact count vectors, then the Gram
+matrix of their unit-ball latent rows, each with distributed Skellam noise calibrated to one row
+of the pooled data; the coordinator sees only the noisy totals.
+
+Rounds after the first go only to the sites that answered the round before (``only=``): a
+site that joins or comes back late never gets a round computed from sums it did not take
+part in, and a site that drops out is not asked again (the quorum decides whether the job
+goes on; what it was charged stays in its ledger). The model's metadata records which sites
+each round used (``rounds``). With an evaluation (``evaluate_rows``), every site holds out
+``holdout_size(N_s)`` rows from every round and reports its public training count as
+``n_rows``; the evaluation rounds run in :mod:`dpfed.aggregator.jobs.synth_evaluation`.
+
 The task parameters of each round are a deterministic function of the job's parameters and
 of the earlier rounds' (replayed) releases, so a coordinator restarted between rounds sends
 the same task ids with the same payloads: one charge per site per round. (If a site that
@@ -32,14 +45,22 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
+from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
+from dpfed.aggregator.jobs.synth_evaluation import run_evaluation
+from dpfed.aggregator.jobs.synth_secure import (
+    pooled_counts_sigma,
+    secure_latent_pca,
+    secure_links,
+    secure_metadata,
+)
 from dpfed.aggregator.synth_model import SynthModel
-from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ProtocolError, QuorumError, ValidationError
+from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
-from dpfed.common.pca.dppca import combine
+from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.rng import production_rng
-from dpfed.common.synth.factor_model import dp_second_moment, latent_rescaling
+from dpfed.common.synth.factor_model import dp_second_moment
 from dpfed.common.synth.generative import FactorModel, fit_factor_model
 from dpfed.common.synth.link_release import (
     expected_proportion_error,
@@ -50,6 +71,7 @@ from dpfed.common.synth.link_release import (
     sum_histograms,
 )
 from dpfed.common.synth.links import default_clip_norm, latent_dim
+from dpfed.common.synth.pipeline import combine_factors, row_aligned_model
 from dpfed.common.transport.protocol import JobSpec, TaskResult
 from dpfed.common.validation import check_delta, check_epsilon
 
@@ -57,8 +79,6 @@ log = logging.getLogger(__name__)
 
 #: Largest expected L1 error of a column's pooled DP proportions a job may start with.
 MAX_PROPORTION_ERROR = 0.5
-#: Task kind of the local-only evaluation round.
-EVAL_KIND = "synth_eval"
 #: Task kind of the row-aligned factors round (sites must allow it explicitly).
 ROWS_KIND = "synth_rows"
 #: Largest row-aligned output the coordinator accepts from one site.
@@ -77,8 +97,10 @@ def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, 
                            row_counts: list[int]) -> None:
     """Refuse budgets whose histograms would be mostly noise (before anything is charged)."""
     eps, dlt = params.plan(epsilon, delta)[0][1:]
+    pooled = (pooled_counts_sigma(schema, eps, dlt) if params.aggregation == "secure"
+              else None)
     name, err = expected_proportion_error(schema, params.n_bins, epsilon=eps, delta=dlt,
-                                          row_counts=row_counts)
+                                          row_counts=row_counts, pooled_sigma=pooled)
     if err > MAX_PROPORTION_ERROR:
         raise ValidationError(
             f"--epsilon {epsilon:g} / --delta {delta:g} are too small for this schema's cells: "
@@ -113,12 +135,18 @@ class SynthJob(JobType):
         params = SynthParams.from_mapping(ctx.params, latent_dim=dim)
         plan = params.plan(ctx.spec.epsilon, ctx.spec.delta)
         budget = {name: (eps, dlt) for name, eps, dlt in plan}
+        secure = params.aggregation == "secure"
         rows = [s.hello.row_count for s in ctx.registry.connected()
                 if not ctx.spec.sites or s.site_id in ctx.spec.sites]
+        if params.evaluate_rows:
+            rows = [training_count(n) for n in rows]  # the holdout trains nothing
         if rows and min(rows) > 0:
             check_budget_for_cells(schema, params, ctx.spec.epsilon, ctx.spec.delta, rows)
         base = {**params.to_mapping(), "schema_digest": schema.digest()}
+        secure_base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
         size = sum(histogram_sizes(schema, params.n_bins))
+        if secure:
+            ctx.refuse_over_budget()
 
         # ---------------------------------------------------------------- round 1: links
         def check_links(result: TaskResult) -> None:
@@ -129,19 +157,30 @@ class SynthJob(JobType):
                 raise ProtocolError(f"expected finite float64 histograms of shape ({size},)")
 
         links_eps, links_delta = budget["links"]
-        r1 = await ctx.dispatch(self.kind, {**base, "round": "links"}, round_name="links",
-                                epsilon=links_eps, delta=links_delta, check_result=check_links,
-                                progress=(0.05, 0.3))
-        order = sorted(r1)
-        total = sum_histograms([r1[s].arrays["histograms"] for s in order], schema,
-                               params.n_bins)
-        pooled_rows = sum(int(r1[s].metadata["n_rows"]) for s in order)  # public N_s
+        secure_outcomes: dict[str, SecureSumOutcome] = {}
+        if secure:
+            pooled = await secure_links(ctx, schema=schema, params=params, base=secure_base,
+                                        epsilon=links_eps, delta=links_delta)
+            secure_outcomes["links"] = pooled.outcome
+            r1 = {}
+            order = list(pooled.outcome.plan.participants)
+            total = pooled.counts
+            pooled_rows = pooled.outcome.n_rows_total
+        else:
+            r1 = await ctx.dispatch(self.kind, {**base, "round": "links"}, round_name="links",
+                                    epsilon=links_eps, delta=links_delta,
+                                    check_result=check_links, progress=(0.05, 0.3))
+            order = sorted(r1)
+            total = sum_histograms([r1[s].arrays["histograms"] for s in order], schema,
+                                   params.n_bins)
+            pooled_rows = sum(int(r1[s].metadata["n_rows"]) for s in order)  # public N_s
         proportions = proportions_from_histograms(total, schema, params.n_bins,
                                                   n_rows=pooled_rows)
         digest = links_digest(schema, proportions, params.n_bins, params.continuous_link)
         links = await asyncio.to_thread(links_from_proportions, schema, proportions,
                                         params.n_bins, params.continuous_link)
-        ctx.emit("links", f"links built from {len(order)} site(s)' DP histograms "
+        ctx.emit("links", f"links built from {len(order)} site(s)' "
+                 f"{'secure pooled counts' if secure else 'DP histograms'} "
                  f"(digest {digest[:12]})", 0.32)
 
         # ---------------------------------------------------------------- round 2: pca
@@ -154,13 +193,20 @@ class SynthJob(JobType):
 
         pca_eps, pca_delta = budget["pca"]
         link_arrays = {"link_proportions": proportions}
-        r2 = await ctx.dispatch(self.kind, {**base, "round": "pca", "links_digest": digest},
-                                round_name="pca", arrays=link_arrays, epsilon=pca_eps,
-                                delta=pca_delta, check_result=check_factor,
-                                progress=(0.35, 0.7))
-        sites2 = sorted(r2)
-        estimate = await asyncio.to_thread(combine, [r2[s].arrays["factor"] for s in sites2],
-                                           dim)
+        if secure:
+            estimate, secure_outcomes["pca"] = await secure_latent_pca(
+                ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
+                epsilon=pca_eps, delta=pca_delta, among=order)
+            r2 = {}
+        else:
+            r2 = await ctx.dispatch(self.kind, {**base, "round": "pca", "links_digest": digest},
+                                    round_name="pca", arrays=link_arrays, epsilon=pca_eps,
+                                    delta=pca_delta, check_result=check_factor,
+                                    progress=(0.35, 0.7), only=order)
+            sites2 = sorted(r2)
+            estimate = await asyncio.to_thread(
+                combine_factors, [r2[s].arrays["factor"] for s in sites2],
+                [int(r2[s].metadata["n_rows"]) for s in sites2], dim)
         clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
         dp_corr = _correlation(dp_second_moment(estimate, dim))
         rng = production_rng()  # post-processing only (simulation, sampling)
@@ -171,7 +217,8 @@ class SynthJob(JobType):
             fm, corr = await asyncio.to_thread(
                 fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
                 info_threshold=params.info_threshold)
-            sites_last = {s: r2[s] for s in sites2}
+            last_sites = (list(secure_outcomes["pca"].plan.participants) if secure
+                          else sorted(r2))
         else:
             fm_plain, _ = await asyncio.to_thread(
                 fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
@@ -190,69 +237,77 @@ class SynthJob(JobType):
             r3 = await ctx.dispatch(
                 ROWS_KIND, {**base, "round": "factors", "links_digest": digest},
                 round_name="factors", arrays={**link_arrays, "loadings": v},
-                epsilon=f_eps, delta=f_delta, check_result=check_w, progress=(0.75, 0.9))
-            sites_last = {s: r3[s] for s in sorted(r3)}
-            b = max(float(r.spend.noise_scale) for r in sites_last.values())
-            scale = latent_rescaling(links, v, fm_plain.eigenvalues, clip_norm=clip,
-                                     residual=0.0, factor_noise_variance=2.0 * b * b,
-                                     include_residual=False)
-            fm = FactorModel(v, fm_plain.eigenvalues, 0.0, clip * scale)
-            factors = np.concatenate([r.arrays["factors"] for r in sites_last.values()])
+                epsilon=f_eps, delta=f_delta, check_result=check_w, progress=(0.75, 0.9),
+                only=sorted(r2))
+            last_sites = sorted(r3)
+            b = max(float(r.spend.noise_scale) for r in r3.values())
+            fm = row_aligned_model(links, v, fm_plain.eigenvalues, clip_norm=clip,
+                                   noise_scale=b)
+            factors = np.concatenate([r3[s].arrays["factors"] for s in last_sites])
         ctx.emit("calibrate", "calibrating every column to its released DP marginal", 0.92)
-        metadata = self._metadata(ctx, params, plan, r1, r2, sites_last, estimate, fm)
+        if secure:
+            n_rows = {**secure_outcomes["links"].n_rows, **secure_outcomes["pca"].n_rows}
+            spends = {name: dict.fromkeys(o.plan.participants, (o.plan.calibration.epsilon,
+                                                                o.plan.calibration.delta))
+                      for name, o in secure_outcomes.items()}
+        else:
+            n_rows = {s: int(r1[s].metadata["n_rows"]) for s in r1}
+            spends = {name: {s: (r.spend.epsilon, r.spend.delta) for s, r in res.items()}
+                      for name, res in (("links", r1), ("pca", r2))}
+            if params.mode == "row_aligned":
+                spends["factors"] = {s: (r.spend.epsilon, r.spend.delta) for s, r in r3.items()}
+        metadata = self._metadata(ctx, params, plan, n_rows, spends, last_sites, estimate, fm)
+        if secure:
+            metadata["secure"] = secure_metadata(secure_outcomes)
         model = await asyncio.to_thread(
             SynthModel.build, schema, mode=params.mode, continuous_link=params.continuous_link,
             n_bins=params.n_bins, proportions=proportions, factor_model=fm,
             dp_correlation=dp_corr, rng=rng, latent_correlation=corr, factors=factors,
             metadata=metadata)
-        summary = {"mode": params.mode, "latent_dim": dim, "rank": fm.rank,
-                   "sites": len(sites_last), "n_rows_total": metadata["n_rows_total"],
+        summary = {"mode": params.mode, "aggregation": params.aggregation,
+                   "latent_dim": dim, "rank": fm.rank,
+                   "sites": len(last_sites), "n_rows_total": metadata["n_rows_total"],
                    "links_digest": digest}
+        if secure:
+            summary["tolerated_colluders"] = metadata["secure"]["tolerated_colluders"]
         if params.evaluate_rows:
-            summary["evaluated_sites"] = await self._evaluate(ctx, model, params, schema)
+            evaluation = await run_evaluation(ctx, model, params, schema, sorted(last_sites))
+            model.metadata["evaluation"] = evaluation
+            summary["evaluated_sites"] = evaluation["local_report_sites"]
+            if "summaries" in evaluation:
+                summary["summary_sites"] = sorted(evaluation["summaries"])
         return JobOutput(model.arrays(), model.file_metadata(), summary)
 
-    async def _evaluate(self, ctx: JobContext, model: SynthModel, params: SynthParams,
-                        schema: Schema) -> list[str]:
-        """Local-only round: every site evaluates a synthetic sample against its own rows.
-
-        Sites answer only that their report was written; a failure here does not fail the
-        job (the synthetic table is already made).
-        """
-        sample = EncodedTable.concatenate(list(model.iter_encoded(
-            None if model.factors is not None else params.evaluate_rows)))
-        take = min(sample.n_rows, params.evaluate_rows)
-        arrays = {f"col:{c.name}": np.ascontiguousarray(sample.columns[c.name][:take])
-                  for c in schema.columns}
-        ctx.emit("evaluate", f"sending a {take}-row synthetic sample to every site for its "
-                 "local evaluation (nothing comes back, nothing is charged)", 0.95)
-        try:
-            results = await ctx.dispatch(EVAL_KIND, {"schema_digest": schema.digest()},
-                                         round_name="evaluate", arrays=arrays, epsilon=0.0,
-                                         delta=0.0, progress=(0.95, 0.99))
-        except QuorumError as exc:
-            ctx.emit("evaluate", f"site-local evaluation incomplete: {exc}", 0.99)
-            return []
-        return sorted(results)
-
     def _metadata(self, ctx: JobContext, params: SynthParams,
-                  plan: list[tuple[str, float, float]], *rounds: Any) -> dict[str, Any]:
-        r1, r2, last, estimate, fm = rounds
+                  plan: list[tuple[str, float, float]], n_rows: dict[str, int],
+                  spends: dict[str, dict[str, tuple[float, float]]], last: list[str],
+                  estimate: PCAEstimate, fm: FactorModel) -> dict[str, Any]:
+        """Sites' rows and per-round charges, the plan and the mode (file metadata)."""
         sites = []
-        for s in sorted(r1):
-            row: dict[str, Any] = {"site_id": s, "n_rows": int(r1[s].metadata["n_rows"])}
-            for name, results in (("links", r1), ("pca", r2), ("factors", last)):
-                if s in results and (name != "factors" or params.mode == "row_aligned"):
-                    row[f"{name}_epsilon"] = results[s].spend.epsilon
-                    row[f"{name}_delta"] = results[s].spend.delta
+        hello_rows = {s.site_id: s.hello.row_count for s in ctx.registry.connected()}
+        for s in sorted(n_rows):
+            row: dict[str, Any] = {"site_id": s, "n_rows": n_rows[s]}
+            if params.evaluate_rows and s in hello_rows:
+                row["n_holdout"] = holdout_size(hello_rows[s])
+            for name, charged in spends.items():
+                if s in charged:
+                    row[f"{name}_epsilon"], row[f"{name}_delta"] = charged[s]
             sites.append(row)
         return {"job_id": ctx.job_id, "kind": self.kind, "epsilon": ctx.spec.epsilon,
                 "delta": ctx.spec.delta, "params": params.to_mapping(),
+                "aggregation": params.aggregation,
                 "plan": [{"round": n, "epsilon": e, "delta": d} for n, e, d in plan],
-                "sites": sites, "n_rows_total": sum(int(x["n_rows"]) for x in sites
-                                                    if x["site_id"] in last),
+                "sites": sites,
+                "rounds": {name: sorted(charged) for name, charged in spends.items()},
+                "n_rows_total": sum(n_rows.get(s, 0) for s in last),
                 "rank": fm.rank, "total_variance": float(estimate.total_variance),
                 "software_version": __version__}
+
+
+def _rounds_used(params: SynthParams, *results: dict[str, Any]) -> dict[str, list[str]]:
+    """Which sites' releases each round of the model used (round name -> sorted site ids)."""
+    names = ("links", "pca", "factors") if params.mode == "row_aligned" else ("links", "pca")
+    return {name: sorted(r) for name, r in zip(names, results, strict=False)}
 
 
 def _check_rows(result: TaskResult) -> int:

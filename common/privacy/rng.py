@@ -30,3 +30,17 @@ def resolve_rng(rng: np.random.Generator | None) -> np.random.Generator:
             f"rng must be a numpy.random.Generator or None, got {type(rng).__name__}"
         )
     return rng
+
+
+def derived_rng(parent: np.random.Generator) -> np.random.Generator:
+    """Return a generator seeded with 256 bits drawn from ``parent``.
+
+    For work split into pieces that may run in any order or in parallel threads (e.g. the
+    chunks of synthetic rows): each piece gets its own derived generator, drawn from the
+    parent in piece order, so the result depends on the parent only -- never on which thread
+    ran a piece or when. Deterministic for a seeded parent (tests); from
+    :func:`production_rng` it is as unpredictable as the parent.
+    """
+    parent = resolve_rng(parent)
+    seed = parent.integers(0, 2**32, size=8, dtype=np.uint32)
+    return np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed)))

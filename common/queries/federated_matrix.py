@@ -42,6 +42,7 @@ __all__ = [
     "per_query_std_error",
     "replace_one_sensitivity",
     "strategy_digest",
+    "strategy_transport",
 ]
 
 #: Strategies a site rebuilds from (name, n) itself.
@@ -64,6 +65,20 @@ def strategy_digest(matrix: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def strategy_transport(name: str, matrix: np.ndarray, n: int
+                       ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Return how a strategy travels to the sites: its task spec and arrays.
+
+    A named strategy travels as ``(name, n)`` (each site rebuilds it); any other as the
+    ``matrix`` spec with its digest and shape, plus the matrix as the ``strategy`` array.
+    """
+    if name in NAMED_STRATEGIES:
+        return {"name": name, "n": n}, {}
+    a = np.ascontiguousarray(matrix, dtype=np.float64)
+    return ({"name": "matrix", "digest": strategy_digest(a),
+             "shape": [int(a.shape[0]), int(a.shape[1])]}, {"strategy": a})
+
+
 def named_strategy(name: str, n: int) -> np.ndarray:
     """Rebuild a named (data-independent) strategy for ``n`` cells, within the size limit."""
     check_choice(name, "strategy", NAMED_STRATEGIES)
@@ -74,8 +89,16 @@ def named_strategy(name: str, n: int) -> np.ndarray:
     return strategy(name, n)
 
 
-def _is_zero_one(a: np.ndarray) -> bool:
-    return bool(np.all((a == 0.0) | (a == 1.0)))
+def _two_valued(a: np.ndarray) -> float | None:
+    """Return ``c`` if every entry is 0 or one common ``c > 0`` (0/1 matrices: 1), else None.
+
+    Such matrices include 0/1 strategies and their integer fixed-point encodings ``s A``.
+    """
+    nonzero = a[a != 0.0]
+    if nonzero.size == 0:
+        return None
+    c = float(nonzero.flat[0])
+    return c if c > 0.0 and bool(np.all(nonzero == c)) else None
 
 
 def replace_one_sensitivity(matrix: Any, norm: str) -> tuple[float, bool]:
@@ -92,31 +115,33 @@ def replace_one_sensitivity(matrix: Any, norm: str) -> tuple[float, bool]:
     -------
     (float, bool)
         ``max_{i != j} ||a_i - a_j||`` (the exact value, flag True) or, for a large matrix
-        with entries other than 0/1 under L1, the upper bound ``2 max_j ||a_j||_1`` (flag
-        False; still a valid calibration). For ``n = 1`` every row is in the one cell, the
-        histogram is the public N_s and the sensitivity is 0.
+        with entries other than 0 and one value ``c`` under L1, the upper bound
+        ``2 max_j ||a_j||_1`` (flag False; still a valid calibration). For ``n = 1`` every
+        row is in the one cell, the histogram is the public N_s and the sensitivity is 0.
 
     Privacy
     -------
     Replace-one: one row of the site moves from cell ``i`` to cell ``j`` (``i = j`` changes
     nothing), so ``x' = x - e_i + e_j`` and ``A x' - A x = a_j - a_i``. The worst case over all
     pairs is the sensitivity. Computed exactly: directly for small matrices; through the Gram
-    matrix ``G = A^T A`` for L2 (``||a_i - a_j||^2 = G_ii + G_jj - 2 G_ij``) and for 0/1
-    matrices under L1 (``|a - b| = a + b - 2ab`` entrywise for 0/1 entries).
+    matrix ``G = A^T A`` for L2 (``||a_i - a_j||^2 = G_ii + G_jj - 2 G_ij``) and for
+    matrices whose entries are 0 or one value ``c`` under L1 (``|a - b| = a + b - 2ab/c``
+    entrywise; 0/1 strategies and their fixed-point encodings ``s A``).
     """
     a = check_finite_array(matrix, "strategy matrix", ndim=2)
     check_choice(norm, "norm", ("l1", "l2"))
     k, n = a.shape
     if n == 1:
         return 0.0, True
-    if norm == "l2" or _is_zero_one(a):
+    c = None if norm == "l2" else _two_valued(a)
+    if norm == "l2" or c is not None:
         g = a.T @ a
         d = np.diag(g)
-        if norm == "l2":
-            sq = d[:, None] + d[None, :] - 2.0 * g
+        sq = d[:, None] + d[None, :] - 2.0 * g
+        if c is None:
             return float(math.sqrt(max(0.0, float(sq.max())))), True
-        l1 = d[:, None] + d[None, :] - 2.0 * g  # 0/1 entries: a_i.a_i = ||a_i||_1
-        return float(l1.max()), True
+        # entries in {0, c}: |a - b| = a + b - 2ab/c entrywise and a_i.a_i = c ||a_i||_1
+        return float(sq.max()) / c, True
     if k * n * n <= _DIRECT_PAIRWISE_OPS:
         best = 0.0
         step = max(1, _DIRECT_PAIRWISE_OPS // max(1, 8 * k * n))

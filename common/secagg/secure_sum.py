@@ -25,6 +25,14 @@ calibrated with the Skellam accountant for those sensitivities; each site adds
 ``Sk(mu_total / (n - t))`` so that the honest sites' shares alone, ``n - t`` of them, carry at
 least ``mu_total`` even if ``t`` other parties (the coordinator among them) pool what they know.
 Every site charges the pooled guarantee ``(epsilon, delta)`` to its own ledger.
+
+*Counts* (``statistic="counts"``, :func:`plan_counts`): each row adds exactly one to one cell
+of each of ``C`` public groups of cells (the per-column histograms of the ``synth`` job), so a
+row's contribution is an integer vector of norm ``sqrt(C)`` that needs neither scaling nor
+rounding (scale 1, ``B = sqrt(C)`` exactly). Replacing one row moves, in every group, one count
+down and another up (or nothing): L2 ``sqrt(2 C) = sqrt(2) B`` and L1 ``2 C = 2 B^2``. No
+wrap: every pooled cell lies in ``[0, N]`` (``N`` the public pooled row count), so the sum
+cannot wrap while ``N`` plus the noise's tail bound stays below ``2^62``.
 """
 
 from __future__ import annotations
@@ -42,10 +50,12 @@ from scipy.linalg.blas import dsyrk
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
+    SAFE_ABS,
     conditional_round_float,
     from_ring,
     max_scale,
     rounded_norm_bound,
+    skellam_tail,
     to_ring,
 )
 from dpfed.common.secagg.keys import SignedKey, verify_signed_key
@@ -53,10 +63,16 @@ from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_se
 from dpfed.common.validation import check_int, check_positive
 
 __all__ = [
+    "PLANNERS",
+    "STATISTICS",
     "SecureSumPlan",
+    "check_participants",
+    "count_groups",
     "decode_sum",
     "integer_gram_upper",
     "integer_row_sum",
+    "plan_counts",
+    "plan_for",
     "plan_from_scale",
     "plan_gram",
     "plan_row_sum",
@@ -77,14 +93,16 @@ class SecureSumPlan:
 
     Attributes
     ----------
-    statistic : {"gram", "row_sum"}
-        What each site contributes.
+    statistic : {"gram", "row_sum", "counts", "linear"}
+        What each site contributes (see :data:`STATISTICS`; ``linear``: the answers ``Ã x_s``
+        of a public integer strategy, :mod:`dpfed.common.secagg.linear_sum`).
     dim : int
-        Row dimension d.
+        Row dimension d (``linear``: the number of answers k).
     scale : float
-        Fixed-point scale s (rows are multiplied by s before rounding).
+        Fixed-point scale s (rows are multiplied by s before rounding; 1 for counts).
     bound : float
-        Public bound B on the norm of a rounded row.
+        Public bound B on the norm of a rounded row (for counts: the exact norm ``sqrt(C)`` of
+        one row's contribution to ``C`` groups of cells).
     mu_total : float
         Skellam variance per coordinate the honest shares must carry (integer domain).
     tolerated : int
@@ -115,13 +133,52 @@ class SecureSumPlan:
         """Variance each site adds."""
         return self.mu_total / (len(self.participants) - self.tolerated)
 
+    @property
+    def pooled_variance(self) -> float:
+        """Variance the decoded sum actually carries: every participant's share.
+
+        At least ``mu_total`` (what the honest ``n - t`` shares alone guarantee); it is
+        ``n / (n - t)`` times that when every site is honest, which is the figure standard
+        errors must use.
+        """
+        return self.share * len(self.participants)
+
+
+#: The statistics a secure sum can carry and their degree in the fixed-point scale (``linear``
+#: plans come from :mod:`dpfed.common.secagg.linear_sum`, the others from :data:`PLANNERS`).
+STATISTICS: dict[str, int] = {"gram": 2, "row_sum": 1, "counts": 1, "linear": 1}
+
 
 def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float]:
     if statistic == "gram":
         return math.sqrt(2.0) * bound * bound, (dim + 1) * bound * bound
     if statistic == "row_sum":
         return 2.0 * bound, 2.0 * bound * math.sqrt(dim)
-    raise ValidationError(f"statistic must be 'gram' or 'row_sum', got {statistic!r}")
+    if statistic == "counts":  # C = bound^2 groups: one count down and one up in each
+        return math.sqrt(2.0) * bound, 2.0 * bound * bound
+    raise ValidationError(f"statistic must be 'gram', 'row_sum' or 'counts', got {statistic!r}")
+
+
+def count_groups(row_norm: float) -> int:
+    """Return the number of groups ``C`` a counts plan's ``row_norm = sqrt(C)`` encodes."""
+    r = check_positive(row_norm, "row_norm")
+    groups = round(r * r)
+    if groups < 1 or abs(groups - r * r) > 1e-9 * r * r:
+        raise ValidationError(f"a counts sum needs row_norm = sqrt(number of groups), got "
+                              f"{row_norm!r}")
+    return int(groups)
+
+
+def check_participants(participants: Sequence[str], tolerated: int) -> tuple[tuple[str, ...], int]:
+    """Return the sorted distinct participants and ``t``; more participants than ``t`` needed."""
+    ids = tuple(sorted(set(participants)))
+    if len(ids) != len(participants):
+        raise ValidationError("participants must be distinct site ids")
+    t = check_int(tolerated, "tolerated", minimum=0)
+    if len(ids) <= t:
+        raise ValidationError(f"a secure sum tolerating {t} colluding parties needs more than "
+                              f"{t} participants, got {len(ids)}")
+    return ids, t
 
 
 def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
@@ -135,14 +192,13 @@ def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
     """
     d = check_int(dim, "dim", minimum=1)
     s = check_positive(scale, "scale")
-    ids = tuple(sorted(set(participants)))
-    if len(ids) != len(participants):
-        raise ValidationError("participants must be distinct site ids")
-    t = check_int(tolerated, "tolerated", minimum=0)
-    if len(ids) <= t:
-        raise ValidationError(f"a secure sum tolerating {t} colluding parties needs more than "
-                              f"{t} participants, got {len(ids)}")
-    bound = rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d)
+    if statistic == "counts" and (s != 1.0 or count_groups(row_norm) > d):
+        raise ValidationError(f"a counts sum has scale 1 and at most one group per cell, got "
+                              f"scale {s:g}, row_norm {row_norm!r} for {d} cells")
+    ids, t = check_participants(participants, tolerated)
+    # counts are integers already: no rounding, the bound is the exact norm sqrt(C)
+    bound = (float(row_norm) if statistic == "counts"
+             else rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d))
     l2, l1 = _sensitivities(statistic, d, bound)
     cal = skellam_calibrate(epsilon, delta, l2, l1)
     if cal.mu > MU_MAX * 1.01:
@@ -197,6 +253,47 @@ def plan_row_sum(*, dim: int, total_rows: int, epsilon: float, delta: float,
     """Plan a secure sum of the sites' row sums (e.g. for a pooled DP mean)."""
     return _plan("row_sum", dim=dim, total_rows=total_rows, row_norm=row_norm,
                  epsilon=epsilon, delta=delta, participants=participants, tolerated=tolerated)
+
+
+def plan_counts(*, dim: int, total_rows: int, epsilon: float, delta: float,
+                participants: Sequence[str], tolerated: int = 0,
+                row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a secure sum of the sites' exact count vectors (e.g. concatenated histograms).
+
+    ``dim`` is the number of cells and ``row_norm = sqrt(C)`` encodes the number ``C`` of
+    groups (histograms) in which every row adds exactly one count.
+
+    Privacy
+    -------
+    Replace-one at one site; the count vector's L2 sensitivity is ``sqrt(2 C)`` and its L1
+    sensitivity ``2 C`` (one count down, another up, in each group); scale 1, no rounding.
+    No wrap: every pooled cell lies in ``[0, total_rows]`` before noise, and the plan is
+    refused unless ``total_rows`` plus the Skellam tail bound (failure probability
+    ``2^-60`` over all cells) stays below ``2^62``.
+    """
+    d = check_int(dim, "dim", minimum=1)
+    n = check_int(total_rows, "total_rows", minimum=1)
+    plan = plan_from_scale("counts", dim=d, scale=1.0, row_norm=row_norm, epsilon=epsilon,
+                           delta=delta, participants=participants, tolerated=tolerated)
+    if n + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
+        raise ValidationError(f"{n} pooled rows with noise variance {plan.mu_total:.3g} do not "
+                              "fit a secure counts sum in the 64-bit ring")
+    return plan
+
+
+#: statistic -> its planning function (all take the same keyword arguments).
+PLANNERS = {"gram": plan_gram, "row_sum": plan_row_sum, "counts": plan_counts}
+
+
+def plan_for(statistic: str, *, dim: int, total_rows: int, epsilon: float, delta: float,
+             participants: Sequence[str], tolerated: int = 0,
+             row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a secure sum of any statistic in :data:`STATISTICS` (the coordinator's entry)."""
+    planner = PLANNERS.get(statistic)
+    if planner is None:
+        raise ValidationError(f"statistic must be one of {sorted(PLANNERS)}, got {statistic!r}")
+    return planner(dim=dim, total_rows=total_rows, epsilon=epsilon, delta=delta,
+                   participants=participants, tolerated=tolerated, row_norm=row_norm)
 
 
 def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
@@ -276,12 +373,11 @@ def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndar
     """Sum every participant's masked vector and decode the noisy pooled statistic (real units).
 
     Returns the Gram's upper triangle divided by ``scale^2`` (or the row sum divided by
-    ``scale``), i.e. in the units of the original rows.
+    ``scale``; counts as they are), i.e. in the units of the original rows.
     """
     if set(masked) != set(plan.participants):
         missing = sorted(set(plan.participants) - set(masked))
         raise ProtocolError(f"secure sum incomplete: no contribution from {missing}; the masks "
                             "cannot cancel, retry the round with fresh keys")
     total = from_ring(sum_masked([masked[s] for s in plan.participants]))
-    degree = 2 if plan.statistic == "gram" else 1
-    return total.astype(np.float64) / plan.scale ** degree
+    return total.astype(np.float64) / plan.scale ** STATISTICS[plan.statistic]

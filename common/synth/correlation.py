@@ -31,7 +31,7 @@ import numpy as np
 from scipy import special
 
 from dpfed.common.errors import ValidationError
-from dpfed.common.synth.factor_model import _correlation_of, _nearest_correlation
+from dpfed.common.synth.latent_model import _correlation_of, _nearest_correlation
 from dpfed.common.synth.links import (
     ContinuousLink,
     LatentLinks,

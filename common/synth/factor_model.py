@@ -12,19 +12,25 @@ Pipeline (one table, or one site of a federation)::
 The split between the two parties is the API (the distributed job runs the same functions):
 
 Site (holds rows, spends budget)
-    :func:`dpfed.common.synth.links.fit_link_statistics` (DP histograms / moments),
+    :class:`dpfed.common.synth.link_release.LinkHistogramAccumulator` and
+    :func:`dpfed.common.synth.link_release.release_link_histograms` (DP histograms),
     :meth:`dpfed.common.synth.links.LatentLinks.to_latent`,
     :func:`dpfed.common.synth.links.clip_to_unit_ball`,
     :func:`dpfed.common.pca.dppca.site_release` (DP-PCA), :func:`factor_release` (row-aligned mode:
-    the only row-aligned DP release), :func:`reconstruct_rows` (post-processing).
+    the only row-aligned DP release).
 Coordinator (sees only DP releases)
-    :func:`dpfed.common.synth.links.combine_link_statistics`,
-    :func:`dpfed.common.pca.dppca.combine`,
-    :func:`choose_rank`, :func:`residual_variance`, :func:`dp_second_moment`,
-    :func:`latent_correlation`, :func:`latent_rescaling`, :func:`sample_generative` (all
-    pure post-processing: any number of rows, no extra budget).
+    :mod:`dpfed.common.synth.pipeline` (links from the summed histograms, size-weighted
+    combine, the factor model of :mod:`dpfed.common.synth.generative` with the correlation
+    correction of :mod:`dpfed.common.synth.correlation`, the final calibration), built on
+    :func:`choose_rank`, :func:`residual_variance`, :func:`dp_second_moment` and
+    :func:`latent_rescaling` (defined in :mod:`dpfed.common.synth.latent_model`, re-exported
+    here; all pure post-processing: any number of rows, no extra budget).
 
-:class:`FactorModelSynthesizer` runs everything centrally in a few lines.
+:class:`FactorModelSynthesizer` runs everything centrally in a few lines, through the same
+coordinator functions as the federated ``synth`` job (one site: this table). The older
+one-shot helpers :func:`sample_generative`, :func:`reconstruct_rows` and
+:func:`latent_correlation` (the reference implementation the fast correction is checked and
+timed against) remain available.
 
 Corrections to the seed (docs/algorithms.md)
 -----------------------------------------------------------------
@@ -41,8 +47,10 @@ Corrections to the seed (docs/algorithms.md)
   covariance keeps its total variance; no row-aligned release at all.
 * Correlation correction (generative mode, post-processing, not in the seed): the links
   draw each row's latent values independently of its other columns, which attenuates the
-  latent correlations involving categorical columns; :func:`latent_correlation` undoes that
-  by simulated method of moments before the factor model is built.
+  latent correlations involving categorical columns; the correction
+  (:func:`dpfed.common.synth.correlation.fast_latent_correlation`, a faster form of
+  :func:`latent_correlation`) undoes that by simulated method of moments before the factor
+  model is built.
 * Latent rescaling (post-processing, not in the seed): the links make every ordinal, nominal
   and DP-standardised continuous coordinate N(0, 1) marginally; clipping and factor noise
   change that variance, which shifts decoded category proportions. :func:`latent_rescaling`
@@ -61,11 +69,28 @@ import pandas as pd
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, RowPolicy, encode_table
 from dpfed.common.data.schema import ContinuousColumn, Schema
 from dpfed.common.errors import DataError, ValidationError
+from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT, SYNTH_MAX_BINS
 from dpfed.common.pca import dppca
 from dpfed.common.pca.dppca import GramAccumulator, PCAEstimate
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.privacy.rng import resolve_rng
+from dpfed.common.synth.generative import build_factor_model, fit_factor_model, iter_samples
+from dpfed.common.synth.latent_model import (
+    _check_loadings,
+    _correlation_of,
+    _nearest_correlation,
+)
+from dpfed.common.synth.latent_model import choose_rank as choose_rank
+from dpfed.common.synth.latent_model import dp_second_moment as dp_second_moment
+from dpfed.common.synth.latent_model import latent_rescaling as latent_rescaling
+from dpfed.common.synth.latent_model import residual_variance as residual_variance
+from dpfed.common.synth.link_release import (
+    CONTINUOUS_LINKS,
+    LinkHistogramAccumulator,
+    link_round_cost,
+    release_link_histograms,
+)
 from dpfed.common.synth.links import (
     CONTINUOUS_SCALINGS,
     LatentLinks,
@@ -77,6 +102,13 @@ from dpfed.common.synth.links import (
     latent_dim,
     needs_link_statistics,
 )
+from dpfed.common.synth.pipeline import (
+    aligned_latent,
+    calibrated_links,
+    links_from_histograms,
+    row_aligned_model,
+)
+from dpfed.common.synth.quantile_link import DEFAULT_BINS
 from dpfed.common.validation import (
     check_choice,
     check_delta,
@@ -89,70 +121,19 @@ from dpfed.common.validation import (
 )
 
 MODES: tuple[str, ...] = ("generative", "row_aligned")
-#: Default share of the total epsilon per release (renormalised over the releases a run needs).
+#: Default share of the total epsilon per release (renormalised over the releases a run needs):
+#: the ``synth`` job's default split, so a central and a federated fit spend alike.
 DEFAULT_BUDGET_SPLIT: Mapping[str, Mapping[str, float]] = {
-    "generative": {"marginals": 0.4, "pca": 0.6},
-    "row_aligned": {"marginals": 0.2, "pca": 0.2, "factors": 0.6},
+    mode: {("marginals" if name == "links" else name): shares[0]
+           for name, shares in SYNTH_DEFAULT_SPLIT[mode].items()}
+    for mode in MODES
 }
 BUDGET_PARTS: tuple[str, ...] = ("marginals", "pca", "factors")
 _CHUNK_ROWS = 65536
-_ORTHONORMAL_TOL = 1e-8
 _UNIT_BALL_TOL = 1e-9
 
 
 # --------------------------------------------------------------------------- rank
-
-
-def choose_rank(eigenvalues: np.ndarray, threshold: float = 0.8, *, total: float | None = None,
-                max_rank: int | None = None) -> int:
-    """Cumulative-information rule ``r(c) = min{k : sum_{j<=k} nu_j / sum_j nu_j > c}``.
-
-    Coordinator step on the *noisy* eigenvalues (post-processing of DP-PCA).
-
-    Parameters
-    ----------
-    eigenvalues : ndarray
-        Eigenvalues (sorted descending here; negative noisy values count as 0).
-    threshold : float
-        ``c`` in (0, 1); the seed suggests 0.8 or 0.9.
-    total : float, optional
-        The denominator ``sum_j nu_j`` when ``eigenvalues`` holds only the top few (e.g.
-        ``PCAEstimate.total_variance``); default their sum.
-    max_rank : int, optional
-        Cap on the result.
-
-    Returns
-    -------
-    int
-        ``r >= 1``; ``len(eigenvalues)`` (or ``max_rank``) if no prefix exceeds ``c``.
-    """
-    c = check_probability(threshold, "threshold")
-    nu = check_finite_array(eigenvalues, "eigenvalues", ndim=1)
-    if nu.size == 0:
-        raise ValidationError("eigenvalues must not be empty")
-    nu = np.sort(np.clip(nu, 0.0, None))[::-1]
-    cap = nu.size if max_rank is None else min(nu.size, check_int(max_rank, "max_rank",
-                                                                  minimum=1))
-    denominator = float(nu.sum()) if total is None else check_nonnegative(total, "total")
-    if denominator <= 0.0:
-        return 1
-    ratio = np.cumsum(nu) / denominator
-    above = np.flatnonzero(ratio > c)
-    r = int(above[0]) + 1 if above.size else nu.size
-    return min(r, cap)
-
-
-def residual_variance(estimate: PCAEstimate, rank: int, n_features: int) -> float:
-    """Per-dimension variance left outside the top ``rank`` components (PPCA's sigma^2).
-
-    ``(total_variance - sum_{k<=r} lambda_k) / (p - r)``, floored at 0; 0 when ``r = p``.
-    Post-processing of the DP-PCA release.
-    """
-    r = check_int(rank, "rank", minimum=1, maximum=n_features)
-    if r >= n_features:
-        return 0.0
-    left = estimate.total_variance - float(np.sum(estimate.eigenvalues[:r]))
-    return max(left, 0.0) / (n_features - r)
 
 
 # --------------------------------------------------------------------------- subspace
@@ -257,20 +238,6 @@ def perturb_loadings(loadings: np.ndarray, *, epsilon: float, rng: np.random.Gen
 # --------------------------------------------------------------------------- factors
 
 
-def _check_loadings(loadings: np.ndarray, n_features: int | None = None) -> np.ndarray:
-    v = check_finite_array(loadings, "loadings", ndim=2)
-    p, r = v.shape
-    if r < 1 or r > p:
-        raise ValidationError(f"loadings must be p x r with 1 <= r <= p, got {v.shape}")
-    if n_features is not None and p != n_features:
-        raise ValidationError(f"loadings have {p} rows, the latent rows have {n_features}")
-    gram = v.T @ v
-    if float(np.abs(gram - np.eye(r)).max()) > _ORTHONORMAL_TOL:
-        raise ValidationError(
-            "loadings must have orthonormal columns (V^T V = I); use orthonormalize()")
-    return v
-
-
 def factor_mechanism(rank: int, epsilon: float) -> LaplaceMechanism:
     """Return the Laplace mechanism of :func:`factor_release` (it states its own cost).
 
@@ -335,38 +302,6 @@ def factor_release(latent_rows: np.ndarray, loadings: np.ndarray, *, epsilon: fl
 
 
 # --------------------------------------------------------------------------- decoding
-
-
-def latent_rescaling(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.ndarray, *,
-                     clip_norm: float, residual: float = 0.0,
-                     factor_noise_variance: float = 0.0,
-                     include_residual: bool = True) -> np.ndarray:
-    """Per latent coordinate, the factor that gives it its modelled variance (post-processing).
-
-    In unit-ball units the synthetic latent of coordinate j has variance
-    ``s_j = sum_k (lambda_k + noise) V_jk^2 + res (1 - sum_k V_jk^2)`` (``res`` = the
-    residual variance in generative mode, 0 in row-aligned mode, ``noise`` the factor
-    noise variance ``2 b^2`` in row-aligned mode). Its target is ``1 / C^2`` where the link
-    model makes the coordinate N(0, 1) (ordinal, nominal, DP-standardised continuous), else
-    the DP second moment ``sum_k lambda_k V_jk^2 + residual (1 - sum_k V_jk^2)``. Returns
-    ``sqrt(target / s_j)`` (1 where ``s_j`` is 0). Uses only DP quantities.
-    """
-    v = _check_loadings(loadings, links.dim)
-    lam = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1), 0.0, None)
-    if lam.shape[0] != v.shape[1]:
-        raise ValidationError(f"need {v.shape[1]} eigenvalues, got {lam.shape[0]}")
-    c = check_positive(clip_norm, "clip_norm")
-    res = check_nonnegative(residual, "residual")
-    noise = check_nonnegative(factor_noise_variance, "factor_noise_variance")
-    v2 = v * v
-    outside = np.clip(1.0 - v2.sum(axis=1), 0.0, None)
-    second_moment = v2 @ lam + res * outside
-    modelled = v2 @ (lam + noise) + (res * outside if include_residual else 0.0)
-    target = np.where(links.standard_normal, 1.0 / (c * c), second_moment)
-    scale = np.ones(links.dim)
-    ok = modelled > 0
-    scale[ok] = np.sqrt(target[ok] / modelled[ok])
-    return scale
 
 
 def decode_rows(unit_rows: np.ndarray, links: LatentLinks, *, clip_norm: float,
@@ -443,58 +378,6 @@ def sample_generative(n_rows: int, loadings: np.ndarray, eigenvalues: np.ndarray
 
 
 # --------------------------------------------------------------------------- correction
-
-
-def dp_second_moment(estimate: PCAEstimate, n_features: int) -> np.ndarray:
-    """Rebuild the DP second-moment matrix (unit-ball units) from a DP-PCA estimate.
-
-    ``V diag(lambda) V^T`` over the released components, plus the residual energy
-    ``(total - sum lambda) / (p - K)`` spread over the complement of their span (nothing when
-    all p components were released). Post-processing.
-    """
-    p = check_int(n_features, "n_features", minimum=1)
-    v = check_finite_array(estimate.components, "components", ndim=2).T  # p x K
-    if v.shape[0] != p:
-        raise ValidationError(f"components have {v.shape[0]} columns, expected {p}")
-    lam = np.clip(np.asarray(estimate.eigenvalues, dtype=np.float64), 0.0, None)
-    moment = (v * lam[None, :]) @ v.T
-    k = v.shape[1]
-    if k < p:
-        rest = max(estimate.total_variance - float(lam.sum()), 0.0) / (p - k)
-        moment += rest * (np.eye(p) - v @ v.T)
-    return np.asarray(0.5 * (moment + moment.T))
-
-
-def _nearest_correlation(matrix: np.ndarray, fixed: np.ndarray | None = None,
-                         floor: float = 1e-6, iterations: int = 100) -> np.ndarray:
-    """Nearest PSD matrix with unit diagonal and zeros where ``fixed`` (Higham 2002).
-
-    Alternating projections with Dykstra's correction between the PSD cone (eigenvalues
-    clipped at ``floor``) and the affine set {unit diagonal, 0 on ``fixed`` off-diagonal
-    entries}; a final eigenvalue clip and rescale guarantee a PSD unit-diagonal result.
-    """
-    p = matrix.shape[0]
-    pinned = np.eye(p, dtype=bool) if fixed is None else (fixed | np.eye(p, dtype=bool))
-    pinned_values = np.eye(p)
-    y = 0.5 * (matrix + matrix.T)
-    correction = np.zeros_like(y)
-    for _ in range(iterations):
-        r = y - correction
-        values, vectors = np.linalg.eigh(r)
-        x = (vectors * np.clip(values, floor, None)[None, :]) @ vectors.T
-        correction = x - r
-        y = np.where(pinned, pinned_values, x)
-        if float(np.abs(y - x).max()) < 1e-9:
-            break
-    values, vectors = np.linalg.eigh(0.5 * (y + y.T))
-    psd = (vectors * np.clip(values, floor, None)[None, :]) @ vectors.T
-    d = np.sqrt(np.diag(psd))
-    return np.asarray(psd / d[:, None] / d[None, :])
-
-
-def _correlation_of(moment: np.ndarray) -> np.ndarray:
-    d = np.sqrt(np.clip(np.diag(moment), 1e-300, None))
-    return np.asarray(moment / d[:, None] / d[None, :])
 
 
 def latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, clip_norm: float,
@@ -599,7 +482,9 @@ class FactorModelSynthesizer:
     epsilon : float
         Total epsilon, split between the releases by ``budget_split``.
     delta : float
-        Delta of the DP-PCA (Gaussian) release; the other releases are pure epsilon-DP.
+        Total delta, split between the Gaussian releases (the link histograms and the DP-PCA)
+        in the ``synth`` job's delta shares (``delta_budget_`` after fit); the "bounds"
+        marginals and the row-aligned factors are pure epsilon-DP.
     mode : {"generative", "row_aligned"}
         ``generative`` (default): new rows from the DP factor model, post-processing of the
         DP-PCA, any number of rows. ``row_aligned``: the seed's ``X~ = (X V~ + C) V~^T``, one
@@ -612,16 +497,23 @@ class FactorModelSynthesizer:
         Cap on the rank chosen by the rule.
     budget_split : mapping, optional
         Shares of ``epsilon`` for ``"marginals"`` (link statistics), ``"pca"`` and
-        ``"factors"`` (row-aligned only). Defaults: generative ``{marginals: 0.4, pca: 0.6}``,
-        row-aligned ``{marginals: 0.2, pca: 0.2, factors: 0.6}`` (measured with
-        ``bench/synthesis.py``: the DP variances of continuous columns need the larger
-        marginal share at n = 20k, epsilon <= 1; the factor noise dominates row-aligned
-        utility). Releases a run does not
+        ``"factors"`` (row-aligned only). Defaults: the ``synth`` job's split
+        (:data:`dpfed.common.job_params.SYNTH_DEFAULT_SPLIT`), generative
+        ``{marginals: 0.8, pca: 0.2}``, row-aligned ``{marginals: 0.2, pca: 0.2, factors:
+        0.6}`` (measured with ``bench/synth_quality.py``; see docs/synthesis.md). Releases a
+        run does not
         need (no categorical or DP-scaled column, a given ``subspace``, generative mode's
         factors) get no budget and the other shares are renormalised.
     continuous_scaling : {"dp", "bounds"}
-        Standardise continuous columns by a DP mean/variance (default) or by the public
-        schema bounds only. Generative mode needs "dp" (a centred latent).
+        "dp" (default): the ``synth`` job's link round -- a Gaussian DP histogram of every
+        column (continuous ones on ``n_bins`` public bins) and the links of
+        ``continuous_link``. "bounds" (row-aligned mode only): continuous columns scaled by
+        the public schema bounds, Laplace DP histograms of the categorical columns only.
+    continuous_link : {"quantile", "identity"}
+        With "dp": the DP CDF on the public bins (default) or the DP mean/sd of the binned
+        density (:mod:`dpfed.common.synth.link_release`).
+    n_bins : int
+        Public equal-width bins per continuous column (default 32).
     clip_norm : float, optional
         Public norm bound of the latent rows; default ``sqrt(latent dimension)``.
     min_proportion : float
@@ -632,10 +524,11 @@ class FactorModelSynthesizer:
         Generative mode: add the PPCA residual outside the top-r subspace (default True).
     correct_correlation : bool
         Generative mode: build the factor model from the latent correlation corrected for
-        the links' independent draws (:func:`latent_correlation`; default True). False gives
-        the plain DP-PCA eigenpairs.
+        the links' independent draws (the job's
+        :func:`dpfed.common.synth.correlation.fast_latent_correlation`; default True). False
+        gives the plain DP-PCA eigenpairs.
     n_simulations : int
-        Simulated rows per step of that correction (default 50 000).
+        Most simulated rows per step of that correction (default 50 000).
     subspace : PCAEstimate, optional
         A DP subspace computed elsewhere on the unit-ball latent rows of ``links`` (with the
         same ``clip_norm``); then no PCA budget is spent here. Needs ``links``. A ``pca`` job
@@ -657,6 +550,14 @@ class FactorModelSynthesizer:
     Attributes (after fit)
     ----------------------
     links_ : LatentLinks
+        The links of the DP marginals.
+    decode_links_ : LatentLinks
+        The calibrated links samples are decoded with (every synthetic column reproduces its
+        released DP marginal).
+    proportions_ : ndarray or None
+        The released DP proportions, one block per column ("dp" scaling; None otherwise).
+    model_ : FactorModel
+        The fitted factor model (:mod:`dpfed.common.synth.generative`).
     components_ : ndarray (r, p)
         The loadings (sklearn orientation).
     eigenvalues_ : ndarray (r,)
@@ -673,6 +574,8 @@ class FactorModelSynthesizer:
     encoding_report_ : EncodingReport
     budget_ : dict[str, float]
         Epsilon given to each release.
+    delta_budget_ : dict[str, float]
+        Delta given to each Gaussian release.
     privacy_costs_ : dict[str, PrivacyCost]
         Cost of each release made by :meth:`fit`.
     privacy_cost_ : PrivacyCost
@@ -681,18 +584,24 @@ class FactorModelSynthesizer:
     Privacy
     -------
     One relation for every release, replace-one row with ``N`` public (docs/privacy.md):
-    ``marginals`` (Laplace, ``Delta_1 = 2`` per histogram and ``9/4`` per continuous moment
-    pair, epsilon-DP) + ``pca`` (Gaussian, ``sqrt(2)/N``, (epsilon, delta)-DP) + ``factors``
-    (row-aligned only: Laplace, ``2 sqrt(r)``, epsilon-DP). ``privacy_cost_`` adds them (basic
-    composition) and is the true cost under that relation. Nothing is charged to any ledger:
-    this is library use.
+    ``marginals`` ("dp": the job's link round,
+    :func:`dpfed.common.synth.link_release.link_histogram_mechanism`, Gaussian with L2
+    sensitivity ``sqrt(2 n_columns)``, (epsilon, delta)-DP; "bounds": Laplace, ``Delta_1 = 2``
+    per categorical histogram, epsilon-DP) + ``pca`` (Gaussian, ``sqrt(2)/N``,
+    (epsilon, delta)-DP) + ``factors`` (row-aligned only: Laplace, ``2 sqrt(r)``, epsilon-DP).
+    ``privacy_cost_`` adds them (basic composition: the epsilons and the deltas of
+    ``budget_`` and ``delta_budget_`` sum to ``epsilon`` and ``delta``) and is the true cost
+    under that relation. Everything after the releases (links, correction, calibration,
+    sampling) is the job's post-processing (:mod:`dpfed.common.synth.pipeline`). Nothing is
+    charged to any ledger: this is library use.
     """
 
     def __init__(self, schema: Schema, *, epsilon: float, delta: float = 1e-6,
                  mode: str = "generative", rank: int | None = None,
                  info_threshold: float = 0.8, max_rank: int | None = None,
                  budget_split: Mapping[str, float] | None = None,
-                 continuous_scaling: str = "dp", clip_norm: float | None = None,
+                 continuous_scaling: str = "dp", continuous_link: str = "quantile",
+                 n_bins: int = DEFAULT_BINS, clip_norm: float | None = None,
                  min_proportion: float = 1e-4, rescale_latent: bool = True,
                  residual: bool = True, correct_correlation: bool = True,
                  n_simulations: int = 50_000, subspace: PCAEstimate | None = None,
@@ -708,6 +617,9 @@ class FactorModelSynthesizer:
         self.mode = check_choice(mode, "mode", MODES)
         self.continuous_scaling = check_choice(continuous_scaling, "continuous_scaling",
                                                CONTINUOUS_SCALINGS)
+        self.continuous_link = check_choice(continuous_link, "continuous_link",
+                                            CONTINUOUS_LINKS)
+        self.n_bins = check_int(n_bins, "n_bins", minimum=2, maximum=SYNTH_MAX_BINS)
         dim = latent_dim(schema)
         self.rank = None if rank is None else check_int(rank, "rank", minimum=1, maximum=dim)
         self.info_threshold = check_probability(info_threshold, "info_threshold")
@@ -763,16 +675,20 @@ class FactorModelSynthesizer:
                 "and 'bounds' scaling does not release the continuous columns' means")
         self._rng = resolve_rng(rng)
         self._factors: np.ndarray | None = None
+        self.proportions_: np.ndarray | None = None
         self._fitted = False
 
     # ------------------------------------------------------------------ budget
-    def _allocation(self) -> dict[str, float]:
-        needed = {
+    def _needed(self) -> dict[str, bool]:
+        return {
             "marginals": self.links is None and needs_link_statistics(self.schema,
                                                                       self.continuous_scaling),
             "pca": self.subspace is None,
             "factors": self.mode == "row_aligned",
         }
+
+    def _allocation(self) -> dict[str, float]:
+        needed = self._needed()
         weights = {k: self.budget_split.get(k, 0.0) for k in BUDGET_PARTS if needed[k]}
         for key, w in weights.items():
             if w <= 0.0:
@@ -781,9 +697,53 @@ class FactorModelSynthesizer:
         total = sum(weights.values())
         return {k: self.epsilon * w / total for k, w in weights.items()}
 
+    def _delta_allocation(self) -> dict[str, float]:
+        """Delta of each Gaussian release: the job's delta shares over the ones this run makes.
+
+        The link histograms (``continuous_scaling="dp"``) and the DP-PCA are Gaussian; the
+        "bounds" marginals and the row-aligned factors are pure epsilon-DP (no delta).
+        """
+        needed = self._needed()
+        gaussian = {"marginals": needed["marginals"] and self.continuous_scaling == "dp",
+                    "pca": needed["pca"]}
+        shares = {k: SYNTH_DEFAULT_SPLIT[self.mode]["links" if k == "marginals" else k][1]
+                  for k, g in gaussian.items() if g}
+        total = sum(shares.values())
+        return {k: self.delta * w / total for k, w in shares.items()}
+
     # ------------------------------------------------------------------ fit
+    def _fit_links(self, table: EncodedTable, epsilon: float | None, delta: float | None,
+                   costs: dict[str, PrivacyCost]) -> LatentLinks:
+        """Link round: the job's Gaussian histograms ("dp") or the public-bounds links."""
+        if self.links is not None:
+            return self.links  # DP links fitted elsewhere (e.g. the federated link round)
+        rng = self._rng
+        if self.continuous_scaling == "dp":
+            assert epsilon is not None and delta is not None
+            acc = LinkHistogramAccumulator(self.schema, self.n_bins)
+            acc.add(table)
+            noisy = release_link_histograms(acc.counts, self.schema, epsilon=epsilon,
+                                            delta=delta, rng=rng)
+            costs["marginals"] = link_round_cost(self.schema, epsilon, delta)
+            proportions, links = links_from_histograms(
+                noisy, self.schema, self.n_bins, n_rows=table.n_rows,
+                continuous_link=self.continuous_link, min_proportion=self.min_proportion)
+            self.proportions_ = proportions
+            return links
+        # "bounds" (row-aligned only): continuous columns scaled by the public bounds, DP
+        # histograms of the categorical columns only.
+        release = None
+        if epsilon is not None:
+            release, costs["marginals"] = fit_link_statistics(
+                table, epsilon=epsilon, rng=rng, continuous_scaling="bounds")
+        return combine_link_statistics(self.schema, release, continuous_scaling="bounds",
+                                       min_proportion=self.min_proportion)
+
     def fit(self, data: Any) -> FactorModelSynthesizer:
         """Encode ``data`` (DataFrame or Arrow table), make every DP release, keep the model.
+
+        The coordinator steps are those of the federated ``synth`` job
+        (:mod:`dpfed.common.synth.pipeline`), with this table as the only site.
 
         Raises
         ------
@@ -794,76 +754,61 @@ class FactorModelSynthesizer:
         if table.n_rows == 0:
             raise DataError("no rows left to fit after encoding (see the encoding report)")
         budget = self._allocation()
+        deltas = self._delta_allocation()
         rng = self._rng
         costs: dict[str, PrivacyCost] = {}
-        # Alg. 2 step 1: fit the links from DP statistics (site release + coordinator step).
-        release = None
-        if self.links is not None:
-            links = self.links  # DP links fitted elsewhere (e.g. the federated link round)
-        else:
-            if "marginals" in budget:
-                release, costs["marginals"] = fit_link_statistics(
-                    table, epsilon=budget["marginals"], rng=rng,
-                    continuous_scaling=self.continuous_scaling)
-            links = combine_link_statistics(self.schema, release,
-                                            continuous_scaling=self.continuous_scaling,
-                                            min_proportion=self.min_proportion)
+        self.proportions_ = None
+        # Alg. 2 step 1: the links from DP statistics (site release + coordinator step).
+        links = self._fit_links(table, budget.get("marginals"), deltas.get("marginals"), costs)
         # Alg. 2 steps 1-2: latent rows, clipped into the unit ball with the public bound.
         unit, n_clipped = clip_to_unit_ball(links.to_latent(table, rng), self.clip_norm)
-        # Alg. 1 step 1: the top-r subspace, from DP-PCA (or given).
+        # Alg. 1 step 1: the DP second moment, from DP-PCA (or given).
         if self.subspace is None:
             estimate, costs["pca"] = central_dp_pca(unit, epsilon=budget["pca"],
-                                                    delta=self.delta, rng=rng,
+                                                    delta=deltas["pca"], rng=rng,
                                                     calibration=self.pca_calibration)
         else:
             estimate = self.subspace
-        available = estimate.components.shape[0]
-        if self.rank is not None:
-            if self.rank > available:
-                raise ValidationError(f"rank {self.rank} exceeds the {available} components")
-            r = self.rank
-        else:
-            r = choose_rank(estimate.eigenvalues, self.info_threshold,
-                            total=estimate.total_variance, max_rank=self.max_rank)
-        loadings = np.ascontiguousarray(estimate.components[:r].T)
-        eigenvalues = np.clip(np.asarray(estimate.eigenvalues[:r], dtype=np.float64), 0.0, None)
-        residual = residual_variance(estimate, r, links.dim) if self.residual else 0.0
-        corr: np.ndarray | None = None
-        if self.mode == "generative" and self.correct_correlation:
-            # Deviation (post-processing): the factor model of the corrected latent
-            # correlation R (see latent_correlation), in the same unit-ball units: the
-            # eigenvalues of R / C^2, and the PPCA residual of R's remaining trace.
-            corr = latent_correlation(dp_second_moment(estimate, links.dim), links,
-                                      clip_norm=self.clip_norm, rng=rng,
-                                      n_simulations=self.n_simulations)
-            values, vectors = np.linalg.eigh(corr)
-            values, vectors = values[::-1], vectors[:, ::-1]
-            loadings = np.ascontiguousarray(_flip_columns(vectors[:, :r]))
-            c2 = self.clip_norm ** 2
-            eigenvalues = np.clip(values[:r], 0.0, None) / c2
-            left = max(float(np.trace(corr)) - float(np.clip(values[:r], 0.0, None).sum()), 0.0)
-            residual = (left / (links.dim - r) / c2
-                        if self.residual and r < links.dim else 0.0)
+        generative = self.mode == "generative"
+        # The factor model (generative: of the corrected latent correlation).
+        model, corr = fit_factor_model(
+            estimate, links, clip_norm=self.clip_norm, rng=rng, rank=self.rank,
+            info_threshold=self.info_threshold, max_rank=self.max_rank,
+            correct_correlation=generative and self.correct_correlation,
+            residual=self.residual and generative, rescale=self.rescale_latent,
+            n_simulations=self.n_simulations)
+        loadings = model.loadings
         if self.loading_noise_epsilon is not None:
             # Alg. 1 step 2 on DP loadings: post-processing, no budget (see perturb_loadings).
             loadings = perturb_loadings(loadings, epsilon=self.loading_noise_epsilon, rng=rng,
-                                        eigenvalues=eigenvalues)
+                                        eigenvalues=model.eigenvalues)
+            model = build_factor_model(links, loadings, model.eigenvalues,
+                                       clip_norm=self.clip_norm, residual=model.residual,
+                                       rescale=self.rescale_latent)
         self._factors = None
-        if self.mode == "row_aligned":
+        if not generative:
             # Alg. 1 step 3 (corrected): every entry of C is Lap(2 sqrt(r) / epsilon_2).
             self._factors, costs["factors"] = factor_release(unit, loadings,
                                                              epsilon=budget["factors"], rng=rng)
+            model = row_aligned_model(links, loadings, model.eigenvalues,
+                                      clip_norm=self.clip_norm,
+                                      noise_scale=costs["factors"].noise_scale,
+                                      rescale=self.rescale_latent)
+        # The final calibration: every synthetic column reproduces its released DP marginal.
+        self.decode_links_, _ = calibrated_links(links, model, rng, self._factors)
+        self.model_ = model
         self.links_ = links
         self.components_ = np.ascontiguousarray(loadings.T)
-        self.eigenvalues_ = eigenvalues
-        self.rank_ = r
-        self.residual_variance_ = residual
+        self.eigenvalues_ = model.eigenvalues
+        self.rank_ = model.rank
+        self.residual_variance_ = model.residual
         self.latent_correlation_ = corr
         self.clip_norm_ = self.clip_norm
         self.n_rows_ = table.n_rows
         self.n_clipped_ = n_clipped
         self.encoding_report_: EncodingReport = report
         self.budget_ = budget
+        self.delta_budget_ = deltas
         self.privacy_costs_ = costs
         self.privacy_cost_ = PrivacyCost.total(costs.values())
         self._fitted = True
@@ -888,27 +833,18 @@ class FactorModelSynthesizer:
     def sample_encoded(self, n: int | None = None) -> EncodedTable:
         """Like :meth:`sample` but return the :class:`~dpfed.common.data.encoding.EncodedTable`."""
         self._check_fitted()
-        loadings = self.components_.T
         if self.mode == "row_aligned":
             if n is not None and n != self.n_rows_:
                 raise ValidationError(
                     f"mode='row_aligned' releases one synthetic row per real row: n must be "
                     f"None or {self.n_rows_}, got {n!r}")
             assert self._factors is not None
-            scale = None
-            if self.rescale_latent:
-                b = self.privacy_costs_["factors"].noise_scale
-                scale = latent_rescaling(
-                    self.links_, loadings, self.eigenvalues_, clip_norm=self.clip_norm_,
-                    residual=self.residual_variance_, factor_noise_variance=2.0 * b * b,
-                    include_residual=False)
-            return reconstruct_rows(self._factors, loadings, self.links_,
-                                    clip_norm=self.clip_norm_, scale=scale)
+            return self.decode_links_.from_latent(aligned_latent(self._factors, self.model_))
         rows = self.n_rows_ if n is None else check_int(n, "n", minimum=0)
-        return sample_generative(rows, loadings, self.eigenvalues_, self.links_,
-                                 clip_norm=self.clip_norm_, rng=self._rng,
-                                 residual=self.residual_variance_,
-                                 rescale=self.rescale_latent)
+        parts = list(iter_samples(self.model_, self.decode_links_, rows, self._rng))
+        if not parts:
+            return self.decode_links_.from_latent(np.zeros((0, self.decode_links_.dim)))
+        return EncodedTable.concatenate(parts)
 
     def sample(self, n: int | None = None) -> pd.DataFrame:
         """Return a synthetic DataFrame with the schema's types.

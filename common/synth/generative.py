@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 from scipy import special
@@ -29,8 +33,9 @@ from scipy import special
 from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.errors import ValidationError
 from dpfed.common.pca.dppca import PCAEstimate
+from dpfed.common.privacy.rng import derived_rng
 from dpfed.common.synth.correlation import fast_latent_correlation
-from dpfed.common.synth.factor_model import (
+from dpfed.common.synth.latent_model import (
     choose_rank,
     dp_second_moment,
     latent_rescaling,
@@ -46,7 +51,12 @@ log = logging.getLogger(__name__)
 CHUNK_ROWS = 131072
 #: Simulated rows of the final calibration.
 CALIBRATION_ROWS = 200_000
+#: Most background threads :func:`iter_samples` uses by default (beyond it the Parquet
+#: writer, one thread, is the limit).
+MAX_WORKERS = 4
 _NOMINAL_STEPS = 6
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -119,15 +129,39 @@ class FactorModel:
         return np.asarray(cov * np.outer(self.multiplier, self.multiplier))
 
 
+def build_factor_model(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.ndarray, *,
+                       clip_norm: float, residual: float = 0.0, rescale: bool = True,
+                       factor_noise_variance: float = 0.0,
+                       include_residual: bool = True) -> FactorModel:
+    """Return the :class:`FactorModel` of DP loadings/eigenvalues with its link-unit multiplier.
+
+    The multiplier is ``clip_norm`` times :func:`~dpfed.common.synth.factor_model.
+    latent_rescaling` (``rescale=True``) or ``clip_norm`` alone. Row-aligned models pass the
+    factor noise variance ``2 b^2`` and ``include_residual=False`` (their rows carry the
+    noise, not the residual). Post-processing of DP releases only.
+    """
+    scale = (latent_rescaling(links, loadings, eigenvalues, clip_norm=clip_norm,
+                              residual=residual, factor_noise_variance=factor_noise_variance,
+                              include_residual=include_residual)
+             if rescale else np.ones(links.dim))
+    return FactorModel(np.ascontiguousarray(loadings), np.asarray(eigenvalues, dtype=np.float64),
+                       float(residual) if include_residual else 0.0, clip_norm * scale)
+
+
 def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: float,
                      rng: np.random.Generator, rank: int | None = None,
                      info_threshold: float = 0.8, max_rank: int | None = None,
-                     correct_correlation: bool = True) -> tuple[FactorModel, np.ndarray | None]:
+                     correct_correlation: bool = True, residual: bool = True,
+                     rescale: bool = True, n_simulations: int | None = None
+                     ) -> tuple[FactorModel, np.ndarray | None]:
     """Build the generative factor model from a DP-PCA estimate of the unit-ball latent rows.
 
     Returns the model and the corrected latent correlation (None when not corrected).
     ``estimate`` must have been computed on the latent layout of ``links`` (p = links.dim);
     it should carry all p components (otherwise the complement is filled isotropically).
+    ``residual=False`` drops the PPCA residual, ``rescale=False`` the per-coordinate
+    rescaling; ``n_simulations`` caps the rows of the correlation correction's simulation
+    (default: its own adaptive size).
 
     Privacy
     -------
@@ -147,8 +181,11 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
                         max_rank=max_rank)
     corr: np.ndarray | None = None
     if correct_correlation and bool(np.all(links.standard_normal)):
+        sizes = ({} if n_simulations is None else
+                 {"max_rows": check_int(n_simulations, "n_simulations", minimum=100),
+                  "min_rows": min(20_000, int(n_simulations))})
         corr = fast_latent_correlation(dp_second_moment(estimate, p), links,
-                                       clip_norm=clip_norm, rng=rng)
+                                       clip_norm=clip_norm, rng=rng, **sizes)
         values, vectors = np.linalg.eigh(corr)
         values, vectors = values[::-1], vectors[:, ::-1]
         idx = np.argmax(np.abs(vectors[:, :r]), axis=0)
@@ -159,14 +196,14 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
         kept = np.clip(values[:r], 0.0, None)
         eigenvalues = kept / c2
         left = max(float(np.trace(corr)) - float(kept.sum()), 0.0)
-        residual = left / (p - r) / c2 if r < p else 0.0
+        res = left / (p - r) / c2 if r < p and residual else 0.0
     else:
         loadings = np.ascontiguousarray(estimate.components[:r].T)
         eigenvalues = np.clip(np.asarray(estimate.eigenvalues[:r], dtype=np.float64), 0.0, None)
-        residual = residual_variance(estimate, r, p)
-    scale = latent_rescaling(links, loadings, eigenvalues, clip_norm=clip_norm,
-                             residual=residual)
-    return FactorModel(loadings, eigenvalues, residual, clip_norm * scale), corr
+        res = residual_variance(estimate, r, p) if residual else 0.0
+    model = build_factor_model(links, loadings, eigenvalues, clip_norm=clip_norm, residual=res,
+                               rescale=rescale)
+    return model, corr
 
 
 def _width_one_calibration(z: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -234,13 +271,67 @@ def decoding_links(links: LatentLinks, calibrated: list[np.ndarray | None]) -> L
     return LatentLinks(links.schema, tuple(new))
 
 
+def default_workers() -> int:
+    """Return the default number of background threads of :func:`iter_samples`.
+
+    One fewer than the CPUs this process may use (that one is the consumer's, e.g. the Parquet
+    writer's), at most ``MAX_WORKERS``; 0 (draw in the calling thread) on a single CPU.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover -- platforms without sched_getaffinity
+        cpus = os.cpu_count() or 1
+    return max(0, min(cpus - 1, MAX_WORKERS))
+
+
+def in_order(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
+    """Yield ``map(fn, items)`` computed on ``workers`` background threads, in order.
+
+    At most ``workers + 1`` results are computed ahead of the consumer, so memory stays
+    bounded however many items there are; ``workers = 0`` computes each item in the
+    consumer's thread when it asks for it.
+
+    Worth it only where ``fn`` spends its time outside the GIL (numpy, BLAS, pyarrow).
+    """
+    if workers <= 0:
+        yield from map(fn, items)
+        return
+    pending: deque[Future[_R]] = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dpfed-sample") as pool:
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) > workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
 def iter_samples(model: FactorModel, decode: LatentLinks, n_rows: int,
-                 rng: np.random.Generator, chunk_rows: int = CHUNK_ROWS
-                 ) -> Iterator[EncodedTable]:
-    """Yield ``n_rows`` synthetic rows in chunks of at most ``chunk_rows`` (post-processing)."""
+                 rng: np.random.Generator, chunk_rows: int = CHUNK_ROWS, *,
+                 workers: int | None = None) -> Iterator[EncodedTable]:
+    """Yield ``n_rows`` synthetic rows in chunks of at most ``chunk_rows`` (post-processing).
+
+    Each chunk is drawn with its own generator derived from ``rng`` in chunk order
+    (:func:`dpfed.common.privacy.rng.derived_rng`), so ``workers`` background threads (default
+    :func:`default_workers`; 0: the calling thread) can draw and decode chunks in parallel,
+    while the consumer writes, and the rows depend on ``rng`` and ``chunk_rows`` only, never
+    on ``workers``. At most ``workers + 1`` chunks are computed ahead of the consumer.
+    """
     n = check_int(n_rows, "n_rows", minimum=0)
     size = check_int(chunk_rows, "chunk_rows", minimum=1)
+    threads = default_workers() if workers is None else check_int(workers, "workers", minimum=0)
     if decode.dim != model.dim:
         raise ValidationError(f"links have dimension {decode.dim}, the model {model.dim}")
-    for start in range(0, n, size):
-        yield decode.from_latent(model.latent(min(size, n - start), rng))
+
+    def chunks() -> Iterator[tuple[int, np.random.Generator]]:
+        for start in range(0, n, size):
+            yield min(size, n - start), derived_rng(rng)
+
+    def draw(job: tuple[int, np.random.Generator]) -> EncodedTable:
+        return decode.from_latent(model.latent(*job))
+
+    yield from in_order(draw, chunks(), threads)

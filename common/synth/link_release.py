@@ -237,21 +237,28 @@ def link_round_cost(schema: Schema, epsilon: float, delta: float) -> PrivacyCost
 
 
 def expected_proportion_error(schema: Schema, n_bins: int, *, epsilon: float, delta: float,
-                              row_counts: list[int]) -> tuple[str, float]:
+                              row_counts: list[int],
+                              pooled_sigma: float | None = None) -> tuple[str, float]:
     """Return the worst column's expected L1 error of its pooled DP proportions.
 
     With per-site noise ``sigma`` per cell, ``S`` sites and ``N`` pooled rows, a column of
     ``M`` cells has an expected L1 error of its counts of ``M sigma sqrt(S) sqrt(2/pi)``,
-    i.e. about that divided by ``N`` on its proportions. Returns (column name, error); used to
-    refuse budgets too small for the schema's cells before anything is charged.
+    i.e. about that divided by ``N`` on its proportions. ``pooled_sigma`` (secure
+    aggregation) is the standard deviation of the one noise draw the pooled sum carries
+    instead. Returns (column name, error); used to refuse budgets too small for the schema's
+    cells before anything is charged.
     """
     if not row_counts or min(row_counts) < 1:
         raise ValidationError("need the sites' (positive) row counts")
-    sigma = link_histogram_mechanism(schema, epsilon, delta).sigma
+    if pooled_sigma is None:
+        spread = link_histogram_mechanism(schema, epsilon, delta).sigma * math.sqrt(
+            len(row_counts))
+    else:
+        spread = float(pooled_sigma)
     n = float(sum(row_counts))
     worst = ("", 0.0)
     for col, size in zip(schema.columns, histogram_sizes(schema, n_bins), strict=True):
-        err = size * sigma * math.sqrt(len(row_counts)) * math.sqrt(2.0 / math.pi) / n
+        err = size * spread * math.sqrt(2.0 / math.pi) / n
         if err > worst[1]:
             worst = (col.name, err)
     return worst

@@ -72,6 +72,7 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _GRID_POINTS = 4097  # nominal sampler: inverse-CDF table per category
 _SOLVER_GRID_POINTS = 2049  # nominal location solver (Simpson's rule)
 _U_MIN = 2.0 ** -53  # uniforms are kept in (0, 1) so ndtri never returns +-inf
+_COMPARE_THRESHOLDS = 16  # ordinal decoding: up to this many thresholds, compare (no search)
 
 
 def _uniforms(rng: np.random.Generator, shape: int | tuple[int, ...]) -> np.ndarray:
@@ -111,6 +112,19 @@ def truncated_normal_above(upper: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Inverse-CDF draw of N(0, 1) truncated to ``(-inf, upper)`` (one ``ndtr``, one ``ndtri``)."""
     x = special.ndtri(u * special.ndtr(upper))
     return np.asarray(np.minimum(x, np.nextafter(upper, -np.inf)))
+
+
+def ceil_float32(values: np.ndarray) -> np.ndarray:
+    """Return the smallest float32 ``>= values``, elementwise.
+
+    For a float32 ``z``, ``t <= z`` iff ``ceil_float32(t) <= z``, exactly: a float32 latent
+    is thresholded without converting it.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    out = v.astype(np.float32)
+    low = out.astype(np.float64) < v
+    out[low] = np.nextafter(out[low], np.float32(np.inf))
+    return out
 
 
 # --------------------------------------------------------------------------- ordinal
@@ -276,10 +290,12 @@ class ContinuousLink:
         z *= 1.0 / (col.half_range * self.sd)
 
     def inverse(self, latent: np.ndarray) -> np.ndarray:
-        """Values from latent (n x 1), clipped to the schema bounds."""
+        """Values from latent (n x 1), clipped to the schema bounds (float64)."""
         col = self.column
-        y = latent[:, 0] * (col.half_range * self.sd) + (col.center + col.half_range * self.mean)
-        return np.clip(y, col.min, col.max)
+        y = np.multiply(latent[:, 0], col.half_range * self.sd, dtype=np.float64)
+        y += col.center + col.half_range * self.mean
+        np.clip(y, col.min, col.max, out=y)
+        return np.asarray(y)
 
 
 @dataclass(frozen=True, eq=False)
@@ -290,6 +306,7 @@ class OrdinalLink:
     proportions: np.ndarray
     thresholds: np.ndarray = field(init=False)
     _tables: tuple[np.ndarray, ...] = field(init=False, repr=False)
+    _thresholds32: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         p = _check_proportions(self.proportions, f"proportions of {self.column.name!r}")
@@ -309,6 +326,7 @@ class OrdinalLink:
         fa = special.ndtr(a)
         object.__setattr__(self, "_tables", (fa, special.ndtr(b) - fa, flip, lower,
                                              np.nextafter(upper, -np.inf)))
+        object.__setattr__(self, "_thresholds32", ceil_float32(tau))
 
     @property
     def width(self) -> int:
@@ -330,8 +348,22 @@ class OrdinalLink:
         out[:, 0] = z
 
     def inverse(self, latent: np.ndarray) -> np.ndarray:
-        """Codes ``#{m : tau_m <= z}`` (int32)."""
-        return np.searchsorted(self.thresholds, latent[:, 0], side="right").astype(np.int32)
+        """Codes ``#{m : tau_m <= z}`` (int32).
+
+        A float32 latent is compared with the thresholds rounded up to float32, which decides
+        exactly as the float64 thresholds would (:func:`ceil_float32`).
+        """
+        z = latent[:, 0]
+        tau = self._thresholds32 if z.dtype == np.float32 else self.thresholds
+        if tau.shape[0] > _COMPARE_THRESHOLDS:
+            return np.searchsorted(tau, z, side="right").astype(np.int32)
+        # Few thresholds: one branch-free comparison pass each beats a binary search per row.
+        code = np.zeros(z.shape[0], dtype=np.int32)
+        above = np.empty(z.shape[0], dtype=bool)
+        for t in tau:
+            np.greater_equal(z, t, out=above)
+            code += above
+        return code
 
 
 @dataclass(frozen=True, eq=False)
@@ -404,11 +436,29 @@ class NominalLink:
         out[:] = e.T
 
     def inverse(self, latent: np.ndarray) -> np.ndarray:
-        """Codes: 0 if ``max(u) <= 0`` else ``1 + argmax(u)``, with ``u = e + m`` (int32)."""
-        u = latent + self.locations[None, :]
-        best = np.argmax(u, axis=1)
-        top = np.take_along_axis(u, best[:, None], axis=1)[:, 0]
-        return np.where(top > 0.0, best + 1, 0).astype(np.int32)
+        """Codes: 0 if ``max(u) <= 0`` else ``1 + argmax(u)``, with ``u = e + m`` (int32).
+
+        One pass per coordinate over contiguous columns (the latent of
+        :meth:`dpfed.common.synth.generative.FactorModel.latent` is column-major), ``u`` in
+        float64 whatever the latent's precision; ties go to the first coordinate, as argmax.
+        """
+        m = self.locations
+        n = latent.shape[0]
+        best = np.add(latent[:, 0], m[0], dtype=np.float64)
+        code = np.ones(n, dtype=np.int32)
+        u = np.empty(n, dtype=np.float64)
+        better = np.empty(n, dtype=bool)
+        step = np.empty(n, dtype=np.int32)
+        for k in range(1, m.shape[0]):
+            np.add(latent[:, k], m[k], out=u, dtype=np.float64)
+            np.greater(u, best, out=better)
+            # code = k + 1 where better, branch-free (masked stores are ~3x slower).
+            np.subtract(np.int32(k + 1), code, out=step)
+            step *= better
+            code += step
+            np.maximum(best, u, out=best)
+        code *= best > 0.0
+        return code
 
 
 Link = ContinuousLink | OrdinalLink | NominalLink
@@ -511,10 +561,14 @@ class LatentLinks:
 
     def from_latent(self, latent: np.ndarray) -> EncodedTable:
         """Map latent rows (n x dim) to typed, encoded rows (Alg. 2 step 4)."""
-        x = np.asarray(latent, dtype=np.float64)
+        x = np.asarray(latent)
+        if x.dtype != np.float32:
+            # float32 (the generative sampler's draws) is decoded as it is: every link
+            # computes in float64 from it, or compares exactly (OrdinalLink).
+            x = np.asarray(x, dtype=np.float64)
         if x.ndim != 2 or x.shape[1] != self.dim:
             raise ValidationError(f"latent rows must have shape (n, {self.dim}), got {x.shape}")
-        if not np.all(np.isfinite(x)):
+        if not np.isfinite(x).all():
             raise ValidationError("latent rows must be finite")
         columns: dict[str, np.ndarray] = {}
         for link, start, stop in zip(self.links, self.offsets[:-1], self.offsets[1:],

@@ -268,6 +268,12 @@ def load_server_credentials(
 ) -> grpc.ServerCredentials:
     """Return checked ``grpc.ServerCredentials`` for the coordinator, requiring client certs.
 
+    The files are re-read when they change: a coordinator certificate re-issued with
+    ``dpfed certs issue --coordinator NAME --force`` (or a renewed CA bundle) is served from the
+    next TLS handshake on, without a restart; live streams keep the session they have. A
+    replacement that fails the checks is refused with an error in the log and the previous
+    certificate stays in service.
+
     Parameters
     ----------
     ca_path : path
@@ -278,27 +284,73 @@ def load_server_credentials(
     Returns
     -------
     grpc.ServerCredentials
-        From ``grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
-        require_client_auth=True)``: a client without a certificate signed by the CA (or with
-        an expired one) fails the handshake.
+        ``grpc.dynamic_ssl_server_credentials`` requiring client authentication: a client
+        without a certificate signed by the CA (or with an expired one) fails the handshake.
 
     Raises
     ------
     CertificateError
-        If any file fails the checks of :func:`check_tls_files`.
+        If any file fails the checks of :func:`check_tls_files` at start-up.
     """
-    server_roles: tuple[Role, ...] = ("coordinator",)
-    material = check_tls_files(ca_path, cert_path, key_path, use="server", roles=server_roles)
-    logger.info(
-        "[TLS.LoadServer] serving as %s, certificate valid until %s",
-        material.principal,
-        material.not_after,
-    )
-    return grpc.ssl_server_credentials(
-        [(material.key_pem, material.cert_chain_pem)],
-        root_certificates=material.ca_pem,
-        require_client_auth=True,
-    )
+    watcher = ServerCertificateWatcher(ca_path, cert_path, key_path)
+    return grpc.dynamic_ssl_server_credentials(
+        watcher.configuration(), watcher.fetch, require_client_authentication=True)
+
+
+class ServerCertificateWatcher:
+    """The coordinator's TLS files, re-checked and re-served when they change on disk.
+
+    gRPC calls :meth:`fetch` before every new handshake; a ``stat`` of three files decides
+    whether anything changed, so the cost per connection is negligible.
+    """
+
+    _ROLES: tuple[Role, ...] = ("coordinator",)
+
+    def __init__(self, ca_path: str | os.PathLike[str], cert_path: str | os.PathLike[str],
+                 key_path: str | os.PathLike[str]) -> None:
+        self._paths = (Path(ca_path), Path(cert_path), Path(key_path))
+        self._stamp = self._stat()
+        self.material = self._load()
+        self._failed_stamp: tuple[tuple[int, int], ...] | None = None
+
+    def _stat(self) -> tuple[tuple[int, int], ...]:
+        stamps = []
+        for path in self._paths:
+            try:
+                st = path.stat()
+                stamps.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                stamps.append((-1, -1))
+        return tuple(stamps)
+
+    def _load(self) -> TlsMaterial:
+        ca, cert, key = self._paths
+        material = check_tls_files(ca, cert, key, use="server", roles=self._ROLES)
+        logger.info("[TLS.LoadServer] serving as %s, certificate valid until %s",
+                    material.principal, material.not_after)
+        return material
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        """Return the gRPC configuration of the material in service."""
+        return grpc.ssl_server_certificate_configuration(
+            [(self.material.key_pem, self.material.cert_chain_pem)],
+            root_certificates=self.material.ca_pem)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """Return a new configuration if the files changed and pass the checks, else None."""
+        stamp = self._stat()
+        if stamp == self._stamp or stamp == self._failed_stamp:
+            return None
+        try:
+            material = self._load()
+        except Exception as exc:  # noqa: BLE001 -- a half-written file must not stop serving
+            self._failed_stamp = stamp
+            logger.error("[TLS.Reload] the changed coordinator TLS files were not loaded "
+                         "(still serving %s): %s", self.material.principal, exc)
+            return None
+        self.material, self._stamp, self._failed_stamp = material, stamp, None
+        logger.info("[TLS.Reload] the coordinator's TLS files changed; new handshakes use them")
+        return self.configuration()
 
 
 def load_channel_credentials(

@@ -23,10 +23,11 @@ from dpfed.site_agent.handlers.synth import (
     SynthHandler,
     SynthRowsHandler,
 )
+from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
 
 #: kind -> handler; adding a job kind means adding a handler here.
 HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (
     PCAHandler(), SVTHandler(), QueryHandler(), SynthHandler(), SynthRowsHandler(),
-    SynthEvaluationHandler())}
+    SynthEvaluationHandler(), SynthEvaluationSummaryHandler())}
 
 __all__ = ["HANDLERS", "DataAccess", "PreparedContinuation", "PreparedRelease", "TaskHandler"]

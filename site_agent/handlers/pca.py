@@ -70,6 +70,9 @@ class PCAHandler(TaskHandler):
         stage, raw = _split_stage(task)
         n_features = len(feature_names(data.schema))
         params = PCAParams.from_mapping(raw, n_features=n_features)
+        if params.aggregation == "secure":  # its rounds are secure sums (kind 'secagg')
+            raise ValidationError("this job runs with --aggregation secure: a site-level pca "
+                                  "release of it is refused")
         gaussian_sigma(task.epsilon, task.delta, 1.0, params.calibration)  # calibratable?
         if stage == "mean":
             return self._mean(task, data, params)

@@ -13,22 +13,29 @@ and its privacy argument):
 ``contribute``
     Verify every participant's signed key against the federation CA, recompute the plan (bound,
     sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
-    depends on a number the site cannot check — map the rows into the ball the plan assumes,
-    compute the exact integer statistic, add this site's Skellam share and its pairwise masks.
-    Charged to the ledger with the pooled guarantee; the ledger's mechanism name records the
-    mode, the number of participants and the tolerated colluders.
+    depends on a number the site cannot check — compute the exact integer statistic of the
+    task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, ``query``,
+    ``synth_counts`` or ``synth_latent``; see :mod:`dpfed.site_agent.handlers.secagg_sources`),
+    add this site's Skellam share and its
+    pairwise masks. Charged to the ledger with the pooled guarantee; the ledger's mechanism name
+    records the mode, the number of participants and the tolerated colluders. A source serving
+    a job kind the site does not allow is refused.
 
 Privacy
 -------
-Replace-one at this site. Rows are the PCA feature map's unit-ball rows (clip norm from the
-task), clipped to the public radius ``row_norm`` (centring happens at the coordinator, from a
-secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the sensitivity of
-the pooled integer statistic from the rounded-row bound and calibrates the Skellam variance;
-this site adds ``mu / (n - t)``.
+Replace-one at this site. ``pca``: rows are the PCA feature map's unit-ball rows (clip norm
+from the task), clipped to the public radius ``row_norm`` (centring happens at the coordinator,
+from a secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the
+sensitivity of the pooled integer statistic from the rounded-row bound and calibrates the
+Skellam variance. ``query``: :mod:`dpfed.site_agent.handlers.secagg_query`. ``synth_counts``
+and ``synth_latent``: :mod:`dpfed.site_agent.handlers.synth_secure` (the synth job's exact
+per-column counts, L2 ``sqrt(2 C)`` and L1 ``2 C``, and its unit-ball latent rows). This site
+adds ``mu / (n - t)``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
@@ -53,12 +60,7 @@ from dpfed.common.secagg.keys import (
 )
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import (
-    integer_gram_upper,
-    integer_row_sum,
-    plan_from_scale,
-    site_contribution,
-)
+from dpfed.common.secagg.secure_sum import site_contribution
 from dpfed.common.transport.certs import (
     parse_certificates,
     parse_private_key,
@@ -68,12 +70,21 @@ from dpfed.common.transport.certs import (
 from dpfed.common.transport.protocol import Task, TaskResult
 from dpfed.common.validation import check_choice, check_int, check_positive
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.handlers.secagg_query import QUERY_SOURCE
+from dpfed.site_agent.handlers.secagg_sources import (
+    Contribution,
+    ContributionSource,
+    planned_contribution,
+    row_statistic,
+)
+from dpfed.site_agent.handlers.synth_secure import SYNTH_COUNTS_SOURCE, SYNTH_LATENT_SOURCE
 from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
 #: Ephemeral keys kept for sum tasks not yet contributed (oldest evicted first).
 _MAX_PENDING = 64
+
 
 @dataclass(frozen=True)
 class SiteIdentity:
@@ -103,11 +114,23 @@ class SecureAggregationHandler(TaskHandler):
 
     kind = "secagg"
 
-    def __init__(self, identity: SiteIdentity, policy: SecureAggregationPolicy) -> None:
+    def __init__(self, identity: SiteIdentity, policy: SecureAggregationPolicy,
+                 allowed_kinds: tuple[str, ...] | None = None) -> None:
         self.identity = identity
         self.policy = policy
+        #: The site's allowed job kinds; a source serving another kind is refused (None: any).
+        self.allowed_kinds = allowed_kinds
         self._pending: OrderedDict[str, tuple[X25519PrivateKey, SignedKey]] = OrderedDict()
         self._lock = threading.Lock()
+        #: The site's state directory (the ledger's), set by :meth:`for_site`; sources that
+        #: keep site secrets there (the synth evaluation holdout) read it.
+        self.state_dir: Path | None = None
+
+    def for_site(self, ledger_path: Path) -> TaskHandler:
+        """Return a copy bound to the directory of ``ledger_path`` (pending keys shared)."""
+        bound = copy.copy(self)
+        bound.state_dir = Path(ledger_path).parent
+        return bound
 
     # ------------------------------------------------------------------ keys (no data)
     def responds_without_data(self, task: Task) -> bool:
@@ -166,14 +189,16 @@ class SecureAggregationHandler(TaskHandler):
         if not isinstance(participants, list) or not all(isinstance(s, str)
                                                          for s in participants):
             raise ValidationError("participants must be a list of site ids")
-        statistic = check_choice(p.get("statistic"), "statistic", ("gram", "row_sum"))
-        unit = UnitBallMap(data.schema, clip_norm=p.get("clip_norm"))
-        row_norm = check_positive(p.get("row_norm", 1.0), "row_norm")
-        plan = plan_from_scale(statistic, dim=unit.n_features,
-                               scale=check_positive(p.get("scale"), "scale"),
-                               row_norm=row_norm, epsilon=task.epsilon, delta=task.delta,
-                               participants=participants,
-                               tolerated=check_int(p.get("tolerated"), "tolerated", minimum=0))
+        source = check_choice(p.get("source", "pca"), "source", tuple(CONTRIBUTION_SOURCES))
+        registered = CONTRIBUTION_SOURCES[source]
+        if self.allowed_kinds is not None and registered.job_kind not in self.allowed_kinds:
+            raise ValidationError(f"secure round refused: this site does not run "
+                                  f"{registered.job_kind!r} jobs (allowed: "
+                                  f"{', '.join(self.allowed_kinds)})")
+        contribution = registered.build(task, data, participants,
+                                        check_int(p.get("tolerated"), "tolerated", minimum=0),
+                                        site_dir=self.state_dir)
+        plan = contribution.plan
         try:
             signed = {s: signed_key_from_arrays(task.arrays, s) for s in plan.participants}
         except ValidationError as exc:
@@ -181,23 +206,6 @@ class SecureAggregationHandler(TaskHandler):
         if signed.get(self.identity.site_id) != held[1]:
             raise ValidationError("secure round refused: the relayed key of this site is not "
                                   "the one it signed")
-
-        def rows() -> Iterator[np.ndarray]:
-            for table, _report in data.iter_chunks():
-                x, _clipped = unit.transform(table)
-                norms = np.linalg.norm(x, axis=1)
-                over = norms > row_norm
-                if np.any(over):
-                    x[over] *= (row_norm / norms[over])[:, None]
-                yield x
-
-        n_rows = 0
-
-        def counted() -> Iterator[np.ndarray]:
-            nonlocal n_rows
-            for x in rows():
-                n_rows += x.shape[0]
-                yield x
 
         if len(plan.participants) < self.policy.min_participants:
             raise ValidationError(f"secure round refused: {len(plan.participants)} participants; "
@@ -220,8 +228,7 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError(f"secure round refused: {exc}") from None
 
         def release(rng: np.random.Generator) -> TaskResult:
-            make = integer_gram_upper if statistic == "gram" else integer_row_sum
-            stat = make(counted(), plan, rng)
+            stat, n_rows = contribution.compute(rng)
             if n_rows == 0:  # raised inside the ledger's transaction: nothing is charged
                 raise DataError("the site has no valid rows to compute a summary from")
             masked = site_contribution(stat, plan=plan, own_id=self.identity.site_id,
@@ -230,6 +237,42 @@ class SecureAggregationHandler(TaskHandler):
                                        min_participants=self.policy.min_participants,
                                        tolerated=self.policy.tolerated, rng=rng)
             return TaskResult(task.task_id, cost, {"masked": masked},
-                              {"n_rows": n_rows, "statistic": statistic})
+                              {"n_rows": n_rows, "statistic": plan.statistic, "source": source,
+                               **contribution.metadata})
 
         return PreparedRelease(cost, release)
+
+
+def pca_contribution(task: Task, data: DataAccess, participants: list[str],
+                     tolerated: int, *, site_dir: Path | None = None) -> Contribution:
+    """Build the ``pca`` source: the exact integer Gram or row sum of the feature map's rows.
+
+    Rows are the unit-ball rows of :class:`dpfed.common.pca.features.UnitBallMap` (clip norm
+    from the task), scaled onto the public radius ``row_norm`` where longer, and rounded into
+    the plan's ball.
+    """
+    del site_dir  # no site state: the statistic depends on the task and the rows only
+    unit = UnitBallMap(data.schema, clip_norm=task.params.get("clip_norm"))
+    row_norm = check_positive(task.params.get("row_norm", 1.0), "row_norm")
+
+    def rows(_rng: np.random.Generator) -> Iterator[np.ndarray]:
+        for table, _report in data.iter_chunks():
+            x, _clipped = unit.transform(table)
+            norms = np.linalg.norm(x, axis=1)
+            over = norms > row_norm
+            if np.any(over):
+                x[over] *= (row_norm / norms[over])[:, None]
+            yield x
+
+    return planned_contribution(task, participants, tolerated, statistics=("gram", "row_sum"),
+                                dim=unit.n_features, row_norm=row_norm,
+                                compute=row_statistic(rows))
+
+
+#: ``source`` name -> what a contribution sums (the task parameter; ``"pca"`` when absent).
+CONTRIBUTION_SOURCES: dict[str, ContributionSource] = {
+    "pca": ContributionSource("pca", pca_contribution),
+    "query": QUERY_SOURCE,
+    "synth_counts": SYNTH_COUNTS_SOURCE,
+    "synth_latent": SYNTH_LATENT_SOURCE,
+}

@@ -23,10 +23,17 @@ Relation: replace-one row at this site, ``N_s`` public. ``links``: L2 sensitivit
 norm; the DP-PCA mechanism of :mod:`dpfed.common.pca.dppca`. ``factors``: one row of ``X V``
 moves by at most 2 in L2 (``2 sqrt(r)`` in L1), Laplace on every entry. Each release is
 charged by the runner before it leaves. The number of clipped rows stays in the local log.
+
+Evaluation holdout: when the job asks for an evaluation (``evaluate_rows > 0``), every round
+reads only the site's training rows -- its table minus a holdout of ``holdout_size(N_s)``
+rows chosen by position under a site secret (:mod:`dpfed.site_agent.synth_holdout`) -- and
+reports the public training count as ``n_rows``. A replaced held-out row moves nothing; a
+replaced training row moves each statistic by the sensitivity stated above.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,6 +44,7 @@ from dpfed import __version__
 from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import DataError, ValidationError
+from dpfed.common.evaluation.holdout import job_key
 from dpfed.common.job_params import SYNTH_ROUNDS, SynthParams
 from dpfed.common.pca.dppca import GramAccumulator, site_cost, site_release
 from dpfed.common.privacy.accounting import PrivacyCost
@@ -52,6 +60,7 @@ from dpfed.common.synth.link_release import (
 from dpfed.common.synth.links import LatentLinks, clip_to_unit_ball, default_clip_norm, latent_dim
 from dpfed.common.transport.protocol import Task, TaskResult
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.synth_holdout import TrainingRows, site_secret, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +93,47 @@ def check_links(schema: Schema, params: SynthParams, extra: dict[str, Any],
     return links_from_proportions(schema, props, params.n_bins, params.continuous_link)
 
 
-class SynthHandler(TaskHandler):
+class SiteBoundHandler(TaskHandler):
+    """A handler that reads the site's holdout secret from its state directory."""
+
+    #: The site's state directory (the ledger's), set by :meth:`for_site`.
+    state_dir: Path | None = None
+
+    def for_site(self, ledger_path: Path) -> TaskHandler:
+        """Return a copy bound to the directory of ``ledger_path``."""
+        bound = copy.copy(self)
+        bound.state_dir = Path(ledger_path).parent
+        return bound
+
+    def holdout_secret(self) -> bytes:
+        """Return the site's holdout secret (ValidationError when unbound)."""
+        if self.state_dir is None:
+            raise ValidationError("this handler is not bound to a site directory; the "
+                                  "evaluation holdout needs the site's secret")
+        return site_secret(self.state_dir)
+
+    def training_data(self, task: Task, data: DataAccess, params: SynthParams) -> DataAccess:
+        """Return what every round of the job reads (see :func:`training_rows`)."""
+        return training_rows(task, data, params, self.state_dir)
+
+
+def training_rows(task: Task, data: DataAccess, params: SynthParams,
+                  state_dir: Path | None) -> DataAccess:
+    """Return what every round of a synth job reads: its training rows when it evaluates.
+
+    A job with ``evaluate_rows > 0`` holds out ``holdout_size(N_s)`` rows, keyed by the site
+    secret (kept in ``state_dir``, the ledger's directory) and the job id, from every round —
+    the site-level and the secure ones alike.
+    """
+    if params.evaluate_rows <= 0:
+        return data
+    if state_dir is None:
+        raise ValidationError("this handler is not bound to a site directory; the evaluation "
+                              "holdout needs the site's secret")
+    return TrainingRows(data, job_key(site_secret(state_dir), task.job_id))
+
+
+class SynthHandler(SiteBoundHandler):
     """The three rounds of the federated synthesizer at one site (see the module docstring)."""
 
     kind = "synth"
@@ -104,6 +153,10 @@ class SynthHandler(TaskHandler):
         extra, job = split_task_params(dict(task.params))
         dim = latent_dim(schema)
         params = SynthParams.from_mapping(job, latent_dim=dim)
+        if params.aggregation == "secure":
+            raise ValidationError(
+                "this job runs with --aggregation secure: its rounds are secure sums (kind "
+                "'secagg'), so a site-level synth release of it is refused")
         rnd = extra.get("round")
         if (rnd == "factors") != (self.kind == "synth_rows"):
             raise ValidationError(
@@ -119,6 +172,7 @@ class SynthHandler(TaskHandler):
                 f"schema digest mismatch: the job was planned for schema {str(sent_schema)[:12]}"
                 f"..., this site's schema is {schema.digest()[:12]}...; refusing")
         arrays = dict(task.arrays)
+        data = self.training_data(task, data, params)
         if rnd == "links":
             acc = LinkHistogramAccumulator(schema, params.n_bins)
             for table, _report in data.iter_chunks():
@@ -238,13 +292,15 @@ def synthetic_from_arrays(schema: Schema, arrays: dict[str, np.ndarray]) -> Enco
     return EncodedTable(schema, columns, n)
 
 
-class SynthEvaluationHandler(TaskHandler):
+class SynthEvaluationHandler(SiteBoundHandler):
     """Site-local evaluation of a synthetic sample (kind ``synth_eval``): local output only.
 
     The coordinator sends a synthetic sample; the site compares it with its own rows
     (:func:`dpfed.site_agent.synth_evaluation.evaluate_at_site`) and writes
     ``synth_evaluation.html`` in its own directory. Nothing computed on real rows is sent back
-    (the answer says only that the report was written), so nothing is charged.
+    (the answer says only that the report was written), so nothing is charged. The rows it
+    compares are split as the job's rounds split them: the training rows, and the holdout
+    that trained nothing (:mod:`dpfed.site_agent.synth_holdout`).
     """
 
     kind = "synth_eval"
@@ -262,14 +318,12 @@ class SynthEvaluationHandler(TaskHandler):
             raise ValidationError("schema digest mismatch: the sample was made for another "
                                   "schema; refusing")
         synthetic = synthetic_from_arrays(schema, dict(task.arrays))
-        parts = [t for t, _report in data.iter_chunks()]
-        if not parts:
-            raise DataError("the site has no valid rows to evaluate against")
-        rows = EncodedTable.concatenate(parts)
         job = task.job_id
+        train, holdout = split_rows(data, job_key(self.holdout_secret(), job))
 
         def write(site_dir: Path) -> str:
-            path, _ = evaluate_at_site(schema, rows, synthetic.to_frame(), site_id=f"job {job}",
+            path, _ = evaluate_at_site(schema, train, holdout, synthetic.to_frame(),
+                                       site_id=f"job {job}",
                                        out_dir=site_dir / "evaluations" / _safe(job))
             return str(path)
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dpfed.aggregator.synth_cli import write_progress
 from dpfed.aggregator.synth_model import SynthModel, check_rows
 from dpfed.aggregator.synth_report import synth_report
 from dpfed.common.data.encoding import encode_table
@@ -125,3 +128,59 @@ def test_a_tampered_model_file_is_rejected(tmp_path: Path) -> None:
 def test_schema_of_the_fixture_has_every_column_type() -> None:
     assert {c.type for c in Schema.from_toml(SCHEMA.to_toml()).columns} == {
         "continuous", "ordinal", "nominal"}
+
+
+def test_parallel_write_equals_one_thread_and_reports_progress(tmp_path: Path) -> None:
+    model = build()
+    seen: list[tuple[int, int]] = []
+    model.write(tmp_path / "one.parquet", 20_000, chunk_rows=3000, workers=0,
+                rng=np.random.default_rng(7))
+    model.write(tmp_path / "two.parquet", 20_000, chunk_rows=3000, workers=2,
+                rng=np.random.default_rng(7), progress=lambda w, t: seen.append((w, t)))
+    one, two = pq.read_table(tmp_path / "one.parquet"), pq.read_table(tmp_path / "two.parquet")
+    assert one.equals(two)
+    assert seen == [(min(3000 * (i + 1), 20_000), 20_000) for i in range(7)]
+    meta = pq.ParquetFile(tmp_path / "two.parquet").metadata
+    assert meta.num_row_groups == 7 and meta.num_rows == 20_000
+    for col in SCHEMA.columns:  # floats; categoricals dictionary-encoded with the labels
+        field = one.schema.field(col.name)
+        if isinstance(col, ContinuousColumn):
+            assert field.type == pa.float64()
+        else:
+            assert pa.types.is_dictionary(field.type)
+            labels = col.levels if col.type == "ordinal" else col.categories
+            assert one.column(col.name).chunk(0).dictionary.to_pylist() == list(labels)
+
+
+def test_row_aligned_write_reports_its_fixed_row_count(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    model = build("row_aligned")
+    assert model.write(tmp_path / "r.csv", chunk_rows=2000,
+                       progress=lambda w, t: seen.append((w, t))) == 5000
+    assert seen == [(2000, 5000), (4000, 5000), (5000, 5000)]
+    assert len(pd.read_csv(tmp_path / "r.csv")) == 5000
+
+
+def test_cli_progress_lines_for_long_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    report = write_progress("out.parquet", every=0.0)
+    report(250, 1000)
+    report(1000, 1000)  # the end is announced by the caller ("wrote ...")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("writing out.parquet: 250 / 1,000 rows (25%)")
+    quiet = write_progress("out.parquet")  # a write shorter than 2 s prints nothing
+    quiet(500, 1000)
+    assert capsys.readouterr().err == ""
+
+
+def test_write_memory_does_not_grow_with_the_row_count(tmp_path: Path) -> None:
+    model = build()
+    peaks = []
+    for rows in (4 * 8192, 24 * 8192):
+        tracemalloc.start()
+        model.write(tmp_path / f"m{rows}.parquet", rows, chunk_rows=8192, workers=1,
+                    rng=np.random.default_rng(8))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    # At most workers + 2 chunks exist at a time, whatever the row count (a chunk of 8192
+    # rows is ~0.4 MB here; holding all 24 chunks would be ~10 MB).
+    assert peaks[1] < 1.5 * peaks[0] + 2**20, peaks

@@ -85,12 +85,25 @@ def test_valid_site_config_resolves_relative_paths(tmp_path: Path) -> None:
     (lambda s: s + "\n[policy2]\n", r"unknown key\(s\) \['policy2'\] in the top level"),
     (lambda s: s.replace("10.0", "'ten'", 1), "must be a finite number"),
     (lambda s: s + "[[", "not valid TOML"),
+    (lambda s: s.replace("max_epsilon_per_task",
+                         'evaluation_summary = "yes"\nmax_epsilon_per_task'),
+     "policy.evaluation_summary must be one of none, dp, got 'yes'"),
+    (lambda s: s.replace('["pca"]', '["pca", "synth_eval_dp"]'),
+     "'synth_eval_dp' is enabled by policy.evaluation_summary"),
 ])
 def test_site_config_errors_name_the_key(tmp_path: Path, edit, match: str) -> None:  # type: ignore[no-untyped-def]
     path = write(tmp_path, edit(SITE))
     with pytest.raises(ConfigError, match=match) as info:
         load_site_config(path)
     assert str(path) in str(info.value)
+
+
+def test_evaluation_summary_policy_adds_the_summary_kind(tmp_path: Path) -> None:
+    assert load_site_config(write(tmp_path, SITE)).advertised_kinds == ("pca",)
+    cfg = load_site_config(write(tmp_path, SITE.replace(
+        "max_epsilon_per_task", 'evaluation_summary = "dp"\nmax_epsilon_per_task')))
+    assert cfg.evaluation_summary == "dp" and cfg.allowed_jobs == ("pca",)
+    assert cfg.advertised_kinds == ("pca", "synth_eval_dp")
 
 
 def test_missing_site_config_file(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ BUDGET_EPSILON = 3.0
 
 SITE_FIELDS = {"site_id", "connected", "row_count", "allowed_kinds", "max_epsilon_per_task",
                "software_version", "schema_digest", "first_seen", "last_seen", "budget",
-               "secure_aggregation"}
+               "secure_aggregation", "evaluation_summary"}
 BUDGET_FIELDS = {"accountant", "epsilon_cap", "epsilon_spent", "epsilon_remaining",
                  "delta_cap", "delta_spent", "delta_remaining", "rho_spent", "events"}
 JOB_FIELDS = {"job_id", "kind", "state", "epsilon", "delta", "params", "min_sites",

@@ -67,6 +67,11 @@ def test_generative_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -
         report = fed.site_dir(s) / "evaluations" / job.job_id / "synth_evaluation.html"
         assert report.exists() and "not sent anywhere" in report.read_text()
     assert job.summary["evaluated_sites"] == fed.site_ids
+    # --evaluate: every site held out min(N/5, 20000) rows from every round and trained on
+    # the rest (the public training count); the model records which sites each round used.
+    assert [(s["n_rows"], s["n_holdout"]) for s in model.metadata["sites"]] == [(1200, 300)] * 3
+    assert model.metadata["n_rows_total"] == 3600
+    assert model.metadata["rounds"] == {"links": fed.site_ids, "pca": fed.site_ids}
     assert job.state == "succeeded" and [s.status for s in job.sites] == ["ok"] * 3
     assert list(frame.columns) == list(schema.names) and len(frame) == 5000
     for col in schema.columns:
@@ -149,7 +154,7 @@ def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None
         settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
                               allowed_jobs=("pca", "synth")))
     fed.write_site_config("hospital-3", SiteSettings(
-        budget_epsilon=1.3, budget_delta=0.1, connect_timeout_s=30,
+        budget_epsilon=1.7, budget_delta=0.1, connect_timeout_s=30,
         allowed_jobs=("pca", "synth")))
     fed.start_coordinator()
     fed.start_sites()
@@ -163,10 +168,105 @@ def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None
         assert statuses["hospital-3"][0] == "refused"
         assert "budget" in statuses["hospital-3"][1]
         assert [t.split("/")[-1] for t in ledger_tasks(fed, "hospital-3")] == ["links"]
+        with fed.analyst() as coord:
+            rounds = coord.synth_result(job).metadata["rounds"]
+        assert rounds == {"links": fed.site_ids, "pca": ["hospital-1", "hospital-2"]}
         # With min_sites=3 the same situation fails the job (quorum), naming the quorum.
         with fed.analyst() as coord:
             failed = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
         assert failed.state == "failed" and "min_sites=3" in failed.error
+    finally:
+        fed.stop_all()
+
+
+def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
+        tmp_path: Path) -> None:
+    # hospital-3 connects while round 1 is under way (hospital-2 is frozen, so round 1 waits
+    # for it): it must not be sent round 2, computed from sums it took no part in. hospital-1's
+    # policy allows DP evaluation summaries; hospital-2's does not.
+    from dpfed.aggregator.synth_report import synth_report
+    from dpfed.site_agent.synth_holdout import KEY_FILE
+
+    settings = SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
+                            allowed_jobs=("pca", "synth", "synth_eval"))
+    fed = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=7,
+                                 min_sites=2, task_deadline_s=60, mixed=True, settings=settings)
+    fed.write_site_config("hospital-1", SiteSettings(
+        budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
+        allowed_jobs=("pca", "synth", "synth_eval"), evaluation_summary="dp"))
+    fed.start_coordinator()
+    fed.start_site("hospital-1")
+    fed.start_site("hospital-2")
+    outcome: dict[str, object] = {}
+    try:
+        fed.wait_for_sites(2)
+        fed.signal("hospital-2", signal.SIGSTOP)
+
+        def submit() -> None:
+            try:
+                with fed.analyst(timeout=180) as coord:
+                    outcome["result"] = coord.synthesize(
+                        epsilon=3.0, delta=1e-5, rows=2000, min_sites=2, evaluate_rows=500,
+                        evaluate_summary=(0.5, 1e-6))
+            except Exception as exc:  # noqa: BLE001 -- reported below
+                outcome["error"] = exc
+
+        t = threading.Thread(target=submit, daemon=True)
+        t.start()
+        _wait_until(lambda: len(ledger_tasks(fed, "hospital-1")) == 1, 60,
+                    "hospital-1 to charge round 1")
+        fed.start_site("hospital-3")
+
+        def third_connected() -> bool:
+            with fed.analyst() as coord:
+                return any(s.site_id == "hospital-3" and s.connected and s.row_count > 0
+                           for s in coord.sites())
+
+        _wait_until(third_connected, 60, "hospital-3 to connect")
+        fed.signal("hospital-2", signal.SIGCONT)
+        t.join(180)
+        assert "error" not in outcome, outcome.get("error")
+        _frame, model = outcome["result"]  # type: ignore[misc]
+        two = ["hospital-1", "hospital-2"]
+        assert model.metadata["rounds"] == {"links": two, "pca": two}
+        assert ledger_tasks(fed, "hospital-3") == []
+        assert not (fed.site_dir("hospital-3") / "evaluations").exists()
+        # The DP summary: asked of hospital-1 only, charged there before it left.
+        ev = model.metadata["evaluation"]
+        assert ev["local_report_sites"] == two and ev["summary_sites_asked"] == ["hospital-1"]
+        summary = ev["summaries"]["hospital-1"]
+        assert list(ev["summaries"]) == ["hospital-1"]
+        assert (summary["n_train"], summary["n_holdout"], summary["epsilon"]) == (1200, 300, 0.5)
+        assert all(abs(v) < 1.0 for v in summary["tvd"].values())
+        assert sorted(t.split("/")[-1] for t in ledger_tasks(fed, "hospital-1")) == [
+            "evaluate_summary", "links", "pca"]
+        assert sorted(t.split("/")[-1] for t in ledger_tasks(fed, "hospital-2")) == [
+            "links", "pca"]
+        for s in two:
+            assert (fed.site_dir(s) / KEY_FILE).exists()
+        html = synth_report(model, model.sample(500))
+        assert "Evaluation at the sites" in html and "hospital-1" in html
+        # --plan lists the summary's charge at hospital-1 only; `dpfed sites` shows the policy.
+        import subprocess
+        import sys
+
+        kit = fed.certs / "analysts" / "analyst"
+        conn = ["--coordinator", fed.address, "--ca", str(kit / "ca.pem"), "--cert",
+                str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
+        dpfed = [sys.executable, "-m", "dpfed.aggregator.cli"]
+        plan = subprocess.run([*dpfed, "synth", "--epsilon", "2", "--delta", "1e-5", "--plan",
+                               "--evaluate", "--evaluate-summary-epsilon", "0.25", *conn],
+                              capture_output=True, text=True, timeout=120)
+        assert plan.returncode == 0, plan.stderr
+        lines = plan.stdout.splitlines()
+        assert any(x.startswith("hospital-1") and "evaluate_summary" in x and "0.25" in x
+                   for x in lines), plan.stdout
+        assert sum("evaluate_summary: not asked" in x for x in lines) == 2
+        sites = subprocess.run([*dpfed, "sites", *conn], capture_output=True, text=True,
+                               timeout=60)
+        assert "eval summary" in sites.stdout
+        row = next(x for x in sites.stdout.splitlines() if x.startswith("hospital-1"))
+        assert row.rstrip().endswith("dp")
     finally:
         fed.stop_all()
 
@@ -205,7 +305,16 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", *conn)
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.count("links") == 3 and plan.stdout.count("pca") == 3
-    assert "1.2" in plan.stdout and "0.8" in plan.stdout  # 60 % / 40 % of epsilon 2
+    assert "1.6" in plan.stdout and "0.4" in plan.stdout  # 80 % / 20 % of epsilon 2
+    summary_plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--evaluate",
+                       "--evaluate-summary-epsilon", "0.3", *conn)
+    assert summary_plan.returncode == 0, summary_plan.stderr
+    assert summary_plan.stdout.count("evaluate_summary: not asked") == 3  # no site allows it
+    assert "holds out" in summary_plan.stdout
+    no_eval = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan",
+                  "--evaluate-summary-epsilon", "0.3", *conn)
+    assert no_eval.returncode != 0 and "--evaluate" in no_eval.stderr
+    assert "Traceback" not in no_eval.stderr
     assert all(ledger_tasks(fed, s) == [] for s in fed.site_ids)  # --plan charges nothing
     bad = run("synth", "--epsilon", "2", "--delta", "1e-5", "--rows", "0", *conn)
     assert bad.returncode != 0 and "--rows" in bad.stderr and "Traceback" not in bad.stderr

@@ -26,17 +26,9 @@ from dpfed.common.secagg.secure_sum import (
     plan_row_sum,
     site_contribution,
 )
-from dpfed.common.transport.certs import init_federation
+from tests.common.secagg.conftest import SITES
 
-SITES = ("hospital-a", "hospital-b", "hospital-c", "hospital-d")
 CTX = MaskContext("job-7", "pca", "job-7/pca")
-
-
-@pytest.fixture(scope="module")
-def fed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fed") / "f"
-    init_federation(root, coordinator_hosts=["localhost"], sites=list(SITES), analysts=[])
-    return root
 
 
 def _run(fed: Path, plan: SecureSumPlan, stats_by_site: dict[str, np.ndarray],

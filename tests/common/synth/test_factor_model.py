@@ -176,7 +176,7 @@ def test_budget_split_defaults_and_total() -> None:
     frame = make_frame(300)
     gen = fm.FactorModelSynthesizer(make_schema(), epsilon=2.0, delta=1e-6,
                                     rng=np.random.default_rng(0)).fit(frame)
-    assert gen.budget_ == pytest.approx({"marginals": 0.8, "pca": 1.2})
+    assert gen.budget_ == pytest.approx({"marginals": 1.6, "pca": 0.4})
     assert gen.privacy_cost_.epsilon == pytest.approx(2.0)
     assert gen.privacy_cost_.delta == pytest.approx(1e-6)
     assert set(gen.privacy_costs_) == {"marginals", "pca"}

@@ -1,0 +1,134 @@
+"""The ``synth`` job's two sums under secure aggregation (``--aggregation secure``).
+
+``links``
+    One secure ``counts`` sum of the sites' exact per-column histograms (source
+    ``synth_counts``): the coordinator decodes the pooled counts plus one Skellam draw per cell
+    and builds the links from them exactly as from the sum of site-level DP histograms.
+``pca``
+    One secure ``gram`` sum of the sites' unit-ball latent rows under those links (source
+    ``synth_latent``; every site checks the links' digest): the coordinator decodes ``G``,
+    divides by the public pooled row count and eigendecomposes ``G / N`` into the
+    :class:`~dpfed.common.pca.dppca.PCAEstimate` the factor model is fitted from.
+
+Privacy
+-------
+Replace-one at one site; each sum's noise is calibrated to one row of the *pooled* data (see
+:mod:`dpfed.common.secagg.secure_sum`): counts with L2 ``sqrt(2 C)`` and L1 ``2 C`` for ``C``
+columns at scale 1; the Gram of unit-ball rows with L2 ``sqrt(2) B^2`` at the plan's scale.
+Every site is charged the round's ``(epsilon, delta)``; the coordinator learns the noisy pooled
+totals, the participants and their public row counts. Everything after the decode is
+post-processing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dpfed.aggregator.jobs.base import JobContext
+from dpfed.aggregator.jobs.pca_secure import decompose_second_moment
+from dpfed.aggregator.jobs.secure_rounds import (
+    SecureSumOutcome,
+    secure_sum,
+    symmetric_from_upper,
+)
+from dpfed.common.data.schema import Schema
+from dpfed.common.job_params import SynthParams
+from dpfed.common.pca.dppca import PCAEstimate
+from dpfed.common.privacy.skellam import skellam_calibrate
+from dpfed.common.synth.link_release import histogram_sizes
+from dpfed.common.synth.links import latent_dim
+
+#: What each secure round of the synth job releases (report and metadata wording).
+SECURE_SYNTH_ROUNDS = {
+    "links": "a masked exact count vector (every column's histogram) with a share of Skellam "
+             "noise; only the pooled total is decoded -> the DP marginals and the links",
+    "pca": "a masked integer Gram matrix of the unit-ball latent rows with a share of Skellam "
+           "noise; only the pooled total is decoded -> G / N and its eigenvectors",
+}
+
+
+def counts_sensitivity(schema: Schema) -> tuple[float, float]:
+    """Return the (L2, L1) replace-one sensitivity of the concatenated count vector.
+
+    One replaced row moves one count down and another up in each of the C columns'
+    histograms: ``sqrt(2 C)`` and ``2 C``.
+    """
+    c = len(schema.columns)
+    return math.sqrt(2.0 * c), 2.0 * c
+
+
+def pooled_counts_sigma(schema: Schema, epsilon: float, delta: float) -> float:
+    """Return the Skellam noise's standard deviation on every pooled count (budget check)."""
+    l2, l1 = counts_sensitivity(schema)
+    return math.sqrt(skellam_calibrate(epsilon, delta, l2, l1).mu)
+
+
+@dataclass(frozen=True)
+class SecureLinks:
+    """The decoded noisy pooled counts and the secure sum they came from."""
+
+    counts: np.ndarray
+    outcome: SecureSumOutcome
+
+
+async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
+                       base: dict[str, Any], epsilon: float, delta: float) -> SecureLinks:
+    """Round ``links``: the secure sum of every site's exact per-column count vector."""
+    size = sum(histogram_sizes(schema, params.n_bins))
+    out = await secure_sum(
+        ctx, name="links", statistic="counts", dim=size,
+        site_params={"source": "synth_counts", "job": base["job"],
+                     "schema_digest": base["schema_digest"]},
+        epsilon=epsilon, delta=delta, row_norm=math.sqrt(len(schema.columns)),
+        progress=(0.05, 0.3), require_kind="synth")
+    return SecureLinks(out.value, out)
+
+
+async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
+                            digest: str, proportions: np.ndarray, epsilon: float,
+                            delta: float, among: list[str]) -> tuple[PCAEstimate,
+                                                                     SecureSumOutcome]:
+    """Round ``pca``: the secure Gram sum of the unit-ball latent rows; all p eigenpairs.
+
+    Only the sites in ``among`` (those whose counts built the links) take part.
+    """
+    dim = latent_dim(schema)
+    out = await secure_sum(
+        ctx, name="pca", statistic="gram", dim=dim,
+        site_params={"source": "synth_latent", "job": base["job"],
+                     "schema_digest": base["schema_digest"], "links_digest": digest},
+        epsilon=epsilon, delta=delta, row_norm=1.0,
+        arrays={"link_proportions": proportions}, progress=(0.35, 0.7), require_kind="synth",
+        among=among)
+    a = symmetric_from_upper(out.value, dim) / out.n_rows_total
+    estimate = await asyncio.to_thread(decompose_second_moment, a, dim)
+    return estimate, out
+
+
+def secure_metadata(rounds: dict[str, SecureSumOutcome]) -> dict[str, Any]:
+    """Return the model's ``secure`` metadata: per round participants, t, noise, guarantee."""
+    out: dict[str, Any] = {"mechanism": "skellam", "rounds": {}}
+    for name, o in rounds.items():
+        plan = o.plan
+        out["rounds"][name] = {
+            "statistic": plan.statistic, "participants": list(plan.participants),
+            "tolerated_colluders": plan.tolerated, "attempts": o.attempts,
+            "epsilon": plan.calibration.epsilon, "delta": plan.calibration.delta,
+            "noise_variance_integer": plan.mu_total, "scale": plan.scale,
+            "l2_sensitivity_integer": plan.calibration.l2_sensitivity,
+            "l1_sensitivity_integer": plan.calibration.l1_sensitivity,
+            "n_rows_total": o.n_rows_total, "releases": SECURE_SYNTH_ROUNDS.get(name, "")}
+    last = rounds[list(rounds)[-1]].plan
+    out["participants"] = list(last.participants)
+    out["tolerated_colluders"] = max(o.plan.tolerated for o in rounds.values())
+    out["guarantee"] = (
+        "each site's rows are protected by (epsilon, delta) per round against the coordinator, "
+        "which saw only the noisy pooled sums, and against up to "
+        f"{out['tolerated_colluders']} colluding part(ies) (the coordinator included); the "
+        "noise is calibrated to one row of the pooled data")
+    return out

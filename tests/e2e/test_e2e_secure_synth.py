@@ -1,0 +1,110 @@
+"""The ``synth`` job under secure aggregation end to end: coordinator and three sites as real
+processes over mTLS with SQLite ledgers. The secure job produces a model whose metadata states
+the mode; every site is charged once per round with the secure mechanism; the row-aligned mode
+with secure aggregation is refused before anything is charged; a site whose policy requires
+secure aggregation refuses the site-level job's rounds but takes part in the secure one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.synth_report import synth_report
+from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.site_agent.ledger import Ledger
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+STRICT = "hospital-3"
+
+
+def ledger_events(fed: LocalFederation, site_id: str) -> list[tuple[str, str]]:
+    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
+        return [(e.task_id.split("/")[-1], e.mechanism) for e in ledger.events()]
+
+
+@pytest.fixture
+def fed(tmp_path: Path) -> Iterator[LocalFederation]:
+    federation = LocalFederation.create(
+        tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=7, min_sites=2,
+        task_deadline_s=60, resume_wait_s=10, mixed=True,
+        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
+                              allowed_jobs=("synth", "synth_rows", "synth_eval")))
+    config = federation.site_config(STRICT)
+    config.write_text(config.read_text().replace(
+        "[policy]\n", "[policy]\nsecure_aggregation = \"required\"\n"))
+    federation.start_coordinator()
+    federation.start_sites()
+    try:
+        federation.wait_for_sites()
+        yield federation
+    finally:
+        federation.stop_all()
+
+
+def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> None:
+    schema = Schema.load(fed.schema_path)
+    kit = fed.certs / "analysts" / "analyst"
+    conn = ["--coordinator", fed.address, "--ca", str(kit / "ca.pem"), "--cert",
+            str(kit / "analyst.pem"), "--key", str(kit / "analyst.key")]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dpfed.aggregator.cli", "synth", *args,
+                               *conn], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+
+    plan = cli("--epsilon", "2", "--delta", "1e-5", "--aggregation", "secure", "--plan")
+    assert plan.returncode == 0, plan.stderr
+    assert "aggregation secure" in plan.stdout and "secure sums" in plan.stdout
+    bad = cli("--epsilon", "2", "--delta", "1e-5", "--mode", "row-aligned", "--aggregation",
+              "secure")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--mode row-aligned cannot run with --aggregation secure" in bad.stderr
+    with fed.analyst() as coord:
+        policies = {s.site_id: s.secure_policy for s in coord.sites()}
+        assert policies[STRICT].startswith("required")
+        # refused before anything runs or is charged, naming both flags
+        with pytest.raises(ValidationError, match="--mode row-aligned.*--aggregation secure"):
+            coord.synth_model(epsilon=4.0, delta=1e-5, mode="row-aligned",
+                              aggregation="secure")
+        frame, model = coord.synthesize(epsilon=4.0, delta=1e-5, rows=3000,
+                                        aggregation="secure")
+        secure_job = coord.jobs(1)[0]
+    assert secure_job.state == "succeeded" and secure_job.summary["aggregation"] == "secure"
+    assert list(frame.columns) == list(schema.names) and len(frame) == 3000
+    meta = model.metadata
+    assert meta["aggregation"] == "secure" and meta["n_rows_total"] == 4500
+    secure = meta["secure"]
+    assert secure["participants"] == fed.site_ids and secure["tolerated_colluders"] == 1
+    assert set(secure["rounds"]) == {"links", "pca"}
+    assert secure["rounds"]["links"]["statistic"] == "counts"
+    assert secure["rounds"]["links"]["scale"] == 1.0
+    assert secure["rounds"]["pca"]["statistic"] == "gram"
+    assert all(s["links_epsilon"] + s["pca_epsilon"] == pytest.approx(4.0)
+               for s in meta["sites"])
+    # one charge per site per round, recorded as the secure mechanism
+    for s in fed.site_ids:
+        assert ledger_events(fed, s) == [("links-sum-1", "secure-skellam[n=3,t=1]"),
+                                         ("pca-sum-1", "secure-skellam[n=3,t=1]")]
+    html = synth_report(model, frame.head(500))
+    assert "Aggregation: secure" in html and "t = 1" in html
+
+    # The same federation, site-level: the strict site refuses, the others run the job.
+    with fed.analyst() as coord:
+        site_frame, site_model = coord.synthesize(epsilon=4.0, delta=1e-5, rows=500)
+        site_job = coord.jobs(1)[0]
+    assert site_model.metadata["aggregation"] == "site" and "secure" not in site_model.metadata
+    outcome = {s.site_id: s for s in site_job.sites}
+    assert outcome[STRICT].status == "refused"
+    assert "requires secure aggregation" in outcome[STRICT].reason
+    assert len(ledger_events(fed, STRICT)) == 2  # still only the secure job's charges
+    for s in fed.site_ids[:2]:
+        assert [t for t, _m in ledger_events(fed, s)][2:] == ["links", "pca"]
+    assert len(site_frame) == 500
