@@ -12,7 +12,10 @@ split into a real holdout (20 %) and 4 site tables, IID or non-IID
 * ``central``: :class:`FactorModelSynthesizer` on the pooled rows (the job's pipeline with one
   site);
 * ``fed-iid`` / ``fed-noniid``: the ``synth`` job's rounds through the same site and
-  coordinator functions (:mod:`dpfed.common.synth.pipeline`), 4 sites.
+  coordinator functions (:mod:`dpfed.common.synth.pipeline`), 4 sites;
+* ``fed-secure-iid`` / ``fed-secure-noniid``: the job with ``--aggregation secure``, 4 sites:
+  the sites' real secure sources, Skellam shares and masks, and the job's post-processing of
+  the decoded sums, in-process (:func:`secure_synth_round.fit_secure`).
 
 Metrics against the real holdout: ``tvd1`` mean 1-way TVD (continuous columns on 20 bins),
 ``tvd2``/``tvd2max`` mean/max 2-way TVD (continuous on 5 bins), ``corr`` mean |correlation
@@ -20,9 +23,9 @@ difference|, ``auc`` of a logistic regression for the binary target trained on t
 rows, ``dcr`` median distance to the closest training row over that of holdout rows (1 = as
 close as fresh data), ``nndr`` median nearest-neighbour distance ratio, ``cal`` the mean TVD
 between each synthetic column and its released DP marginal on the release bins (calibration:
-sampling error only). Ratios: ``tvd1/indep`` (central vs indep, federated vs indep-fed; goal
-<= 1.2) and federated / central per metric (errors fed/central, auc/dcr/nndr central/fed;
-goal <= 1.2).
+sampling error only). Ratios: ``tvd1/indep`` (central and secure vs indep, site-level
+federated vs indep-fed; goal <= 1.2) and federated / central per metric (errors
+fed/central, auc/dcr/nndr central/fed; goal <= 1.2), site-level and secure side by side.
 
 Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_tables import load_table, split_sites  # noqa: E402
+from secure_synth_round import federation, fit_secure  # noqa: E402
 
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
@@ -75,6 +80,8 @@ from dpfed.common.synth.quantile_link import DEFAULT_BINS, bin_codes  # noqa: E4
 
 DELTA = 1e-6
 N_SITES = 4
+SITE_IDS = [f"site-{i}" for i in range(N_SITES)]
+FEDERATED = ("fed-iid", "fed-noniid", "fed-secure-iid", "fed-secure-noniid")
 
 
 def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFrame, str]:
@@ -275,8 +282,10 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
           f"{links_share[0]:g} of epsilon / {links_share[1]:g} of delta, {n_bins} bins, mean of "
           f"{reps} noise draws")
     cols = ("eps", "method") + ERRORS + HIGHER + ("cal", "s", "tvd1/ind", "fed/central")
-    print(" ".join(f"{h:>10}" for h in cols[:2]) + " " + " ".join(f"{h:>8}" for h in cols[2:]))
+    print(f"{cols[0]:>10} {cols[1]:>17} " + " ".join(f"{h:>8}" for h in cols[2:]))
     rows: list[dict[str, Any]] = []
+    tmp = tempfile.TemporaryDirectory()
+    fed = federation(Path(tmp.name), SITE_IDS)
 
     def show(eps: float | str, row: dict[str, Any], indep: float | None,
              central: dict[str, Any] | None) -> None:
@@ -290,7 +299,7 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
         row["tvd1_indep"] = None if indep is None else row["tvd1"] / indep
         cells = [f"{row[k]:.4f}" for k in ERRORS + HIGHER + ("cal",)] + [f"{row['s']:.1f}",
                                                                          ratio, worst]
-        print(f"{eps!s:>10} {row['method'][:10]:>10} " + " ".join(f"{c:>8}" for c in cells),
+        print(f"{eps!s:>10} {row['method']:>17} " + " ".join(f"{c:>8}" for c in cells),
               flush=True)
         rows.append({"eps": eps, **row})
 
@@ -321,21 +330,31 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
                 t = time.perf_counter()
                 model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
                 add(name, model.sample(n, rng=rng), t, model.proportions)
+            for name, parts in (("fed-secure-iid", enc_iid), ("fed-secure-noniid", enc_non)):
+                t = time.perf_counter()
+                model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng, n_bins=n_bins,
+                                   links_share=links_share)
+                add(name, model.sample(n, rng=rng), t, model.proportions)
         mean = {name: {"method": name, **{k: float(np.mean([r[k] for r in rs]))
                                           for k in rs[0] if k != "method"}}
                 for name, rs in runs.items()}
         show(eps, mean["indep"], mean["indep"]["tvd1"], None)
         show(eps, mean["indep-fed"], mean["indep-fed"]["tvd1"], None)
         show(eps, mean["central"], mean["indep"]["tvd1"], None)
-        for name in ("fed-iid", "fed-noniid"):
-            show(eps, mean[name], mean["indep-fed"]["tvd1"], mean["central"])
+        for name in FEDERATED:  # secure sums pool the counts: its floor is the pooled indep
+            floor = mean["indep" if "secure" in name else "indep-fed"]["tvd1"]
+            show(eps, mean[name], floor, mean["central"])
     print("federated / central per metric (errors fed/central; auc, dcr, nndr central/fed; "
-          "goal <= 1.2):")
-    print(f"{'eps':>10} {'method':>10} " + " ".join(f"{k:>8}" for k in ERRORS + HIGHER))
+          "goal <= 1.2), site-level (fed-*) and secure (fed-secure-*):")
+    print(f"{'eps':>10} {'method':>17} " + " ".join(f"{k:>8}" for k in ERRORS + HIGHER)
+          + f" {'worst':>8}")
     for row in rows:
-        if "fed_central" in row and row.get("fed_central"):
-            print(f"{row['eps']!s:>10} {row['method'][:10]:>10} " + " ".join(
-                f"{row['fed_central'][k]:>8.2f}" for k in ERRORS + HIGHER))
+        if row.get("fed_central"):
+            r = row["fed_central"]
+            worst = max(r, key=r.get)
+            print(f"{row['eps']!s:>10} {row['method']:>17} " + " ".join(
+                f"{r[k]:>8.2f}" for k in ERRORS + HIGHER) + f" {r[worst]:>5.2f} {worst}")
+    tmp.cleanup()
     return rows
 
 
