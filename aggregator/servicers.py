@@ -243,14 +243,17 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                     refusal.task_id, refusal.code[:MAX_REFUSAL_CODE],
                     refusal.reason[:MAX_REFUSAL_REASON]))
             elif which == "budget":
-                if not session.allow_budget_report():
-                    log.debug("[SiteLink] site=%s budget report dropped (rate limit)",
-                              session.site_id)
-                    continue
+                # The latest report is always what `dpfed budgets` shows (held in memory);
+                # the rate limit bounds only the durable store writes a site can cause.
                 budget = budget_from_proto(msg.budget)
-                if budget is not None:
-                    session.update_budget(budget)
+                if budget is None:
+                    continue
+                session.update_budget(budget)
+                if session.allow_budget_report():
                     self.store.record_site(session.site_id, session.hello)
+                else:
+                    log.debug("[SiteLink] site=%s budget report not stored (rate limit)",
+                              session.site_id)
             elif which == "hello":
                 # A site connects before counting its rows (row_count 0) and sends Hello
                 # again once counted; only the row count may change on the same stream.

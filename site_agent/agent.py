@@ -3,8 +3,8 @@
 The hospital opens no inbound port: the agent dials the coordinator and keeps one
 ``SiteLink.Connect`` stream open. It sends ``Hello`` (version, schema digest, row count,
 policy, budget), then receives task chunks, runs each task on a worker thread (so the stream
-keeps flowing while a large Gram matrix is computed), and streams back the released bytes or
-a refusal, followed by its updated budget.
+keeps flowing while a large Gram matrix is computed), and streams back its updated budget
+followed by the released bytes or a refusal.
 
 Connection failures:
 
@@ -306,8 +306,8 @@ class SiteAgent:
                           transfer_id: str, payload: bytes, deadline: float | None) -> None:
         """Run one task and send its answer -- a result or a refusal, whatever the task held.
 
-        The answer is written as soon as the ledger committed it; the budget report that
-        follows is read on its own thread, so a result never waits behind queued tasks.
+        The answer is written as soon as the ledger committed it, right after the site's
+        budget report (read on its own thread, so a result never waits behind queued tasks).
         """
         try:
             task = task_from_bytes(payload)
@@ -318,20 +318,21 @@ class SiteAgent:
             return
         loop = asyncio.get_running_loop()
         outcome = await loop.run_in_executor(self._executor, self.runner.run, task, deadline)
+        # The budget report goes first, in the same locked write as the answer: the
+        # coordinator reads the stream in order, so when a job's last answer arrives every
+        # site's reported budget already counts it (`dpfed budgets` right after a job is exact).
+        budget = await asyncio.to_thread(self.runner.ledger.status)
+        messages = [site_link_pb2.SiteMessage(budget=budget_to_proto(budget))]
         if isinstance(outcome, Refusal):
-            messages = [site_link_pb2.SiteMessage(refusal=refusal_to_proto(outcome))]
+            messages.append(site_link_pb2.SiteMessage(refusal=refusal_to_proto(outcome)))
         else:
-            messages = [site_link_pb2.SiteMessage(result_chunk=c)
-                        for c in iter_chunks(task.task_id, outcome, CHUNK_BYTES)]
+            messages.extend(site_link_pb2.SiteMessage(result_chunk=c)
+                            for c in iter_chunks(task.task_id, outcome, CHUNK_BYTES))
         if not await self._send(call, write_lock, messages):
             # The stream dropped after the ledger committed: the charge and bytes are stored,
             # so the coordinator's resend of the same task id is answered by replay.
             log.warning("[SiteAgent.task] could not send the answer to %.80r (stored in the "
                         "ledger, will be replayed on resend)", task.task_id)
-            return
-        budget = await asyncio.to_thread(self.runner.ledger.status)
-        await self._send(call, write_lock,
-                         [site_link_pb2.SiteMessage(budget=budget_to_proto(budget))])
 
     @staticmethod
     async def _send(call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,

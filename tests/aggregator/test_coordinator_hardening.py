@@ -228,9 +228,12 @@ async def test_budget_reports_are_rate_limited(tmp_path: Path) -> None:
             await asyncio.sleep(0.05)
         elapsed = time.monotonic() - t0
         accepted, dropped = session.budget_accepted, session.budget_dropped
+        latest = session.hello.budget
         await site.close()
-    # Burst of 10, then 2 per second: each accepted report costs a store write.
+    # Burst of 10, then 2 per second: each accepted report costs a store write ...
     assert accepted + dropped == 1000
+    # ... while the budget analysts see is always the latest report.
+    assert latest is not None and latest.events == 1000
     assert accepted <= 10 + 2 * elapsed + 1, (accepted, elapsed)
 
 
