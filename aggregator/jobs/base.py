@@ -121,6 +121,15 @@ class JobContext:
             targets.append(s.site_id)
         return targets
 
+    async def wait_for_sites(self) -> None:
+        """For a resumed job, wait (up to the resume wait) until the quorum has reconnected.
+
+        A fresh job starts with the sites that are connected; a job resumed after a
+        coordinator restart gives them ``resume_wait_s`` to dial back in first.
+        """
+        if self.wait_for_quorum_s > 0:
+            await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
+
     async def dispatch(self, kind: str, params: Mapping[str, Any], *, round_name: str,
                        arrays: Mapping[str, np.ndarray] | None = None,
                        check_result: Callable[[TaskResult], None] | None = None,
@@ -156,8 +165,8 @@ class JobContext:
             When fewer than ``min_sites`` sites are eligible, or answered successfully.
         """
         min_sites = self.min_sites if quorum is None else quorum
-        if self.wait_for_quorum_s > 0 and quorum is None:
-            await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
+        if quorum is None:
+            await self.wait_for_sites()
         targets = self._targets(kind, only)
         if len(targets) < min_sites:
             refused = "; ".join(f"{o.site_id}: {o.reason}" for o in self.outcomes.values()

@@ -90,6 +90,7 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
     excluded: set[str] = set()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sum_round = f"{name}-sum-{attempt}"
+        await ctx.wait_for_sites()  # a resumed job: the sites dial back in first
         eligible = [s.site_id for s in ctx.registry.connected() if s.site_id not in excluded
                     and (require_kind is None or require_kind in s.hello.allowed_kinds)
                     and (among is None or s.site_id in among)]

@@ -6,8 +6,11 @@ secure aggregation refuses the site-level job's rounds but takes part in the sec
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from dpfed.aggregator.synth_report import synth_report
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.transport.protocol import JobSpec
 from dpfed.site_agent.ledger import Ledger
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -108,3 +112,46 @@ def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> No
     for s in fed.site_ids[:2]:
         assert [t for t, _m in ledger_events(fed, s)][2:] == ["links", "pca"]
     assert len(site_frame) == 500
+
+
+def test_secure_synthesis_resumes_after_a_coordinator_kill_with_one_charge_per_round(
+        fed: LocalFederation) -> None:
+    """SIGKILL the coordinator once every site paid for the secure links sum; restart it.
+
+    The resumed job re-sends the keys round (each site still holds its ephemeral key for that
+    sum task and signs nothing new), then the identical contribute task, which every site
+    answers from its ledger: one secure charge per site per round, and a model.
+    """
+    port = fed.port
+    outcome: dict[str, object] = {}
+
+    def submit() -> None:
+        try:
+            with fed.analyst() as coord:
+                outcome["job"] = coord.submit(JobSpec("synth", 3.0, 1e-5,
+                                                      {"aggregation": "secure"}, min_sites=3))
+        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
+            outcome["error"] = exc
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 90
+    while not all([r for r, _m in ledger_events(fed, s)][:1] == ["links-sum-1"]
+                  for s in fed.site_ids):
+        assert time.monotonic() < deadline, "the sites never paid for the secure links sum"
+        time.sleep(0.05)
+    fed.signal("coordinator", signal.SIGKILL)
+    fed.wait("coordinator")
+    t.join(30)
+    fed.start_coordinator(port=port)
+    with fed.analyst() as coord:
+        job_id = coord.jobs(1)[0].job_id
+        final = coord.watch(job_id)
+        model = coord.synth_result(final)
+    assert final.state == "succeeded", final.error
+    assert model.metadata["aggregation"] == "secure"
+    for s in fed.site_ids:
+        events = ledger_events(fed, s)
+        assert [r for r, _m in events] == ["links-sum-1", "pca-sum-1"], events
+        assert all(m.startswith("secure-skellam[n=3,") for _r, m in events)
+    assert len(model.sample(500)) == 500
