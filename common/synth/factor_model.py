@@ -80,6 +80,7 @@ from dpfed.common.synth.latent_model import (
     _check_loadings,
     _correlation_of,
     _nearest_correlation,
+    check_factor_inputs,
 )
 from dpfed.common.synth.latent_model import choose_rank as choose_rank
 from dpfed.common.synth.latent_model import dp_second_moment as dp_second_moment
@@ -351,12 +352,7 @@ def sample_generative(n_rows: int, loadings: np.ndarray, eigenvalues: np.ndarray
     statistics): no budget, any number of rows, and no synthetic row is tied to a real row.
     """
     n = check_int(n_rows, "n_rows", minimum=0)
-    v = _check_loadings(loadings, links.dim)
-    lam = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1), 0.0, None)
-    if lam.shape[0] != v.shape[1]:
-        raise ValidationError(f"need {v.shape[1]} eigenvalues, got {lam.shape[0]}")
-    c = check_positive(clip_norm, "clip_norm")
-    res = check_nonnegative(residual, "residual")
+    v, lam, c, res = check_factor_inputs(loadings, eigenvalues, links.dim, clip_norm, residual)
     scale = (latent_rescaling(links, v, lam, clip_norm=c, residual=res) if rescale
              else np.ones(links.dim))
     multiplier = c * scale

@@ -93,6 +93,18 @@ def _check_loadings(loadings: np.ndarray, n_features: int | None = None) -> np.n
     return v
 
 
+def check_factor_inputs(loadings: np.ndarray, eigenvalues: np.ndarray, dim: int,
+                        clip_norm: float, residual: float
+                        ) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """Validate a factor model's DP quantities: ``(V, lambda >= 0, clip norm, residual)``."""
+    v = _check_loadings(loadings, dim)
+    lam = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1), 0.0, None)
+    if lam.shape[0] != v.shape[1]:
+        raise ValidationError(f"need {v.shape[1]} eigenvalues, got {lam.shape[0]}")
+    return (v, lam, check_positive(clip_norm, "clip_norm"),
+            check_nonnegative(residual, "residual"))
+
+
 def latent_rescaling(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.ndarray, *,
                      clip_norm: float, residual: float = 0.0,
                      factor_noise_variance: float = 0.0,
@@ -107,12 +119,7 @@ def latent_rescaling(links: LatentLinks, loadings: np.ndarray, eigenvalues: np.n
     the DP second moment ``sum_k lambda_k V_jk^2 + residual (1 - sum_k V_jk^2)``. Returns
     ``sqrt(target / s_j)`` (1 where ``s_j`` is 0). Uses only DP quantities.
     """
-    v = _check_loadings(loadings, links.dim)
-    lam = np.clip(check_finite_array(eigenvalues, "eigenvalues", ndim=1), 0.0, None)
-    if lam.shape[0] != v.shape[1]:
-        raise ValidationError(f"need {v.shape[1]} eigenvalues, got {lam.shape[0]}")
-    c = check_positive(clip_norm, "clip_norm")
-    res = check_nonnegative(residual, "residual")
+    v, lam, c, res = check_factor_inputs(loadings, eigenvalues, links.dim, clip_norm, residual)
     noise = check_nonnegative(factor_noise_variance, "factor_noise_variance")
     v2 = v * v
     outside = np.clip(1.0 - v2.sum(axis=1), 0.0, None)
