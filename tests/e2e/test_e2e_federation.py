@@ -27,17 +27,15 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.errors import JobFailedError
 from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.pca.features import feature_affine, max_feature_norm
-from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.privacy.mechanisms import gaussian_sigma
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.site_agent.ledger import Ledger
+from tests.e2e.federations import charged_events, roomy_settings, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def ledger_events(fed: LocalFederation, site_id: str) -> int:
-    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
-        return len(ledger.events())
+    return len(charged_events(fed, site_id))
 
 
 @pytest.fixture
@@ -45,14 +43,8 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=2,
         task_deadline_s=60, resume_wait_s=30,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30))
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+        settings=roomy_settings())
+    yield from running(federation)
 
 
 def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -216,8 +208,7 @@ def test_coordinator_crash_mid_job_resumes_without_double_charge(fed: LocalFeder
 
 
 def ledger_task_ids(fed: LocalFederation, site_id: str) -> list[str]:
-    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
-        return sorted(e.task_id for e in ledger.events())
+    return sorted(e.task_id for e in charged_events(fed, site_id))
 
 
 def test_centred_auto_job_survives_a_coordinator_restart_between_rounds(

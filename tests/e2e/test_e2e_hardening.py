@@ -24,6 +24,7 @@ from dpfed.common.transport.grpc_options import channel_options
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, JobInfo, JobSpec, SiteHello
 from dpfed.common.transport.tls import load_channel_credentials
 from dpfed.common.transport.wire import hello_to_proto
+from tests.e2e.federations import roomy_settings, running
 
 #: One-round pca tasks (the default job adds a DP mean and a norm round first).
 ONE_ROUND = {"centering": "none", "clip_norm": "schema"}
@@ -49,15 +50,9 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=600, features=5, seed=21, min_sites=2,
         task_deadline_s=30, resume_wait_s=10,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30))
+        settings=roomy_settings())
     with_keepalive(federation, KEEPALIVE_S)
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+    yield from running(federation)
 
 
 def connected(fed: LocalFederation) -> set[str]:

@@ -19,16 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
-from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.queries.query_language import compile_query_set
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.svt_sessions import sessions_path
+from tests.e2e.federations import charged_events, roomy_settings, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -39,8 +38,7 @@ QUERIES = [{"per": "ward"}, {"name": "old", "where": {"column": "age", "op": ">=
 
 
 def ledger_events(fed: LocalFederation, site_id: str) -> list[str]:
-    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
-        return [e.task_id for e in ledger.events()]
+    return [e.task_id for e in charged_events(fed, site_id)]
 
 
 def noisy_threshold(fed: LocalFederation, site_id: str, session: str) -> float:
@@ -68,14 +66,8 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=3,
         task_deadline_s=60, resume_wait_s=30, mixed=True,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30))
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+        settings=roomy_settings())
+    yield from running(federation)
 
 
 def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]

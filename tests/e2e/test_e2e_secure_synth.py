@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.synth_report import synth_report
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
-from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.site_agent.ledger import Ledger
+from tests.e2e.federations import charged_events, roomy_settings, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -30,8 +29,7 @@ STRICT = "hospital-3"
 
 
 def ledger_events(fed: LocalFederation, site_id: str) -> list[tuple[str, str]]:
-    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
-        return [(e.task_id.split("/")[-1], e.mechanism) for e in ledger.events()]
+    return [(e.task_id.split("/")[-1], e.mechanism) for e in charged_events(fed, site_id)]
 
 
 @pytest.fixture
@@ -39,18 +37,11 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=7, min_sites=2,
         task_deadline_s=60, resume_wait_s=10, mixed=True,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
-                              allowed_jobs=("synth", "synth_rows", "synth_eval")))
+        settings=roomy_settings(allowed_jobs=("synth", "synth_rows", "synth_eval")))
     config = federation.site_config(STRICT)
     config.write_text(config.read_text().replace(
         "[policy]\n", "[policy]\nsecure_aggregation = \"required\"\n"))
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+    yield from running(federation)
 
 
 def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> None:

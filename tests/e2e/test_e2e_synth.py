@@ -20,16 +20,14 @@ from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.synth_model import SynthModel
 from dpfed.common.data.schema import ContinuousColumn, Schema
 from dpfed.common.errors import JobFailedError, ValidationError
-from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.site_agent.ledger import Ledger
+from tests.e2e.federations import charged_events, roomy_settings, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def ledger_tasks(fed: LocalFederation, site_id: str) -> list[str]:
-    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
-        return [e.task_id for e in ledger.events()]
+    return [e.task_id for e in charged_events(fed, site_id)]
 
 
 @pytest.fixture
@@ -37,15 +35,8 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=2,
         task_deadline_s=60, resume_wait_s=30, mixed=True,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
-                              allowed_jobs=("pca", "synth", "synth_rows", "synth_eval")))
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+        settings=roomy_settings(allowed_jobs=("pca", "synth", "synth_rows", "synth_eval")))
+    yield from running(federation)
 
 
 def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -151,8 +142,7 @@ def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None
     fed = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=6, min_sites=2,
         task_deadline_s=60, mixed=True,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
-                              allowed_jobs=("pca", "synth")))
+        settings=roomy_settings(allowed_jobs=("pca", "synth")))
     fed.write_site_config("hospital-3", SiteSettings(
         budget_epsilon=1.7, budget_delta=0.1, connect_timeout_s=30,
         allowed_jobs=("pca", "synth")))
@@ -187,12 +177,10 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
     from dpfed.aggregator.synth_report import synth_report
     from dpfed.site_agent.synth_holdout import KEY_FILE
 
-    settings = SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
-                            allowed_jobs=("pca", "synth", "synth_eval"))
+    settings = roomy_settings(allowed_jobs=("pca", "synth", "synth_eval"))
     fed = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=7,
                                  min_sites=2, task_deadline_s=60, mixed=True, settings=settings)
-    fed.write_site_config("hospital-1", SiteSettings(
-        budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30,
+    fed.write_site_config("hospital-1", roomy_settings(
         allowed_jobs=("pca", "synth", "synth_eval"), evaluation_summary="dp"))
     fed.start_coordinator()
     fed.start_site("hospital-1")

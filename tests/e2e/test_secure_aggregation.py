@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
@@ -23,6 +23,7 @@ from dpfed.common.secagg.fixed_point import from_ring
 from dpfed.common.secagg.masking import sum_masked
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.ledger import Ledger
+from tests.e2e.federations import roomy_settings, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -32,14 +33,8 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=5, min_sites=2,
         task_deadline_s=30, resume_wait_s=10,
-        settings=SiteSettings(budget_epsilon=1e4, budget_delta=0.1, connect_timeout_s=30))
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+        settings=roomy_settings())
+    yield from running(federation)
 
 
 def _released(fed: LocalFederation, site_id: str) -> list[tuple[str, bytes]]:

@@ -22,6 +22,7 @@ from dpfed.common.queries.query_language import compile_query_set
 from dpfed.common.queries.workload_spec import build_workload
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.ledger import Ledger
+from tests.e2e.federations import running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -32,13 +33,7 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=11, min_sites=3,
         task_deadline_s=60, resume_wait_s=10, mixed=True,
         settings=SiteSettings(budget_epsilon=100.0, budget_delta=0.01, connect_timeout_s=30))
-    federation.start_coordinator()
-    federation.start_sites()
-    try:
-        federation.wait_for_sites()
-        yield federation
-    finally:
-        federation.stop_all()
+    yield from running(federation)
 
 
 def _pooled(fed: LocalFederation, raw: object) -> np.ndarray:
