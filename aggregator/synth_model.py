@@ -18,8 +18,8 @@ readable with plain numpy (no pickle).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
 from dpfed.common.synth.generative import (
+    CALIBRATION_ROWS,
     CHUNK_ROWS,
     FactorModel,
     default_workers,
@@ -43,6 +44,7 @@ from dpfed.common.synth.generative import (
 )
 from dpfed.common.synth.link_release import links_from_proportions, split_proportions
 from dpfed.common.synth.links import LatentLinks
+from dpfed.common.synth.pair_marginals import Pair, PairCorrection, PairGrid
 from dpfed.common.synth.pipeline import aligned_latent, calibrated_links
 from dpfed.common.validation import check_int
 
@@ -132,6 +134,10 @@ class SynthModel:
         Row-aligned mode: the sites' noisy factors, in site order.
     metadata : dict
         Job id, budget plan, sites, etc.
+    pair_correction : PairCorrection or None
+        Generative mode with DP pair tables: the correction applied to every generated
+        chunk (:mod:`dpfed.common.synth.pair_marginals`); its grid's ``max_groups`` is
+        stored as ``pair_groups`` in the metadata.
     """
 
     schema: Schema
@@ -145,6 +151,7 @@ class SynthModel:
     latent_correlation: np.ndarray | None = None
     factors: np.ndarray | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    pair_correction: PairCorrection | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -166,6 +173,28 @@ class SynthModel:
         return cls(schema, mode, continuous_link, n_bins, np.asarray(proportions),
                    decode, factor_model, dp_correlation, latent_correlation, factors,
                    dict(metadata or {}))
+
+    def pair_grid(self, max_groups: int) -> PairGrid:
+        """Return the pair tables' cells for this model's DP proportions (post-processing)."""
+        return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups)
+
+    def with_pairs(self, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
+                   rng: np.random.Generator) -> SynthModel:
+        """Return this generative model fitted to DP pair tables (post-processing).
+
+        ``edges`` are (parent, child) in application order and ``tables`` their joint
+        proportions (:func:`dpfed.common.synth.pair_marginals.fit_pair_tables`). The
+        correction is built on rows drawn from this model
+        (:data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` of them).
+        """
+        if self.factors is not None:
+            raise ValidationError("pair tables apply to generative models only")
+        calibration = self.decode_links.from_latent(
+            self.factor_model.latent(CALIBRATION_ROWS, rng))
+        correction = PairCorrection.fit(grid, edges, tables, calibration, self.proportions,
+                                        rng)
+        metadata = {**self.metadata, "pair_groups": grid.max_groups}
+        return replace(self, metadata=metadata, pair_correction=correction)
 
     @staticmethod
     def _aligned_latent(factors: np.ndarray, fm: FactorModel) -> np.ndarray:
@@ -217,8 +246,10 @@ class SynthModel:
         if rows is None:
             raise ValidationError("--rows is required for a generative model")
         n = check_rows(rows)
+        correction = self.pair_correction
         yield from iter_samples(self.factor_model, decode, n, resolve_rng(rng), chunk_rows,
-                                workers=threads)
+                                workers=threads,
+                                correct=None if correction is None else correction.apply)
 
     def sample(self, rows: int | None = None, *,
                rng: np.random.Generator | None = None) -> pd.DataFrame:
@@ -282,6 +313,8 @@ class SynthModel:
             out["latent_correlation"] = self.latent_correlation
         if self.factors is not None:
             out["factors"] = self.factors
+        if self.pair_correction is not None:
+            out.update(self.pair_correction.arrays())
         return out
 
     def file_metadata(self) -> dict[str, Any]:
@@ -324,6 +357,13 @@ class SynthModel:
                                       "residual", "schema_toml")})
         except KeyError as exc:
             raise ValidationError(f"model file lacks {exc}") from None
+        if "pair_edges" in arrays:
+            groups = metadata.get("pair_groups")
+            if not isinstance(groups, int):
+                raise ValidationError("model file has pair tables but no integer pair_groups")
+            grid = model.pair_grid(groups)
+            model = replace(model, pair_correction=PairCorrection.from_arrays(
+                grid, dict(arrays), model.proportions))
         model.decode_links  # noqa: B018 -- validates every block (raises ValidationError)
         if fm.dim != model.links.dim:
             raise ValidationError(f"model loadings have {fm.dim} rows; the schema's latent "

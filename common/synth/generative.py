@@ -312,7 +312,9 @@ def in_order(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Itera
 
 def iter_samples(model: FactorModel, decode: LatentLinks, n_rows: int,
                  rng: np.random.Generator, chunk_rows: int = CHUNK_ROWS, *,
-                 workers: int | None = None) -> Iterator[EncodedTable]:
+                 workers: int | None = None,
+                 correct: Callable[[EncodedTable, np.random.Generator], EncodedTable] | None
+                 = None) -> Iterator[EncodedTable]:
     """Yield ``n_rows`` synthetic rows in chunks of at most ``chunk_rows`` (post-processing).
 
     Each chunk is drawn with its own generator derived from ``rng`` in chunk order
@@ -320,6 +322,8 @@ def iter_samples(model: FactorModel, decode: LatentLinks, n_rows: int,
     :func:`default_workers`; 0: the calling thread) can draw and decode chunks in parallel,
     while the consumer writes, and the rows depend on ``rng`` and ``chunk_rows`` only, never
     on ``workers``. At most ``workers + 1`` chunks are computed ahead of the consumer.
+    ``correct`` (e.g. :meth:`dpfed.common.synth.pair_marginals.PairCorrection.apply`) is
+    applied to every decoded chunk with the chunk's generator.
     """
     n = check_int(n_rows, "n_rows", minimum=0)
     size = check_int(chunk_rows, "chunk_rows", minimum=1)
@@ -332,6 +336,7 @@ def iter_samples(model: FactorModel, decode: LatentLinks, n_rows: int,
             yield min(size, n - start), derived_rng(rng)
 
     def draw(job: tuple[int, np.random.Generator]) -> EncodedTable:
-        return decode.from_latent(model.latent(*job))
+        table = decode.from_latent(model.latent(*job))
+        return table if correct is None else correct(table, job[1])
 
     yield from in_order(draw, chunks(), threads)

@@ -1,0 +1,506 @@
+"""DP 2-way marginals of privately chosen column pairs, and the correction fitting rows to them.
+
+A Gaussian copula carries every dependence between two columns through one latent
+correlation, so some pairs are out of its reach: a category that exists only when another
+column says so (a cause of death only for the dead), a follow-up time bounded by the year of
+enrolment. MST (McKenna, Miklau & Sheldon 2021) and AIM measure such pairs directly as 2-way
+marginals. dpfed keeps its factor model and adds two rounds and one post-processing step:
+
+``pair_scores`` (site)
+    For every column pair ``(a, b)``, the L1 distance between the site's 2-way table on the
+    :class:`PairGrid` cells and the independence table ``N_s p_a p_b`` of the DP 1-way
+    marginals the links carry (:func:`dependence_scores`), plus Gaussian noise
+    (:func:`score_mechanism`). A large score says "this pair is far from independent".
+``pairs`` (site)
+    The coordinator picks a maximum-weight spanning forest of the summed noisy scores
+    (:func:`choose_forest`, at most ``max_pairs`` edges, MST's choice); every site releases
+    the forest's 2-way tables with Gaussian noise (:func:`pair_table_mechanism`).
+Correction (coordinator, post-processing)
+    The summed tables are projected onto the public row count and raked to the DP 1-way
+    marginals (:func:`fit_pair_tables`). :class:`PairCorrection` then fits generated rows to
+    them edge by edge, parents before children: in every parent cell it moves just enough of
+    the child's rows from cells where the model has too many to cells where it has too few
+    (the smallest change in distribution that makes the pair's table exact), redrawing a
+    moved row's child value inside its new cell from the DP 1-way proportions. Each row is
+    corrected on its own, so generation stays streamed; rows never moved keep every
+    dependence the factor model gave them.
+
+Cells. :class:`PairGrid` coarsens each column's link cells (public bins of a continuous
+column, levels of an ordinal one) into at most ``max_groups`` groups of about equal DP
+probability; nominal columns keep their categories. The grid is a deterministic function of
+the DP proportions, so site and coordinator build the same one from the links.
+
+Privacy (replace-one at one site; ``N_s`` and the DP proportions are public)
+    Scores: replacing one row moves one count down and one up in each pair's table; the
+    independence table does not move (it depends on public values only), so each score moves
+    by at most 2 (triangle inequality): L2 sensitivity ``2 sqrt(P)`` over the ``P`` pairs,
+    L1 ``2 P``. Flooring to integers (secure sums) keeps the per-pair bound 2.
+    Tables: one count down and one up in each of the ``K`` chosen tables: L2 ``sqrt(2 K)``,
+    L1 ``2 K`` (the ``counts`` statistic of secure aggregation with ``C = K``).
+    The choice of pairs, the raking and the correction are post-processing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import ContinuousColumn, NominalColumn, Schema
+from dpfed.common.errors import ValidationError
+from dpfed.common.privacy.mechanisms import GaussianMechanism
+from dpfed.common.synth.link_release import histogram_sizes, project_counts, split_proportions
+from dpfed.common.synth.quantile_link import bin_codes
+from dpfed.common.validation import check_finite_array, check_int
+
+#: Default most groups per ordinal/continuous column in a pair table.
+DEFAULT_GROUPS = 6
+#: Most groups a caller may ask for.
+MAX_GROUPS = 64
+#: Replace-one sensitivity of one pair's dependence score (L1 distance of count tables).
+SCORE_SENSITIVITY = 2.0
+#: Most cells one pair table may have (keeps tables and the correction's arrays small).
+MAX_PAIR_CELLS = 4096
+_RAKE_STEPS = 50
+
+Pair = tuple[int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class PairGrid:
+    """Cells of the pair tables: every column's link cells merged into groups.
+
+    Attributes
+    ----------
+    schema, n_bins
+        The table's schema and the links' public bins per continuous column.
+    groups : tuple of ndarray
+        Per column, the group of each link cell (0..size-1, non-decreasing for ordered columns).
+    max_groups : int
+        The most groups of an ordinal or continuous column (the grid's one parameter).
+    """
+
+    schema: Schema
+    n_bins: int
+    groups: tuple[np.ndarray, ...]
+    max_groups: int
+
+    @classmethod
+    def from_proportions(cls, schema: Schema, proportions: np.ndarray, n_bins: int,
+                         max_groups: int = DEFAULT_GROUPS) -> PairGrid:
+        """Group each ordered column's cells into about equally likely groups (post-processing).
+
+        Ordinal and continuous columns with more than ``max_groups`` cells are cut at the
+        ``j / max_groups`` quantiles of their DP proportions (a cell goes to the group of its
+        midpoint); nominal columns keep one group per category.
+        """
+        g = check_int(max_groups, "pair_groups", minimum=2, maximum=MAX_GROUPS)
+        blocks = split_proportions(proportions, schema, n_bins)
+        maps = []
+        for col in schema.columns:
+            p = np.asarray(blocks[col.name], dtype=np.float64)
+            if isinstance(col, NominalColumn) or p.size <= g:
+                maps.append(np.arange(p.size, dtype=np.intp))
+                continue
+            total = float(p.sum())
+            mid = (np.cumsum(p) - p / 2.0) / (total if total > 0 else 1.0)
+            raw = np.minimum((mid * g).astype(np.intp), g - 1)
+            _, dense = np.unique(raw, return_inverse=True)
+            maps.append(dense.astype(np.intp))
+        return cls(schema, int(n_bins), tuple(maps), g)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Groups per column."""
+        return tuple(int(m.max()) + 1 for m in self.groups)
+
+    def all_pairs(self) -> list[Pair]:
+        """Every column pair ``(a, b)``, ``a < b``, in lexicographic order."""
+        return list(itertools.combinations(range(len(self.schema.columns)), 2))
+
+    def cells(self, pair: Pair) -> int:
+        """Cells of one pair's table."""
+        s = self.sizes
+        return s[pair[0]] * s[pair[1]]
+
+    def fine_codes(self, table: EncodedTable) -> list[np.ndarray]:
+        """Link cell of every value (public bins for continuous columns, codes otherwise)."""
+        if table.schema.digest() != self.schema.digest():
+            raise ValidationError("chunk was encoded with a different schema")
+        out = []
+        for col in self.schema.columns:
+            values = table.columns[col.name]
+            out.append(bin_codes(col, values, self.n_bins) if isinstance(col, ContinuousColumn)
+                       else np.asarray(values, dtype=np.intp))
+        return out
+
+    def group_codes(self, fine: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Group of every value, from :meth:`fine_codes`."""
+        return [m[f] for m, f in zip(self.groups, fine, strict=True)]
+
+    def group_proportions(self, proportions: np.ndarray) -> list[np.ndarray]:
+        """Return the DP 1-way proportions summed over each column's groups."""
+        blocks = split_proportions(proportions, self.schema, self.n_bins)
+        return [np.bincount(m, weights=blocks[c.name], minlength=s)
+                for c, m, s in zip(self.schema.columns, self.groups, self.sizes, strict=True)]
+
+
+def check_pairs(pairs: Iterable[Sequence[int]], n_columns: int) -> list[Pair]:
+    """Validate column pairs (distinct indices in range, no pair twice)."""
+    out: list[Pair] = []
+    seen = set()
+    for raw in pairs:
+        if len(raw) != 2:
+            raise ValidationError(f"a column pair has two indices, got {list(raw)!r}")
+        a = check_int(raw[0], "pair column", minimum=0, maximum=n_columns - 1)
+        b = check_int(raw[1], "pair column", minimum=0, maximum=n_columns - 1)
+        key = (min(a, b), max(a, b))
+        if a == b or key in seen:
+            raise ValidationError(f"column pairs must be distinct pairs of distinct columns, "
+                                  f"got {list(raw)!r} twice or with itself")
+        seen.add(key)
+        out.append((a, b))
+    return out
+
+
+class PairTableAccumulator:
+    """Exact 2-way count tables of the given pairs over streamed chunks (site-internal)."""
+
+    def __init__(self, grid: PairGrid, pairs: Sequence[Pair]) -> None:
+        self.grid = grid
+        self.pairs = check_pairs(pairs, len(grid.schema.columns))
+        self.cells = [grid.cells(p) for p in self.pairs]
+        self.counts = np.zeros(sum(self.cells), dtype=np.int64)
+        self.n_rows = 0
+
+    def add(self, table: EncodedTable) -> None:
+        """Add one encoded chunk."""
+        codes = self.grid.group_codes(self.grid.fine_codes(table))
+        sizes = self.grid.sizes
+        start = 0
+        for (a, b), n_cells in zip(self.pairs, self.cells, strict=True):
+            idx = codes[a] * sizes[b] + codes[b]
+            self.counts[start:start + n_cells] += np.bincount(idx, minlength=n_cells)
+            start += n_cells
+        self.n_rows += table.n_rows
+
+    def tables(self) -> list[np.ndarray]:
+        """Return the counts cut into one flat table per pair."""
+        return split_tables(self.counts, self.cells)
+
+
+def split_tables(vector: np.ndarray, cells: Sequence[int]) -> list[np.ndarray]:
+    """Cut a concatenated vector into one block per pair (sizes checked)."""
+    v = np.asarray(vector)
+    if v.ndim != 1 or v.shape[0] != sum(cells):
+        raise ValidationError(f"pair tables must be a vector of {sum(cells)} cells, got shape "
+                              f"{v.shape}")
+    bounds = np.cumsum([0, *cells])
+    return [v[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def dependence_scores(counts: np.ndarray, grid: PairGrid, proportions: np.ndarray,
+                      n_rows: int) -> np.ndarray:
+    """Per pair of :meth:`PairGrid.all_pairs`, ``sum |n_ab - N_s p_a p_b|`` (site-internal).
+
+    ``counts`` are the exact tables of all pairs (:class:`PairTableAccumulator`), ``p`` the
+    DP 1-way proportions of the links (grouped) and ``N_s`` the site's public row count.
+    """
+    pairs = grid.all_pairs()
+    tables = split_tables(counts, [grid.cells(p) for p in pairs])
+    marg = grid.group_proportions(proportions)
+    n = float(n_rows)
+    return np.array([float(np.abs(t - n * np.outer(marg[a], marg[b]).ravel()).sum())
+                     for (a, b), t in zip(pairs, tables, strict=True)])
+
+
+def score_mechanism(n_pairs: int, epsilon: float, delta: float) -> GaussianMechanism:
+    """Gaussian mechanism of the dependence scores: L2 sensitivity ``2 sqrt(P)``.
+
+    Privacy
+    -------
+    Relation: replace-one row at this site (``N_s`` and the DP proportions public).
+    Sensitivity: each of the ``P`` scores moves by at most :data:`SCORE_SENSITIVITY` (one
+    count down and one up in its table; the independence table is fixed), so L2
+    ``2 sqrt(P)``. Calibration: analytic Gaussian for (epsilon, delta) on every score.
+    """
+    p = check_int(n_pairs, "number of pairs", minimum=1)
+    return GaussianMechanism(epsilon, delta, SCORE_SENSITIVITY * math.sqrt(p))
+
+
+def pair_table_mechanism(n_pairs: int, epsilon: float, delta: float) -> GaussianMechanism:
+    """Gaussian mechanism of ``K`` pair tables: L2 sensitivity ``sqrt(2 K)``.
+
+    Privacy
+    -------
+    Relation: replace-one row at this site. Sensitivity: one count down and one up in each
+    of the ``K`` tables (the row is in exactly one cell of each), so L2 ``sqrt(2 K)``.
+    Calibration: analytic Gaussian for (epsilon, delta) on every cell.
+    """
+    k = check_int(n_pairs, "number of pairs", minimum=1)
+    return GaussianMechanism(epsilon, delta, math.sqrt(2.0 * k))
+
+
+def choose_forest(scores: np.ndarray, n_columns: int, max_pairs: int) -> list[Pair]:
+    """Maximum-weight spanning forest of the noisy scores, as (parent, child) edges.
+
+    Kruskal on the scores of :meth:`PairGrid.all_pairs` order, stopped after ``max_pairs``
+    edges; every tree is then oriented from its best-connected column outwards, and the
+    edges are returned parents first (the order :class:`PairCorrection` applies them in).
+    Post-processing of the noisy scores.
+    """
+    d = check_int(n_columns, "number of columns", minimum=2)
+    k = check_int(max_pairs, "pairs", minimum=0)
+    pairs = list(itertools.combinations(range(d), 2))
+    s = check_finite_array(scores, "pair scores", ndim=1)
+    if s.shape[0] != len(pairs):
+        raise ValidationError(f"need {len(pairs)} pair scores, got {s.shape[0]}")
+    parent = list(range(d))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    edges: list[Pair] = []
+    for i in np.argsort(-s, kind="stable"):
+        if len(edges) >= k:
+            break
+        a, b = pairs[int(i)]
+        ra, rb = root(a), root(b)
+        if ra != rb:
+            parent[ra] = rb
+            edges.append((a, b))
+    adjacent: dict[int, list[int]] = {i: [] for i in range(d)}
+    for a, b in edges:
+        adjacent[a].append(b)
+        adjacent[b].append(a)
+    seen: set[int] = set()
+    ordered: list[Pair] = []
+    for start in sorted(range(d), key=lambda i: (-len(adjacent[i]), i)):
+        if start in seen:
+            continue
+        seen.add(start)
+        queue = [start]
+        while queue:
+            x = queue.pop(0)
+            for y in sorted(adjacent[x]):
+                if y not in seen:
+                    seen.add(y)
+                    ordered.append((x, y))
+                    queue.append(y)
+    return ordered
+
+
+def rake_table(table: np.ndarray, rows: np.ndarray, cols: np.ndarray,
+               steps: int = _RAKE_STEPS) -> np.ndarray:
+    """Rake a non-negative table to row and column sums (iterative proportional fitting)."""
+    t = np.array(table, dtype=np.float64)
+    for _ in range(steps):
+        s = t.sum(axis=1)
+        t *= np.divide(rows, s, out=np.zeros_like(s), where=s > 0)[:, None]
+        s = t.sum(axis=0)
+        t *= np.divide(cols, s, out=np.zeros_like(s), where=s > 0)[None, :]
+    return t
+
+
+def fit_pair_tables(total: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
+                    proportions: np.ndarray, n_rows: float) -> list[np.ndarray]:
+    """Turn summed noisy tables into joint proportions per pair, shape (k_a, k_b).
+
+    Each table is projected onto the non-negative counts summing to the public ``n_rows``
+    (:func:`dpfed.common.synth.link_release.project_counts`) and raked to the DP 1-way
+    proportions (grouped), so the pair tables agree with the marginals the links release.
+    Post-processing.
+    """
+    checked = check_pairs(pairs, len(grid.schema.columns))
+    tables = split_tables(check_finite_array(total, "pair tables", ndim=1),
+                          [grid.cells(p) for p in checked])
+    marg = grid.group_proportions(proportions)
+    sizes = grid.sizes
+    out = []
+    for (a, b), t in zip(checked, tables, strict=True):
+        counts = project_counts(t, float(n_rows)).reshape(sizes[a], sizes[b])
+        joint = rake_table(counts / max(float(n_rows), 1.0), marg[a], marg[b])
+        s = float(joint.sum())
+        out.append(joint / s if s > 0 else np.outer(marg[a], marg[b]))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class PairStep:
+    """One edge of the correction.
+
+    In parent group i, a child row in group j moves with probability ``move[i, j]`` to a
+    group drawn from ``dest[i]``.
+    """
+
+    parent: int
+    child: int
+    move: np.ndarray
+    dest: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class PairCorrection:
+    """Fits rows to DP pair tables edge by edge (see the module docstring); post-processing.
+
+    Attributes
+    ----------
+    grid : PairGrid
+    steps : tuple of PairStep
+        In application order (parents before children).
+    proportions : ndarray
+        The DP 1-way proportions (concatenated link cells) a moved value is redrawn from.
+    """
+
+    grid: PairGrid
+    steps: tuple[PairStep, ...]
+    proportions: np.ndarray
+
+    @classmethod
+    def fit(cls, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
+            calibration: EncodedTable, proportions: np.ndarray,
+            rng: np.random.Generator) -> PairCorrection:
+        """Build the steps on ``calibration`` rows drawn from the model (post-processing).
+
+        ``edges`` are (parent, child) in application order (:func:`choose_forest`), each with
+        its joint proportions in ``tables`` (:func:`fit_pair_tables`), shape
+        ``(groups of parent, groups of child)``.
+        """
+        d = len(grid.schema.columns)
+        checked = check_pairs(edges, d)
+        if len(tables) != len(checked):
+            raise ValidationError(f"{len(checked)} edges but {len(tables)} tables")
+        children = [b for _, b in checked]
+        if len(set(children)) != len(children):
+            raise ValidationError("every column may be the child of at most one edge")
+        sizes = grid.sizes
+        fine = grid.fine_codes(calibration)
+        steps: list[PairStep] = []
+        empty = cls(grid, (), np.asarray(proportions, dtype=np.float64))
+        for (a, b), joint in zip(checked, tables, strict=True):
+            target = np.asarray(joint, dtype=np.float64)
+            if target.shape != (sizes[a], sizes[b]):
+                raise ValidationError(f"table of pair ({a}, {b}) has shape {target.shape}, "
+                                      f"expected {(sizes[a], sizes[b])}")
+            ga, gb = grid.groups[a][fine[a]], grid.groups[b][fine[b]]
+            model = np.bincount(ga * sizes[b] + gb, minlength=sizes[a] * sizes[b]).reshape(
+                sizes[a], sizes[b]) / max(calibration.n_rows, 1)
+            move = np.divide(target, model, out=np.ones_like(model), where=model > 0)
+            move = np.clip(1.0 - move, 0.0, 1.0)
+            deficit = np.clip(target - model, 0.0, None)
+            room = deficit.sum(axis=1, keepdims=True)
+            dest = np.divide(deficit, room, out=np.full_like(deficit, 1.0 / sizes[b]),
+                             where=room > 0)
+            # Parent groups without deficit keep their rows (nothing to move to).
+            move[room[:, 0] <= 0, :] = 0.0
+            step = PairStep(a, b, move, dest)
+            steps.append(step)
+            empty._apply_step(step, fine, rng)
+        return cls(grid, tuple(steps), np.asarray(proportions, dtype=np.float64))
+
+    @property
+    def edges(self) -> list[Pair]:
+        """(parent, child) of every step."""
+        return [(s.parent, s.child) for s in self.steps]
+
+    def _apply_step(self, step: PairStep, fine: list[np.ndarray],
+                    rng: np.random.Generator) -> np.ndarray:
+        grid = self.grid
+        a, b = step.parent, step.child
+        ga, gb = grid.groups[a][fine[a]], grid.groups[b][fine[b]]
+        moved = np.flatnonzero(rng.random(ga.shape[0]) < step.move[ga, gb])
+        if moved.size == 0:
+            return moved
+        k = step.dest.shape[1]
+        cum = np.cumsum(step.dest[ga[moved]], axis=1)
+        u = rng.random(moved.size)[:, None] * cum[:, -1:]
+        new_group = np.minimum((u > cum).sum(axis=1), k - 1)
+        fine[b] = fine[b].copy()
+        fine[b][moved] = self._draw_cell(b, new_group, rng)
+        return moved
+
+    def _draw_cell(self, column: int, group: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Draw a link cell inside each ``group`` from the DP 1-way proportions."""
+        grid = self.grid
+        offsets = np.cumsum([0, *histogram_sizes(grid.schema, grid.n_bins)])
+        p = self.proportions[offsets[column]:offsets[column + 1]]
+        members = grid.groups[column]
+        if members.shape[0] == int(members.max()) + 1:  # one cell per group
+            return np.asarray(group, dtype=np.intp)
+        out = np.empty(group.shape[0], dtype=np.intp)
+        for g in np.unique(group):
+            rows = np.flatnonzero(group == g)
+            cells = np.flatnonzero(members == g)
+            w = np.clip(p[cells], 0.0, None)
+            w = w / w.sum() if w.sum() > 0 else np.full(cells.size, 1.0 / cells.size)
+            out[rows] = cells[rng.choice(cells.size, size=rows.size, p=w)]
+        return out
+
+    def apply(self, table: EncodedTable, rng: np.random.Generator) -> EncodedTable:
+        """Return ``table`` with the correction applied (each row on its own)."""
+        if not self.steps:
+            return table
+        grid = self.grid
+        fine = grid.fine_codes(table)
+        changed: dict[int, list[np.ndarray]] = {}
+        for step in self.steps:
+            moved = self._apply_step(step, fine, rng)
+            if moved.size:
+                changed.setdefault(step.child, []).append(moved)
+        if not changed:
+            return table
+        columns = dict(table.columns)
+        for j, rows_list in changed.items():
+            col = grid.schema.columns[j]
+            rows = np.unique(np.concatenate(rows_list))
+            if isinstance(col, ContinuousColumn):
+                width = (col.max - col.min) / grid.n_bins
+                values = np.array(columns[col.name], dtype=np.float64)
+                values[rows] = np.clip(
+                    col.min + (fine[j][rows] + rng.random(rows.size)) * width, col.min, col.max)
+                columns[col.name] = values
+            else:
+                codes = np.array(columns[col.name])
+                codes[rows] = fine[j][rows].astype(codes.dtype)
+                columns[col.name] = codes
+        return EncodedTable(table.schema, columns, table.n_rows)
+
+    # ------------------------------------------------------------------ persistence
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Return the steps as named arrays (edges; every step's move/dest tables flattened)."""
+        if not self.steps:
+            return {"pair_edges": np.zeros((0, 2), dtype=np.int64)}
+        return {
+            "pair_edges": np.array(self.edges, dtype=np.int64),
+            "pair_move": np.concatenate([s.move.ravel() for s in self.steps]),
+            "pair_dest": np.concatenate([s.dest.ravel() for s in self.steps]),
+        }
+
+    @classmethod
+    def from_arrays(cls, grid: PairGrid, arrays: dict[str, np.ndarray],
+                    proportions: np.ndarray) -> PairCorrection:
+        """Rebuild from :meth:`arrays` (shapes and values checked)."""
+        edges = check_pairs(np.asarray(arrays.get("pair_edges", np.zeros((0, 2)))).tolist(),
+                            len(grid.schema.columns))
+        if not edges:
+            return cls(grid, (), np.asarray(proportions, dtype=np.float64))
+        sizes = grid.sizes
+        cells = [sizes[a] * sizes[b] for a, b in edges]
+        move = split_tables(check_finite_array(arrays.get("pair_move"), "pair_move", ndim=1),
+                            cells)
+        dest = split_tables(check_finite_array(arrays.get("pair_dest"), "pair_dest", ndim=1),
+                            cells)
+        steps = []
+        for (a, b), m, t in zip(edges, move, dest, strict=True):
+            if np.any(m < 0) or np.any(m > 1) or np.any(t < 0):
+                raise ValidationError(f"pair correction of ({a}, {b}) has values out of range")
+            steps.append(PairStep(a, b, m.reshape(sizes[a], sizes[b]),
+                                  t.reshape(sizes[a], sizes[b])))
+        return cls(grid, tuple(steps), np.asarray(proportions, dtype=np.float64))
