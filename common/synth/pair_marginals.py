@@ -122,6 +122,10 @@ class PairGrid:
         """Every column pair ``(a, b)``, ``a < b``, in lexicographic order."""
         return list(itertools.combinations(range(len(self.schema.columns)), 2))
 
+    def candidate_pairs(self) -> list[Pair]:
+        """Return the pairs whose table has at most :data:`MAX_PAIR_CELLS` cells."""
+        return [p for p in self.all_pairs() if self.cells(p) <= MAX_PAIR_CELLS]
+
     def cells(self, pair: Pair) -> int:
         """Cells of one pair's table."""
         s = self.sizes
@@ -203,14 +207,14 @@ def split_tables(vector: np.ndarray, cells: Sequence[int]) -> list[np.ndarray]:
     return [v[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def dependence_scores(counts: np.ndarray, grid: PairGrid, proportions: np.ndarray,
-                      n_rows: int) -> np.ndarray:
-    """Per pair of :meth:`PairGrid.all_pairs`, ``sum |n_ab - N_s p_a p_b|`` (site-internal).
+def dependence_scores(counts: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
+                      proportions: np.ndarray, n_rows: int) -> np.ndarray:
+    """Per pair, ``sum |n_ab - N_s p_a p_b|`` (site-internal, never sent without noise).
 
-    ``counts`` are the exact tables of all pairs (:class:`PairTableAccumulator`), ``p`` the
-    DP 1-way proportions of the links (grouped) and ``N_s`` the site's public row count.
+    ``counts`` are the exact tables of ``pairs`` (:class:`PairTableAccumulator`; the
+    candidates are :meth:`PairGrid.candidate_pairs`), ``p`` the DP 1-way proportions of the
+    links (grouped) and ``N_s`` the site's public row count.
     """
-    pairs = grid.all_pairs()
     tables = split_tables(counts, [grid.cells(p) for p in pairs])
     marg = grid.group_proportions(proportions)
     n = float(n_rows)
@@ -245,17 +249,18 @@ def pair_table_mechanism(n_pairs: int, epsilon: float, delta: float) -> Gaussian
     return GaussianMechanism(epsilon, delta, math.sqrt(2.0 * k))
 
 
-def choose_forest(scores: np.ndarray, n_columns: int, max_pairs: int) -> list[Pair]:
+def choose_forest(scores: np.ndarray, pairs: Sequence[Pair], n_columns: int,
+                  max_pairs: int) -> list[Pair]:
     """Maximum-weight spanning forest of the noisy scores, as (parent, child) edges.
 
-    Kruskal on the scores of :meth:`PairGrid.all_pairs` order, stopped after ``max_pairs``
-    edges; every tree is then oriented from its best-connected column outwards, and the
-    edges are returned parents first (the order :class:`PairCorrection` applies them in).
+    Kruskal on the scores of ``pairs`` (the candidates that were scored), stopped after
+    ``max_pairs`` edges; every tree is then oriented from its best-connected column outwards,
+    and the edges are returned parents first (the order :class:`PairCorrection` applies them in).
     Post-processing of the noisy scores.
     """
     d = check_int(n_columns, "number of columns", minimum=2)
     k = check_int(max_pairs, "pairs", minimum=0)
-    pairs = list(itertools.combinations(range(d), 2))
+    pairs = check_pairs(pairs, d)
     s = check_finite_array(scores, "pair scores", ndim=1)
     if s.shape[0] != len(pairs):
         raise ValidationError(f"need {len(pairs)} pair scores, got {s.shape[0]}")
