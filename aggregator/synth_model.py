@@ -179,20 +179,22 @@ class SynthModel:
         return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups)
 
     def with_pairs(self, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
-                   rng: np.random.Generator) -> SynthModel:
+                   rng: np.random.Generator, *, noise_sd: float = 0.0) -> SynthModel:
         """Return this generative model fitted to DP pair tables (post-processing).
 
         ``edges`` are (parent, child) in application order and ``tables`` their joint
         proportions (:func:`dpfed.common.synth.pair_marginals.fit_pair_tables`). The
         correction is built on rows drawn from this model
-        (:data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` of them).
+        (:data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` of them); ``noise_sd`` is the
+        tables' public noise per cell in proportions (see
+        :meth:`~dpfed.common.synth.pair_marginals.PairCorrection.fit`).
         """
         if self.factors is not None:
             raise ValidationError("pair tables apply to generative models only")
         calibration = self.decode_links.from_latent(
             self.factor_model.latent(CALIBRATION_ROWS, rng))
         correction = PairCorrection.fit(grid, edges, tables, calibration, self.proportions,
-                                        rng)
+                                        rng, noise_sd=noise_sd)
         metadata = {**self.metadata, "pair_groups": grid.max_groups}
         return replace(self, metadata=metadata, pair_correction=correction)
 

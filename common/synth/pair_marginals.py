@@ -337,6 +337,31 @@ def fit_pair_tables(total: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
     return out
 
 
+def shrunk_target(target: np.ndarray, model: np.ndarray, noise_sd: float) -> np.ndarray:
+    """Shrink a released joint table towards the model's by the noise it carries.
+
+    With ``D = sum (target - model)^2`` over the ``m`` cells and ``m noise_sd^2`` the part of
+    it the noise explains on average, the kept share is ``w = max(0, 1 - m noise_sd^2 / D)``
+    (a James-Stein-type estimate of how much of the difference is real) and the result is
+    ``model + w (target - model)``, renormalised. ``noise_sd = 0`` returns ``target``.
+    Post-processing of DP releases and public noise levels.
+    """
+    t = np.asarray(target, dtype=np.float64)
+    sd = float(noise_sd)
+    if not (math.isfinite(sd) and sd >= 0.0):
+        raise ValidationError(f"noise_sd must be finite and >= 0, got {noise_sd!r}")
+    if sd == 0.0:
+        return t
+    q = np.asarray(model, dtype=np.float64)
+    diff = float(((t - q) ** 2).sum())
+    if diff <= 0.0:
+        return t
+    w = max(0.0, 1.0 - t.size * sd * sd / diff)
+    out = np.clip(q + w * (t - q), 0.0, None)
+    total = float(out.sum())
+    return out / total if total > 0 else t
+
+
 @dataclass(frozen=True, eq=False)
 class PairStep:
     """One edge of the correction.
@@ -371,12 +396,18 @@ class PairCorrection:
     @classmethod
     def fit(cls, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
             calibration: EncodedTable, proportions: np.ndarray,
-            rng: np.random.Generator) -> PairCorrection:
+            rng: np.random.Generator, *, noise_sd: float = 0.0) -> PairCorrection:
         """Build the steps on ``calibration`` rows drawn from the model (post-processing).
 
         ``edges`` are (parent, child) in application order (:func:`choose_forest`), each with
         its joint proportions in ``tables`` (:func:`fit_pair_tables`), shape
         ``(groups of parent, groups of child)``.
+
+        ``noise_sd`` is the public standard deviation of the noise on every cell of the
+        released tables, in proportions (pooled noise sd / pooled N). Each target is then
+        shrunk towards the model's own table by the share of their squared difference that
+        the noise does not explain (:func:`shrunk_target`): a pair the model already gets
+        right up to noise is left alone instead of being fitted to noise.
         """
         d = len(grid.schema.columns)
         checked = check_pairs(edges, d)
@@ -389,6 +420,7 @@ class PairCorrection:
         fine = grid.fine_codes(calibration)
         steps: list[PairStep] = []
         empty = cls(grid, (), np.asarray(proportions, dtype=np.float64))
+        cache: dict[int, np.ndarray] = {}
         for (a, b), joint in zip(checked, tables, strict=True):
             target = np.asarray(joint, dtype=np.float64)
             if target.shape != (sizes[a], sizes[b]):
@@ -397,6 +429,7 @@ class PairCorrection:
             ga, gb = grid.groups[a][fine[a]], grid.groups[b][fine[b]]
             model = np.bincount(ga * sizes[b] + gb, minlength=sizes[a] * sizes[b]).reshape(
                 sizes[a], sizes[b]) / max(calibration.n_rows, 1)
+            target = shrunk_target(target, model, noise_sd)
             move = np.divide(target, model, out=np.ones_like(model), where=model > 0)
             move = np.clip(1.0 - move, 0.0, 1.0)
             deficit = np.clip(target - model, 0.0, None)
@@ -407,7 +440,7 @@ class PairCorrection:
             move[room[:, 0] <= 0, :] = 0.0
             step = PairStep(a, b, move, dest)
             steps.append(step)
-            empty._apply_step(step, fine, rng)
+            empty._apply_step(step, fine, cache, rng)
         return cls(grid, tuple(steps), np.asarray(proportions, dtype=np.float64))
 
     @property
@@ -416,19 +449,29 @@ class PairCorrection:
         return [(s.parent, s.child) for s in self.steps]
 
     def _apply_step(self, step: PairStep, fine: list[np.ndarray],
-                    rng: np.random.Generator) -> np.ndarray:
+                    group_codes: dict[int, np.ndarray], rng: np.random.Generator) -> np.ndarray:
+        """Apply one step in place (``fine`` and the cached ``group_codes``); return moved rows."""
         grid = self.grid
         a, b = step.parent, step.child
-        ga, gb = grid.groups[a][fine[a]], grid.groups[b][fine[b]]
-        moved = np.flatnonzero(rng.random(ga.shape[0]) < step.move[ga, gb])
+        for c in (a, b):
+            if c not in group_codes:
+                group_codes[c] = grid.groups[c][fine[c]]
+        ga, gb = group_codes[a], group_codes[b]
+        k = step.move.shape[1]
+        flat_move = step.move.ravel()
+        cell = ga * k + gb
+        # Only rows in cells with something to move draw a uniform (most cells move nothing).
+        candidates = np.flatnonzero((flat_move > 0.0)[cell])
+        moved = candidates[rng.random(candidates.size) < flat_move[cell[candidates]]]
         if moved.size == 0:
             return moved
-        k = step.dest.shape[1]
         cum = np.cumsum(step.dest[ga[moved]], axis=1)
         u = rng.random(moved.size)[:, None] * cum[:, -1:]
         new_group = np.minimum((u > cum).sum(axis=1), k - 1)
         fine[b] = fine[b].copy()
         fine[b][moved] = self._draw_cell(b, new_group, rng)
+        group_codes[b] = gb.copy()
+        group_codes[b][moved] = new_group
         return moved
 
     def _draw_cell(self, column: int, group: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -454,17 +497,18 @@ class PairCorrection:
             return table
         grid = self.grid
         fine = grid.fine_codes(table)
-        changed: dict[int, list[np.ndarray]] = {}
+        # Every column is the child of at most one step (a forest), so each moved set is final.
+        changed: dict[int, np.ndarray] = {}
+        cache: dict[int, np.ndarray] = {}
         for step in self.steps:
-            moved = self._apply_step(step, fine, rng)
+            moved = self._apply_step(step, fine, cache, rng)
             if moved.size:
-                changed.setdefault(step.child, []).append(moved)
+                changed[step.child] = moved
         if not changed:
             return table
         columns = dict(table.columns)
-        for j, rows_list in changed.items():
+        for j, rows in changed.items():
             col = grid.schema.columns[j]
-            rows = np.unique(np.concatenate(rows_list))
             if isinstance(col, ContinuousColumn):
                 width = (col.max - col.min) / grid.n_bins
                 values = np.array(columns[col.name], dtype=np.float64)
@@ -496,6 +540,8 @@ class PairCorrection:
                             len(grid.schema.columns))
         if not edges:
             return cls(grid, (), np.asarray(proportions, dtype=np.float64))
+        if len({b for _, b in edges}) != len(edges):
+            raise ValidationError("every column may be the child of at most one pair edge")
         sizes = grid.sizes
         cells = [sizes[a] * sizes[b] for a, b in edges]
         move = split_tables(check_finite_array(arrays.get("pair_move"), "pair_move", ndim=1),
