@@ -123,3 +123,21 @@ def test_secure_pair_rounds_decode_the_pooled_scores_and_tables(tmp_path: Path) 
             assert meta["rounds"]["pairs"]["l2_sensitivity_integer"] == pytest.approx(6 ** 0.5)
 
     asyncio.run(scenario())
+
+
+def test_pair_rounds_refuse_a_schema_without_candidates_and_an_empty_forest() -> None:
+    from dpfed.common.errors import ValidationError
+
+    wide = Schema.from_toml("\n".join(
+        f'[[columns]]\nname = "{n}"\ntype = "nominal"\ncategories = '
+        f'[{", ".join(repr(str(i)) for i in range(70))}]' for n in ("code", "code2")))
+    params = SynthParams.from_mapping({"aggregation": "secure"}, latent_dim=latent_dim(wide))
+    base = {"job": params.to_mapping(), "schema_digest": wide.digest()}
+    props = proportions_from_histograms(np.full(140, 3.0), wide, params.n_bins)
+    common = {"schema": wide, "base": base, "digest": "d", "proportions": props,
+              "pair_groups": GROUPS, "epsilon": 1.0, "delta": 1e-6, "among": ["a", "b"]}
+    # refused before any site is asked (no context needed)
+    with pytest.raises(ValidationError, match="no candidate column pair"):
+        asyncio.run(secure_pair_scores(None, **common))  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="at least one edge"):
+        asyncio.run(secure_pair_tables(None, edges=[], **common))  # type: ignore[arg-type]
