@@ -9,12 +9,23 @@
     ``synth_latent``; every site checks the links' digest): the coordinator decodes ``G``,
     divides by the public pooled row count and eigendecomposes ``G / N`` into the
     :class:`~dpfed.common.pca.dppca.PCAEstimate` the factor model is fitted from.
+``pair_scores``
+    One secure ``scores`` sum of the sites' floored dependence scores of every candidate
+    column pair (source ``synth_pair_scores``; links digest checked): the coordinator decodes
+    the pooled scores plus one Skellam draw per pair and chooses the pairs from them.
+``pairs``
+    One secure ``counts`` sum of the sites' exact 2-way tables of the chosen edges (source
+    ``synth_pairs``; every site validates the edges): the coordinator decodes the pooled
+    tables, concatenated in edge order.
 
 Privacy
 -------
 Replace-one at one site; each sum's noise is calibrated to one row of the *pooled* data (see
 :mod:`dpfed.common.secagg.secure_sum`): counts with L2 ``sqrt(2 C)`` and L1 ``2 C`` for ``C``
-columns at scale 1; the Gram of unit-ball rows with L2 ``sqrt(2) B^2`` at the plan's scale.
+columns at scale 1; the Gram of unit-ball rows with L2 ``sqrt(2) B^2`` at the plan's scale;
+the ``P`` floored dependence scores, each moving by at most 2, with L2 ``2 sqrt(P)`` and L1
+``2 P`` at scale 1 (``row_norm`` 2, the per-entry bound); the ``K`` edges' tables as counts
+with ``C = K`` (L2 ``sqrt(2 K)``, L1 ``2 K``).
 Every site is charged the round's ``(epsilon, delta)``; the coordinator learns the noisy pooled
 totals, the participants and their public row counts. Everything after the decode is
 post-processing.
@@ -37,11 +48,13 @@ from dpfed.aggregator.jobs.secure_rounds import (
     symmetric_from_upper,
 )
 from dpfed.common.data.schema import Schema
+from dpfed.common.errors import ValidationError
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.skellam import skellam_calibrate
 from dpfed.common.synth.link_release import histogram_sizes
 from dpfed.common.synth.links import latent_dim
+from dpfed.common.synth.pair_marginals import SCORE_SENSITIVITY, Pair, PairGrid, check_pairs
 
 #: What each secure round of the synth job releases (report and metadata wording).
 SECURE_SYNTH_ROUNDS = {
@@ -49,6 +62,11 @@ SECURE_SYNTH_ROUNDS = {
              "noise; only the pooled total is decoded -> the DP marginals and the links",
     "pca": "a masked integer Gram matrix of the unit-ball latent rows with a share of Skellam "
            "noise; only the pooled total is decoded -> G / N and its eigenvectors",
+    "pair_scores": "a masked integer vector of floored dependence scores (one per candidate "
+                   "column pair) with a share of Skellam noise; only the pooled total is "
+                   "decoded -> the chosen pairs",
+    "pairs": "a masked exact count vector (the chosen pairs' 2-way tables) with a share of "
+             "Skellam noise; only the pooled total is decoded -> the DP pair tables",
 }
 
 
@@ -108,6 +126,69 @@ async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, 
     a = symmetric_from_upper(out.value, dim) / out.n_rows_total
     estimate = await asyncio.to_thread(decompose_second_moment, a, dim)
     return estimate, out
+
+
+def _pair_grid(schema: Schema, base: dict[str, Any], proportions: np.ndarray,
+               pair_groups: int) -> PairGrid:
+    """Return the grid every site rebuilds from the same links and ``pair_groups``."""
+    params = SynthParams.from_mapping(dict(base["job"]), latent_dim=latent_dim(schema))
+    return PairGrid.from_proportions(schema, proportions, params.n_bins, pair_groups)
+
+
+def _pair_site_params(source: str, base: dict[str, Any], digest: str,
+                      pair_groups: int) -> dict[str, Any]:
+    return {"source": source, "job": base["job"], "schema_digest": base["schema_digest"],
+            "links_digest": digest, "pair_groups": int(pair_groups)}
+
+
+async def secure_pair_scores(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
+                             digest: str, proportions: np.ndarray, pair_groups: int,
+                             epsilon: float, delta: float,
+                             among: list[str]) -> tuple[np.ndarray, SecureSumOutcome]:
+    """Round ``pair_scores``: the secure sum of every site's floored dependence scores.
+
+    Returns the decoded noisy pooled scores (float64, one per pair of
+    :meth:`~dpfed.common.synth.pair_marginals.PairGrid.candidate_pairs`, in that order) and
+    the outcome. Only the sites in ``among`` (those whose counts built the links) take part.
+
+    Raises
+    ------
+    ValidationError
+        The schema has no candidate pair (the caller skips the pair rounds then).
+    """
+    cands = _pair_grid(schema, base, proportions, pair_groups).candidate_pairs()
+    if not cands:
+        raise ValidationError("no candidate column pair: the pair rounds have nothing to score")
+    out = await secure_sum(
+        ctx, name="pair_scores", statistic="scores", dim=len(cands),
+        site_params=_pair_site_params("synth_pair_scores", base, digest, pair_groups),
+        epsilon=epsilon, delta=delta, row_norm=SCORE_SENSITIVITY,
+        arrays={"link_proportions": proportions}, progress=(0.74, 0.8), require_kind="synth",
+        among=among)
+    return np.asarray(out.value, dtype=np.float64), out
+
+
+async def secure_pair_tables(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
+                             digest: str, proportions: np.ndarray, pair_groups: int,
+                             edges: list[Pair], epsilon: float, delta: float,
+                             among: list[str]) -> tuple[np.ndarray, SecureSumOutcome]:
+    """Round ``pairs``: the secure sum of every site's exact tables of the chosen ``edges``.
+
+    Returns the decoded noisy pooled tables (float64, each edge's ``(parent, child)`` table
+    flattened parent-major, concatenated in edge order) and the outcome.
+    """
+    grid = _pair_grid(schema, base, proportions, pair_groups)
+    checked = check_pairs(edges, len(schema.columns))
+    if not checked:
+        raise ValidationError("the pairs round needs at least one edge")
+    out = await secure_sum(
+        ctx, name="pairs", statistic="counts", dim=sum(grid.cells(e) for e in checked),
+        site_params={**_pair_site_params("synth_pairs", base, digest, pair_groups),
+                     "pair_edges": [[int(a), int(b)] for a, b in checked]},
+        epsilon=epsilon, delta=delta, row_norm=math.sqrt(len(checked)),
+        arrays={"link_proportions": proportions}, progress=(0.8, 0.88), require_kind="synth",
+        among=among)
+    return np.asarray(out.value, dtype=np.float64), out
 
 
 def secure_metadata(rounds: dict[str, SecureSumOutcome]) -> dict[str, Any]:

@@ -33,6 +33,13 @@ rounding (scale 1, ``B = sqrt(C)`` exactly). Replacing one row moves, in every g
 down and another up (or nothing): L2 ``sqrt(2 C) = sqrt(2) B`` and L1 ``2 C = 2 B^2``. No
 wrap: every pooled cell lies in ``[0, N]`` (``N`` the public pooled row count), so the sum
 cannot wrap while ``N`` plus the noise's tail bound stays below ``2^62``.
+
+*Scores* (``statistic="scores"``, :func:`plan_scores`): an integer vector whose every entry
+moves by at most a public ``b`` when one row is replaced and lies in ``[0, b N_s]`` at a site
+of ``N_s`` rows (the floored dependence scores of the ``synth`` job's column pairs, ``b = 2``:
+an L1 distance between a count table of total ``N_s`` and a fixed one). ``row_norm = b``
+(a positive integer); scale 1, no rounding, ``B = b``. L2 ``b sqrt(d)``, L1 ``b d``. No wrap:
+every pooled entry lies in ``[0, b N]``.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ __all__ = [
     "plan_from_scale",
     "plan_gram",
     "plan_row_sum",
+    "plan_scores",
+    "score_bound",
     "site_contribution",
 ]
 
@@ -85,6 +94,8 @@ _EXACT = 2.0 ** 52
 #: every integer (numpy samples large means in floating point); and a
 #: larger scale buys no accuracy (rounding error is already far below the noise).
 MU_MAX = 2.0 ** 50
+#: Largest per-entry bound ``b`` of a scores sum (keeps ``b N`` and the noise far from the ring).
+MAX_SCORE_BOUND = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,7 @@ class SecureSumPlan:
 
     Attributes
     ----------
-    statistic : {"gram", "row_sum", "counts", "linear"}
+    statistic : {"gram", "row_sum", "counts", "scores", "linear"}
         What each site contributes (see :data:`STATISTICS`; ``linear``: the answers ``Ã x_s``
         of a public integer strategy, :mod:`dpfed.common.secagg.linear_sum`).
     dim : int
@@ -102,7 +113,7 @@ class SecureSumPlan:
         Fixed-point scale s (rows are multiplied by s before rounding; 1 for counts).
     bound : float
         Public bound B on the norm of a rounded row (for counts: the exact norm ``sqrt(C)`` of
-        one row's contribution to ``C`` groups of cells).
+        one row's contribution to ``C`` groups of cells; for scores: the per-entry bound ``b``).
     mu_total : float
         Skellam variance per coordinate the honest shares must carry (integer domain).
     tolerated : int
@@ -146,7 +157,7 @@ class SecureSumPlan:
 
 #: The statistics a secure sum can carry and their degree in the fixed-point scale (``linear``
 #: plans come from :mod:`dpfed.common.secagg.linear_sum`, the others from :data:`PLANNERS`).
-STATISTICS: dict[str, int] = {"gram": 2, "row_sum": 1, "counts": 1, "linear": 1}
+STATISTICS: dict[str, int] = {"gram": 2, "row_sum": 1, "counts": 1, "scores": 1, "linear": 1}
 
 
 def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float]:
@@ -156,7 +167,10 @@ def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float
         return 2.0 * bound, 2.0 * bound * math.sqrt(dim)
     if statistic == "counts":  # C = bound^2 groups: one count down and one up in each
         return math.sqrt(2.0) * bound, 2.0 * bound * bound
-    raise ValidationError(f"statistic must be 'gram', 'row_sum' or 'counts', got {statistic!r}")
+    if statistic == "scores":  # every one of the d entries moves by at most b = bound
+        return bound * math.sqrt(dim), bound * dim
+    raise ValidationError(f"statistic must be 'gram', 'row_sum', 'counts' or 'scores', got "
+                          f"{statistic!r}")
 
 
 def count_groups(row_norm: float) -> int:
@@ -167,6 +181,23 @@ def count_groups(row_norm: float) -> int:
         raise ValidationError(f"a counts sum needs row_norm = sqrt(number of groups), got "
                               f"{row_norm!r}")
     return int(groups)
+
+
+def score_bound(row_norm: float) -> int:
+    """Return the per-entry bound ``b`` a scores plan's ``row_norm`` encodes.
+
+    ``b`` is a positive integer (an integer vector's entries move by whole steps), at most
+    :data:`MAX_SCORE_BOUND`.
+    """
+    if isinstance(row_norm, bool) or not isinstance(row_norm, (int, float, np.integer,
+                                                               np.floating)):
+        raise ValidationError(f"a scores sum needs row_norm = the per-entry bound b, a "
+                              f"positive integer, got {row_norm!r}")
+    b = float(row_norm)
+    if not math.isfinite(b) or b != math.floor(b) or not 1 <= b <= MAX_SCORE_BOUND:
+        raise ValidationError(f"a scores sum needs row_norm = the per-entry bound b, an integer "
+                              f"in [1, {MAX_SCORE_BOUND}], got {row_norm!r}")
+    return int(b)
 
 
 def check_participants(participants: Sequence[str], tolerated: int) -> tuple[tuple[str, ...], int]:
@@ -195,10 +226,18 @@ def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
     if statistic == "counts" and (s != 1.0 or count_groups(row_norm) > d):
         raise ValidationError(f"a counts sum has scale 1 and at most one group per cell, got "
                               f"scale {s:g}, row_norm {row_norm!r} for {d} cells")
+    if statistic == "scores" and s != 1.0:
+        raise ValidationError(f"a scores sum has scale 1 (its entries are integers), got "
+                              f"scale {s:g}")
     ids, t = check_participants(participants, tolerated)
-    # counts are integers already: no rounding, the bound is the exact norm sqrt(C)
-    bound = (float(row_norm) if statistic == "counts"
-             else rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d))
+    # counts and scores are integers already: no rounding; the bound is the exact norm
+    # sqrt(C) of one row's counts, or the per-entry bound b of the scores
+    if statistic == "counts":
+        bound = float(row_norm)
+    elif statistic == "scores":
+        bound = float(score_bound(row_norm))
+    else:
+        bound = rounded_norm_bound(s * check_positive(row_norm, "row_norm"), d)
     l2, l1 = _sensitivities(statistic, d, bound)
     cal = skellam_calibrate(epsilon, delta, l2, l1)
     if cal.mu > MU_MAX * 1.01:
@@ -281,8 +320,43 @@ def plan_counts(*, dim: int, total_rows: int, epsilon: float, delta: float,
     return plan
 
 
+def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
+                participants: Sequence[str], tolerated: int = 0,
+                row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a secure sum of integer score vectors with a public per-entry bound.
+
+    ``dim`` is the number of scores and ``row_norm = b`` (a positive integer, see
+    :func:`score_bound`) encodes both what one row may do and the public range: the statistic
+    a site sums must satisfy (a) replacing one of its rows moves every entry by at most ``b``
+    and (b) every entry lies in ``[0, b N_s]``, ``N_s`` the site's public row count — as a
+    sum over rows of per-row terms in ``[0, b]`` does, and the ``synth`` job's floored
+    dependence scores do with ``b = 2`` (:mod:`dpfed.site_agent.handlers.synth_secure`, which
+    clips into that range). The pooled entries then lie in ``[0, b N]``, ``N = total_rows``.
+
+    Privacy
+    -------
+    Replace-one at one site. Every entry moves by at most ``b``: L2 sensitivity
+    ``b sqrt(dim)``, L1 ``b dim`` (all entries may move at once). Integers already: scale 1,
+    no rounding (``bound = b``). The Skellam variance is calibrated to those sensitivities by
+    :func:`plan_from_scale`, which every site repeats from the same public inputs. No wrap:
+    the plan is refused unless ``b N`` plus the Skellam tail bound (failure probability
+    ``2^-60`` over all entries) stays below ``2^62``.
+    """
+    d = check_int(dim, "dim", minimum=1)
+    n = check_int(total_rows, "total_rows", minimum=1)
+    b = score_bound(row_norm)
+    plan = plan_from_scale("scores", dim=d, scale=1.0, row_norm=b, epsilon=epsilon,
+                           delta=delta, participants=participants, tolerated=tolerated)
+    if b * n + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
+        raise ValidationError(f"{n} pooled rows with entries up to {b} per row and noise "
+                              f"variance {plan.mu_total:.3g} do not fit a secure scores sum in "
+                              "the 64-bit ring")
+    return plan
+
+
 #: statistic -> its planning function (all take the same keyword arguments).
-PLANNERS = {"gram": plan_gram, "row_sum": plan_row_sum, "counts": plan_counts}
+PLANNERS = {"gram": plan_gram, "row_sum": plan_row_sum, "counts": plan_counts,
+            "scores": plan_scores}
 
 
 def plan_for(statistic: str, *, dim: int, total_rows: int, epsilon: float, delta: float,
@@ -373,7 +447,7 @@ def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndar
     """Sum every participant's masked vector and decode the noisy pooled statistic (real units).
 
     Returns the Gram's upper triangle divided by ``scale^2`` (or the row sum divided by
-    ``scale``; counts as they are), i.e. in the units of the original rows.
+    ``scale``; counts and scores as they are), i.e. in the units of the original rows.
     """
     if set(masked) != set(plan.participants):
         missing = sorted(set(plan.participants) - set(masked))

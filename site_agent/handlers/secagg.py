@@ -15,7 +15,8 @@ and its privacy argument):
     sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
     depends on a number the site cannot check — compute the exact integer statistic of the
     task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, ``query``,
-    ``synth_counts`` or ``synth_latent``; see :mod:`dpfed.site_agent.handlers.secagg_sources`),
+    ``synth_counts``, ``synth_latent``, ``synth_pair_scores`` or ``synth_pairs``; see
+    :mod:`dpfed.site_agent.handlers.secagg_sources`),
     add this site's Skellam share and its
     pairwise masks. Charged to the ledger with the pooled guarantee; the ledger's mechanism name
     records the mode, the number of participants and the tolerated colluders. A source serving
@@ -29,8 +30,10 @@ from a secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` d
 sensitivity of the pooled integer statistic from the rounded-row bound and calibrates the
 Skellam variance. ``query``: :mod:`dpfed.site_agent.handlers.secagg_query`. ``synth_counts``
 and ``synth_latent``: :mod:`dpfed.site_agent.handlers.synth_secure` (the synth job's exact
-per-column counts, L2 ``sqrt(2 C)`` and L1 ``2 C``, and its unit-ball latent rows). This site
-adds ``mu / (n - t)``.
+per-column counts, L2 ``sqrt(2 C)`` and L1 ``2 C``, and its unit-ball latent rows);
+``synth_pair_scores`` and ``synth_pairs``: the same module (floored dependence scores, per-entry
+bound 2, L2 ``2 sqrt(P)``; the chosen pairs' tables, L2 ``sqrt(2 K)``). This site adds
+``mu / (n - t)``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,12 @@ from dpfed.site_agent.handlers.secagg_sources import (
     planned_contribution,
     row_statistic,
 )
-from dpfed.site_agent.handlers.synth_secure import SYNTH_COUNTS_SOURCE, SYNTH_LATENT_SOURCE
+from dpfed.site_agent.handlers.synth_secure import (
+    SYNTH_COUNTS_SOURCE,
+    SYNTH_LATENT_SOURCE,
+    SYNTH_PAIR_SCORES_SOURCE,
+    SYNTH_PAIRS_SOURCE,
+)
 from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
@@ -275,4 +283,6 @@ CONTRIBUTION_SOURCES: dict[str, ContributionSource] = {
     "query": QUERY_SOURCE,
     "synth_counts": SYNTH_COUNTS_SOURCE,
     "synth_latent": SYNTH_LATENT_SOURCE,
+    "synth_pair_scores": SYNTH_PAIR_SCORES_SOURCE,
+    "synth_pairs": SYNTH_PAIRS_SOURCE,
 }

@@ -84,7 +84,7 @@ class ContributionSource:
 def planned_contribution(task: Task, participants: list[str], tolerated: int, *,
                          statistics: tuple[str, ...], dim: int, row_norm: float,
                          compute: PlannedCompute) -> Contribution:
-    """Recompute a gram / row-sum / counts plan from public inputs and bind ``compute`` to it.
+    """Recompute a gram / row-sum / counts / scores plan from public inputs; bind ``compute``.
 
     ``dim`` and ``row_norm`` are what the *source* states from the site's own schema and the
     task's validated parameters; the task's ``row_norm`` (what the coordinator planned with)

@@ -10,6 +10,18 @@
     exactly as in the site-level round (:func:`dpfed.site_agent.handlers.synth.check_links`),
     rows are mapped to the latent space and clipped to the unit ball by the public clip norm;
     the contribute stage sums their Gram matrix.
+``synth_pair_scores`` (round ``pair_scores``)
+    The links are checked as for ``synth_latent``; the site builds the pair grid from their
+    DP proportions and the task's ``pair_groups``
+    (:meth:`dpfed.common.synth.pair_marginals.PairGrid.from_proportions`), the exact 2-way
+    tables of every candidate pair over its training rows, and their dependence scores
+    (:func:`dpfed.common.synth.pair_marginals.dependence_scores`), floored to integers in
+    ``[0, 2 N_s]`` (:func:`floored_scores`) — the ``scores`` statistic.
+``synth_pairs`` (round ``pairs``)
+    The same grid; the task's ``pair_edges`` (``[parent, child]`` pairs the coordinator chose
+    from the noisy scores) are validated — distinct pairs of distinct columns, each a
+    candidate pair — and the exact tables of those edges, concatenated in edge order, are the
+    ``counts`` statistic with one group per edge.
 
 The task carries the job's canonical synth parameters under ``job`` and the schema digest;
 both are validated exactly as the site-level rounds validate them.
@@ -21,8 +33,15 @@ down and another up in each of the ``C`` columns' histograms: L2 sensitivity ``s
 L1 ``2 C``, integer already (plan scale 1, no rounding) — the ``counts`` statistic of
 :mod:`dpfed.common.secagg.secure_sum`, whose ``row_norm`` is ``sqrt(C)`` from this site's schema.
 ``synth_latent``: rows in the unit ball (``row_norm`` 1), the ``gram`` statistic (fixed-point
-rounding bounded by the plan's ``B``; L2 ``sqrt(2) B^2``). The Skellam share, the masks and the
-ledger charge are the contribute stage's.
+rounding bounded by the plan's ``B``; L2 ``sqrt(2) B^2``). ``synth_pair_scores``: each score
+``sum |n_ab - N_s p_a p_b|`` moves by at most 2 (one count down and one up in the pair's table;
+the independence table depends on public values only); flooring keeps the per-entry change
+at most 2 (``floor x - floor y < x - y + 1 <= 3``) and clipping into the public range
+``[0, 2 N_s]`` never increases it: the ``scores`` statistic with ``b = 2``, L2 ``2 sqrt(P)``,
+L1 ``2 P`` for ``P`` candidate pairs. ``synth_pairs``: one count down and one up in each of
+the ``K`` edges' tables: the ``counts`` statistic with ``C = K`` (``row_norm = sqrt(K)``), L2
+``sqrt(2 K)``, L1 ``2 K``. The Skellam share, the masks and the ledger charge are the
+contribute stage's.
 """
 
 from __future__ import annotations
@@ -40,7 +59,17 @@ from dpfed.common.job_params import SynthParams
 from dpfed.common.secagg.secure_sum import SecureSumPlan
 from dpfed.common.synth.link_release import LinkHistogramAccumulator, histogram_sizes
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm, latent_dim
+from dpfed.common.synth.pair_marginals import (
+    MAX_GROUPS,
+    SCORE_SENSITIVITY,
+    Pair,
+    PairGrid,
+    PairTableAccumulator,
+    check_pairs,
+    dependence_scores,
+)
 from dpfed.common.transport.protocol import Task
+from dpfed.common.validation import check_int
 from dpfed.site_agent.handlers.base import DataAccess
 from dpfed.site_agent.handlers.secagg_sources import (
     Contribution,
@@ -51,6 +80,10 @@ from dpfed.site_agent.handlers.secagg_sources import (
 from dpfed.site_agent.handlers.synth import check_links, training_rows
 
 log = logging.getLogger(__name__)
+
+#: Per-entry replace-one bound ``b`` of the floored dependence scores (the ``scores`` plan's
+#: ``row_norm``); a site's scores lie in ``[0, b N_s]``.
+SCORE_BOUND = int(SCORE_SENSITIVITY)
 
 
 def _synth_params(task: Task, data: DataAccess) -> SynthParams:
@@ -118,5 +151,114 @@ def synth_latent_contribution(task: Task, data: DataAccess, participants: list[s
                                 row_norm=1.0, compute=row_statistic(rows))
 
 
+def floored_scores(scores: np.ndarray, n_rows: int) -> np.ndarray:
+    """Return dependence scores floored to int64 and clipped into ``[0, SCORE_BOUND * N_s]``.
+
+    Privacy
+    -------
+    Replace-one at this site, ``N_s`` public. A score moves by at most 2; so does its floor
+    (``floor x - floor y < x - y + 1 <= 3``, an integer). The scores lie in ``[0, 2 N_s]``
+    mathematically (``sum |n - N_s q| <= N_s + N_s sum q`` with ``q`` a distribution);
+    clipping to that public range only absorbs the floating-point slack of the DP
+    proportions' sums and, being 1-Lipschitz with the same bounds on both neighbours, never
+    increases the change. The range is what the ``scores`` plan's no-wrap check assumes.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1 or not np.all(np.isfinite(s)):
+        raise ValidationError("dependence scores must be a finite vector")
+    top = SCORE_BOUND * check_int(n_rows, "n_rows", minimum=0)
+    if s.size and (float(s.min()) < 0.0 or float(s.max()) > top * (1.0 + 1e-6) + 1.0):
+        raise ValidationError(f"dependence scores outside their range [0, {top}] (the link "
+                              "proportions are not distributions)")
+    return np.clip(np.floor(s), 0, top).astype(np.int64)
+
+
+def _pair_grid(task: Task, data: DataAccess, params: SynthParams) -> tuple[PairGrid, np.ndarray]:
+    """Check the links the task carries and build the pair grid from their proportions."""
+    if params.mode != "generative":
+        raise ValidationError(f"the pair rounds run only in generative mode, got mode "
+                              f"{params.mode!r}")
+    if len(data.schema.columns) < 2:
+        raise ValidationError("the pair rounds need a schema of at least 2 columns")
+    extra: dict[str, Any] = {"links_digest": task.params.get("links_digest")}
+    check_links(data.schema, params, extra, dict(task.arrays))  # digest and proportions
+    groups = check_int(task.params.get("pair_groups"), "pair_groups", minimum=2,
+                       maximum=MAX_GROUPS)
+    proportions = np.asarray(task.arrays["link_proportions"], dtype=np.float64)
+    return PairGrid.from_proportions(data.schema, proportions, params.n_bins, groups), proportions
+
+
+def _candidates(grid: PairGrid) -> list[Pair]:
+    cands = grid.candidate_pairs()
+    if not cands:
+        raise ValidationError("no column pair of this schema has a table of at most the "
+                              "candidate size; the pair rounds have nothing to measure")
+    return cands
+
+
+def synth_pair_scores_contribution(task: Task, data: DataAccess, participants: list[str],
+                                   tolerated: int, *,
+                                   site_dir: Path | None = None) -> Contribution:
+    """Build ``synth_pair_scores``: floored dependence scores of every candidate pair.
+
+    The links' digest is checked before anything else (a mismatch refuses, uncharged). The
+    scores follow :meth:`PairGrid.candidate_pairs` order.
+    """
+    params = _synth_params(task, data)
+    grid, proportions = _pair_grid(task, data, params)
+    cands = _candidates(grid)
+    data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
+
+    def compute(plan: SecureSumPlan, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
+        acc = PairTableAccumulator(grid, cands)
+        for table, _report in data.iter_chunks():
+            acc.add(table)
+        scores = dependence_scores(acc.counts, grid, cands, proportions, acc.n_rows)
+        return floored_scores(scores, acc.n_rows), acc.n_rows
+
+    return planned_contribution(task, participants, tolerated, statistics=("scores",),
+                                dim=len(cands), row_norm=float(SCORE_BOUND), compute=compute)
+
+
+def check_edges(raw: object, grid: PairGrid) -> list[Pair]:
+    """Validate the task's ``pair_edges``: ``[parent, child]`` candidate pairs, each once."""
+    cands = set(_candidates(grid))
+    if not isinstance(raw, list) or not 1 <= len(raw) <= len(cands):
+        raise ValidationError(f"pair_edges must be a list of 1..{len(cands)} [parent, child] "
+                              f"pairs, got {type(raw).__name__}")
+    if not all(isinstance(e, (list, tuple)) for e in raw):
+        raise ValidationError("pair_edges must hold [parent, child] pairs of column indices")
+    edges = check_pairs(raw, len(grid.schema.columns))
+    for a, b in edges:
+        if (min(a, b), max(a, b)) not in cands:
+            raise ValidationError(f"pair_edges: ({a}, {b}) is not a candidate pair (its table "
+                                  f"has {grid.cells((a, b))} cells)")
+    return edges
+
+
+def synth_pairs_contribution(task: Task, data: DataAccess, participants: list[str],
+                             tolerated: int, *, site_dir: Path | None = None) -> Contribution:
+    """Build ``synth_pairs``: the exact tables of the task's edges, concatenated in edge order.
+
+    Links digest and edges are checked before anything else (refusals are uncharged).
+    """
+    params = _synth_params(task, data)
+    grid, _proportions = _pair_grid(task, data, params)
+    edges = check_edges(task.params.get("pair_edges"), grid)
+    data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
+
+    def compute(plan: SecureSumPlan, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
+        acc = PairTableAccumulator(grid, edges)
+        for table, _report in data.iter_chunks():
+            acc.add(table)
+        return acc.counts, acc.n_rows
+
+    return planned_contribution(task, participants, tolerated, statistics=("counts",),
+                                dim=sum(grid.cells(e) for e in edges),
+                                row_norm=count_vector_norm(len(edges)), compute=compute)
+
+
 SYNTH_COUNTS_SOURCE = ContributionSource("synth", synth_counts_contribution)
 SYNTH_LATENT_SOURCE = ContributionSource("synth", synth_latent_contribution)
+SYNTH_PAIR_SCORES_SOURCE = ContributionSource("synth", synth_pair_scores_contribution)
+SYNTH_PAIRS_SOURCE = ContributionSource("synth", synth_pairs_contribution)
