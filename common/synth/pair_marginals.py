@@ -65,7 +65,13 @@ MAX_GROUPS = 64
 SCORE_SENSITIVITY = 2.0
 #: Most cells one pair table may have (keeps tables and the correction's arrays small).
 MAX_PAIR_CELLS = 4096
-_RAKE_STEPS = 50
+#: Most raking sweeps (it stops earlier once both margins hold to :data:`_RAKE_TOL`).
+_RAKE_STEPS = 500
+_RAKE_TOL = 1e-12
+#: Weight of the independence table mixed into a projected pair table before raking:
+#: every cell keeps some mass, so raking can reach every DP margin (a group the
+#: projection emptied would otherwise stay empty), while the noisy table dominates.
+INDEPENDENCE_WEIGHT = 1e-4
 
 Pair = tuple[int, int]
 
@@ -158,8 +164,8 @@ def check_pairs(pairs: Iterable[Sequence[int]], n_columns: int) -> list[Pair]:
     out: list[Pair] = []
     seen = set()
     for raw in pairs:
-        if len(raw) != 2:
-            raise ValidationError(f"a column pair has two indices, got {list(raw)!r}")
+        if not isinstance(raw, Sequence | np.ndarray) or isinstance(raw, str) or len(raw) != 2:
+            raise ValidationError(f"a column pair has two indices, got {raw!r}")
         a = check_int(raw[0], "pair column", minimum=0, maximum=n_columns - 1)
         b = check_int(raw[1], "pair column", minimum=0, maximum=n_columns - 1)
         key = (min(a, b), max(a, b))
@@ -169,6 +175,28 @@ def check_pairs(pairs: Iterable[Sequence[int]], n_columns: int) -> list[Pair]:
         seen.add(key)
         out.append((a, b))
     return out
+
+
+def check_edges(edges: Iterable[Sequence[int]], n_columns: int) -> list[Pair]:
+    """Validate correction edges: (parent, child) pairs in the order they are applied.
+
+    Every column is the child of at most one edge (a second edge would undo the first), and
+    a parent that is some edge's child comes after that edge (its values are final before a
+    child is fitted to them) -- the order :func:`choose_forest` returns.
+    """
+    checked = check_pairs(edges, n_columns)
+    children: set[int] = set()
+    for _, child in checked:
+        if child in children:
+            raise ValidationError(f"column {child} is the child of two pair edges; every "
+                                  f"column may be the child of at most one")
+        children.add(child)
+    later = [b for _, b in checked]
+    for i, (parent, _) in enumerate(checked):
+        if parent in later[i:]:
+            raise ValidationError(f"pair edge {checked[i]} comes before the edge that fits its "
+                                  f"parent column {parent}; edges must list parents first")
+    return checked
 
 
 class PairTableAccumulator:
@@ -304,13 +332,20 @@ def choose_forest(scores: np.ndarray, pairs: Sequence[Pair], n_columns: int,
 
 def rake_table(table: np.ndarray, rows: np.ndarray, cols: np.ndarray,
                steps: int = _RAKE_STEPS) -> np.ndarray:
-    """Rake a non-negative table to row and column sums (iterative proportional fitting)."""
+    """Rake a non-negative table to row and column sums (iterative proportional fitting).
+
+    Stops after ``steps`` sweeps or once the row sums are within :data:`_RAKE_TOL` of
+    ``rows`` (the column sums hold exactly after every sweep). A row or column without any
+    mass cannot be raked up: callers give every cell some mass (:func:`fit_pair_tables`).
+    """
     t = np.array(table, dtype=np.float64)
     for _ in range(steps):
         s = t.sum(axis=1)
         t *= np.divide(rows, s, out=np.zeros_like(s), where=s > 0)[:, None]
         s = t.sum(axis=0)
         t *= np.divide(cols, s, out=np.zeros_like(s), where=s > 0)[None, :]
+        if float(np.abs(t.sum(axis=1) - rows).max(initial=0.0)) <= _RAKE_TOL:
+            break
     return t
 
 
@@ -319,9 +354,12 @@ def fit_pair_tables(total: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
     """Turn summed noisy tables into joint proportions per pair, shape (k_a, k_b).
 
     Each table is projected onto the non-negative counts summing to the public ``n_rows``
-    (:func:`dpfed.common.synth.link_release.project_counts`) and raked to the DP 1-way
-    proportions (grouped), so the pair tables agree with the marginals the links release.
-    Post-processing.
+    (:func:`dpfed.common.synth.link_release.project_counts`), mixed with a little
+    (:data:`INDEPENDENCE_WEIGHT`) of the independence table of the DP 1-way proportions --
+    the projection sets every cell whose noisy count falls below a threshold to 0, and a
+    parent or child group left without any mass could never be raked back to its DP
+    proportion -- and raked to the DP 1-way proportions (grouped), so the pair tables agree
+    with the marginals the links release. Post-processing.
     """
     checked = check_pairs(pairs, len(grid.schema.columns))
     tables = split_tables(check_finite_array(total, "pair tables", ndim=1),
@@ -331,7 +369,9 @@ def fit_pair_tables(total: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
     out = []
     for (a, b), t in zip(checked, tables, strict=True):
         counts = project_counts(t, float(n_rows)).reshape(sizes[a], sizes[b])
-        joint = rake_table(counts / max(float(n_rows), 1.0), marg[a], marg[b])
+        start = ((1.0 - INDEPENDENCE_WEIGHT) * counts / max(float(n_rows), 1.0)
+                 + INDEPENDENCE_WEIGHT * np.outer(marg[a], marg[b]))
+        joint = rake_table(start, marg[a], marg[b])
         s = float(joint.sum())
         out.append(joint / s if s > 0 else np.outer(marg[a], marg[b]))
     return out
@@ -409,13 +449,9 @@ class PairCorrection:
         the noise does not explain (:func:`shrunk_target`): a pair the model already gets
         right up to noise is left alone instead of being fitted to noise.
         """
-        d = len(grid.schema.columns)
-        checked = check_pairs(edges, d)
+        checked = check_edges(edges, len(grid.schema.columns))
         if len(tables) != len(checked):
             raise ValidationError(f"{len(checked)} edges but {len(tables)} tables")
-        children = [b for _, b in checked]
-        if len(set(children)) != len(children):
-            raise ValidationError("every column may be the child of at most one edge")
         sizes = grid.sizes
         fine = grid.fine_codes(calibration)
         steps: list[PairStep] = []
@@ -536,8 +572,10 @@ class PairCorrection:
     def from_arrays(cls, grid: PairGrid, arrays: dict[str, np.ndarray],
                     proportions: np.ndarray) -> PairCorrection:
         """Rebuild from :meth:`arrays` (shapes and values checked)."""
-        edges = check_pairs(np.asarray(arrays.get("pair_edges", np.zeros((0, 2)))).tolist(),
-                            len(grid.schema.columns))
+        raw = np.asarray(arrays.get("pair_edges", np.zeros((0, 2))))
+        if raw.ndim != 2 or raw.shape[1] != 2:
+            raise ValidationError(f"pair_edges must have shape (edges, 2), got {raw.shape}")
+        edges = check_edges(raw.tolist(), len(grid.schema.columns))
         if not edges:
             return cls(grid, (), np.asarray(proportions, dtype=np.float64))
         if len({b for _, b in edges}) != len(edges):
