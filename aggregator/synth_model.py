@@ -35,7 +35,6 @@ from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
 from dpfed.common.synth.generative import (
-    CALIBRATION_ROWS,
     CHUNK_ROWS,
     FactorModel,
     default_workers,
@@ -45,7 +44,7 @@ from dpfed.common.synth.generative import (
 from dpfed.common.synth.link_release import links_from_proportions, split_proportions
 from dpfed.common.synth.links import LatentLinks
 from dpfed.common.synth.pair_marginals import Pair, PairCorrection, PairGrid
-from dpfed.common.synth.pipeline import aligned_latent, calibrated_links
+from dpfed.common.synth.pipeline import aligned_latent, calibrated_links, pair_correction
 from dpfed.common.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -191,10 +190,9 @@ class SynthModel:
         """
         if self.factors is not None:
             raise ValidationError("pair tables apply to generative models only")
-        calibration = self.decode_links.from_latent(
-            self.factor_model.latent(CALIBRATION_ROWS, rng))
-        correction = PairCorrection.fit(grid, edges, tables, calibration, self.proportions,
-                                        rng, noise_sd=noise_sd)
+        correction = pair_correction(grid, edges, tables, self.factor_model,
+                                     self.decode_links, self.proportions, rng,
+                                     noise_sd=noise_sd)
         metadata = {**self.metadata, "pair_groups": grid.max_groups}
         return replace(self, metadata=metadata, pair_correction=correction)
 

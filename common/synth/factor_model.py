@@ -59,6 +59,7 @@ Corrections to the seed (docs/algorithms.md)
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -75,7 +76,12 @@ from dpfed.common.pca.dppca import GramAccumulator, PCAEstimate
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.privacy.rng import resolve_rng
-from dpfed.common.synth.generative import build_factor_model, fit_factor_model, iter_samples
+from dpfed.common.synth.generative import (
+    FactorModel,
+    build_factor_model,
+    fit_factor_model,
+    iter_samples,
+)
 from dpfed.common.synth.latent_model import (
     _check_loadings,
     _correlation_of,
@@ -103,10 +109,24 @@ from dpfed.common.synth.links import (
     latent_dim,
     needs_link_statistics,
 )
+from dpfed.common.synth.pair_marginals import (
+    DEFAULT_GROUPS,
+    MAX_GROUPS,
+    MAX_PAIR_CELLS,
+    Pair,
+    PairCorrection,
+    PairGrid,
+    PairTableAccumulator,
+    dependence_scores,
+    pair_table_mechanism,
+    score_mechanism,
+)
 from dpfed.common.synth.pipeline import (
     aligned_latent,
     calibrated_links,
+    fit_pairs,
     links_from_histograms,
+    pair_forest,
     row_aligned_model,
 )
 from dpfed.common.synth.quantile_link import DEFAULT_BINS
@@ -121,15 +141,33 @@ from dpfed.common.validation import (
     check_probability,
 )
 
+log = logging.getLogger(__name__)
+
 MODES: tuple[str, ...] = ("generative", "row_aligned")
+#: The ``synth`` job's default (epsilon share, delta share) per round when its two pair
+#: rounds run (generative mode, ``pairs`` > 0; docs/synthesis.md).
+PAIRS_DEFAULT_SPLIT: Mapping[str, tuple[float, float]] = {
+    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2)}
+
+
+def _job_shares(mode: str, pairs: bool) -> dict[str, tuple[float, float]]:
+    """Return the job's default (epsilon, delta) shares under this class's release names."""
+    shares = (PAIRS_DEFAULT_SPLIT if pairs and mode == "generative"
+              else SYNTH_DEFAULT_SPLIT[mode])
+    return {("marginals" if name == "links" else name): pair for name, pair in shares.items()}
+
+
 #: Default share of the total epsilon per release (renormalised over the releases a run needs):
-#: the ``synth`` job's default split, so a central and a federated fit spend alike.
+#: the ``synth`` job's default split, so a central and a federated fit spend alike. Without
+#: pair tables (``pairs=0``):
 DEFAULT_BUDGET_SPLIT: Mapping[str, Mapping[str, float]] = {
-    mode: {("marginals" if name == "links" else name): shares[0]
-           for name, shares in SYNTH_DEFAULT_SPLIT[mode].items()}
+    mode: {name: shares[0] for name, shares in _job_shares(mode, False).items()}
     for mode in MODES
 }
-BUDGET_PARTS: tuple[str, ...] = ("marginals", "pca", "factors")
+#: ... and with them (generative mode, ``pairs`` > 0, the default).
+PAIRS_BUDGET_SPLIT: Mapping[str, float] = {
+    name: shares[0] for name, shares in _job_shares("generative", True).items()}
+BUDGET_PARTS: tuple[str, ...] = ("marginals", "pca", "factors", "pair_scores", "pairs")
 _CHUNK_ROWS = 65536
 _UNIT_BALL_TOL = 1e-9
 
@@ -460,8 +498,10 @@ def latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, clip_no
 # --------------------------------------------------------------------------- synthesizer
 
 
-def _budget_split(mode: str, split: Mapping[str, float] | None) -> dict[str, float]:
-    chosen = dict(DEFAULT_BUDGET_SPLIT[mode] if split is None else split)
+def _budget_split(mode: str, split: Mapping[str, float] | None,
+                  pairs: bool) -> dict[str, float]:
+    default = PAIRS_BUDGET_SPLIT if pairs else DEFAULT_BUDGET_SPLIT[mode]
+    chosen = dict(default if split is None else split)
     for key, value in chosen.items():
         check_choice(key, "budget_split key", BUDGET_PARTS)
         check_nonnegative(value, f"budget_split[{key!r}]")
@@ -492,14 +532,16 @@ class FactorModelSynthesizer:
     max_rank : int, optional
         Cap on the rank chosen by the rule.
     budget_split : mapping, optional
-        Shares of ``epsilon`` for ``"marginals"`` (link statistics), ``"pca"`` and
-        ``"factors"`` (row-aligned only). Defaults: the ``synth`` job's split
-        (:data:`dpfed.common.job_params.SYNTH_DEFAULT_SPLIT`), generative
-        ``{marginals: 0.8, pca: 0.2}``, row-aligned ``{marginals: 0.2, pca: 0.2, factors:
-        0.6}`` (measured with ``bench/synth_quality.py``; see docs/synthesis.md). Releases a
-        run does not
-        need (no categorical or DP-scaled column, a given ``subspace``, generative mode's
-        factors) get no budget and the other shares are renormalised.
+        Shares of ``epsilon`` for ``"marginals"`` (link statistics), ``"pca"``,
+        ``"factors"`` (row-aligned only), ``"pair_scores"`` and ``"pairs"`` (generative
+        mode with ``pairs`` > 0). Defaults: the ``synth`` job's split, generative with pair
+        tables ``{marginals: 0.6, pca: 0.15, pair_scores: 0.05, pairs: 0.2}``
+        (:data:`PAIRS_DEFAULT_SPLIT`), generative with ``pairs=0`` ``{marginals: 0.8, pca:
+        0.2}``, row-aligned ``{marginals: 0.2, pca: 0.2, factors: 0.6}``
+        (:data:`dpfed.common.job_params.SYNTH_DEFAULT_SPLIT`; measured with
+        ``bench/synth_quality.py``; see docs/synthesis.md). Releases a run does not need (no
+        categorical or DP-scaled column, a given ``subspace``, generative mode's factors)
+        get no budget and the other shares are renormalised.
     continuous_scaling : {"dp", "bounds"}
         "dp" (default): the ``synth`` job's link round -- a Gaussian DP histogram of every
         column (continuous ones on ``n_bins`` public bins) and the links of
@@ -542,6 +584,14 @@ class FactorModelSynthesizer:
     rng : numpy.random.Generator, optional
         Noise source; default a fresh production generator
         (``dpfed.common.privacy.rng.resolve_rng``).
+    pairs : int, optional
+        Most DP 2-way marginals (column pairs) measured and fitted by the correction of
+        :mod:`dpfed.common.synth.pair_marginals`, as the job's ``pair_scores`` and ``pairs``
+        rounds do. Default: number of columns - 1 (a spanning tree) in generative mode with
+        ``continuous_scaling="dp"``, no given ``links`` and a ``budget_split`` that is the
+        default or names ``"pair_scores"`` or ``"pairs"``; else 0. 0 disables them.
+    pair_groups : int
+        Most groups per ordinal or continuous column in a pair table (2..64, default 6).
 
     Attributes (after fit)
     ----------------------
@@ -568,8 +618,15 @@ class FactorModelSynthesizer:
     n_clipped_ : int
         Latent rows shrunk to ``clip_norm`` (site-internal diagnostic).
     encoding_report_ : EncodingReport
+    pair_grid_ : PairGrid or None
+        The pair tables' cells (with ``pairs`` > 0).
+    pair_edges_ : list of (int, int)
+        The measured (parent, child) column pairs, parents first (empty without pairs).
+    pair_correction_ : PairCorrection or None
+        The correction applied to every sampled chunk (None without pairs).
     budget_ : dict[str, float]
-        Epsilon given to each release.
+        Epsilon given to each release (a skipped pair release -- no candidate pair -- keeps
+        its share unspent).
     delta_budget_ : dict[str, float]
         Delta given to each Gaussian release.
     privacy_costs_ : dict[str, PrivacyCost]
@@ -584,11 +641,16 @@ class FactorModelSynthesizer:
     :func:`dpfed.common.synth.link_release.link_histogram_mechanism`, Gaussian with L2
     sensitivity ``sqrt(2 n_columns)``, (epsilon, delta)-DP; "bounds": Laplace, ``Delta_1 = 2``
     per categorical histogram, epsilon-DP) + ``pca`` (Gaussian, ``sqrt(2)/N``,
-    (epsilon, delta)-DP) + ``factors`` (row-aligned only: Laplace, ``2 sqrt(r)``, epsilon-DP).
+    (epsilon, delta)-DP) + ``factors`` (row-aligned only: Laplace, ``2 sqrt(r)``, epsilon-DP)
+    + ``pair_scores`` (:func:`dpfed.common.synth.pair_marginals.score_mechanism`, Gaussian,
+    ``2 sqrt(P)`` over the ``P`` candidate pairs) + ``pairs``
+    (:func:`dpfed.common.synth.pair_marginals.pair_table_mechanism`, Gaussian, ``sqrt(2 K)``
+    over the ``K`` chosen pairs).
     ``privacy_cost_`` adds them (basic composition: the epsilons and the deltas of
     ``budget_`` and ``delta_budget_`` sum to ``epsilon`` and ``delta``) and is the true cost
     under that relation. Everything after the releases (links, correction, calibration,
-    sampling) is the job's post-processing (:mod:`dpfed.common.synth.pipeline`). Nothing is
+    sampling; the forest of pairs, the raking and the pair correction) is the job's
+    post-processing (:mod:`dpfed.common.synth.pipeline`). Nothing is
     charged to any ledger: this is library use.
     """
 
@@ -604,7 +666,8 @@ class FactorModelSynthesizer:
                  loading_noise_epsilon: float | None = None,
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
                  rng: np.random.Generator | None = None,
-                 links: LatentLinks | None = None) -> None:
+                 links: LatentLinks | None = None, pairs: int | None = None,
+                 pair_groups: int = DEFAULT_GROUPS) -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         self.schema = schema
@@ -621,7 +684,10 @@ class FactorModelSynthesizer:
         self.info_threshold = check_probability(info_threshold, "info_threshold")
         self.max_rank = None if max_rank is None else check_int(max_rank, "max_rank",
                                                                 minimum=1)
-        self.budget_split = _budget_split(self.mode, budget_split)
+        self.pairs = self._check_pairs(pairs, links, budget_split)
+        self.pair_groups = check_int(pair_groups, "pair_groups", minimum=2,
+                                     maximum=MAX_GROUPS)
+        self.budget_split = _budget_split(self.mode, budget_split, self.pairs > 0)
         self.clip_norm = (default_clip_norm(dim) if clip_norm is None
                           else check_positive(clip_norm, "clip_norm"))
         self.min_proportion = check_nonnegative(min_proportion, "min_proportion")
@@ -674,6 +740,24 @@ class FactorModelSynthesizer:
         self.proportions_: np.ndarray | None = None
         self._fitted = False
 
+    def _check_pairs(self, pairs: int | None, links: LatentLinks | None,
+                     split: Mapping[str, float] | None) -> int:
+        """Resolve ``pairs``: its default, or refuse it where no pair table can be fitted."""
+        n_columns = len(self.schema.columns)
+        possible = (self.mode == "generative" and self.continuous_scaling == "dp"
+                    and links is None and n_columns >= 2)
+        if pairs is None:
+            # A split written without the pair releases keeps meaning what it meant.
+            named = split is None or any(k in split for k in ("pair_scores", "pairs"))
+            return n_columns - 1 if possible and named else 0
+        chosen = check_int(pairs, "pairs", minimum=0)
+        if chosen > 0 and not possible:
+            raise ValidationError(
+                f"pairs={chosen}: DP pair tables need mode='generative', "
+                "continuous_scaling='dp', links fitted here (no links=) and at least two "
+                "columns; pass pairs=0")
+        return chosen
+
     # ------------------------------------------------------------------ budget
     def _needed(self) -> dict[str, bool]:
         return {
@@ -681,6 +765,8 @@ class FactorModelSynthesizer:
                                                                       self.continuous_scaling),
             "pca": self.subspace is None,
             "factors": self.mode == "row_aligned",
+            "pair_scores": self.pairs > 0,
+            "pairs": self.pairs > 0,
         }
 
     def _allocation(self) -> dict[str, float]:
@@ -696,14 +782,16 @@ class FactorModelSynthesizer:
     def _delta_allocation(self) -> dict[str, float]:
         """Delta of each Gaussian release: the job's delta shares over the ones this run makes.
 
-        The link histograms (``continuous_scaling="dp"``) and the DP-PCA are Gaussian; the
-        "bounds" marginals and the row-aligned factors are pure epsilon-DP (no delta).
+        The link histograms (``continuous_scaling="dp"``), the DP-PCA and the two pair
+        releases are Gaussian; the "bounds" marginals and the row-aligned factors are pure
+        epsilon-DP (no delta).
         """
         needed = self._needed()
         gaussian = {"marginals": needed["marginals"] and self.continuous_scaling == "dp",
-                    "pca": needed["pca"]}
-        shares = {k: SYNTH_DEFAULT_SPLIT[self.mode]["links" if k == "marginals" else k][1]
-                  for k, g in gaussian.items() if g}
+                    "pca": needed["pca"], "pair_scores": needed["pair_scores"],
+                    "pairs": needed["pairs"]}
+        job = _job_shares(self.mode, self.pairs > 0)
+        shares = {k: job[k][1] for k, g in gaussian.items() if g}
         total = sum(shares.values())
         return {k: self.delta * w / total for k, w in shares.items()}
 
@@ -792,6 +880,12 @@ class FactorModelSynthesizer:
                                       rescale=self.rescale_latent)
         # The final calibration: every synthetic column reproduces its released DP marginal.
         self.decode_links_, _ = calibrated_links(links, model, rng, self._factors)
+        # The job's pair rounds and the correction of generated rows to their tables.
+        self.pair_grid_: PairGrid | None = None
+        self.pair_edges_: list[Pair] = []
+        self.pair_correction_: PairCorrection | None = None
+        if self.pairs > 0:
+            self._fit_pairs(table, model, budget, deltas, costs)
         self.model_ = model
         self.links_ = links
         self.components_ = np.ascontiguousarray(loadings.T)
@@ -809,6 +903,46 @@ class FactorModelSynthesizer:
         self.privacy_cost_ = PrivacyCost.total(costs.values())
         self._fitted = True
         return self
+
+    def _fit_pairs(self, table: EncodedTable, model: FactorModel, budget: dict[str, float],
+                   deltas: dict[str, float], costs: dict[str, PrivacyCost]) -> None:
+        """Make the ``pair_scores`` and ``pairs`` releases and their post-processing.
+
+        The site steps of the job's two rounds on this table (every candidate pair's
+        dependence score, then the chosen pairs' tables, each with Gaussian noise) and its
+        coordinator steps (:func:`dpfed.common.synth.pipeline.pair_forest` and
+        :func:`dpfed.common.synth.pipeline.fit_pairs`).
+        """
+        proportions = self.proportions_
+        assert proportions is not None  # pairs > 0 only with links fitted here ("dp")
+        rng = self._rng
+        grid = PairGrid.from_proportions(self.schema, proportions, self.n_bins,
+                                         self.pair_groups)
+        candidates = grid.candidate_pairs()
+        if not candidates:
+            log.info("[FactorModelSynthesizer._fit_pairs] no pair table of at most %d cells: "
+                     "the pair releases are skipped", MAX_PAIR_CELLS)
+            return
+        acc = PairTableAccumulator(grid, candidates)
+        acc.add(table)
+        scores = dependence_scores(acc.counts, grid, candidates, proportions, table.n_rows)
+        score_mech = score_mechanism(len(candidates), budget["pair_scores"],
+                                     deltas["pair_scores"])
+        noisy_scores = score_mech.release(scores, rng)
+        costs["pair_scores"] = score_mech.cost()
+        edges = pair_forest(noisy_scores, grid, self.pairs)
+        tables = PairTableAccumulator(grid, edges)
+        tables.add(table)
+        table_mech = pair_table_mechanism(len(edges), budget["pairs"], deltas["pairs"])
+        noisy_tables = table_mech.release(tables.counts, rng)
+        costs["pairs"] = table_mech.cost()
+        self.pair_correction_ = fit_pairs(noisy_tables, grid, edges, proportions,
+                                          n_rows=table.n_rows, model=model,
+                                          decode=self.decode_links_, rng=rng)
+        self.pair_grid_ = grid
+        self.pair_edges_ = edges
+        log.info("[FactorModelSynthesizer._fit_pairs] %d of %d candidate pairs measured: %s",
+                 len(edges), len(candidates), edges)
 
     @property
     def privacy_cost_replace_one_(self) -> PrivacyCost:
@@ -837,7 +971,9 @@ class FactorModelSynthesizer:
             assert self._factors is not None
             return self.decode_links_.from_latent(aligned_latent(self._factors, self.model_))
         rows = self.n_rows_ if n is None else check_int(n, "n", minimum=0)
-        parts = list(iter_samples(self.model_, self.decode_links_, rows, self._rng))
+        correction = self.pair_correction_
+        parts = list(iter_samples(self.model_, self.decode_links_, rows, self._rng,
+                                  correct=None if correction is None else correction.apply))
         if not parts:
             return self.decode_links_.from_latent(np.zeros((0, self.decode_links_.dim)))
         return EncodedTable.concatenate(parts)

@@ -11,7 +11,11 @@ statistics:
 3. :func:`dpfed.common.synth.generative.fit_factor_model` (generative, with the correlation
    correction) or :func:`row_aligned_model` (row-aligned) -- the factor model;
 4. :func:`calibrated_links` -- the final per-column calibration: decoding links under which
-   the model's latent reproduces every released DP marginal.
+   the model's latent reproduces every released DP marginal;
+5. generative mode with DP pair tables (:mod:`dpfed.common.synth.pair_marginals`):
+   :func:`pair_forest` -- the summed noisy dependence scores -> the pairs to measure;
+   :func:`fit_pairs` -- the summed noisy pair tables -> the correction of generated rows
+   (:func:`pair_correction` when the tables are already fitted).
 
 Privacy: every function here is post-processing of DP releases and of the public row counts.
 """
@@ -34,6 +38,13 @@ from dpfed.common.synth.generative import (
 )
 from dpfed.common.synth.link_release import links_from_proportions, proportions_from_histograms
 from dpfed.common.synth.links import LatentLinks
+from dpfed.common.synth.pair_marginals import (
+    Pair,
+    PairCorrection,
+    PairGrid,
+    choose_forest,
+    fit_pair_tables,
+)
 from dpfed.common.validation import check_finite_array, check_nonnegative
 
 #: How the sites' DP-PCA factors are weighted when combined (public row counts).
@@ -105,3 +116,47 @@ def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Gene
               else aligned_latent(factors, model))
     calibrated = calibrate_proportions(latent, links)
     return decoding_links(links, calibrated), calibrated
+
+
+def pair_forest(scores: np.ndarray, grid: PairGrid, max_pairs: int) -> list[Pair]:
+    """Return the (parent, child) pairs to measure from the summed noisy dependence scores.
+
+    ``scores`` are those of ``grid.candidate_pairs()`` (the pairs every site scored), summed
+    over the sites; the pairs are a maximum-weight forest of at most ``max_pairs`` edges,
+    parents first (:func:`dpfed.common.synth.pair_marginals.choose_forest`).
+    Post-processing of the noisy scores.
+    """
+    return choose_forest(scores, grid.candidate_pairs(), len(grid.schema.columns), max_pairs)
+
+
+def pair_correction(grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
+                    model: FactorModel, decode: LatentLinks, proportions: np.ndarray,
+                    rng: np.random.Generator, *, noise_sd: float = 0.0) -> PairCorrection:
+    """Fit the correction of generated rows to fitted pair tables (post-processing).
+
+    The correction is built on :data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` rows
+    drawn from ``model`` and decoded with the calibrated links ``decode`` (what sampling
+    draws before the correction); ``tables`` are the joint proportions of
+    :func:`dpfed.common.synth.pair_marginals.fit_pair_tables` and ``noise_sd`` their public
+    noise per cell in proportions
+    (:meth:`dpfed.common.synth.pair_marginals.PairCorrection.fit`).
+    """
+    calibration = decode.from_latent(model.latent(CALIBRATION_ROWS, rng))
+    return PairCorrection.fit(grid, edges, tables, calibration, proportions, rng,
+                              noise_sd=noise_sd)
+
+
+def fit_pairs(total: np.ndarray, grid: PairGrid, edges: Sequence[Pair],
+              proportions: np.ndarray, *, n_rows: float, model: FactorModel,
+              decode: LatentLinks, rng: np.random.Generator,
+              noise_sd: float = 0.0) -> PairCorrection:
+    """Turn the summed noisy tables of ``edges`` into the correction of generated rows.
+
+    :func:`dpfed.common.synth.pair_marginals.fit_pair_tables` (projection onto the public
+    pooled row count ``n_rows``, raking to the DP 1-way proportions), then
+    :func:`pair_correction`; ``noise_sd`` is the public standard deviation of the summed
+    noise per cell, in counts (divided by ``n_rows`` here). Post-processing.
+    """
+    tables = fit_pair_tables(total, grid, edges, proportions, n_rows)
+    return pair_correction(grid, edges, tables, model, decode, proportions, rng,
+                           noise_sd=float(noise_sd) / max(float(n_rows), 1.0))

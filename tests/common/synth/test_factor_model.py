@@ -176,10 +176,21 @@ def test_budget_split_defaults_and_total() -> None:
     frame = make_frame(300)
     gen = fm.FactorModelSynthesizer(make_schema(), epsilon=2.0, delta=1e-6,
                                     rng=np.random.default_rng(0)).fit(frame)
-    assert gen.budget_ == pytest.approx({"marginals": 1.6, "pca": 0.4})
+    # Default: the job's split with its two pair rounds (pairs = columns - 1).
+    assert gen.pairs == len(make_schema().columns) - 1
+    assert gen.budget_ == pytest.approx({"marginals": 1.2, "pca": 0.3, "pair_scores": 0.1,
+                                         "pairs": 0.4})
+    assert gen.delta_budget_ == pytest.approx({"marginals": 4e-7, "pca": 3e-7,
+                                               "pair_scores": 1e-7, "pairs": 2e-7})
     assert gen.privacy_cost_.epsilon == pytest.approx(2.0)
     assert gen.privacy_cost_.delta == pytest.approx(1e-6)
-    assert set(gen.privacy_costs_) == {"marginals", "pca"}
+    assert set(gen.privacy_costs_) == {"marginals", "pca", "pair_scores", "pairs"}
+    plain = fm.FactorModelSynthesizer(make_schema(), epsilon=2.0, delta=1e-6, pairs=0,
+                                      rng=np.random.default_rng(0)).fit(frame)
+    assert plain.budget_ == pytest.approx({"marginals": 1.6, "pca": 0.4})  # the old split
+    assert plain.delta_budget_ == pytest.approx({"marginals": 5e-7, "pca": 5e-7})
+    assert set(plain.privacy_costs_) == {"marginals", "pca"}
+    assert plain.pair_correction_ is None and plain.pair_edges_ == []
     before = gen.privacy_cost_
     gen.sample(100)
     gen.sample(100)
@@ -521,8 +532,9 @@ def test_generative_mode_keeps_categorical_correlations() -> None:
     np.fill_diagonal(involves_categorical, False)
     errors = {}
     for correct in (True, False):
+        # pairs=0: the correlation correction alone (the pair correction moves rows).
         synth = fm.FactorModelSynthesizer(make_schema(), epsilon=1e4, rank=9,
-                                          correct_correlation=correct,
+                                          correct_correlation=correct, pairs=0,
                                           rng=np.random.default_rng(15)).fit(frame)
         assert (synth.latent_correlation_ is not None) == correct
         fake = np.corrcoef(numeric_view(synth.sample(20_000)).T)

@@ -176,7 +176,8 @@ def test_central_synthesizer_spends_like_the_link_round() -> None:
     assert marg.mechanism == "gaussian"
     assert marg.sensitivity == pytest.approx(link_histogram_sensitivity(SCHEMA))
     assert marg.sensitivity == pytest.approx(math.sqrt(2 * len(SCHEMA.columns)))
-    assert synth.delta_budget_["marginals"] + synth.delta_budget_["pca"] == pytest.approx(1e-6)
+    assert sum(synth.delta_budget_.values()) == pytest.approx(1e-6)
+    assert set(synth.delta_budget_) == {"marginals", "pca", "pair_scores", "pairs"}
     assert synth.privacy_cost_.epsilon == pytest.approx(2.0)
     assert synth.privacy_cost_.delta == pytest.approx(1e-6)
     assert synth.proportions_ is not None
