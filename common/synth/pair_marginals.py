@@ -66,12 +66,12 @@ SCORE_SENSITIVITY = 2.0
 #: Most cells one pair table may have (keeps tables and the correction's arrays small).
 MAX_PAIR_CELLS = 4096
 #: Most raking sweeps (it stops earlier once both margins hold to :data:`_RAKE_TOL`).
-_RAKE_STEPS = 500
-_RAKE_TOL = 1e-12
+_RAKE_STEPS = 10_000
+_RAKE_TOL = 1e-10
 #: Weight of the independence table mixed into a projected pair table before raking:
 #: every cell keeps some mass, so raking can reach every DP margin (a group the
 #: projection emptied would otherwise stay empty), while the noisy table dominates.
-INDEPENDENCE_WEIGHT = 1e-4
+INDEPENDENCE_WEIGHT = 1e-3
 
 Pair = tuple[int, int]
 
