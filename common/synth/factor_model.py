@@ -938,7 +938,8 @@ class FactorModelSynthesizer:
         costs["pairs"] = table_mech.cost()
         self.pair_correction_ = fit_pairs(noisy_tables, grid, edges, proportions,
                                           n_rows=table.n_rows, model=model,
-                                          decode=self.decode_links_, rng=rng)
+                                          decode=self.decode_links_, rng=rng,
+                                          noise_sd=table_mech.sigma)
         self.pair_grid_ = grid
         self.pair_edges_ = edges
         log.info("[FactorModelSynthesizer._fit_pairs] %d of %d candidate pairs measured: %s",

@@ -498,7 +498,7 @@ class PairCorrection:
         cell = ga * k + gb
         # Only rows in cells with something to move draw a uniform (most cells move nothing).
         candidates = np.flatnonzero((flat_move > 0.0)[cell])
-        moved = candidates[rng.random(candidates.size) < flat_move[cell[candidates]]]
+        moved: np.ndarray = candidates[rng.random(candidates.size) < flat_move[cell[candidates]]]
         if moved.size == 0:
             return moved
         cum = np.cumsum(step.dest[ga[moved]], axis=1)
@@ -578,8 +578,6 @@ class PairCorrection:
         edges = check_edges(raw.tolist(), len(grid.schema.columns))
         if not edges:
             return cls(grid, (), np.asarray(proportions, dtype=np.float64))
-        if len({b for _, b in edges}) != len(edges):
-            raise ValidationError("every column may be the child of at most one pair edge")
         sizes = grid.sizes
         cells = [sizes[a] * sizes[b] for a, b in edges]
         move = split_tables(check_finite_array(arrays.get("pair_move"), "pair_move", ndim=1),
