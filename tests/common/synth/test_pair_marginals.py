@@ -801,3 +801,78 @@ def test_central_pairs_parameters_are_validated() -> None:
         fm.FactorModelSynthesizer(one, epsilon=1.0, pairs=1)
     assert fm.PAIRS_BUDGET_SPLIT == {"marginals": 0.6, "pca": 0.15, "pair_scores": 0.05,
                                      "pairs": 0.2}
+
+
+# --------------------------------------------------------------------------- shrinkage
+
+
+def noisy_copy(table: np.ndarray, sd: float, seed: int) -> np.ndarray:
+    return table + np.random.default_rng(seed).normal(0.0, sd, table.shape)
+
+
+def test_shrunk_target_keeps_real_differences_and_drops_noise() -> None:
+    rng = np.random.default_rng(30)
+    model = rng.dirichlet(np.ones(24)).reshape(4, 6)
+    far = rng.dirichlet(np.ones(24)).reshape(4, 6)  # a pair the model misses
+    sd = 0.002
+    np.testing.assert_array_equal(pm.shrunk_target(far, model, 0.0), far)
+    for seed in range(20):
+        # The model already right: only noise differs, and the target returns to the model.
+        same = pm.shrunk_target(noisy_copy(model, sd, seed), model, sd)
+        assert same.min() >= 0 and float(same.sum()) == pytest.approx(1.0)
+        assert tvd(same, model) < 0.25 * tvd(noisy_copy(model, sd, seed), model)
+        # A real difference far above the noise is kept.
+        kept = pm.shrunk_target(noisy_copy(far, sd, seed), model, sd)
+        assert tvd(kept, far) < 0.02 and tvd(kept, model) > 0.8 * tvd(far, model)
+
+
+def test_shrinkage_lowers_the_error_where_the_difference_is_near_the_noise() -> None:
+    rng = np.random.default_rng(31)
+    model = rng.dirichlet(np.full(36, 5.0)).reshape(6, 6)
+    other = rng.dirichlet(np.full(36, 5.0)).reshape(6, 6)
+    sd = 0.004
+
+    def mse(truth: np.ndarray, noise_sd: float) -> float:
+        return float(np.mean([((pm.shrunk_target(noisy_copy(truth, sd, s), model, noise_sd)
+                                - truth) ** 2).sum() for s in range(200)]))
+
+    # James-Stein regime: the truth close to the model, the released table noisy.
+    near = 0.9 * model + 0.1 * other
+    assert mse(near, sd) < 0.8 * mse(near, 0.0)
+    # A pair the model misses: the released table is kept (within a tenth of its error).
+    assert mse(other, sd) < 1.1 * mse(other, 0.0)
+    # Broken copy: a noise level overstated tenfold shrinks the real difference away too.
+    assert mse(other, 10 * sd) > 5 * mse(other, sd)
+
+
+def test_shrunk_target_rejects_bad_noise_levels() -> None:
+    table = np.full((2, 2), 0.25)
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(ValidationError, match="noise_sd"):
+            pm.shrunk_target(table, table, bad)
+
+
+def test_correction_leaves_a_pair_the_model_gets_right(fitted: Fitted) -> None:
+    # Targets equal to the model's own tables up to the released noise: nothing moves.
+    f = fitted
+    calibration = model_rows(f, 200_000)
+    acc = pm.PairTableAccumulator(f.grid, f.edges)
+    acc.add(calibration)
+    own = [t.reshape(f.grid.sizes[a], f.grid.sizes[b]) / calibration.n_rows
+           for (a, b), t in zip(f.edges, acc.tables(), strict=True)]
+    sd = 0.002
+    noisy = [np.clip(noisy_copy(t, sd, i), 0, None) for i, t in enumerate(own)]
+    shrunk = pm.PairCorrection.fit(f.grid, f.edges, [t / t.sum() for t in noisy], calibration,
+                                   f.props, np.random.default_rng(9), noise_sd=sd)
+    plain = pm.PairCorrection.fit(f.grid, f.edges, [t / t.sum() for t in noisy], calibration,
+                                  f.props, np.random.default_rng(9))
+    # Rows moved on a fresh model sample: almost none with the noise level, many without.
+    fresh = model_rows(f, 50_000)
+
+    def moved(correction: pm.PairCorrection) -> float:
+        out = correction.apply(fresh, np.random.default_rng(10))
+        return float(np.mean([np.mean(out.columns[n] != fresh.columns[n])
+                              for n in CAUSE.names]))
+
+    assert moved(shrunk) < 0.002
+    assert moved(plain) > 5 * moved(shrunk)
