@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 #: Largest |value| a noisy pair score or table cell may have (counts of at most ~1e9 rows).
 MAX_PAIR_VALUE = 1e12
+#: Largest training row count a site may report with a pair release.
+MAX_SITE_ROWS = 10**10
 #: Most cells of the fitted joint tables the model's metadata keeps for the report.
 MAX_REPORTED_CELLS = 20_000
 
@@ -121,8 +123,8 @@ def _checker(array: str, size: int, what: str) -> Callable[[TaskResult], None]:
 
     def check(result: TaskResult) -> None:
         n = result.metadata.get("n_rows")
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ProtocolError("result lacks a valid positive n_rows")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= MAX_SITE_ROWS:
+            raise ProtocolError(f"result lacks a valid n_rows (1..{MAX_SITE_ROWS:.0e})")
         check_vector(result.arrays.get(array), size, what)
 
     return check

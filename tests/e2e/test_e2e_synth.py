@@ -374,7 +374,9 @@ def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:
                           str(out)], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (out / "synth.parquet").exists() and (out / "synth_model.npz").exists()
-    assert "data:image/png" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "data:image/png" in html and "Column pairs (DP 2-way marginals)" in html
+    assert "column pairs 7" in run.stdout  # 8 columns: a spanning tree of 7 pairs
     for site in ("hospital-1", "hospital-2"):
         assert list((out / "sites" / site / "evaluations").glob("*/synth_evaluation.html"))
     assert SynthModel.load(out / "synth_model.npz").sample(10).shape == (10, 8)
