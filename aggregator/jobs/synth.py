@@ -11,11 +11,14 @@ identical tasks and the sites replay their ledgers):
 3. ``factors`` (row-aligned mode only; task kind ``synth_rows``, which a site must allow
    explicitly) -- the coordinator sends the DP loadings; every site releases one noisy factor
    row per real row.
-3. ``pair_scores`` and 4. ``pairs`` (generative mode with ``pairs > 0``, the default;
-   :mod:`dpfed.aggregator.jobs.synth_pairs`) -- every site releases noisy dependence scores
-   of the candidate column pairs; the coordinator picks a forest of pairs from their sum and
-   every site releases the pairs' noisy 2-way tables; the model is then fitted to those
-   tables (:meth:`dpfed.aggregator.synth_model.SynthModel.with_pairs`, post-processing).
+
+Generative mode with ``pairs > 0`` (the default) runs two more rounds after ``pca``
+(:mod:`dpfed.aggregator.jobs.synth_pairs`): ``pair_scores`` -- every site releases noisy
+dependence scores of the candidate column pairs and the coordinator picks a forest of pairs
+from their sum -- and ``pairs`` -- every site releases the pairs' noisy 2-way tables; the
+model is then fitted to those tables
+(:meth:`dpfed.aggregator.synth_model.SynthModel.with_pairs`, post-processing, before the
+evaluation rounds).
 
 With ``aggregation="secure"`` (generative mode only) rounds 1 and 2 are secure sums instead
 (:mod:`dpfed.aggregator.jobs.synth_secure`): the sites' exact count vectors, then the Gram
