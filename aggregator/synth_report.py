@@ -34,6 +34,8 @@ from dpfed.common.synth.quantile_link import bin_codes  # noqa: E402
 _COLS_PER_FIGURE_ROW = 4
 #: Most pairs drawn as heat maps (the table lists every pair).
 MAX_PAIR_FIGURES = 12
+#: Most categories/levels written as tick labels on a heat map axis.
+MAX_TICK_LABELS = 12
 
 
 def synthetic_marginals(model: SynthModel, table: EncodedTable) -> dict[str, np.ndarray]:
@@ -114,8 +116,23 @@ def released_pair_tables(model: SynthModel) -> list[np.ndarray] | None:
     return out
 
 
-def _pair_figure(names: list[tuple[str, str]], released: list[np.ndarray],
+def _group_labels(model: SynthModel, column: int) -> list[str] | None:
+    """Tick labels of a column's pair cells: its categories/levels when each is its own cell."""
+    col = model.schema.columns[column]
+    correction = model.pair_correction
+    if correction is None or isinstance(col, ContinuousColumn):
+        return None
+    labels = list(col.levels if isinstance(col, OrdinalColumn) else col.categories)
+    size = correction.grid.sizes[column]
+    return labels if size == len(labels) and size <= MAX_TICK_LABELS else None
+
+
+def _pair_figure(model: SynthModel, released: list[np.ndarray],
                  synthetic: list[np.ndarray]) -> str:
+    assert model.pair_correction is not None
+    edges = model.pair_correction.edges
+    cols = model.schema.names
+    names = [(cols[a], cols[b]) for a, b in edges]
     n = min(len(names), MAX_PAIR_FIGURES)
     fig, axes = plt.subplots(n, 2, figsize=(6.4, 2.8 * n), squeeze=False, layout="constrained")
     for i in range(n):
@@ -127,6 +144,12 @@ def _pair_figure(names: list[tuple[str, str]], released: list[np.ndarray],
             ax.set_xlabel(f"{names[i][1]} (group)", fontsize=7)
             ax.set_ylabel(f"{names[i][0]} (group)", fontsize=7)
             ax.tick_params(labelsize=6)
+            y_labels, x_labels = _group_labels(model, edges[i][0]), _group_labels(model,
+                                                                                  edges[i][1])
+            if x_labels is not None:
+                ax.set_xticks(range(len(x_labels)), x_labels, rotation=90)
+            if y_labels is not None:
+                ax.set_yticks(range(len(y_labels)), y_labels)
         fig.colorbar(im, ax=axes[i].tolist(), shrink=0.8)
     return figure_to_data_uri(fig)
 
@@ -159,7 +182,7 @@ def add_pairs_section(report: Report, model: SynthModel, table: EncodedTable) ->
     report.table(("parent column", "child column", "cells",
                   "TVD(DP 2-way table, synthetic)"), rows)
     if released is not None and names:
-        report.image(_pair_figure(names, released, synthetic),
+        report.image(_pair_figure(model, released, synthetic),
                      "DP 2-way tables vs synthetic (heat maps)")
 
 

@@ -170,3 +170,24 @@ def test_report_lists_the_chosen_pairs_with_heat_maps_and_their_budget() -> None
     del model.metadata["pair_tables"]
     html = synth_report(model, model.sample(1000, rng=np.random.default_rng(2)))
     assert "Column pairs" in html and html.count("data:image/png;base64,") == 2
+
+
+def test_pair_rounds_are_skipped_without_a_candidate_pair() -> None:
+    from dpfed.aggregator.jobs.synth_pairs import plan_pairs
+    from dpfed.common.synth.link_release import histogram_sizes, proportions_from_histograms
+    from dpfed.common.synth.links import latent_dim
+
+    cats = ", ".join(f'"c{i}"' for i in range(70))
+    wide = Schema.from_toml("".join(
+        f'[[columns]]\nname = "{n}"\ntype = "nominal"\ncategories = [{cats}]\n'
+        for n in ("a", "b")))
+    props = proportions_from_histograms(np.ones(sum(histogram_sizes(wide, 8))), wide, 8)
+    params = SynthParams.from_mapping({"n_bins": 8}, latent_dim=latent_dim(wide))
+    assert plan_pairs(wide, params, props) is None  # 70 x 70 cells > 4096
+    small = SynthParams.from_mapping({"n_bins": 8}, latent_dim=50)
+    props = proportions_from_histograms(np.ones(sum(histogram_sizes(SCHEMA, 8))), SCHEMA, 8)
+    planned = plan_pairs(SCHEMA, small, props)
+    assert planned is not None and planned[2] == len(SCHEMA.columns) - 1
+    assert len(planned[1]) == len(SCHEMA.columns) * (len(SCHEMA.columns) - 1) // 2
+    off = SynthParams.from_mapping({"n_bins": 8, "pairs": 0}, latent_dim=50)
+    assert plan_pairs(SCHEMA, off, props) is None
