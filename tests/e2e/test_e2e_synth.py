@@ -295,6 +295,10 @@ def test_rows_out_of_range_is_refused_before_submission(fed: LocalFederation) ->
         for bad in (0, -5, 10**12):
             with pytest.raises(ValidationError, match="--rows"):
                 coord.synthesize(epsilon=1.0, delta=1e-5, rows=bad)
+        for pairs, groups, flag in ((-1, None, "--pairs"), (2, 1, "--pair-groups")):
+            with pytest.raises(ValidationError, match=flag):
+                coord.synthesize(epsilon=1.0, delta=1e-5, rows=10, pairs=pairs,
+                                 pair_groups=groups)
         assert coord.jobs(5) == []
     assert np.all([ledger_tasks(fed, s) == [] for s in fed.site_ids])
 
