@@ -180,8 +180,8 @@ SYNTH_PAIRS_DEFAULT_SPLIT: dict[str, tuple[float, float]] = {
     "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2),
 }
 #: Whether the secure-aggregation pair rounds exist in this build. While False, a secure
-#: generative job runs without them (``pairs`` resolves to 0 and an explicit ``--pairs`` above
-#: 0 with ``--aggregation secure`` is refused).
+#: generative job runs without them (an explicit ``--pairs`` above 0 with ``--aggregation
+#: secure`` is refused).
 SECURE_PAIRS_READY = False
 SYNTH_MAX_BINS = 1024
 SYNTH_MAX_LATENT_DIM = 2000
@@ -242,9 +242,12 @@ class SynthParams:
         charged at this (epsilon, delta) on top of the rounds' budget.
     pairs : int or None
         Most DP 2-way marginals (column pairs) generative mode measures in the rounds
-        ``pair_scores`` and ``pairs`` (:data:`PAIR_ROUNDS`); None means the number of columns
-        minus 1 (a spanning tree), 0 skips the two rounds. Always 0 in row-aligned mode
-        (and under secure aggregation while :data:`SECURE_PAIRS_READY` is False).
+        ``pair_scores`` and ``pairs`` (:data:`PAIR_ROUNDS`), as the user gave it: None means
+        the number of columns minus 1 (a spanning tree), 0 skips the two rounds. Row-aligned
+        mode, secure aggregation while :data:`SECURE_PAIRS_READY` is False, and a ``split``
+        that names neither pair round (given without ``pairs``, as jobs made before the pair
+        rounds were) have no pair rounds; :attr:`pair_rounds` and :meth:`max_pairs` say what
+        the job does.
     pair_groups : int
         Most groups an ordinal or continuous column's cells are merged into in a pair table
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
@@ -304,7 +307,12 @@ class SynthParams:
         pairs = _pairs(params.get("pairs"), mode, aggregation)
         pair_groups = check_int(params.get("pair_groups", DEFAULT_GROUPS), "--pair-groups",
                                 minimum=2, maximum=MAX_GROUPS)
-        split = cls._split(mode, params.get("split"), pairs != 0)
+        raw_split = params.get("split")
+        with_pairs = (mode == "generative" and pairs != 0
+                      and (aggregation != "secure" or SECURE_PAIRS_READY)
+                      and not (pairs is None and isinstance(raw_split, Mapping)
+                               and not any(r in raw_split for r in PAIR_ROUNDS)))
+        split = cls._split(mode, raw_split, with_pairs)
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
                    evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups)
 
@@ -346,16 +354,21 @@ class SynthParams:
 
     @property
     def rounds(self) -> tuple[str, ...]:
-        """The job's rounds in order (:func:`synth_rounds`)."""
-        return synth_rounds(self.mode, self.pairs != 0)
+        """The job's rounds in order (those of its split)."""
+        return tuple(name for name, _, _ in self.split)
 
     @property
     def pair_rounds(self) -> bool:
         """Whether the job runs the rounds ``pair_scores`` and ``pairs``."""
-        return self.pairs != 0
+        return PAIR_ROUNDS[0] in self.rounds
 
     def max_pairs(self, n_columns: int) -> int:
-        """Most pairs measured over ``n_columns`` columns (``pairs``, None = C - 1, capped)."""
+        """Return the most pairs measured over ``n_columns`` columns.
+
+        0 without pair rounds, else ``pairs`` (None: C - 1) capped at C - 1.
+        """
+        if not self.pair_rounds:
+            return 0
         most = max(int(n_columns) - 1, 0)
         return most if self.pairs is None else min(self.pairs, most)
 
@@ -403,7 +416,7 @@ def synth_rounds(mode: str, with_pairs: bool) -> tuple[str, ...]:
 
 
 def _pairs(raw: Any, mode: str, aggregation: str) -> int | None:
-    """Validate ``pairs`` (``--pairs``): None (C - 1) or an int >= 0; 0 where no pair rounds.
+    """Validate ``pairs`` (``--pairs``): None (not given) or an int >= 0.
 
     Row-aligned mode has no pair rounds (its rows are the sites' noisy factors, not samples
     a correction could move); neither has secure aggregation while
@@ -415,11 +428,9 @@ def _pairs(raw: Any, mode: str, aggregation: str) -> int | None:
         if pairs:
             raise ValidationError("--pairs applies to --mode generative only (row-aligned "
                                   "rows are the sites' noisy factors); omit --pairs or pass 0")
-        return 0
     if aggregation == "secure" and not SECURE_PAIRS_READY:
         if pairs:
             raise ValidationError("--pairs with --aggregation secure is not available in this "
                                   "version (the pair rounds run with --aggregation site); "
                                   "omit --pairs or pass 0")
-        return 0
     return pairs

@@ -218,8 +218,8 @@ class SynthHandler(SiteBoundHandler):
                 "to releasing one noisy row per real row by allowing that kind)"
                 if rnd == "factors" else f"a {self.kind!r} task carries only the factors round")
         if rnd not in params.rounds:
-            raise ValidationError(f"round must be one of {params.rounds} for mode "
-                                  f"{params.mode!r} with pairs={params.pairs!r}, got {rnd!r}")
+            raise ValidationError(f"round must be one of {params.rounds} for this job (mode "
+                                  f"{params.mode!r}), got {rnd!r}")
         sent_schema = extra.get("schema_digest")
         if sent_schema != schema.digest():
             raise ValidationError(

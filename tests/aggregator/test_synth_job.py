@@ -83,7 +83,10 @@ def test_report_shows_the_rounds_and_the_sites_dp_summaries() -> None:
     ({"aggregation": "secure", "pairs": 2}, "--pairs with --aggregation secure"),
     ({"pairs": 0, "split": {"links": [0.7, 0.5], "pca": [0.2, 0.5], "pairs": [0.1, 0.0]}},
      "no pair rounds"),
-    ({"split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}}, "--pairs 0 skips the pair rounds"),
+    ({"pairs": 3, "split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}},
+     "--pairs 0 skips the pair rounds"),
+    ({"split": {"links": [0.7, 0.5], "pca": [0.2, 0.5], "pairs": [0.1, 0.0]}},
+     "pair_scores.*positive share"),
     ({"split": {"links": [0.6, 0.4], "pca": [0.15, 0.3], "pair_scores": [0.05, 0.0],
                 "pairs": [0.2, 0.3]}}, "pair_scores.*Gaussian"),
 ])
@@ -110,10 +113,24 @@ def test_plan_has_the_pair_rounds_by_default_and_the_old_split_without_them() ->
         "links": [0.5, 0.25], "pca": [0.2, 0.25], "pair_scores": [0.1, 0.25],
         "pairs": [0.2, 0.25]}), latent_dim=50)
     assert {n: e for n, e, _ in custom.plan(1.0, 1e-6)}["pairs"] == pytest.approx(0.2)
-    # Secure aggregation and row-aligned mode run without them (pairs resolves to 0).
+    # Secure aggregation and row-aligned mode run without them.
     for extra in ({"aggregation": "secure"}, {"mode": "row_aligned"}):
         p = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, **extra), latent_dim=50)
-        assert p.pairs == 0 and "pair_scores" not in p.rounds
+        assert not p.pair_rounds and p.max_pairs(4) == 0 and "pair_scores" not in p.rounds
+        assert "pairs" not in p.to_mapping() and "pair_groups" not in p.to_mapping()
+
+
+def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> None:
+    # The canonical parameters of a job made before the pair rounds (a resumed job, or a
+    # caller keeping the former shares with ``split``) still mean the two-round job, and
+    # map back to themselves (a resumed job re-sends identical tasks).
+    old = {"mode": "generative", "continuous_link": "quantile", "n_bins": 32,
+           "info_threshold": 0.8, "calibration": "analytic",
+           "split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}}
+    p = SynthParams.from_mapping(old, latent_dim=50)
+    assert p.rounds == ("links", "pca") and not p.pair_rounds and p.max_pairs(4) == 0
+    assert p.to_mapping() == old
+    assert validate(SCHEMA, 2.0, 1e-5, **old) == old
 
 
 @pytest.mark.parametrize("bad", [
