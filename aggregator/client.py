@@ -453,6 +453,7 @@ class Coordinator:
                    evaluate_rows: int = 0,
                    aggregation: str = "site",
                    evaluate_summary: tuple[float, float] | None = None,
+                   pairs: int | None = None, pair_groups: int | None = None,
                    ) -> tuple[pd.DataFrame, SynthModel]:
         """Run a federated DP synthesis job; return a synthetic table and the fitted model.
 
@@ -465,6 +466,11 @@ class Coordinator:
         ``evaluate_summary=(epsilon, delta)`` also asks the sites whose policy allows it for a
         DP summary of their evaluation, charged at that budget (``model.metadata
         ["evaluation"]["summaries"]``).
+
+        ``pairs`` (generative mode) is the most DP 2-way marginals of column pairs the job
+        measures (rounds ``pair_scores`` and ``pairs``; default: the number of columns minus
+        1; 0 skips them) and ``pair_groups`` the most groups per ordinal/continuous column in
+        a pair table (default 6); see docs/synthesis.md.
 
         ``aggregation="secure"`` (generative mode only) sums the sites' histograms and latent
         Gram matrices under secure aggregation (noise of one row of the pooled data; the
@@ -485,7 +491,8 @@ class Coordinator:
                                  min_sites=min_sites, deadline_seconds=deadline_seconds,
                                  sites=sites, on_event=on_event, evaluate_rows=evaluate_rows,
                                  aggregation=aggregation,
-                                 evaluate_summary=evaluate_summary)
+                                 evaluate_summary=evaluate_summary, pairs=pairs,
+                                 pair_groups=pair_groups)
         return model.sample(rows), model
 
     def synth_model(self, *, epsilon: float, delta: float, rows: int | None = None,
@@ -495,7 +502,8 @@ class Coordinator:
                     deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                     on_event: Callable[[JobEvent], None] | None = None,
                     evaluate_rows: int = 0, aggregation: str = "site",
-                    evaluate_summary: tuple[float, float] | None = None) -> SynthModel:
+                    evaluate_summary: tuple[float, float] | None = None,
+                    pairs: int | None = None, pair_groups: int | None = None) -> SynthModel:
         """Run a synthesis job and return only the fitted model (see :meth:`synthesize`)."""
         mode = mode.replace("-", "_")
         if mode == "row_aligned":
@@ -511,7 +519,8 @@ class Coordinator:
                                           deadline_seconds=deadline_seconds, sites=sites,
                                           evaluate_rows=evaluate_rows,
                                           aggregation=aggregation,
-                                          evaluate_summary=evaluate_summary),
+                                          evaluate_summary=evaluate_summary, pairs=pairs,
+                                          pair_groups=pair_groups),
                           on_event=on_event)
         return self.synth_result(job)
 
@@ -522,7 +531,8 @@ class Coordinator:
                    info_threshold: float = 0.8, min_sites: int = 0,
                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                    evaluate_rows: int = 0, aggregation: str = "site",
-                   evaluate_summary: tuple[float, float] | None = None) -> JobSpec:
+                   evaluate_summary: tuple[float, float] | None = None,
+                   pairs: int | None = None, pair_groups: int | None = None) -> JobSpec:
         """Return the job spec of a synthesis job (what :meth:`synthesize` submits)."""
         params: dict[str, Any] = {"mode": mode.replace("-", "_"),
                                   "continuous_link": continuous_link, "n_bins": n_bins,
@@ -537,6 +547,10 @@ class Coordinator:
             params["aggregation"] = aggregation
         if evaluate_summary is not None:
             params["summary_epsilon"], params["summary_delta"] = evaluate_summary
+        if pairs is not None:
+            params["pairs"] = pairs
+        if pair_groups is not None:
+            params["pair_groups"] = pair_groups
         return JobSpec("synth", epsilon, delta, params, min_sites, deadline_seconds,
                        tuple(sites))
 

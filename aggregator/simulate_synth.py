@@ -101,7 +101,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     print()
     print(f"dpfed simulate --job synth: {len(fed.site_ids)} sites, mode {model.mode}, "
           f"aggregation {opts.aggregation}, latent dimension {model.links.dim}, "
-          f"rank {model.factor_model.rank}")
+          f"rank {model.factor_model.rank}, column pairs "
+          f"{0 if model.pair_correction is None else len(model.pair_correction.edges)}")
     for site_id, _connected, b in budgets:
         if b is not None:
             print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "

@@ -54,7 +54,8 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
                                   aggregation=args.aggregation,
                                   evaluate_rows=args.evaluate_rows if args.evaluate else 0,
-                                  evaluate_summary=_summary_budget(args))
+                                  evaluate_summary=_summary_budget(args), pairs=args.pairs,
+                                  pair_groups=args.pair_groups)
     params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
     plan = params.plan(args.epsilon, args.delta)
     sites = coord.sites()
@@ -64,21 +65,26 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         print("  links and pca are secure sums (Skellam noise shared among the sites, sized "
               "for the largest tolerated-colluders t among them); the coordinator sees only "
               "the noisy pooled totals")
-    print(f"{'site':<16} {'round':<8} {'epsilon':>10} {'delta':>10} {'eps left now':>13}")
+    if params.pair_rounds:
+        most = ("the number of columns - 1" if params.pairs is None else str(params.pairs))
+        print(f"  pair_scores and pairs measure at most {most} DP 2-way marginal(s) of column "
+              f"pairs (--pairs; 0 skips them), {params.pair_groups} groups per ordered column "
+              "(--pair-groups)")
+    print(f"{'site':<16} {'round':<11} {'epsilon':>10} {'delta':>10} {'eps left now':>13}")
     for site in sites or []:
         left = f"{site.budget.epsilon_remaining:.4g}" if site.budget else "?"
         for name, eps, dlt in plan:
-            print(f"{site.site_id:<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
+            print(f"{site.site_id:<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
         if params.summary_epsilon:
             if SUMMARY_KIND in site.allowed_kinds:
-                print(f"{site.site_id:<16} {'evaluate_summary':<8} "
+                print(f"{site.site_id:<16} {'evaluate_summary':<11} "
                       f"{params.summary_epsilon:>10.4g} {params.summary_delta:>10.3g} {left:>13}")
             else:
                 print(f"{site.site_id:<16} evaluate_summary: not asked (the site's policy has "
                       "no evaluation_summary = \"dp\")")
     if not sites:
         for name, eps, dlt in plan:
-            print(f"{'(every site)':<16} {name:<8} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
+            print(f"{'(every site)':<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")
@@ -116,7 +122,8 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
     mode = args.mode.replace("-", "_")
     # --mode / --aggregation combinations are refused here, before anything connects or runs
     SynthParams.from_mapping(Coordinator.synth_spec(
-        epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation).params,
+        epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation,
+        pairs=args.pairs, pair_groups=args.pair_groups).params,
         latent_dim=SYNTH_MAX_LATENT_DIM)
     if mode == "row_aligned":
         if args.rows is not None:
@@ -142,7 +149,8 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
             deadline_seconds=args.deadline, on_event=on_event,
             evaluate_rows=args.evaluate_rows if args.evaluate else 0,
             aggregation=args.aggregation,
-            evaluate_summary=_summary_budget(args))
+            evaluate_summary=_summary_budget(args), pairs=args.pairs,
+            pair_groups=args.pair_groups)
     model_path = model.save(args.model)
     written = model.write(args.out, args.rows, fmt=fmt, progress=write_progress(args.out))
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
@@ -194,6 +202,13 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
                    help="public bins per continuous column (default 32)")
     p.add_argument("--rank", type=int, help="number of factors (default: information rule)")
     p.add_argument("--clip-norm", type=float, help="latent norm bound (default sqrt(dim))")
+    p.add_argument("--pairs", type=int, metavar="N",
+                   help="generative mode: measure at most N DP 2-way marginals of column pairs "
+                   "(rounds pair_scores and pairs; default: number of columns - 1; 0 skips "
+                   "them)")
+    p.add_argument("--pair-groups", type=int, metavar="G",
+                   help="most groups per ordinal/continuous column in a pair table (2..64, "
+                   "default 6)")
     p.add_argument("--evaluate", action="store_true",
                    help="send a synthetic sample to every site, which compares it with its own "
                    "rows and writes an HTML report in its own directory (nothing comes back); "

@@ -28,7 +28,9 @@ def add_rounds_section(report: Report, meta: dict[str, Any]) -> None:
     report.paragraph("A round after the first goes only to the sites that answered the round "
                      "before; a site that dropped out keeps the charges of the rounds it "
                      "answered.")
-    report.table(("round", "sites"), [(name, ", ".join(sites)) for name, sites in rounds.items()])
+    order = [p.get("round") for p in meta.get("plan", []) if isinstance(p, dict)]
+    names = sorted(rounds, key=lambda n: order.index(n) if n in order else len(order))
+    report.table(("round", "sites"), [(name, ", ".join(rounds[name])) for name in names])
 
 
 def _summary_figure(summaries: dict[str, Any]) -> str:

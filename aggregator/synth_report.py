@@ -1,8 +1,9 @@
 """The synthesis report (``report.html``): DP marginals vs synthetic, correlations, budget.
 
 Everything shown is DP or post-processing: the released DP marginals (the model's link
-proportions), the DP latent correlation, the synthetic sample and the budget plan. No real
-row is read.
+proportions), the DP latent correlation, the DP 2-way tables of the chosen column pairs (the
+fitted joint proportions the model keeps in its metadata), the synthetic sample and the
+budget plan. No real row is read.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from dpfed.common.synth.link_release import split_proportions  # noqa: E402
 from dpfed.common.synth.quantile_link import bin_codes  # noqa: E402
 
 _COLS_PER_FIGURE_ROW = 4
+#: Most pairs drawn as heat maps (the table lists every pair).
+MAX_PAIR_FIGURES = 12
+#: Most categories/levels written as tick labels on a heat map axis.
+MAX_TICK_LABELS = 12
 
 
 def synthetic_marginals(model: SynthModel, table: EncodedTable) -> dict[str, np.ndarray]:
@@ -80,6 +85,107 @@ def _heatmaps(dp_corr: np.ndarray, synth_corr: np.ndarray, names: tuple[str, ...
     return figure_to_data_uri(fig)
 
 
+def synthetic_pair_tables(model: SynthModel, table: EncodedTable) -> list[np.ndarray]:
+    """Per chosen pair, the synthetic joint proportions on the model's pair cells."""
+    correction = model.pair_correction
+    if correction is None:
+        return []
+    grid = correction.grid
+    codes = grid.group_codes(grid.fine_codes(table))
+    sizes = grid.sizes
+    out = []
+    for a, b in correction.edges:
+        counts = np.bincount(codes[a] * sizes[b] + codes[b], minlength=sizes[a] * sizes[b])
+        out.append(counts.reshape(sizes[a], sizes[b]) / max(table.n_rows, 1))
+    return out
+
+
+def released_pair_tables(model: SynthModel) -> list[np.ndarray] | None:
+    """Per chosen pair, the fitted DP joint proportions the metadata keeps (None if absent)."""
+    correction = model.pair_correction
+    raw = model.metadata.get("pair_tables")
+    if correction is None or not isinstance(raw, list) or len(raw) != len(correction.edges):
+        return None
+    sizes = correction.grid.sizes
+    out = []
+    for (a, b), flat in zip(correction.edges, raw, strict=True):
+        t = np.asarray(flat, dtype=np.float64)
+        if t.shape != (sizes[a] * sizes[b],) or not np.all(np.isfinite(t)):
+            return None
+        out.append(t.reshape(sizes[a], sizes[b]))
+    return out
+
+
+def _group_labels(model: SynthModel, column: int) -> list[str] | None:
+    """Tick labels of a column's pair cells: its categories/levels when each is its own cell."""
+    col = model.schema.columns[column]
+    correction = model.pair_correction
+    if correction is None or isinstance(col, ContinuousColumn):
+        return None
+    labels = list(col.levels if isinstance(col, OrdinalColumn) else col.categories)
+    size = correction.grid.sizes[column]
+    return labels if size == len(labels) and size <= MAX_TICK_LABELS else None
+
+
+def _pair_figure(model: SynthModel, released: list[np.ndarray],
+                 synthetic: list[np.ndarray]) -> str:
+    assert model.pair_correction is not None
+    edges = model.pair_correction.edges
+    cols = model.schema.names
+    names = [(cols[a], cols[b]) for a, b in edges]
+    n = min(len(names), MAX_PAIR_FIGURES)
+    fig, axes = plt.subplots(n, 2, figsize=(6.4, 2.8 * n), squeeze=False, layout="constrained")
+    for i in range(n):
+        top = max(float(released[i].max()), float(synthetic[i].max()), 1e-12)
+        for ax, mat, what in ((axes[i, 0], released[i], "DP 2-way table"),
+                              (axes[i, 1], synthetic[i], "synthetic")):
+            im = ax.imshow(mat, vmin=0.0, vmax=top, cmap="viridis", aspect="auto")
+            ax.set_title(f"{what}\n{names[i][0]} x {names[i][1]}", fontsize=8)
+            ax.set_xlabel(f"{names[i][1]} (group)", fontsize=7)
+            ax.set_ylabel(f"{names[i][0]} (group)", fontsize=7)
+            ax.tick_params(labelsize=6)
+            y_labels, x_labels = _group_labels(model, edges[i][0]), _group_labels(model,
+                                                                                  edges[i][1])
+            if x_labels is not None:
+                ax.set_xticks(range(len(x_labels)), x_labels, rotation=90)
+            if y_labels is not None:
+                ax.set_yticks(range(len(y_labels)), y_labels)
+        fig.colorbar(im, ax=axes[i].tolist(), shrink=0.8)
+    return figure_to_data_uri(fig)
+
+
+def add_pairs_section(report: Report, model: SynthModel, table: EncodedTable) -> None:
+    """Add the chosen column pairs: DP 2-way table vs synthetic (table and heat maps)."""
+    meta = model.metadata
+    correction = model.pair_correction
+    if correction is None:
+        if meta.get("pair_edges") == []:
+            report.heading("Column pairs (DP 2-way marginals)")
+            report.paragraph("No column pair had a table small enough to measure; the pair "
+                             "rounds were skipped and nothing was charged for them.")
+        return
+    cols = model.schema.names
+    names = [(cols[a], cols[b]) for a, b in correction.edges]
+    synthetic = synthetic_pair_tables(model, table)
+    released = released_pair_tables(model)
+    report.heading("Column pairs (DP 2-way marginals)")
+    report.paragraph(
+        f"The sites scored {meta.get('pair_candidates', '?')} candidate column pair(s) with "
+        f"noise; the coordinator chose the {len(names)} pair(s) below (a maximum-weight "
+        "forest of the noisy scores, parent first) and the sites released their 2-way "
+        f"tables on groups of cells (at most {correction.grid.max_groups} per ordinal or "
+        "continuous column). Every synthetic row is corrected towards these tables.")
+    rows = []
+    for i, ((parent, child), t) in enumerate(zip(names, synthetic, strict=True)):
+        tvd: Any = "-" if released is None else 0.5 * float(np.abs(released[i] - t).sum())
+        rows.append((parent, child, t.size, tvd))
+    report.table(("parent column", "child column", "cells",
+                  "TVD(DP 2-way table, synthetic)"), rows)
+    if released is not None and names:
+        report.image(_pair_figure(model, released, synthetic),
+                     "DP 2-way tables vs synthetic (heat maps)")
+
+
 def secure_paragraph(meta: dict[str, Any]) -> str | None:
     """Return what secure aggregation adds to the guarantee (None for a site-level job)."""
     s = meta.get("secure")
@@ -119,6 +225,9 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
                        "job": meta.get("job_id", "?"), "epsilon per site": meta.get("epsilon"),
                        "delta per site": meta.get("delta"),
                        "rows pooled": meta.get("n_rows_total"),
+                       "column pairs (DP 2-way tables)": (
+                           0 if model.pair_correction is None
+                           else len(model.pair_correction.edges)),
                        "synthetic rows in this report": table.n_rows, **(extra or {})})
     secure = secure_paragraph(meta)
     if secure is not None:
@@ -129,8 +238,8 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
                  [(p["round"], p["epsilon"], p["delta"]) for p in meta.get("plan", [])])
     sites = meta.get("sites", [])
     if sites:
-        keys = [k for k in ("links_epsilon", "links_delta", "pca_epsilon", "pca_delta",
-                            "factors_epsilon", "factors_delta") if any(k in s for s in sites)]
+        keys = [f"{r}_{x}" for r in ("links", "pca", "pair_scores", "pairs", "factors")
+                for x in ("epsilon", "delta") if any(f"{r}_{x}" in s for s in sites)]
         report.table(("site", "rows", *keys),
                      [(s["site_id"], s["n_rows"], *(s.get(k, "-") for k in keys))
                       for s in sites])
@@ -146,6 +255,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
                      "correlation of the synthetic rows mapped back to the latent space.")
     report.image(_heatmaps(model.dp_correlation, synth_corr, links.latent_names),
                  "latent correlation heat maps")
+    add_pairs_section(report, model, table)
     add_evaluation_section(report, meta)
     return report.render()
 

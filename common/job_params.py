@@ -14,6 +14,7 @@ from typing import Any
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
+from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS, MAX_GROUPS
 from dpfed.common.validation import (
     check_choice,
     check_delta,
@@ -158,18 +159,34 @@ class PCAParams:
                 "site_weighting": self.site_weighting, "aggregation": self.aggregation}
 
 
-#: Rounds of a ``synth`` job per output mode, in order.
+#: Rounds of a ``synth`` job per output mode, in order (without the pair rounds).
 SYNTH_ROUNDS: dict[str, tuple[str, ...]] = {
     "generative": ("links", "pca"),
     "row_aligned": ("links", "pca", "factors"),
 }
-#: Default (epsilon share, delta share) of each round, per mode.
+#: Rounds generative mode adds after ``pca`` when ``pairs > 0`` (DP 2-way marginals of a
+#: chosen forest of column pairs, :mod:`dpfed.common.synth.pair_marginals`).
+PAIR_ROUNDS: tuple[str, ...] = ("pair_scores", "pairs")
+#: Default (epsilon share, delta share) of each round, per mode, without pair rounds (the
+#: generative split applies with ``--pairs 0``; the central fit of
+#: :mod:`dpfed.common.synth.factor_model` renormalises these shares).
 SYNTH_DEFAULT_SPLIT: dict[str, dict[str, tuple[float, float]]] = {
     "generative": {"links": (0.8, 0.5), "pca": (0.2, 0.5)},
     "row_aligned": {"links": (0.2, 0.5), "pca": (0.2, 0.5), "factors": (0.6, 0.0)},
 }
+#: Default split of generative mode with the pair rounds (the default, ``pairs > 0``). Links
+#: and pca keep the 4 : 1 epsilon ratio of the split without pairs.
+SYNTH_PAIRS_DEFAULT_SPLIT: dict[str, tuple[float, float]] = {
+    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2),
+}
+#: Whether the secure-aggregation pair rounds exist in this build. While False, a secure
+#: generative job runs without them (an explicit ``--pairs`` above 0 with ``--aggregation
+#: secure`` is refused).
+SECURE_PAIRS_READY = False
 SYNTH_MAX_BINS = 1024
 SYNTH_MAX_LATENT_DIM = 2000
+#: Most pairs a job may ask for (a forest over C columns has at most C - 1 edges).
+SYNTH_MAX_PAIRS = SYNTH_MAX_LATENT_DIM
 
 
 def _summary_budget(params: Mapping[str, Any], evaluate_rows: int) -> tuple[float, float]:
@@ -223,6 +240,17 @@ class SynthParams:
         When ``summary_epsilon > 0`` (needs ``evaluate_rows``), the sites whose policy allows
         it (``evaluation_summary = "dp"``) also release a DP summary of their evaluation,
         charged at this (epsilon, delta) on top of the rounds' budget.
+    pairs : int or None
+        Most DP 2-way marginals (column pairs) generative mode measures in the rounds
+        ``pair_scores`` and ``pairs`` (:data:`PAIR_ROUNDS`), as the user gave it: None means
+        the number of columns minus 1 (a spanning tree), 0 skips the two rounds. Row-aligned
+        mode, secure aggregation while :data:`SECURE_PAIRS_READY` is False, and a ``split``
+        that names neither pair round (given without ``pairs``, as jobs made before the pair
+        rounds were) have no pair rounds; :attr:`pair_rounds` and :meth:`max_pairs` say what
+        the job does.
+    pair_groups : int
+        Most groups an ordinal or continuous column's cells are merged into in a pair table
+        (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
     """
 
     mode: str = "generative"
@@ -237,13 +265,16 @@ class SynthParams:
     aggregation: str = "site"
     summary_epsilon: float = 0.0
     summary_delta: float = 0.0
+    pairs: int | None = None
+    pair_groups: int = DEFAULT_GROUPS
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
         """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
                           "info_threshold", "calibration", "split", "evaluate_rows",
-                          "aggregation", "summary_epsilon", "summary_delta"}, "synth")
+                          "aggregation", "summary_epsilon", "summary_delta", "pairs",
+                          "pair_groups"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -263,7 +294,6 @@ class SynthParams:
             raise ValidationError(f"info_threshold must be in (0, 1), got {threshold!r}")
         calibration = check_choice(params.get("calibration", "analytic"), "calibration",
                                    CALIBRATIONS)
-        split = cls._split(mode, params.get("split"))
         evaluate_rows = check_int(params.get("evaluate_rows", 0), "evaluate_rows", minimum=0,
                                   maximum=50_000)
         aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
@@ -274,20 +304,33 @@ class SynthParams:
                 "releases one noisy row per real row, which is not a sum; use --mode "
                 "generative with --aggregation secure, or --aggregation site")
         summary_eps, summary_delta = _summary_budget(params, evaluate_rows)
+        pairs = _pairs(params.get("pairs"), mode, aggregation)
+        pair_groups = check_int(params.get("pair_groups", DEFAULT_GROUPS), "--pair-groups",
+                                minimum=2, maximum=MAX_GROUPS)
+        raw_split = params.get("split")
+        with_pairs = (mode == "generative" and pairs != 0
+                      and (aggregation != "secure" or SECURE_PAIRS_READY)
+                      and not (pairs is None and isinstance(raw_split, Mapping)
+                               and not any(r in raw_split for r in PAIR_ROUNDS)))
+        split = cls._split(mode, raw_split, with_pairs)
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
-                   evaluate_rows, aggregation, summary_eps, summary_delta)
+                   evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups)
 
     @staticmethod
-    def _split(mode: str, raw: Any) -> tuple[tuple[str, float, float], ...]:
-        rounds = SYNTH_ROUNDS[mode]
+    def _split(mode: str, raw: Any, with_pairs: bool) -> tuple[tuple[str, float, float], ...]:
+        rounds = synth_rounds(mode, with_pairs)
         if raw is None:
-            chosen = SYNTH_DEFAULT_SPLIT[mode]
+            chosen = SYNTH_PAIRS_DEFAULT_SPLIT if with_pairs else SYNTH_DEFAULT_SPLIT[mode]
         else:
             if not isinstance(raw, Mapping):
                 raise ValidationError("split must map round names to [epsilon share, "
                                       "delta share]")
             chosen = {}
             for name, pair in raw.items():
+                if name in PAIR_ROUNDS and not with_pairs:
+                    raise ValidationError(f"split names round {name!r}, but this job has no "
+                                          "pair rounds (--pairs 0, row-aligned mode or secure "
+                                          "aggregation without them); drop it from the split")
                 check_choice(name, "split round", rounds)
                 if not isinstance(pair, list | tuple) or len(pair) != 2:
                     raise ValidationError(f"split[{name!r}] must be [epsilon share, delta share]")
@@ -296,8 +339,9 @@ class SynthParams:
         for name in rounds:
             e, d = chosen.get(name, (0.0, 0.0))
             if not (e > 0.0 and 0.0 <= d <= 1.0):
+                hint = (" (--pairs 0 skips the pair rounds)" if name in PAIR_ROUNDS else "")
                 raise ValidationError(f"split gives round {name!r} epsilon share {e!r}; every "
-                                      "round needs a positive share")
+                                      f"round needs a positive share{hint}")
             out.append((name, e, d))
         e_total = sum(e for _, e, _ in out)
         d_total = sum(d for _, _, d in out)
@@ -307,6 +351,26 @@ class SynthParams:
         if out[1][2] <= 0.0:
             raise ValidationError("the pca round is Gaussian and needs a positive delta share")
         return tuple(out)
+
+    @property
+    def rounds(self) -> tuple[str, ...]:
+        """The job's rounds in order (those of its split)."""
+        return tuple(name for name, _, _ in self.split)
+
+    @property
+    def pair_rounds(self) -> bool:
+        """Whether the job runs the rounds ``pair_scores`` and ``pairs``."""
+        return PAIR_ROUNDS[0] in self.rounds
+
+    def max_pairs(self, n_columns: int) -> int:
+        """Return the most pairs measured over ``n_columns`` columns.
+
+        0 without pair rounds, else ``pairs`` (None: C - 1) capped at C - 1.
+        """
+        if not self.pair_rounds:
+            return 0
+        most = max(int(n_columns) - 1, 0)
+        return most if self.pairs is None else min(self.pairs, most)
 
     def plan(self, epsilon: float, delta: float) -> list[tuple[str, float, float]]:
         """Each round's (name, epsilon, delta) at every site: the split the ledgers record."""
@@ -339,4 +403,34 @@ class SynthParams:
         if self.summary_epsilon:
             out["summary_epsilon"] = self.summary_epsilon
             out["summary_delta"] = self.summary_delta
+        if self.pairs is not None:
+            out["pairs"] = self.pairs
+        if self.pair_rounds:
+            out["pair_groups"] = self.pair_groups
         return out
+
+
+def synth_rounds(mode: str, with_pairs: bool) -> tuple[str, ...]:
+    """Return a synth job's rounds in order: :data:`SYNTH_ROUNDS`, then :data:`PAIR_ROUNDS`."""
+    return SYNTH_ROUNDS[mode] + (PAIR_ROUNDS if with_pairs and mode == "generative" else ())
+
+
+def _pairs(raw: Any, mode: str, aggregation: str) -> int | None:
+    """Validate ``pairs`` (``--pairs``): None (not given) or an int >= 0.
+
+    Row-aligned mode has no pair rounds (its rows are the sites' noisy factors, not samples
+    a correction could move); neither has secure aggregation while
+    :data:`SECURE_PAIRS_READY` is False. An explicit ``--pairs`` above 0 there is refused.
+    """
+    pairs = None if raw is None else check_int(raw, "--pairs", minimum=0,
+                                               maximum=SYNTH_MAX_PAIRS)
+    if mode == "row_aligned":
+        if pairs:
+            raise ValidationError("--pairs applies to --mode generative only (row-aligned "
+                                  "rows are the sites' noisy factors); omit --pairs or pass 0")
+    if aggregation == "secure" and not SECURE_PAIRS_READY:
+        if pairs:
+            raise ValidationError("--pairs with --aggregation secure is not available in this "
+                                  "version (the pair rounds run with --aggregation site); "
+                                  "omit --pairs or pass 0")
+    return pairs

@@ -12,6 +12,14 @@ identical tasks and the sites replay their ledgers):
    explicitly) -- the coordinator sends the DP loadings; every site releases one noisy factor
    row per real row.
 
+Generative mode with ``pairs > 0`` (the default) runs two more rounds after ``pca``
+(:mod:`dpfed.aggregator.jobs.synth_pairs`): ``pair_scores`` -- every site releases noisy
+dependence scores of the candidate column pairs and the coordinator picks a forest of pairs
+from their sum -- and ``pairs`` -- every site releases the pairs' noisy 2-way tables; the
+model is then fitted to those tables
+(:meth:`dpfed.aggregator.synth_model.SynthModel.with_pairs`, post-processing, before the
+evaluation rounds).
+
 With ``aggregation="secure"`` (generative mode only) rounds 1 and 2 are secure sums instead
 (:mod:`dpfed.aggregator.jobs.synth_secure`): the sites' exact count vectors, then the Gram
 matrix of their unit-ball latent rows, each with distributed Skellam noise calibrated to one row
@@ -47,6 +55,7 @@ from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
 from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
 from dpfed.aggregator.jobs.synth_evaluation import run_evaluation
+from dpfed.aggregator.jobs.synth_pairs import PairRounds, run_pair_rounds
 from dpfed.aggregator.jobs.synth_secure import (
     pooled_counts_sigma,
     secure_latent_pca,
@@ -115,7 +124,7 @@ def plan_table(params: SynthParams, epsilon: float, delta: float) -> list[dict[s
 
 
 class SynthJob(JobType):
-    """Two (generative) or three (row-aligned) rounds; the result is a SynthModel file."""
+    """Two or four (generative) or three (row-aligned) rounds; the result is a SynthModel."""
 
     kind = "synth"
 
@@ -213,12 +222,21 @@ class SynthJob(JobType):
         ctx.emit("model", f"fitting the factor model (latent dimension {dim})", 0.72)
         factors: np.ndarray | None = None
         corr: np.ndarray | None = None
+        pair_rounds: PairRounds | None = None
         if params.mode == "generative":
             fm, corr = await asyncio.to_thread(
                 fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
                 info_threshold=params.info_threshold)
             last_sites = (list(secure_outcomes["pca"].plan.participants) if secure
                           else sorted(r2))
+            if params.pair_rounds:
+                pair_rounds = await run_pair_rounds(
+                    ctx, schema=schema, params=params, proportions=proportions, digest=digest,
+                    base=base, secure_base=secure_base, budget=budget, among=last_sites,
+                    kind=self.kind)
+                if pair_rounds is not None:
+                    last_sites = pair_rounds.sites
+                    secure_outcomes.update(pair_rounds.secure)
         else:
             fm_plain, _ = await asyncio.to_thread(
                 fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
@@ -256,7 +274,13 @@ class SynthJob(JobType):
                       for name, res in (("links", r1), ("pca", r2))}
             if params.mode == "row_aligned":
                 spends["factors"] = {s: (r.spend.epsilon, r.spend.delta) for s, r in r3.items()}
+            for name, res in (pair_rounds.results if pair_rounds is not None else {}).items():
+                spends[name] = {s: (r.spend.epsilon, r.spend.delta) for s, r in res.items()}
         metadata = self._metadata(ctx, params, plan, n_rows, spends, last_sites, estimate, fm)
+        if pair_rounds is not None:
+            metadata.update(pair_rounds.metadata(schema))
+        elif params.pair_rounds:
+            metadata["pair_edges"] = []  # no candidate pair: both rounds skipped, uncharged
         if secure:
             metadata["secure"] = secure_metadata(secure_outcomes)
         model = await asyncio.to_thread(
@@ -264,10 +288,16 @@ class SynthJob(JobType):
             n_bins=params.n_bins, proportions=proportions, factor_model=fm,
             dp_correlation=dp_corr, rng=rng, latent_correlation=corr, factors=factors,
             metadata=metadata)
+        if pair_rounds is not None:
+            ctx.emit("pairs", f"fitting the model to {len(pair_rounds.edges)} DP pair "
+                     "table(s)", 0.95)
+            model = await asyncio.to_thread(model.with_pairs, pair_rounds.grid,
+                                            pair_rounds.edges, pair_rounds.tables, rng)
         summary = {"mode": params.mode, "aggregation": params.aggregation,
                    "latent_dim": dim, "rank": fm.rank,
                    "sites": len(last_sites), "n_rows_total": metadata["n_rows_total"],
-                   "links_digest": digest}
+                   "links_digest": digest,
+                   "pairs": 0 if pair_rounds is None else len(pair_rounds.edges)}
         if secure:
             summary["tolerated_colluders"] = metadata["secure"]["tolerated_colluders"]
         if params.evaluate_rows:

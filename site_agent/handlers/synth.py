@@ -15,13 +15,30 @@ Rounds (``task.params["round"]``):
     explicitly)
     the same links plus the DP loadings ``V`` (p x r); the site releases ``X V + C``, one
     noisy factor row per real row (:func:`dpfed.common.synth.factor_model.factor_release`).
+``pair_scores`` (generative mode with ``pairs > 0``)
+    the same links (digest checked); the site builds the pair grid from the DP proportions
+    (:class:`dpfed.common.synth.pair_marginals.PairGrid`), counts the exact 2-way table of
+    every candidate pair and releases each pair's dependence score (L1 distance to the
+    independence table ``N_s p_a p_b``) with Gaussian noise
+    (:func:`~dpfed.common.synth.pair_marginals.score_mechanism`), array ``pair_scores``.
+``pairs``
+    the same links plus the chosen edges (``pair_edges``, a list of ``[parent, child]``
+    column indices, each a candidate pair, no pair twice, at most the job's ``pairs``); the
+    site releases the edges' 2-way tables with Gaussian noise
+    (:func:`~dpfed.common.synth.pair_marginals.pair_table_mechanism`), array
+    ``pair_tables``.
 
 Privacy
 -------
 Relation: replace-one row at this site, ``N_s`` public. ``links``: L2 sensitivity
 ``sqrt(2 n_columns)``, analytic Gaussian. ``pca``: rows in the unit ball by the public clip
 norm; the DP-PCA mechanism of :mod:`dpfed.common.pca.dppca`. ``factors``: one row of ``X V``
-moves by at most 2 in L2 (``2 sqrt(r)`` in L1), Laplace on every entry. Each release is
+moves by at most 2 in L2 (``2 sqrt(r)`` in L1), Laplace on every entry. ``pair_scores``:
+each of the ``P`` scores moves by at most 2 (one count down and one up in the pair's table;
+the independence table depends on public values only), L2 ``2 sqrt(P)``, analytic Gaussian.
+``pairs``: one count down and one up in each of the ``K`` tables, L2 ``sqrt(2 K)``, analytic
+Gaussian. The grid, the candidate pairs and the edges are public (functions of the DP
+proportions and of the earlier noisy scores). Each release is
 charged by the runner before it leaves. The number of clipped rows stays in the local log.
 
 Evaluation holdout: when the job asks for an evaluation (``evaluate_rows > 0``), every round
@@ -45,7 +62,7 @@ from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import DataError, ValidationError
 from dpfed.common.evaluation.holdout import job_key
-from dpfed.common.job_params import SYNTH_ROUNDS, SynthParams
+from dpfed.common.job_params import PAIR_ROUNDS, SynthParams
 from dpfed.common.pca.dppca import GramAccumulator, site_cost, site_release
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.rng import production_rng
@@ -58,6 +75,16 @@ from dpfed.common.synth.link_release import (
     release_link_histograms,
 )
 from dpfed.common.synth.links import LatentLinks, clip_to_unit_ball, default_clip_norm, latent_dim
+from dpfed.common.synth.pair_marginals import (
+    MAX_PAIR_CELLS,
+    Pair,
+    PairGrid,
+    PairTableAccumulator,
+    check_pairs,
+    dependence_scores,
+    pair_table_mechanism,
+    score_mechanism,
+)
 from dpfed.common.transport.protocol import Task, TaskResult
 from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
 from dpfed.site_agent.synth_holdout import TrainingRows, site_secret, split_rows
@@ -65,7 +92,7 @@ from dpfed.site_agent.synth_holdout import TrainingRows, site_secret, split_rows
 log = logging.getLogger(__name__)
 
 #: Parameters a round adds to the job's canonical ones.
-ROUND_KEYS = ("round", "schema_digest", "links_digest")
+ROUND_KEYS = ("round", "schema_digest", "links_digest", "pair_edges")
 _ORTHONORMAL_TOL = 1e-8
 
 
@@ -91,6 +118,31 @@ def check_links(schema: Schema, params: SynthParams, extra: dict[str, Any],
             f"link digest mismatch: the links sent hash to {mine[:12]}..., the task says "
             f"{sent[:12]}... (corrupted or altered in transit); refusing to use them")
     return links_from_proportions(schema, props, params.n_bins, params.continuous_link)
+
+
+def check_pair_edges(raw: Any, candidates: list[Pair], n_columns: int,
+                     most: int) -> list[Pair]:
+    """Validate the ``pair_edges`` a ``pairs`` task carries (ValidationError naming them).
+
+    A non-empty list of at most ``most`` ``[parent, child]`` pairs of column indices, no
+    pair twice, each one of ``candidates`` (:meth:`PairGrid.candidate_pairs`, either order).
+    """
+    if not isinstance(raw, list) or not raw:
+        raise ValidationError("the pairs round needs pair_edges: a non-empty list of "
+                              "[parent, child] column indices")
+    if len(raw) > most:
+        raise ValidationError(f"pair_edges has {len(raw)} pairs; this job measures at most "
+                              f"{most}")
+    if not all(isinstance(e, list) for e in raw):
+        raise ValidationError("pair_edges must be a list of [parent, child] column indices")
+    edges = check_pairs(raw, n_columns)
+    allowed = set(candidates)
+    for a, b in edges:
+        if (min(a, b), max(a, b)) not in allowed:
+            raise ValidationError(f"pair_edges names ({a}, {b}), which is not a candidate pair "
+                                  f"(unknown column or a table of more than {MAX_PAIR_CELLS} "
+                                  "cells)")
+    return edges
 
 
 class SiteBoundHandler(TaskHandler):
@@ -134,7 +186,7 @@ def training_rows(task: Task, data: DataAccess, params: SynthParams,
 
 
 class SynthHandler(SiteBoundHandler):
-    """The three rounds of the federated synthesizer at one site (see the module docstring)."""
+    """The rounds of the federated synthesizer at one site (see the module docstring)."""
 
     kind = "synth"
 
@@ -145,8 +197,10 @@ class SynthHandler(SiteBoundHandler):
         """Validate ``task`` and compute the round's exact (un-noised) statistic.
 
         Returns (round, params, N_s, statistic): the histogram vector (links), the Gram
-        matrix of the unit-ball latent rows (pca), or (unit-ball latent rows, loadings)
-        (factors). Site-internal: nothing here leaves the site. ``latent_rng`` draws the
+        matrix of the unit-ball latent rows (pca), (unit-ball latent rows, loadings)
+        (factors), the exact dependence scores of the candidate pairs (pair_scores) or
+        (the edges' concatenated exact tables, edges) (pairs). Site-internal: nothing here
+        leaves the site. ``latent_rng`` draws the
         links' latent values (tests couple neighbouring tables through it).
         """
         schema = data.schema
@@ -163,9 +217,9 @@ class SynthHandler(SiteBoundHandler):
                 "the row-aligned factors round runs only as a 'synth_rows' task (sites opt in "
                 "to releasing one noisy row per real row by allowing that kind)"
                 if rnd == "factors" else f"a {self.kind!r} task carries only the factors round")
-        if rnd not in SYNTH_ROUNDS[params.mode]:
-            raise ValidationError(f"round must be one of {SYNTH_ROUNDS[params.mode]} for mode "
-                                  f"{params.mode!r}, got {rnd!r}")
+        if rnd not in params.rounds:
+            raise ValidationError(f"round must be one of {params.rounds} for this job (mode "
+                                  f"{params.mode!r}), got {rnd!r}")
         sent_schema = extra.get("schema_digest")
         if sent_schema != schema.digest():
             raise ValidationError(
@@ -179,6 +233,8 @@ class SynthHandler(SiteBoundHandler):
                 acc.add(table)
             return rnd, params, acc.n_rows, acc.counts
         links = check_links(schema, params, extra, arrays)
+        if rnd in PAIR_ROUNDS:
+            return self._pair_statistic(rnd, schema, params, extra, arrays, data)
         clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
         rng = latent_rng if latent_rng is not None else production_rng()
         if rnd == "pca":
@@ -204,6 +260,31 @@ class SynthHandler(SiteBoundHandler):
                  for table, _report in data.iter_chunks()]
         unit = np.concatenate(parts) if parts else np.zeros((0, dim))
         return rnd, params, unit.shape[0], (unit, v)
+
+    @staticmethod
+    def _pair_statistic(rnd: str, schema: Schema, params: SynthParams, extra: dict[str, Any],
+                        arrays: dict[str, np.ndarray], data: DataAccess
+                        ) -> tuple[str, SynthParams, int, Any]:
+        """Exact scores (pair_scores) or (tables, edges) (pairs) over the training rows."""
+        props = np.asarray(arrays["link_proportions"], dtype=np.float64)  # digest checked
+        grid = PairGrid.from_proportions(schema, props, params.n_bins, params.pair_groups)
+        candidates = grid.candidate_pairs()
+        if rnd == "pair_scores":
+            if not candidates:
+                raise ValidationError(f"no column pair has a table of at most {MAX_PAIR_CELLS} "
+                                      "cells; the pair rounds do not apply to this schema")
+            pairs = candidates
+        else:
+            d = len(schema.columns)
+            pairs = check_pair_edges(extra.get("pair_edges"), candidates, d,
+                                     params.max_pairs(d))
+        acc = PairTableAccumulator(grid, pairs)
+        for table, _report in data.iter_chunks():
+            acc.add(table)
+        if rnd == "pair_scores":
+            return rnd, params, acc.n_rows, dependence_scores(acc.counts, grid, pairs, props,
+                                                              acc.n_rows)
+        return rnd, params, acc.n_rows, (acc.counts, pairs)
 
     # ------------------------------------------------------------------ release
     def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
@@ -234,6 +315,8 @@ class SynthHandler(SiteBoundHandler):
                                   {**meta, "noise_sigma": out.sigma})
 
             return PreparedRelease(cost, release_pca)
+        if rnd in PAIR_ROUNDS:
+            return self._prepare_pairs(task, rnd, stat, meta)
         unit, v = stat
         cost = factor_cost(v.shape[1], task.epsilon)
 
@@ -243,6 +326,26 @@ class SynthHandler(SiteBoundHandler):
                               {**meta, "noise_scale": cost.noise_scale})
 
         return PreparedRelease(cost, release_factors)
+
+    @staticmethod
+    def _prepare_pairs(task: Task, rnd: str, stat: Any, meta: dict[str, Any]) -> PreparedRelease:
+        """Price and release the noisy scores (pair_scores) or tables (pairs)."""
+        if rnd == "pair_scores":
+            values = np.asarray(stat, dtype=np.float64)
+            mech = score_mechanism(values.shape[0], task.epsilon, task.delta)
+            name = "pair_scores"
+        else:
+            counts, edges = stat
+            values = np.asarray(counts, dtype=np.float64)
+            mech = pair_table_mechanism(len(edges), task.epsilon, task.delta)
+            name = "pair_tables"
+        cost = mech.cost()
+
+        def release(rng: np.random.Generator) -> TaskResult:
+            return TaskResult(task.task_id, cost, {name: mech.release(values, rng)},
+                              {**meta, "noise_sigma": mech.sigma})
+
+        return PreparedRelease(cost, release)
 
 
 

@@ -68,3 +68,143 @@ def test_report_shows_the_rounds_and_the_sites_dp_summaries() -> None:
     assert "Sites used by each round" in html and "h1, h2, h3" in html
     assert "Evaluation at the sites" in html and "0.310 (0.004)" in html
     assert html.count("data:image/png;base64,") == 3
+
+
+# --------------------------------------------------------------------------- pair rounds
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"pairs": -1}, "--pairs must be >= 0"),
+    ({"pairs": 1.5}, "--pairs must be an integer"),
+    ({"pairs": "all"}, "--pairs must be an integer"),
+    ({"pair_groups": 1}, "--pair-groups must be >= 2"),
+    ({"pair_groups": 65}, "--pair-groups must be <= 64"),
+    ({"mode": "row_aligned", "pairs": 2}, "--pairs applies to --mode generative only"),
+    ({"aggregation": "secure", "pairs": 2}, "--pairs with --aggregation secure"),
+    ({"pairs": 0, "split": {"links": [0.7, 0.5], "pca": [0.2, 0.5], "pairs": [0.1, 0.0]}},
+     "no pair rounds"),
+    ({"pairs": 3, "split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}},
+     "--pairs 0 skips the pair rounds"),
+    ({"split": {"links": [0.7, 0.5], "pca": [0.2, 0.5], "pairs": [0.1, 0.0]}},
+     "pair_scores.*positive share"),
+    ({"split": {"links": [0.6, 0.4], "pca": [0.15, 0.3], "pair_scores": [0.05, 0.0],
+                "pairs": [0.2, 0.3]}}, "pair_scores.*Gaussian"),
+])
+def test_bad_pair_parameters_are_refused_naming_the_flag(params: dict[str, object],
+                                                         match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        validate(SCHEMA, 1.0, 1e-6, **params)
+
+
+def test_plan_has_the_pair_rounds_by_default_and_the_old_split_without_them() -> None:
+    four = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5), latent_dim=50)
+    assert four.rounds == ("links", "pca", "pair_scores", "pairs") and four.pairs is None
+    assert four.max_pairs(len(SCHEMA.columns)) == len(SCHEMA.columns) - 1
+    assert [(n, round(e, 9), round(d, 12)) for n, e, d in four.plan(2.0, 1e-5)] == [
+        ("links", 1.2, 4e-6), ("pca", 0.3, 3e-6), ("pair_scores", 0.1, 1e-6),
+        ("pairs", 0.4, 2e-6)]
+    two = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5, pairs=0), latent_dim=50)
+    assert [n for n, _, _ in two.plan(2.0, 1e-5)] == ["links", "pca"]
+    assert two.plan(2.0, 1e-5)[0][1] == pytest.approx(1.6)
+    capped = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5, pairs=99, pair_groups=4),
+                                      latent_dim=50)
+    assert capped.max_pairs(4) == 3 and capped.to_mapping()["pair_groups"] == 4
+    custom = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6, split={
+        "links": [0.5, 0.25], "pca": [0.2, 0.25], "pair_scores": [0.1, 0.25],
+        "pairs": [0.2, 0.25]}), latent_dim=50)
+    assert {n: e for n, e, _ in custom.plan(1.0, 1e-6)}["pairs"] == pytest.approx(0.2)
+    # Secure aggregation and row-aligned mode run without them.
+    for extra in ({"aggregation": "secure"}, {"mode": "row_aligned"}):
+        p = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, **extra), latent_dim=50)
+        assert not p.pair_rounds and p.max_pairs(4) == 0 and "pair_scores" not in p.rounds
+        assert "pairs" not in p.to_mapping() and "pair_groups" not in p.to_mapping()
+
+
+def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> None:
+    # The canonical parameters of a job made before the pair rounds (a resumed job, or a
+    # caller keeping the former shares with ``split``) still mean the two-round job, and
+    # map back to themselves (a resumed job re-sends identical tasks).
+    old = {"mode": "generative", "continuous_link": "quantile", "n_bins": 32,
+           "info_threshold": 0.8, "calibration": "analytic",
+           "split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}}
+    p = SynthParams.from_mapping(old, latent_dim=50)
+    assert p.rounds == ("links", "pca") and not p.pair_rounds and p.max_pairs(4) == 0
+    assert p.to_mapping() == old
+    assert validate(SCHEMA, 2.0, 1e-5, **old) == old
+
+
+@pytest.mark.parametrize("bad", [
+    np.array([1.0, np.nan, 2.0]), np.array([1.0, 1e308, 2.0]), np.zeros(4), np.zeros((3, 1)),
+    np.zeros(3, dtype=np.float32), [1.0, 2.0, 3.0], None])
+def test_pair_vectors_from_sites_are_checked(bad: object) -> None:
+    from dpfed.aggregator.jobs.synth_pairs import check_vector
+    from dpfed.common.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match="finite float64 pair scores of shape"):
+        check_vector(bad, 3, "pair scores")
+    assert check_vector(np.array([1.0, -2.0, 3.0]), 3, "pair scores").shape == (3,)
+
+
+def test_report_lists_the_chosen_pairs_with_heat_maps_and_their_budget() -> None:
+    from dpfed.aggregator.jobs.synth_pairs import PairRounds
+    from dpfed.common.data.encoding import encode_table
+    from dpfed.common.synth.pair_marginals import (
+        PairTableAccumulator,
+        choose_forest,
+        dependence_scores,
+        fit_pair_tables,
+    )
+    from tests.common.synth.test_link_release import skewed_frame
+
+    model = build()
+    grid = model.pair_grid(4)
+    table, _ = encode_table(SCHEMA, skewed_frame(3000, 3))
+    cands = grid.candidate_pairs()
+    acc = PairTableAccumulator(grid, cands)
+    acc.add(table)
+    scores = dependence_scores(acc.counts, grid, cands, model.proportions, table.n_rows)
+    edges = choose_forest(scores, cands, len(SCHEMA.columns), 2)
+    tables_acc = PairTableAccumulator(grid, edges)
+    tables_acc.add(table)
+    joint = fit_pair_tables(tables_acc.counts.astype(float), grid, edges, model.proportions,
+                            table.n_rows)
+    rounds = PairRounds(grid, cands, edges, joint, ["h1"], table.n_rows)
+    model = model.with_pairs(grid, edges, joint, np.random.default_rng(4))
+    model.metadata.update(rounds.metadata(SCHEMA))
+    model.metadata["plan"] += [{"round": "pair_scores", "epsilon": 0.05, "delta": 1e-7},
+                               {"round": "pairs", "epsilon": 0.2, "delta": 2e-7}]
+    model.metadata["sites"] = [{"site_id": "h1", "n_rows": 3000, "pairs_epsilon": 0.2,
+                                "pairs_delta": 2e-7}]
+    names = SCHEMA.names
+    assert model.metadata["pair_edge_columns"] == [[names[a], names[b]] for a, b in edges]
+    html = synth_report(model, model.sample(3000, rng=np.random.default_rng(2)))
+    assert "Column pairs (DP 2-way marginals)" in html and "pairs_epsilon" in html
+    assert f"{len(cands)} candidate column pair(s)" in html
+    for a, b in edges:
+        assert f"<tr><td>{names[a]}</td><td>{names[b]}</td>" in html
+    assert html.count("data:image/png;base64,") == 3  # marginals, correlations, pairs
+    # Without the fitted tables in the metadata the pairs are still listed, with no picture.
+    del model.metadata["pair_tables"]
+    html = synth_report(model, model.sample(1000, rng=np.random.default_rng(2)))
+    assert "Column pairs" in html and html.count("data:image/png;base64,") == 2
+
+
+def test_pair_rounds_are_skipped_without_a_candidate_pair() -> None:
+    from dpfed.aggregator.jobs.synth_pairs import plan_pairs
+    from dpfed.common.synth.link_release import histogram_sizes, proportions_from_histograms
+    from dpfed.common.synth.links import latent_dim
+
+    cats = ", ".join(f'"c{i}"' for i in range(70))
+    wide = Schema.from_toml("".join(
+        f'[[columns]]\nname = "{n}"\ntype = "nominal"\ncategories = [{cats}]\n'
+        for n in ("a", "b")))
+    props = proportions_from_histograms(np.ones(sum(histogram_sizes(wide, 8))), wide, 8)
+    params = SynthParams.from_mapping({"n_bins": 8}, latent_dim=latent_dim(wide))
+    assert plan_pairs(wide, params, props) is None  # 70 x 70 cells > 4096
+    small = SynthParams.from_mapping({"n_bins": 8}, latent_dim=50)
+    props = proportions_from_histograms(np.ones(sum(histogram_sizes(SCHEMA, 8))), SCHEMA, 8)
+    planned = plan_pairs(SCHEMA, small, props)
+    assert planned is not None and planned[2] == len(SCHEMA.columns) - 1
+    assert len(planned[1]) == len(SCHEMA.columns) * (len(SCHEMA.columns) - 1) // 2
+    off = SynthParams.from_mapping({"n_bins": 8, "pairs": 0}, latent_dim=50)
+    assert plan_pairs(SCHEMA, off, props) is None

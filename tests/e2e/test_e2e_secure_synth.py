@@ -101,7 +101,8 @@ def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> No
     assert "requires secure aggregation" in outcome[STRICT].reason
     assert len(ledger_events(fed, STRICT)) == 2  # still only the secure job's charges
     for s in fed.site_ids[:2]:
-        assert [t for t, _m in ledger_events(fed, s)][2:] == ["links", "pca"]
+        assert [t for t, _m in ledger_events(fed, s)][2:] == ["links", "pca", "pair_scores",
+                                                             "pairs"]
     assert len(site_frame) == 500
 
 

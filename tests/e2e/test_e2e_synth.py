@@ -26,6 +26,10 @@ from tests.e2e.federations import charged_events, roomy_settings, running
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
+#: The rounds of a default (generative, site-level) synth job, sorted.
+ROUNDS = ["links", "pair_scores", "pairs", "pca"]
+
+
 def ledger_tasks(fed: LocalFederation, site_id: str) -> list[str]:
     return [e.task_id for e in charged_events(fed, site_id)]
 
@@ -62,7 +66,8 @@ def test_generative_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -
     # the rest (the public training count); the model records which sites each round used.
     assert [(s["n_rows"], s["n_holdout"]) for s in model.metadata["sites"]] == [(1200, 300)] * 3
     assert model.metadata["n_rows_total"] == 3600
-    assert model.metadata["rounds"] == {"links": fed.site_ids, "pca": fed.site_ids}
+    assert model.metadata["rounds"] == dict.fromkeys(
+        ("links", "pca", "pair_scores", "pairs"), fed.site_ids)
     assert job.state == "succeeded" and [s.status for s in job.sites] == ["ok"] * 3
     assert list(frame.columns) == list(schema.names) and len(frame) == 5000
     for col in schema.columns:
@@ -70,16 +75,29 @@ def test_generative_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -
             assert frame[col.name].between(col.min, col.max).all()
         else:
             assert isinstance(frame[col.name].dtype, pd.CategoricalDtype)
-    # One charge per site per round, with the split the plan states.
+    # One charge per site per round (four rounds), with the split the plan states.
     plan = {p["round"]: p for p in model.metadata["plan"]}
     for s in fed.site_ids:
-        tasks = ledger_tasks(fed, s)
-        assert sorted(t.split("/")[-1] for t in tasks) == ["links", "pca"]
-    assert plan["links"]["epsilon"] + plan["pca"]["epsilon"] == pytest.approx(4.0)
+        events = charged_events(fed, s)
+        assert sorted(e.task_id.split("/")[-1] for e in events) == ROUNDS
+        for e in events:
+            assert e.epsilon == pytest.approx(plan[e.task_id.split("/")[-1]]["epsilon"])
+    assert sum(p["epsilon"] for p in plan.values()) == pytest.approx(4.0)
+    assert plan["pairs"]["epsilon"] == pytest.approx(0.8)  # the default split: 20 %
+    # The pair rounds chose a forest of column pairs; the model corrects rows towards their
+    # DP 2-way tables, and the file keeps the correction.
+    edges = model.metadata["pair_edges"]
+    assert len(edges) == len(schema.columns) - 1 == job.summary["pairs"]  # a spanning tree
+    assert model.pair_correction is not None and model.pair_correction.edges == [
+        tuple(e) for e in edges]
+    assert model.metadata["pair_edge_columns"] == [[schema.names[a], schema.names[b]]
+                                                   for a, b in edges]
     # The model round-trips through a file and samples more rows without the coordinator.
     path = model.save(tmp_path / "model.npz")
     again = SynthModel.load(path)
     assert len(again.sample(1234)) == 1234
+    assert again.pair_correction is not None and again.pair_correction.edges == (
+        model.pair_correction.edges)
     # Pooled real marginals vs synthetic marginals (eps=4: close).
     real = pd.concat([pd.read_csv(p) for p in fed.data_paths.values()])
     for col in schema.columns:
@@ -131,20 +149,21 @@ def test_coordinator_killed_between_rounds_resumes_with_one_charge_per_round(
     assert final.state == "succeeded", final.error
     for s in fed.site_ids:
         tasks = ledger_tasks(fed, s)
-        assert sorted(tasks) == [f"{job_id}/links", f"{job_id}/pca"], tasks
+        assert sorted(tasks) == [f"{job_id}/{r}" for r in ROUNDS], tasks
     assert len(model.sample(100)) == 100
 
 
 def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None:
-    # hospital-3's budget covers round 1 only: it is charged for the links, then refuses the
-    # pca round (budget exceeded). The job continues with the quorum (min_sites=2) and the
-    # round-1 charge stays in hospital-3's ledger.
+    # hospital-3's budget covers rounds 1-3 only (links 1.2, pca 0.3, pair_scores 0.1 of
+    # epsilon 2): it refuses the pairs round (budget exceeded). The job continues with the
+    # quorum (min_sites=2): the pair tables of two sites, their public row count; the earlier
+    # charges stay in hospital-3's ledger.
     fed = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=6, min_sites=2,
         task_deadline_s=60, mixed=True,
         settings=roomy_settings(allowed_jobs=("pca", "synth")))
     fed.write_site_config("hospital-3", SiteSettings(
-        budget_epsilon=1.7, budget_delta=0.1, connect_timeout_s=30,
+        budget_epsilon=1.65, budget_delta=0.1, connect_timeout_s=30,
         allowed_jobs=("pca", "synth")))
     fed.start_coordinator()
     fed.start_sites()
@@ -157,10 +176,15 @@ def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None
         assert statuses["hospital-1"][0] == statuses["hospital-2"][0] == "ok"
         assert statuses["hospital-3"][0] == "refused"
         assert "budget" in statuses["hospital-3"][1]
-        assert [t.split("/")[-1] for t in ledger_tasks(fed, "hospital-3")] == ["links"]
+        assert [t.split("/")[-1] for t in ledger_tasks(fed, "hospital-3")] == [
+            "links", "pca", "pair_scores"]
         with fed.analyst() as coord:
-            rounds = coord.synth_result(job).metadata["rounds"]
-        assert rounds == {"links": fed.site_ids, "pca": ["hospital-1", "hospital-2"]}
+            model = coord.synth_result(job)
+        two = ["hospital-1", "hospital-2"]
+        assert model.metadata["rounds"] == {"links": fed.site_ids, "pca": fed.site_ids,
+                                            "pair_scores": fed.site_ids, "pairs": two}
+        assert model.metadata["n_rows_total"] == 3000  # the sites of the last round
+        assert job.summary["sites"] == 2 and model.pair_correction is not None
         # With min_sites=3 the same situation fails the job (quorum), naming the quorum.
         with fed.analyst() as coord:
             failed = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
@@ -216,7 +240,8 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
         assert "error" not in outcome, outcome.get("error")
         _frame, model = outcome["result"]  # type: ignore[misc]
         two = ["hospital-1", "hospital-2"]
-        assert model.metadata["rounds"] == {"links": two, "pca": two}
+        assert model.metadata["rounds"] == dict.fromkeys(
+            ("links", "pca", "pair_scores", "pairs"), two)
         assert ledger_tasks(fed, "hospital-3") == []
         assert not (fed.site_dir("hospital-3") / "evaluations").exists()
         # The DP summary: asked of hospital-1 only, charged there before it left.
@@ -227,9 +252,8 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
         assert (summary["n_train"], summary["n_holdout"], summary["epsilon"]) == (1200, 300, 0.5)
         assert all(abs(v) < 1.0 for v in summary["tvd"].values())
         assert sorted(t.split("/")[-1] for t in ledger_tasks(fed, "hospital-1")) == [
-            "evaluate_summary", "links", "pca"]
-        assert sorted(t.split("/")[-1] for t in ledger_tasks(fed, "hospital-2")) == [
-            "links", "pca"]
+            "evaluate_summary", "links", "pair_scores", "pairs", "pca"]
+        assert sorted(t.split("/")[-1] for t in ledger_tasks(fed, "hospital-2")) == ROUNDS
         for s in two:
             assert (fed.site_dir(s) / KEY_FILE).exists()
         html = synth_report(model, model.sample(500))
@@ -271,6 +295,10 @@ def test_rows_out_of_range_is_refused_before_submission(fed: LocalFederation) ->
         for bad in (0, -5, 10**12):
             with pytest.raises(ValidationError, match="--rows"):
                 coord.synthesize(epsilon=1.0, delta=1e-5, rows=bad)
+        for pairs, groups, flag in ((-1, None, "--pairs"), (2, 1, "--pair-groups")):
+            with pytest.raises(ValidationError, match=flag):
+                coord.synthesize(epsilon=1.0, delta=1e-5, rows=10, pairs=pairs,
+                                 pair_groups=groups)
         assert coord.jobs(5) == []
     assert np.all([ledger_tasks(fed, s) == [] for s in fed.site_ids])
 
@@ -292,8 +320,23 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
 
     plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", *conn)
     assert plan.returncode == 0, plan.stderr
-    assert plan.stdout.count("links") == 3 and plan.stdout.count("pca") == 3
-    assert "1.6" in plan.stdout and "0.4" in plan.stdout  # 80 % / 20 % of epsilon 2
+    rows = [line.split() for line in plan.stdout.splitlines() if line.startswith("hospital")]
+    assert [r[1:3] for r in rows[:4]] == [["links", "1.2"], ["pca", "0.3"],
+                                          ["pair_scores", "0.1"], ["pairs", "0.4"]]
+    assert len(rows) == 12 and "--pairs" in plan.stdout  # 3 sites x 4 rounds
+    no_pairs = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--pairs", "0",
+                   *conn)
+    assert no_pairs.returncode == 0, no_pairs.stderr
+    rows = [line.split() for line in no_pairs.stdout.splitlines()
+            if line.startswith("hospital")]
+    assert [r[1:3] for r in rows[:2]] == [["links", "1.6"], ["pca", "0.4"]] and len(rows) == 6
+    for bad_args, flag in ((("--pairs", "-1"), "--pairs"), (("--pair-groups", "99"),
+                                                             "--pair-groups"),
+                           (("--mode", "row-aligned", "--pairs", "2"), "--pairs")):
+        refused = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", *bad_args,
+                      *conn)
+        assert refused.returncode != 0 and flag in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
     summary_plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--evaluate",
                        "--evaluate-summary-epsilon", "0.3", *conn)
     assert summary_plan.returncode == 0, summary_plan.stderr
@@ -307,12 +350,16 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     bad = run("synth", "--epsilon", "2", "--delta", "1e-5", "--rows", "0", *conn)
     assert bad.returncode != 0 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
     ok = run("synth", "--epsilon", "3", "--delta", "1e-5", "--rows", "3000", "--out",
-             "t.csv", "--evaluate", "--evaluate-rows", "300", *conn)
+             "t.csv", "--evaluate", "--evaluate-rows", "300", "--pairs", "2",
+             "--pair-groups", "4", *conn)
     assert ok.returncode == 0, ok.stderr
     assert all(list((fed.site_dir(s) / "evaluations").glob("*/synth_evaluation.html"))
                for s in fed.site_ids)
     assert len(pd.read_csv(tmp_path / "t.csv")) == 3000
     assert (tmp_path / "synth_model.npz").exists() and (tmp_path / "report.html").exists()
+    cli_model = SynthModel.load(tmp_path / "synth_model.npz")
+    assert len(cli_model.metadata["pair_edges"]) == 2 and cli_model.metadata["pair_groups"] == 4
+    assert "Column pairs (DP 2-way marginals)" in (tmp_path / "report.html").read_text()
     more = run("synth-sample", "synth_model.npz", "--rows", "7777", "--out", "more.parquet")
     assert more.returncode == 0, more.stderr
     assert pq.read_table(tmp_path / "more.parquet").num_rows == 7777
@@ -331,7 +378,9 @@ def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:
                           str(out)], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (out / "synth.parquet").exists() and (out / "synth_model.npz").exists()
-    assert "data:image/png" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "data:image/png" in html and "Column pairs (DP 2-way marginals)" in html
+    assert "column pairs 7" in run.stdout  # 8 columns: a spanning tree of 7 pairs
     for site in ("hospital-1", "hospital-2"):
         assert list((out / "sites" / site / "evaluations").glob("*/synth_evaluation.html"))
     assert SynthModel.load(out / "synth_model.npz").sample(10).shape == (10, 8)
