@@ -62,7 +62,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site is "
           "charged, per round:")
     if params.aggregation == "secure":
-        print("  links and pca are secure sums (Skellam noise shared among the sites, sized "
+        print("  every round is a secure sum (Skellam noise shared among the sites, sized "
               "for the largest tolerated-colluders t among them); the coordinator sees only "
               "the noisy pooled totals")
     if params.pair_rounds:

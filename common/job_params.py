@@ -174,15 +174,13 @@ SYNTH_DEFAULT_SPLIT: dict[str, dict[str, tuple[float, float]]] = {
     "generative": {"links": (0.8, 0.5), "pca": (0.2, 0.5)},
     "row_aligned": {"links": (0.2, 0.5), "pca": (0.2, 0.5), "factors": (0.6, 0.0)},
 }
-#: Default split of generative mode with the pair rounds (the default, ``pairs > 0``). Links
-#: and pca keep the 4 : 1 epsilon ratio of the split without pairs.
+#: Default split of generative mode with the pair rounds (the default, ``pairs > 0``):
+#: measured on three tables at epsilon 0.5-5 (docs/synthesis.md), a quarter of epsilon for the
+#: latent second moment (whose noise otherwise dominates the 2-way error at small epsilon)
+#: and an eighth for the pair tables; the noisy scores only rank pairs and need little.
 SYNTH_PAIRS_DEFAULT_SPLIT: dict[str, tuple[float, float]] = {
-    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2),
+    "links": (0.6, 0.4), "pca": (0.25, 0.3), "pair_scores": (0.03, 0.1), "pairs": (0.12, 0.2),
 }
-#: Whether the secure-aggregation pair rounds exist in this build. While False, a secure
-#: generative job runs without them (an explicit ``--pairs`` above 0 with ``--aggregation
-#: secure`` is refused).
-SECURE_PAIRS_READY = False
 SYNTH_MAX_BINS = 1024
 SYNTH_MAX_LATENT_DIM = 2000
 #: Most pairs a job may ask for (a forest over C columns has at most C - 1 edges).
@@ -244,10 +242,9 @@ class SynthParams:
         Most DP 2-way marginals (column pairs) generative mode measures in the rounds
         ``pair_scores`` and ``pairs`` (:data:`PAIR_ROUNDS`), as the user gave it: None means
         the number of columns minus 1 (a spanning tree), 0 skips the two rounds. Row-aligned
-        mode, secure aggregation while :data:`SECURE_PAIRS_READY` is False, and a ``split``
-        that names neither pair round (given without ``pairs``, as jobs made before the pair
-        rounds were) have no pair rounds; :attr:`pair_rounds` and :meth:`max_pairs` say what
-        the job does.
+        mode and a ``split`` that names neither pair round (given without ``pairs``, as jobs
+        made before the pair rounds were) have no pair rounds; :attr:`pair_rounds` and
+        :meth:`max_pairs` say what the job does.
     pair_groups : int
         Most groups an ordinal or continuous column's cells are merged into in a pair table
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
@@ -304,12 +301,11 @@ class SynthParams:
                 "releases one noisy row per real row, which is not a sum; use --mode "
                 "generative with --aggregation secure, or --aggregation site")
         summary_eps, summary_delta = _summary_budget(params, evaluate_rows)
-        pairs = _pairs(params.get("pairs"), mode, aggregation)
+        pairs = _pairs(params.get("pairs"), mode)
         pair_groups = check_int(params.get("pair_groups", DEFAULT_GROUPS), "--pair-groups",
                                 minimum=2, maximum=MAX_GROUPS)
         raw_split = params.get("split")
         with_pairs = (mode == "generative" and pairs != 0
-                      and (aggregation != "secure" or SECURE_PAIRS_READY)
                       and not (pairs is None and isinstance(raw_split, Mapping)
                                and not any(r in raw_split for r in PAIR_ROUNDS)))
         split = cls._split(mode, raw_split, with_pairs)
@@ -329,8 +325,8 @@ class SynthParams:
             for name, pair in raw.items():
                 if name in PAIR_ROUNDS and not with_pairs:
                     raise ValidationError(f"split names round {name!r}, but this job has no "
-                                          "pair rounds (--pairs 0, row-aligned mode or secure "
-                                          "aggregation without them); drop it from the split")
+                                          "pair rounds (--pairs 0 or row-aligned mode); drop it "
+                                          "from the split")
                 check_choice(name, "split round", rounds)
                 if not isinstance(pair, list | tuple) or len(pair) != 2:
                     raise ValidationError(f"split[{name!r}] must be [epsilon share, delta share]")
@@ -415,22 +411,15 @@ def synth_rounds(mode: str, with_pairs: bool) -> tuple[str, ...]:
     return SYNTH_ROUNDS[mode] + (PAIR_ROUNDS if with_pairs and mode == "generative" else ())
 
 
-def _pairs(raw: Any, mode: str, aggregation: str) -> int | None:
+def _pairs(raw: Any, mode: str) -> int | None:
     """Validate ``pairs`` (``--pairs``): None (not given) or an int >= 0.
 
     Row-aligned mode has no pair rounds (its rows are the sites' noisy factors, not samples
-    a correction could move); neither has secure aggregation while
-    :data:`SECURE_PAIRS_READY` is False. An explicit ``--pairs`` above 0 there is refused.
+    a correction could move): an explicit ``--pairs`` above 0 there is refused.
     """
     pairs = None if raw is None else check_int(raw, "--pairs", minimum=0,
                                                maximum=SYNTH_MAX_PAIRS)
-    if mode == "row_aligned":
-        if pairs:
-            raise ValidationError("--pairs applies to --mode generative only (row-aligned "
-                                  "rows are the sites' noisy factors); omit --pairs or pass 0")
-    if aggregation == "secure" and not SECURE_PAIRS_READY:
-        if pairs:
-            raise ValidationError("--pairs with --aggregation secure is not available in this "
-                                  "version (the pair rounds run with --aggregation site); "
-                                  "omit --pairs or pass 0")
+    if mode == "row_aligned" and pairs:
+        raise ValidationError("--pairs applies to --mode generative only (row-aligned "
+                              "rows are the sites' noisy factors); omit --pairs or pass 0")
     return pairs

@@ -291,8 +291,9 @@ class SynthJob(JobType):
         if pair_rounds is not None:
             ctx.emit("pairs", f"fitting the model to {len(pair_rounds.edges)} DP pair "
                      "table(s)", 0.95)
-            model = await asyncio.to_thread(model.with_pairs, pair_rounds.grid,
-                                            pair_rounds.edges, pair_rounds.tables, rng)
+            model = await asyncio.to_thread(
+                model.with_pairs, pair_rounds.grid, pair_rounds.edges, pair_rounds.tables, rng,
+                noise_sd=pair_rounds.noise_sd / max(pair_rounds.n_rows_total, 1))
         summary = {"mode": params.mode, "aggregation": params.aggregation,
                    "latent_dim": dim, "rank": fm.rank,
                    "sites": len(last_sites), "n_rows_total": metadata["n_rows_total"],

@@ -17,8 +17,7 @@ After the ``pca`` round and the factor model's fit:
 The caller then fits the model's pair correction to those tables
 (:meth:`dpfed.aggregator.synth_model.SynthModel.with_pairs`). With ``aggregation="secure"``
 both rounds are secure sums (:func:`secure_pair_scores` and :func:`secure_pair_tables` of
-:mod:`dpfed.aggregator.jobs.synth_secure`), run only when
-:data:`dpfed.common.job_params.SECURE_PAIRS_READY` says this build has them.
+:mod:`dpfed.aggregator.jobs.synth_secure`).
 
 The pair grid is a deterministic function of the DP proportions, and the edges of the
 (replayed) noisy scores summed in site order, so a resumed job re-sends identical tasks.
@@ -31,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +39,7 @@ import numpy as np
 
 from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
+from dpfed.aggregator.jobs.synth_secure import secure_pair_scores, secure_pair_tables
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ProtocolError
 from dpfed.common.job_params import SynthParams
@@ -46,9 +47,10 @@ from dpfed.common.synth.pair_marginals import (
     MAX_PAIR_CELLS,
     Pair,
     PairGrid,
-    choose_forest,
     fit_pair_tables,
+    pair_table_mechanism,
 )
+from dpfed.common.synth.pipeline import pair_forest
 from dpfed.common.transport.protocol import TaskResult
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,10 @@ class PairRounds:
         The sites whose tables were summed (the model's last round).
     n_rows_total : int
         Their public pooled row count.
+    noise_sd : float
+        Public standard deviation of the noise on every summed cell, in counts (site level:
+        ``sqrt(S)`` times one site's Gaussian sigma; secure: the decoded sum's Skellam noise);
+        the correction shrinks each table towards the model by it.
     results : dict
         Site-level: round name -> site id -> result ({} under secure aggregation).
     secure : dict
@@ -91,6 +97,7 @@ class PairRounds:
     tables: list[np.ndarray]
     sites: list[str]
     n_rows_total: int
+    noise_sd: float
     results: dict[str, dict[str, TaskResult]] = field(default_factory=dict)
     secure: dict[str, SecureSumOutcome] = field(default_factory=dict)
 
@@ -160,7 +167,6 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
                  0.74)
         return None
     grid, candidates, most = planned
-    d = len(schema.columns)
     secure = params.aggregation == "secure"
     eps_s, delta_s = budget["pair_scores"]
     eps_t, delta_t = budget["pairs"]
@@ -170,9 +176,6 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
     ctx.emit("pair_scores", f"scoring {len(candidates)} column pair(s) at {len(among)} "
              "site(s)", 0.74)
     if secure:
-        from dpfed.aggregator.jobs.synth_secure import (  # type: ignore[attr-defined,unused-ignore]
-            secure_pair_scores,
-        )
         raw, outcomes["pair_scores"] = await secure_pair_scores(
             ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
             pair_groups=params.pair_groups, epsilon=eps_s, delta=delta_s, among=among)
@@ -188,15 +191,12 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
         scored = sorted(r_scores)
         total_scores = np.sum([r_scores[s].arrays["pair_scores"] for s in scored], axis=0)
         out_results["pair_scores"] = r_scores
-    edges = choose_forest(total_scores, candidates, d, most)
+    edges = pair_forest(total_scores, grid, most)
     cells = sum(grid.cells(e) for e in edges)
     names = schema.names
     ctx.emit("pairs", f"measuring {len(edges)} pair table(s) ({cells} cells): "
              + ", ".join(f"{names[a]}->{names[b]}" for a, b in edges), 0.8)
     if secure:
-        from dpfed.aggregator.jobs.synth_secure import (  # type: ignore[attr-defined,unused-ignore]
-            secure_pair_tables,
-        )
         raw, outcomes["pairs"] = await secure_pair_tables(
             ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
             pair_groups=params.pair_groups, edges=edges, epsilon=eps_t, delta=delta_t,
@@ -205,6 +205,7 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
                                     "pooled pair tables")
         sites = list(outcomes["pairs"].plan.participants)
         n_total = outcomes["pairs"].n_rows_total
+        noise_sd = math.sqrt(outcomes["pairs"].plan.pooled_variance)  # counts: scale 1
     else:
         r_tables = await ctx.dispatch(
             kind, {**base, "round": "pairs", "links_digest": digest,
@@ -215,9 +216,12 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
         sites = sorted(r_tables)
         total_tables = np.sum([r_tables[s].arrays["pair_tables"] for s in sites], axis=0)
         n_total = sum(int(r_tables[s].metadata["n_rows"]) for s in sites)  # public N_s
+        noise_sd = pair_table_mechanism(len(edges), eps_t, delta_t).sigma * math.sqrt(
+            len(sites))
         out_results["pairs"] = r_tables
     tables = await asyncio.to_thread(fit_pair_tables, total_tables, grid, edges, proportions,
                                      float(n_total))
     log.info("[synth_pairs.run_pair_rounds] job=%s edges=%s sites=%s", ctx.job_id, edges,
              sites)
-    return PairRounds(grid, candidates, edges, tables, sites, n_total, out_results, outcomes)
+    return PairRounds(grid, candidates, edges, tables, sites, n_total, noise_sd, out_results,
+                      outcomes)

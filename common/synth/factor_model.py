@@ -70,7 +70,7 @@ import pandas as pd
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, RowPolicy, encode_table
 from dpfed.common.data.schema import ContinuousColumn, Schema
 from dpfed.common.errors import DataError, ValidationError
-from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT, SYNTH_MAX_BINS
+from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT, SYNTH_MAX_BINS, SYNTH_PAIRS_DEFAULT_SPLIT
 from dpfed.common.pca import dppca
 from dpfed.common.pca.dppca import GramAccumulator, PCAEstimate
 from dpfed.common.privacy.accounting import PrivacyCost
@@ -146,8 +146,7 @@ log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("generative", "row_aligned")
 #: The ``synth`` job's default (epsilon share, delta share) per round when its two pair
 #: rounds run (generative mode, ``pairs`` > 0; docs/synthesis.md).
-PAIRS_DEFAULT_SPLIT: Mapping[str, tuple[float, float]] = {
-    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2)}
+PAIRS_DEFAULT_SPLIT: Mapping[str, tuple[float, float]] = SYNTH_PAIRS_DEFAULT_SPLIT
 
 
 def _job_shares(mode: str, pairs: bool) -> dict[str, tuple[float, float]]:

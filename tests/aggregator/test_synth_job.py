@@ -80,7 +80,6 @@ def test_report_shows_the_rounds_and_the_sites_dp_summaries() -> None:
     ({"pair_groups": 1}, "--pair-groups must be >= 2"),
     ({"pair_groups": 65}, "--pair-groups must be <= 64"),
     ({"mode": "row_aligned", "pairs": 2}, "--pairs applies to --mode generative only"),
-    ({"aggregation": "secure", "pairs": 2}, "--pairs with --aggregation secure"),
     ({"pairs": 0, "split": {"links": [0.7, 0.5], "pca": [0.2, 0.5], "pairs": [0.1, 0.0]}},
      "no pair rounds"),
     ({"pairs": 3, "split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}},
@@ -101,8 +100,8 @@ def test_plan_has_the_pair_rounds_by_default_and_the_old_split_without_them() ->
     assert four.rounds == ("links", "pca", "pair_scores", "pairs") and four.pairs is None
     assert four.max_pairs(len(SCHEMA.columns)) == len(SCHEMA.columns) - 1
     assert [(n, round(e, 9), round(d, 12)) for n, e, d in four.plan(2.0, 1e-5)] == [
-        ("links", 1.2, 4e-6), ("pca", 0.3, 3e-6), ("pair_scores", 0.1, 1e-6),
-        ("pairs", 0.4, 2e-6)]
+        ("links", 1.2, 4e-6), ("pca", 0.5, 3e-6), ("pair_scores", 0.06, 1e-6),
+        ("pairs", 0.24, 2e-6)]
     two = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5, pairs=0), latent_dim=50)
     assert [n for n, _, _ in two.plan(2.0, 1e-5)] == ["links", "pca"]
     assert two.plan(2.0, 1e-5)[0][1] == pytest.approx(1.6)
@@ -113,11 +112,13 @@ def test_plan_has_the_pair_rounds_by_default_and_the_old_split_without_them() ->
         "links": [0.5, 0.25], "pca": [0.2, 0.25], "pair_scores": [0.1, 0.25],
         "pairs": [0.2, 0.25]}), latent_dim=50)
     assert {n: e for n, e, _ in custom.plan(1.0, 1e-6)}["pairs"] == pytest.approx(0.2)
-    # Secure aggregation and row-aligned mode run without them.
-    for extra in ({"aggregation": "secure"}, {"mode": "row_aligned"}):
-        p = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, **extra), latent_dim=50)
-        assert not p.pair_rounds and p.max_pairs(4) == 0 and "pair_scores" not in p.rounds
-        assert "pairs" not in p.to_mapping() and "pair_groups" not in p.to_mapping()
+    # Secure aggregation has them too (secure sums); row-aligned mode runs without them.
+    secure = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, aggregation="secure"),
+                                      latent_dim=50)
+    assert secure.pair_rounds and secure.rounds == four.rounds
+    p = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, mode="row_aligned"), latent_dim=50)
+    assert not p.pair_rounds and p.max_pairs(4) == 0 and "pair_scores" not in p.rounds
+    assert "pairs" not in p.to_mapping() and "pair_groups" not in p.to_mapping()
 
 
 def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> None:
@@ -168,7 +169,7 @@ def test_report_lists_the_chosen_pairs_with_heat_maps_and_their_budget() -> None
     tables_acc.add(table)
     joint = fit_pair_tables(tables_acc.counts.astype(float), grid, edges, model.proportions,
                             table.n_rows)
-    rounds = PairRounds(grid, cands, edges, joint, ["h1"], table.n_rows)
+    rounds = PairRounds(grid, cands, edges, joint, ["h1"], table.n_rows, 0.0)
     model = model.with_pairs(grid, edges, joint, np.random.default_rng(4))
     model.metadata.update(rounds.metadata(SCHEMA))
     model.metadata["plan"] += [{"round": "pair_scores", "epsilon": 0.05, "delta": 1e-7},

@@ -57,7 +57,7 @@ def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> No
 
     plan = cli("--epsilon", "2", "--delta", "1e-5", "--aggregation", "secure", "--plan")
     assert plan.returncode == 0, plan.stderr
-    assert "aggregation secure" in plan.stdout and "secure sums" in plan.stdout
+    assert "aggregation secure" in plan.stdout and "is a secure sum" in plan.stdout
     bad = cli("--epsilon", "2", "--delta", "1e-5", "--mode", "row-aligned", "--aggregation",
               "secure")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
@@ -78,16 +78,20 @@ def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> No
     assert meta["aggregation"] == "secure" and meta["n_rows_total"] == 4500
     secure = meta["secure"]
     assert secure["participants"] == fed.site_ids and secure["tolerated_colluders"] == 1
-    assert set(secure["rounds"]) == {"links", "pca"}
+    assert set(secure["rounds"]) == {"links", "pca", "pair_scores", "pairs"}
     assert secure["rounds"]["links"]["statistic"] == "counts"
     assert secure["rounds"]["links"]["scale"] == 1.0
     assert secure["rounds"]["pca"]["statistic"] == "gram"
-    assert all(s["links_epsilon"] + s["pca_epsilon"] == pytest.approx(4.0)
-               for s in meta["sites"])
+    assert secure["rounds"]["pair_scores"]["statistic"] == "scores"
+    assert secure["rounds"]["pairs"]["statistic"] == "counts"
+    assert meta["pair_edges"] and model.pair_correction is not None
+    assert all(sum(s[f"{r}_epsilon"] for r in ("links", "pca", "pair_scores", "pairs"))
+               == pytest.approx(4.0) for s in meta["sites"])
     # one charge per site per round, recorded as the secure mechanism
     for s in fed.site_ids:
-        assert ledger_events(fed, s) == [("links-sum-1", "secure-skellam[n=3,t=1]"),
-                                         ("pca-sum-1", "secure-skellam[n=3,t=1]")]
+        assert ledger_events(fed, s) == [
+            (f"{r}-sum-1", "secure-skellam[n=3,t=1]")
+            for r in ("links", "pca", "pair_scores", "pairs")]
     html = synth_report(model, frame.head(500))
     assert "Aggregation: secure" in html and "t = 1" in html
 
@@ -99,9 +103,9 @@ def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> No
     outcome = {s.site_id: s for s in site_job.sites}
     assert outcome[STRICT].status == "refused"
     assert "requires secure aggregation" in outcome[STRICT].reason
-    assert len(ledger_events(fed, STRICT)) == 2  # still only the secure job's charges
+    assert len(ledger_events(fed, STRICT)) == 4  # still only the secure job's charges
     for s in fed.site_ids[:2]:
-        assert [t for t, _m in ledger_events(fed, s)][2:] == ["links", "pca", "pair_scores",
+        assert [t for t, _m in ledger_events(fed, s)][4:] == ["links", "pca", "pair_scores",
                                                              "pairs"]
     assert len(site_frame) == 500
 
@@ -144,6 +148,7 @@ def test_secure_synthesis_resumes_after_a_coordinator_kill_with_one_charge_per_r
     assert model.metadata["aggregation"] == "secure"
     for s in fed.site_ids:
         events = ledger_events(fed, s)
-        assert [r for r, _m in events] == ["links-sum-1", "pca-sum-1"], events
+        assert [r for r, _m in events] == [f"{r}-sum-1" for r in (
+            "links", "pca", "pair_scores", "pairs")], events
         assert all(m.startswith("secure-skellam[n=3,") for _r, m in events)
     assert len(model.sample(500)) == 500

@@ -178,8 +178,8 @@ def test_budget_split_defaults_and_total() -> None:
                                     rng=np.random.default_rng(0)).fit(frame)
     # Default: the job's split with its two pair rounds (pairs = columns - 1).
     assert gen.pairs == len(make_schema().columns) - 1
-    assert gen.budget_ == pytest.approx({"marginals": 1.2, "pca": 0.3, "pair_scores": 0.1,
-                                         "pairs": 0.4})
+    assert gen.budget_ == pytest.approx({"marginals": 1.2, "pca": 0.5, "pair_scores": 0.06,
+                                         "pairs": 0.24})
     assert gen.delta_budget_ == pytest.approx({"marginals": 4e-7, "pca": 3e-7,
                                                "pair_scores": 1e-7, "pairs": 2e-7})
     assert gen.privacy_cost_.epsilon == pytest.approx(2.0)

@@ -756,8 +756,8 @@ def test_central_synthesizer_makes_the_two_pair_releases(fitted: Fitted) -> None
     costs = with_pairs.privacy_costs_
     assert costs["pair_scores"].sensitivity == pytest.approx(2 * math.sqrt(p))
     assert costs["pairs"].sensitivity == pytest.approx(math.sqrt(2 * k))
-    assert costs["pair_scores"].epsilon == pytest.approx(0.05e3)
-    assert costs["pairs"].epsilon == pytest.approx(0.2e3)
+    assert costs["pair_scores"].epsilon == pytest.approx(0.03e3)
+    assert costs["pairs"].epsilon == pytest.approx(0.12e3)
     assert with_pairs.privacy_cost_.epsilon == pytest.approx(1e3)
     assert with_pairs.privacy_cost_.delta == pytest.approx(1e-6)
     # The sample carries the pair tables the factor model alone misses.
@@ -799,8 +799,8 @@ def test_central_pairs_parameters_are_validated() -> None:
     assert fm.FactorModelSynthesizer(one, epsilon=1.0).pairs == 0
     with pytest.raises(ValidationError, match="two"):
         fm.FactorModelSynthesizer(one, epsilon=1.0, pairs=1)
-    assert fm.PAIRS_BUDGET_SPLIT == {"marginals": 0.6, "pca": 0.15, "pair_scores": 0.05,
-                                     "pairs": 0.2}
+    assert fm.PAIRS_BUDGET_SPLIT == {"marginals": 0.6, "pca": 0.25, "pair_scores": 0.03,
+                                     "pairs": 0.12}
 
 
 # --------------------------------------------------------------------------- shrinkage
