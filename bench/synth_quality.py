@@ -35,9 +35,11 @@ Usage: ``python bench/synth_quality.py --table flchain [--eps 0.5 1 2 5] [--spli
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ from dpfed.common.evaluation.utility_metrics import table_correlation_error  # n
 from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.pca import dppca  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
+from dpfed.common.synth import pair_marginals as pm  # noqa: E402
 from dpfed.common.synth.factor_model import FactorModelSynthesizer, dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
@@ -72,6 +75,7 @@ from dpfed.common.synth.link_release import (  # noqa: E402
     sum_histograms,
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
+from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.pipeline import (  # noqa: E402
     combine_factors,
     links_from_histograms,
@@ -97,23 +101,53 @@ def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFra
 # --------------------------------------------------------------------------- methods
 
 
+#: The ``synth`` job's default generative split with the pair rounds: (epsilon share, delta
+#: share) per round, in round order (PAIRS.md; ``pairs`` = 0 keeps the old links/pca split).
+PAIRS_SPLIT: dict[str, tuple[float, float]] = {
+    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2)}
+#: The split without the pair rounds (the job's generative default before them).
+NO_PAIRS_SPLIT: dict[str, tuple[float, float]] = {
+    "links": SYNTH_DEFAULT_SPLIT["generative"]["links"],
+    "pca": SYNTH_DEFAULT_SPLIT["generative"]["pca"]}
+
+
+def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
+             ) -> dict[str, tuple[float, float]]:
+    """A round -> (epsilon share, delta share) map; a bare pair is the links share (no pairs)."""
+    if isinstance(split, Mapping):
+        return {k: (float(v[0]), float(v[1])) for k, v in split.items()}
+    links = (float(split[0]), float(split[1]))
+    return {"links": links, "pca": (1.0 - links[0], 1.0 - links[1])}
+
+
 def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
-                  links_share: tuple[float, float], n_bins: int,
-                  rng: np.random.Generator, weighting: str = "size") -> SynthModel:
+                  split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
+                  rng: np.random.Generator, weighting: str = "size", pairs: int | None = None,
+                  pair_groups: int = DEFAULT_GROUPS) -> SynthModel:
     """The ``synth`` job's rounds through the same site and coordinator functions.
 
+    ``split`` maps round names to (epsilon share, delta share) (:data:`PAIRS_SPLIT`,
+    :data:`NO_PAIRS_SPLIT`); a bare (epsilon, delta) pair is the links round's share with the
+    rest to the pca round. The two pair rounds run when ``split`` has a ``pairs`` round and
+    ``pairs`` (most 2-way marginals; None: the job's default, columns - 1) is not 0:
+    ``pair_scores`` (every site: the grid from the DP link proportions, exact tables of the
+    candidate pairs, dependence scores, Gaussian release; coordinator: sum, spanning forest)
+    then ``pairs`` (every site: the forest's tables, Gaussian release; coordinator: sum,
+    projection and raking with the pooled row count, the model's correction).
     ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
     of the job's size weights (for the weighting check).
     """
-    el, dl = links_share[0] * eps, links_share[1] * delta
-    ep, dp = (1.0 - links_share[0]) * eps, (1.0 - links_share[1]) * delta
+    shares = as_split(split)
+    el, dl = shares["links"][0] * eps, shares["links"][1] * delta
+    ep, dp = shares["pca"][0] * eps, shares["pca"][1] * delta
     rels = []
     for t in tables:  # site: link round
         acc = LinkHistogramAccumulator(schema, n_bins)
         acc.add(t)
         rels.append(release_link_histograms(acc.counts, schema, epsilon=el, delta=dl, rng=rng))
+    n_total = sum(t.n_rows for t in tables)
     props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
-                                         n_rows=sum(t.n_rows for t in tables))
+                                         n_rows=n_total)
     dim = links.dim
     clip = default_clip_norm(dim)
     factors = []
@@ -129,10 +163,45 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
     dpc = dp_second_moment(est, dim)
     d = np.sqrt(np.diag(dpc))
-    return SynthModel.build(schema, mode="generative", continuous_link="quantile",
-                            n_bins=n_bins, proportions=props, factor_model=fm,
-                            dp_correlation=dpc / np.outer(d, d), rng=rng,
-                            latent_correlation=corr)
+    model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
+                             n_bins=n_bins, proportions=props, factor_model=fm,
+                             dp_correlation=dpc / np.outer(d, d), rng=rng,
+                             latent_correlation=corr)
+    n_cols = len(schema.columns)
+    max_pairs = n_cols - 1 if pairs is None else pairs
+    if "pairs" not in shares or max_pairs == 0 or n_cols < 2:
+        return model
+    es, ds = shares["pair_scores"][0] * eps, shares["pair_scores"][1] * delta
+    eq, dq = shares["pairs"][0] * eps, shares["pairs"][1] * delta
+    grid = pm.PairGrid.from_proportions(schema, props, n_bins, pair_groups)
+    cands = grid.candidate_pairs()
+    if not cands:
+        return model
+    scores = np.zeros(len(cands))
+    for t in tables:  # site: pair_scores round
+        acc2 = pm.PairTableAccumulator(grid, cands)
+        acc2.add(t)
+        exact = pm.dependence_scores(acc2.counts, grid, cands, props, t.n_rows)
+        scores += pm.score_mechanism(len(cands), es, ds).release(exact, rng)
+    edges = pm.choose_forest(scores, cands, n_cols, max_pairs)  # coordinator
+    if not edges:
+        return model
+    total = np.zeros(sum(grid.cells(e) for e in edges))
+    for t in tables:  # site: pairs round
+        acc2 = pm.PairTableAccumulator(grid, edges)
+        acc2.add(t)
+        total += pm.pair_table_mechanism(len(edges), eq, dq).release(acc2.counts, rng)
+    joint = pm.fit_pair_tables(total, grid, edges, props, n_total)  # coordinator
+    return model.with_pairs(grid, edges, joint, rng)
+
+
+def central_pairs_note() -> str:
+    """Which implementation the ``central+pairs`` rows use (printed with the results)."""
+    if "pairs" in inspect.signature(FactorModelSynthesizer).parameters:
+        return ("central+pairs: fit_federated with one site (the pooled rows); note: "
+                "FactorModelSynthesizer now has a `pairs` option -- switch central+pairs to it")
+    return ("central+pairs: the job's rounds with one site (fit_federated on the pooled rows); "
+            "FactorModelSynthesizer has no `pairs` option on this branch")
 
 
 def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
