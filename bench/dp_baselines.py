@@ -114,11 +114,11 @@ except ImportError:
 from real_tables import TABLES, load_table, split_sites  # noqa: E402
 from synth_quality import (  # noqa: E402
     NO_PAIRS_SPLIT,
-    PAIRS_SPLIT,
     Metrics,
     central_pairs_note,
     fit_federated,
     independent_marginals,
+    pairs_split,
 )
 
 import dpfed  # noqa: E402
@@ -438,9 +438,10 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
     print(f"\n== {name}: {n} training rows (4 IID sites), {len(holdout)} holdout rows, "
           f"{len(schema.columns)} columns, target {target!r}, delta {delta:g}; MST/AIM domain "
           f"{disc.domain.size():.3g} cells ({args.bins} bins per continuous column)")
+    most = "columns - 1" if args.pairs is None else args.pairs
     print(f"   dpfed from {Path(dpfed.__file__).resolve().parent}; {central_pairs_note()}; "
-          f"+pairs split {args.pair_split}, pairs {args.pairs or 'columns - 1'}, pair_groups "
-          f"{args.pair_groups}; without pairs {NO_PAIRS_SPLIT}")
+          f"+pairs split {args.pair_split}, pairs {most}, pair_groups {args.pair_groups}; "
+          f"without pairs {NO_PAIRS_SPLIT}")
 
     metrics = Metrics(schema, target, train, holdout, DPFED_BINS)
     split = {"marginals": NO_PAIRS_SPLIT["links"][0], "pca": NO_PAIRS_SPLIT["pca"][0]}
@@ -571,25 +572,15 @@ def main() -> None:
                     help="epsilon share of the pairs round (+pairs rows); the links round gives "
                          "or takes the difference to the job's default split")
     args = ap.parse_args()
-    args.pair_split = pair_split(args.pairs_share)
+    try:
+        args.pair_split = pairs_split(args.pairs_share)
+    except ValueError as exc:
+        raise SystemExit(f"--pairs-share: {exc}") from None
     relations = {"replace-one": [REPLACE_ONE], "add-remove": [ADD_REMOVE],
                  "both": [REPLACE_ONE, ADD_REMOVE]}[args.relation]
     rows = [r for name in args.tables for r in run_table(name, args.eps, args.delta,
                                                           relations, args)]
     summary(rows)
-
-
-def pair_split(pairs_share: float | None) -> dict[str, tuple[float, float]]:
-    """The job's split with pairs, or with the pairs round's epsilon share moved to/from links."""
-    split = dict(PAIRS_SPLIT)
-    if pairs_share is not None:
-        if not 0.0 < pairs_share < split["links"][0] + split["pairs"][0]:
-            raise SystemExit(f"--pairs-share must be in (0, "
-                             f"{split['links'][0] + split['pairs'][0]:g}), got {pairs_share:g}")
-        moved = pairs_share - split["pairs"][0]
-        split["links"] = (split["links"][0] - moved, split["links"][1])
-        split["pairs"] = (pairs_share, split["pairs"][1])
-    return split
 
 
 def summary(rows: list[dict[str, Any]]) -> None:

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,6 @@ from dpfed.common.evaluation.disclosure import (  # noqa: E402
     standardize,
 )
 from dpfed.common.evaluation.utility_metrics import table_correlation_error  # noqa: E402
-from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.pca import dppca  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.synth import pair_marginals as pm  # noqa: E402
@@ -105,10 +105,27 @@ def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFra
 #: share) per round, in round order (PAIRS.md; ``pairs`` = 0 keeps the old links/pca split).
 PAIRS_SPLIT: dict[str, tuple[float, float]] = {
     "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2)}
-#: The split without the pair rounds (the job's generative default before them).
-NO_PAIRS_SPLIT: dict[str, tuple[float, float]] = {
-    "links": SYNTH_DEFAULT_SPLIT["generative"]["links"],
-    "pca": SYNTH_DEFAULT_SPLIT["generative"]["pca"]}
+#: The split without the pair rounds (the job's generative default before them, and with
+#: ``pairs`` = 0).
+NO_PAIRS_SPLIT: dict[str, tuple[float, float]] = {"links": (0.8, 0.5), "pca": (0.2, 0.5)}
+
+
+def pairs_split(pairs_share: float | None = None) -> dict[str, tuple[float, float]]:
+    """The job's split with pairs; ``pairs_share`` moves the pairs round's epsilon share.
+
+    The difference to the default share of the ``pairs`` round is taken from (or given to)
+    the links round; the delta shares stay the job's.
+    """
+    split = dict(PAIRS_SPLIT)
+    if pairs_share is None:
+        return split
+    top = split["links"][0] + split["pairs"][0]
+    if not 0.0 < pairs_share < top:
+        raise ValueError(f"the pairs round's epsilon share must be in (0, {top:g}), got "
+                         f"{pairs_share:g}")
+    split["links"] = (top - pairs_share, split["links"][1])
+    split["pairs"] = (pairs_share, split["pairs"][1])
+    return split
 
 
 def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
@@ -334,9 +351,22 @@ ERRORS = ("tvd1", "tvd2", "tvd2max", "corr")
 HIGHER = ("auc", "dcr", "nndr")
 
 
+@dataclass(frozen=True)
+class PairOptions:
+    """Which rows run with the pair rounds and how (``--pairs-rows``, ``--pairs``, ...)."""
+
+    rows: str = "both"  # "both": plain and +pairs rows side by side; "on"; "off"
+    split: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(PAIRS_SPLIT))
+    pairs: int | None = None
+    groups: int = DEFAULT_GROUPS
+    secure: bool = True
+
+
 def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_bins: int,
-        seed: int, reps: int, n_rows: int = 25_000) -> list[dict[str, Any]]:
+        seed: int, reps: int, n_rows: int = 25_000,
+        opts: PairOptions | None = None) -> list[dict[str, Any]]:
     """Print (and return) the quality table of one table at every epsilon."""
+    opts = PairOptions() if opts is None else opts
     schema, frame, target = load(table, seed, n_rows)
     sites_iid, holdout = split_sites(frame, N_SITES, iid=True, seed=seed)
     sites_non, _ = split_sites(frame, N_SITES, iid=False, seed=seed)
@@ -346,15 +376,20 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
     enc_iid = [encode_table(schema, s)[0] for s in sites_iid]
     enc_non = [encode_table(schema, s)[0] for s in sites_non]
     n = len(train)
+    plain, paired = opts.rows in ("both", "off"), opts.rows in ("both", "on")
     print(f"\n{table}: {n} training rows ({N_SITES} sites), {len(holdout)} holdout rows, "
           f"{len(schema.columns)} columns, target {target!r}, delta {DELTA:g}, links share "
           f"{links_share[0]:g} of epsilon / {links_share[1]:g} of delta, {n_bins} bins, mean of "
           f"{reps} noise draws")
+    if paired:
+        print(f"  +pairs rows: split {dict(opts.split)}, pairs "
+              f"{opts.pairs if opts.pairs is not None else 'columns - 1'}, pair_groups "
+              f"{opts.groups}; {central_pairs_note()}; secure rows run without pairs")
     cols = ("eps", "method") + ERRORS + HIGHER + ("cal", "s", "tvd1/ind", "fed/central")
     print(f"{cols[0]:>10} {cols[1]:>17} " + " ".join(f"{h:>8}" for h in cols[2:]))
     rows: list[dict[str, Any]] = []
     tmp = tempfile.TemporaryDirectory()
-    fed = federation(Path(tmp.name), SITE_IDS)
+    fed = federation(Path(tmp.name), SITE_IDS) if opts.secure and plain else None
 
     def show(eps: float | str, row: dict[str, Any], indep: float | None,
              central: dict[str, Any] | None) -> None:
@@ -391,30 +426,47 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
             t = time.perf_counter()
             syn, props = independent_marginals(schema, enc_iid, eps, DELTA, n, n_bins, rng)
             add("indep-fed", syn, t, props)
-            t = time.perf_counter()
-            fm = FactorModelSynthesizer(schema, epsilon=eps, delta=DELTA, budget_split=split,
-                                        n_bins=n_bins, rng=rng).fit(train)
-            add("central", fm.sample(n), t, fm.proportions_)
-            for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
+            if plain:
                 t = time.perf_counter()
-                model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
-                add(name, model.sample(n, rng=rng), t, model.proportions)
-            for name, parts in (("fed-secure-iid", enc_iid), ("fed-secure-noniid", enc_non)):
-                t = time.perf_counter()
-                model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng, n_bins=n_bins,
-                                   links_share=links_share)
-                add(name, model.sample(n, rng=rng), t, model.proportions)
+                fm = FactorModelSynthesizer(schema, epsilon=eps, delta=DELTA,
+                                            budget_split=split, n_bins=n_bins, rng=rng
+                                            ).fit(train)
+                add("central", fm.sample(n), t, fm.proportions_)
+                for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
+                    t = time.perf_counter()
+                    model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
+                    add(name, model.sample(n, rng=rng), t, model.proportions)
+            if paired:
+                for name, parts in (("central+pairs", [pooled]), ("fed-iid+pairs", enc_iid),
+                                    ("fed-noniid+pairs", enc_non)):
+                    t = time.perf_counter()
+                    model = fit_federated(schema, parts, eps, DELTA, opts.split, n_bins, rng,
+                                          pairs=opts.pairs, pair_groups=opts.groups)
+                    add(name, model.sample(n, rng=rng), t, model.proportions)
+            if fed is not None:
+                for name, parts in (("fed-secure-iid", enc_iid),
+                                    ("fed-secure-noniid", enc_non)):
+                    t = time.perf_counter()
+                    model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng,
+                                       n_bins=n_bins, links_share=links_share)
+                    add(name, model.sample(n, rng=rng), t, model.proportions)
         mean = {name: {"method": name, **{k: float(np.mean([r[k] for r in rs]))
                                           for k in rs[0] if k != "method"}}
                 for name, rs in runs.items()}
         show(eps, mean["indep"], mean["indep"]["tvd1"], None)
         show(eps, mean["indep-fed"], mean["indep-fed"]["tvd1"], None)
-        show(eps, mean["central"], mean["indep"]["tvd1"], None)
-        for name in FEDERATED:  # secure sums pool the counts: its floor is the pooled indep
-            floor = mean["indep" if "secure" in name else "indep-fed"]["tvd1"]
-            show(eps, mean[name], floor, mean["central"])
+        for suffix in ("", "+pairs"):
+            central = mean.get("central" + suffix)
+            if central is None:
+                continue
+            show(eps, central, mean["indep"]["tvd1"], None)
+            for name in FEDERATED:  # secure sums pool the counts: its floor is the pooled indep
+                if name + suffix in mean:
+                    floor = mean["indep" if "secure" in name else "indep-fed"]["tvd1"]
+                    show(eps, mean[name + suffix], floor, central)
     print("federated / central per metric (errors fed/central; auc, dcr, nndr central/fed; "
-          "goal <= 1.2), site-level (fed-*) and secure (fed-secure-*):")
+          "goal <= 1.2), site-level (fed-*) and secure (fed-secure-*); +pairs rows against "
+          "central+pairs:")
     print(f"{'eps':>10} {'method':>17} " + " ".join(f"{k:>8}" for k in ERRORS + HIGHER)
           + f" {'worst':>8}")
     for row in rows:
@@ -423,8 +475,23 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
             worst = max(r, key=r.get)
             print(f"{row['eps']!s:>10} {row['method']:>17} " + " ".join(
                 f"{r[k]:>8.2f}" for k in ERRORS + HIGHER) + f" {r[worst]:>5.2f} {worst}")
+    goals(rows)
     tmp.cleanup()
     return rows
+
+
+def goals(rows: list[dict[str, Any]]) -> None:
+    """Where the goals hold: tvd1/indep <= 1.2 and every fed/central ratio <= 1.2."""
+    print("goals (tvd1/indep <= 1.2; fed/central <= 1.2 on every metric):")
+    for row in rows:
+        if row["eps"] == "real" or row["method"].startswith("indep"):
+            continue
+        ind = row.get("tvd1_indep")
+        misses = [] if ind is None or ind <= 1.2 else [f"tvd1/indep {ind:.2f}"]
+        fc = row.get("fed_central") or {}
+        misses += [f"{k} {v:.2f}" for k, v in fc.items() if v > 1.2]
+        print(f"{row['eps']!s:>10} {row['method']:>17}  "
+              + ("met" if not misses else "MISSED: " + ", ".join(misses)))
 
 
 #: Fractions of each non-IID site's rows kept by the weighting check (unequal sizes).
@@ -467,22 +534,35 @@ def main() -> None:
     ap.add_argument("--table", choices=("flchain", "health_insurance", "generated", "all"),
                     default="all")
     ap.add_argument("--eps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 5.0])
-    default = SYNTH_DEFAULT_SPLIT["generative"]["links"]
+    default = NO_PAIRS_SPLIT["links"]
     ap.add_argument("--split", type=float, default=default[0],
-                    help="epsilon share of the link round (default: the job's)")
+                    help="epsilon share of the link round of the rows without pairs "
+                         "(default: the job's with pairs = 0)")
     ap.add_argument("--delta-split", type=float, default=default[1],
-                    help="delta share of the link round (default: the job's)")
+                    help="delta share of the link round of the rows without pairs")
     ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--weighting-check", action="store_true",
                     help="also compare size vs equal factor weights on unequal non-IID sites")
     ap.add_argument("--reps", type=int, default=3,
                     help="noise repetitions averaged per epsilon (same data split)")
+    ap.add_argument("--pairs-rows", choices=("both", "on", "off"), default="both",
+                    help="rows without the pair rounds (off), with them (on, the job's default "
+                         "split with pairs), or both side by side")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="most 2-way marginals of the +pairs rows (default: columns - 1)")
+    ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
+                    help="groups per ordered column in a pair table (+pairs rows)")
+    ap.add_argument("--no-secure", action="store_true",
+                    help="skip the secure-aggregation rows (they run without pairs)")
     args = ap.parse_args()
+    opts = PairOptions(rows=args.pairs_rows, pairs=args.pairs, groups=args.pair_groups,
+                       secure=not args.no_secure)
     tables = (["flchain", "health_insurance", "generated"] if args.table == "all"
               else [args.table])
     for table in tables:
-        run(table, args.eps, (args.split, args.delta_split), args.bins, args.seed, args.reps)
+        run(table, args.eps, (args.split, args.delta_split), args.bins, args.seed, args.reps,
+            opts=opts)
         if args.weighting_check:
             weighting_check(table, args.eps, (args.split, args.delta_split), args.bins,
                             args.seed, args.reps)
