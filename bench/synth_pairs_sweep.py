@@ -53,7 +53,7 @@ def scores(metrics: Metrics, fit: Any, n: int, reps: int, key: list[int]) -> dic
 
 
 def run(table: str, epsilons: list[float], groups: list[int], shares: list[float], reps: int,
-        seed: int) -> None:
+        seed: int, gates: tuple[bool, ...] = (False,)) -> None:
     """Print one block per (table, epsilon)."""
     schema, frame, target = load_table(table)
     sites, holdout = split_sites(frame, 4, iid=True, seed=seed)
@@ -69,17 +69,19 @@ def run(table: str, epsilons: list[float], groups: list[int], shares: list[float
             key = [seed, int(round(eps * 1000)), len(tables)]
             base = scores(metrics, lambda rng, t=tables, e=eps: fit_federated(
                 schema, t, e, DELTA, NO_PAIRS_SPLIT, DEFAULT_BINS, rng), n, reps, key)
-            print(f"  {method:>8} no pairs            " + " / ".join(
+            print(f"  {method:>8} {'no pairs':<24} " + " / ".join(
                 f"{base[k]:.4f}" for k in KEYS), flush=True)
-            for g in groups:
-                for share in shares:
-                    split = pairs_split(share)
-                    got = scores(metrics, lambda rng, t=tables, e=eps, s=split, g=g:
-                                 fit_federated(schema, t, e, DELTA, s, DEFAULT_BINS, rng,
-                                               pair_groups=g), n, reps, key)
-                    print(f"  {method:>8} groups {g:>2} pairs {share:.2f} " + " / ".join(
-                        f"{got[k]:.4f}" for k in KEYS)
-                        + f"  (x{got['tvd2'] / base['tvd2']:.2f})", flush=True)
+            for gate in gates:
+                for g in groups:
+                    for share in shares:
+                        split = pairs_split(share)
+                        got = scores(metrics, lambda rng, t=tables, e=eps, s=split, g=g, q=gate:
+                                     fit_federated(schema, t, e, DELTA, s, DEFAULT_BINS, rng,
+                                                   pair_groups=g, gate=q), n, reps, key)
+                        label = f"groups {g:>2} pairs {share:.2f}" + (" gated" if gate else "")
+                        print(f"  {method:>8} {label:<24} " + " / ".join(
+                            f"{got[k]:.4f}" for k in KEYS)
+                            + f"  (x{got['tvd2'] / base['tvd2']:.2f})", flush=True)
 
 
 def main() -> None:
@@ -90,14 +92,18 @@ def main() -> None:
     ap.add_argument("--pairs-shares", nargs="+", type=float, default=[0.15, 0.2, 0.25])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--gate", choices=("off", "on", "both"), default="off",
+                    help="also (or only) choose the forest on scores minus the expected noise "
+                         "of each pair's table (synth_quality.gated_scores; an experiment)")
     args = ap.parse_args()
+    gates = {"off": (False,), "on": (True,), "both": (False, True)}[args.gate]
     for share in args.pairs_shares:
         try:
             pairs_split(share)
         except ValueError as exc:
             raise SystemExit(f"--pairs-shares: {exc}") from None
     for table in args.tables:
-        run(table, args.eps, args.groups, args.pairs_shares, args.reps, args.seed)
+        run(table, args.eps, args.groups, args.pairs_shares, args.reps, args.seed, gates)
 
 
 if __name__ == "__main__":

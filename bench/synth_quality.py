@@ -140,7 +140,7 @@ def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
 def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
                   split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
                   rng: np.random.Generator, weighting: str = "size", pairs: int | None = None,
-                  pair_groups: int = DEFAULT_GROUPS) -> SynthModel:
+                  pair_groups: int = DEFAULT_GROUPS, gate: bool = False) -> SynthModel:
     """The ``synth`` job's rounds through the same site and coordinator functions.
 
     ``split`` maps round names to (epsilon share, delta share) (:data:`PAIRS_SPLIT`,
@@ -152,7 +152,8 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     then ``pairs`` (every site: the forest's tables, Gaussian release; coordinator: sum,
     projection and raking with the pooled row count, the model's correction).
     ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
-    of the job's size weights (for the weighting check).
+    of the job's size weights (for the weighting check). ``gate`` (an experiment, not the
+    job): the forest is chosen on :func:`gated_scores` instead of the raw noisy scores.
     """
     shares = as_split(split)
     el, dl = shares["links"][0] * eps, shares["links"][1] * delta
@@ -200,6 +201,10 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
         acc2.add(t)
         exact = pm.dependence_scores(acc2.counts, grid, cands, props, t.n_rows)
         scores += pm.score_mechanism(len(cands), es, ds).release(exact, rng)
+    if gate:  # coordinator (post-processing of the noisy scores and public sigmas)
+        scores, cands = gated_scores(scores, grid, cands, max_pairs, eq, dq, len(tables))
+        if not cands:
+            return model
     edges = pm.choose_forest(scores, cands, n_cols, max_pairs)  # coordinator
     if not edges:
         return model
@@ -219,6 +224,29 @@ def central_pairs_note() -> str:
                 "FactorModelSynthesizer now has a `pairs` option -- switch central+pairs to it")
     return ("central+pairs: the job's rounds with one site (fit_federated on the pooled rows); "
             "FactorModelSynthesizer has no `pairs` option on this branch")
+
+
+def gated_scores(scores: np.ndarray, grid: pm.PairGrid, cands: list[pm.Pair], max_pairs: int,
+                 epsilon: float, delta: float, n_sites: int
+                 ) -> tuple[np.ndarray, list[pm.Pair]]:
+    """Noisy scores minus the expected L1 error of the pair's released table (an experiment).
+
+    A pair table helps only where the pair's dependence (its score, an L1 distance in counts)
+    exceeds the noise its release adds: ``cells sigma sqrt(S) sqrt(2/pi)`` for ``S`` sites at
+    the pairs round's Gaussian ``sigma`` (``K`` = ``max_pairs`` tables, then once more with the
+    number of pairs that pass). Returns the positive gated scores and their pairs.
+    Post-processing: noisy scores and public calibration only.
+    """
+    k = max(min(max_pairs, len(cands)), 1)
+    keep = np.zeros(len(cands), dtype=bool)
+    gated = scores
+    for _ in range(2):
+        sigma = pm.pair_table_mechanism(k, epsilon, delta).sigma
+        cost = np.array([grid.cells(p) for p in cands]) * sigma * np.sqrt(n_sites * 2 / np.pi)
+        gated = scores - cost
+        keep = gated > 0
+        k = max(min(int(keep.sum()), max_pairs), 1)
+    return gated[keep], [p for p, ok in zip(cands, keep, strict=True) if ok]
 
 
 def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
