@@ -44,6 +44,15 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
 ``fed-iid``
     the same pipeline over the 4 IID sites, each spending the full (epsilon, delta) on its own
     rows (parallel composition, as in the federation).
+``central+pairs`` / ``fed-iid+pairs``
+    the same with the job's two pair rounds (``pair_scores``, ``pairs``: DP 2-way tables of a
+    spanning forest of column pairs and the correction fitting generated rows to them) at the
+    job's default split with pairs (links 0.6 / 0.4, pca 0.15 / 0.3, pair_scores 0.05 / 0.1,
+    pairs 0.2 / 0.2 of (epsilon, delta); ``fit_federated`` of ``bench/synth_quality.py``).
+    ``central+pairs`` runs the job's rounds with one site on the pooled rows (the header line
+    says so; ``FactorModelSynthesizer`` has no pairs option). ``--pairs``, ``--pair-groups``
+    and ``--pairs-share`` change them. Rows without pairs use the split with ``pairs`` = 0
+    (links 0.8 / 0.5, pca 0.2 / 0.5).
 
 Neighbouring relation. dpfed uses replace-one (bounded DP): a neighbouring table has the same
 number of rows and one row changed. The published MST and AIM are analysed under add/remove
@@ -62,7 +71,7 @@ Continuous columns are discretised for MST/AIM on public bins from the schema bo
 (``--bins`` equal-width bins, 32 by default, never from the data) and decoded by sampling
 uniformly inside the bin.
 
-``--repeats R`` runs ``indep`` and dpfed's three methods R times with fresh noise (they take
+``--repeats R`` runs ``indep`` and dpfed's methods R times with fresh noise (they take
 seconds) and prints the mean, with the standard deviation of tvd2 and auc; MST and AIM run once
 unless ``--repeat-baselines``. A summary of tvd2 / auc / seconds per epsilon closes the run.
 

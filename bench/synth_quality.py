@@ -16,6 +16,12 @@ split into a real holdout (20 %) and 4 site tables, IID or non-IID
 * ``fed-secure-iid`` / ``fed-secure-noniid``: the job with ``--aggregation secure``, 4 sites:
   the sites' real secure sources, Skellam shares and masks, and the job's post-processing of
   the decoded sums, in-process (:func:`secure_synth_round.fit_secure`).
+* ``central+pairs``, ``fed-iid+pairs``, ``fed-noniid+pairs``: the same with the job's two pair
+  rounds (``pair_scores``, ``pairs``; :func:`fit_federated`) at the job's default split with
+  pairs (:data:`PAIRS_SPLIT`); ``central+pairs`` is the job's rounds with one site on the
+  pooled rows. ``--pairs-rows on|off|both`` (default both: side by side with the rows above,
+  which use the split with ``pairs`` = 0); ``--pairs``, ``--pair-groups``. The secure rows
+  run without pairs (``--no-secure`` skips them).
 
 Metrics against the real holdout: ``tvd1`` mean 1-way TVD (continuous columns on 20 bins),
 ``tvd2``/``tvd2max`` mean/max 2-way TVD (continuous on 5 bins), ``corr`` mean |correlation
@@ -25,7 +31,9 @@ close as fresh data), ``nndr`` median nearest-neighbour distance ratio, ``cal`` 
 between each synthetic column and its released DP marginal on the release bins (calibration:
 sampling error only). Ratios: ``tvd1/indep`` (central and secure vs indep, site-level
 federated vs indep-fed; goal <= 1.2) and federated / central per metric (errors
-fed/central, auc/dcr/nndr central/fed; goal <= 1.2), site-level and secure side by side.
+fed/central, auc/dcr/nndr central/fed; goal <= 1.2; ``+pairs`` rows against
+``central+pairs``), site-level and secure side by side; a last block says per row which goal
+is met or missed.
 
 Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
 
