@@ -301,10 +301,16 @@ def run(rows: int, rounds: int, big_rows: int = 0) -> None:
         small, large = max(rows // 4, 4 * CHUNK_ROWS), 4 * max(rows // 4, 4 * CHUNK_ROWS)
         mem = [run_child(model_path, n, trace=True) for n in (small, large)]
         rss = [run_child(model_path, n, trace=False) for n in (small, large)]
+        paired_path = paired.save(Path(tmp) / "paired.npz")
+        mem_p = [run_child(paired_path, n, trace=True) for n in (small, large)]
         big = run_child(model_path, big_rows, trace=False) if big_rows else None
     print(f"  peak traced memory: {mem[0]['traced_mib']:.0f} MiB at {small:,} rows, "
           f"{mem[1]['traced_mib']:.0f} MiB at {large:,} rows (ratio "
           f"{mem[1]['traced_mib'] / max(mem[0]['traced_mib'], 1e-9):.2f}; 1 = independent of N)")
+    print(f"  with pairs (model saved and loaded): peak traced memory "
+          f"{mem_p[0]['traced_mib']:.0f} MiB at {small:,} rows, {mem_p[1]['traced_mib']:.0f} MiB "
+          f"at {large:,} rows (ratio "
+          f"{mem_p[1]['traced_mib'] / max(mem_p[0]['traced_mib'], 1e-9):.2f})")
     grow = [r["rss_mib"] - r["rss_before_mib"] for r in rss]
     print(f"  peak RSS while writing: {rss[0]['rss_mib']:.0f} MiB at {small:,} rows, "
           f"{rss[1]['rss_mib']:.0f} MiB at {large:,} rows (ratio "
