@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_tables import load_table, split_sites  # noqa: E402
 from secure_synth_round import federation, fit_secure  # noqa: E402
 
+import dpfed  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
@@ -417,6 +418,7 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
           f"{len(schema.columns)} columns, target {target!r}, delta {DELTA:g}, links share "
           f"{links_share[0]:g} of epsilon / {links_share[1]:g} of delta, {n_bins} bins, mean of "
           f"{reps} noise draws")
+    print(f"  dpfed from {Path(dpfed.__file__).resolve().parent}")
     if paired:
         print(f"  +pairs rows: split {dict(opts.split)}, pairs "
               f"{opts.pairs if opts.pairs is not None else 'columns - 1'}, pair_groups "
