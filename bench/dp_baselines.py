@@ -44,6 +44,15 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
 ``fed-iid``
     the same pipeline over the 4 IID sites, each spending the full (epsilon, delta) on its own
     rows (parallel composition, as in the federation).
+``central+pairs`` / ``fed-iid+pairs``
+    the same with the job's two pair rounds (``pair_scores``, ``pairs``: DP 2-way tables of a
+    spanning forest of column pairs and the correction fitting generated rows to them) at the
+    job's default split with pairs (links 0.6 / 0.4, pca 0.15 / 0.3, pair_scores 0.05 / 0.1,
+    pairs 0.2 / 0.2 of (epsilon, delta); ``fit_federated`` of ``bench/synth_quality.py``).
+    ``central+pairs`` runs the job's rounds with one site on the pooled rows (the header line
+    says so; ``FactorModelSynthesizer`` has no pairs option). ``--pairs``, ``--pair-groups``
+    and ``--pairs-share`` change them. Rows without pairs use the split with ``pairs`` = 0
+    (links 0.8 / 0.5, pca 0.2 / 0.5).
 
 Neighbouring relation. dpfed uses replace-one (bounded DP): a neighbouring table has the same
 number of rows and one row changed. The published MST and AIM are analysed under add/remove
@@ -62,7 +71,7 @@ Continuous columns are discretised for MST/AIM on public bins from the schema bo
 (``--bins`` equal-width bins, 32 by default, never from the data) and decoded by sampling
 uniformly inside the bin.
 
-``--repeats R`` runs ``indep`` and dpfed's three methods R times with fresh noise (they take
+``--repeats R`` runs ``indep`` and dpfed's methods R times with fresh noise (they take
 seconds) and prints the mean, with the standard deviation of tvd2 and auc; MST and AIM run once
 unless ``--repeat-baselines``. A summary of tvd2 / auc / seconds per epsilon closes the run.
 
@@ -112,13 +121,21 @@ except ImportError:
                      "python bench/dp_baselines.py") from None
 
 from real_tables import TABLES, load_table, split_sites  # noqa: E402
-from synth_quality import Metrics, fit_federated, independent_marginals  # noqa: E402
+from synth_quality import (  # noqa: E402
+    NO_PAIRS_SPLIT,
+    Metrics,
+    central_pairs_note,
+    fit_federated,
+    independent_marginals,
+    pairs_split,
+)
 
+import dpfed  # noqa: E402
 from dpfed.common.data.encoding import encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
-from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.privacy.accounting import rho_for_epsilon  # noqa: E402
 from dpfed.common.synth.factor_model import FactorModelSynthesizer  # noqa: E402
+from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.quantile_link import DEFAULT_BINS  # noqa: E402
 
 # --------------------------------------------------------------------------- relation
@@ -403,6 +420,7 @@ def aim(data: Dataset, rho: float, rel: Relation, rng: np.random.Generator, *, d
 
 
 DPFED_BINS = DEFAULT_BINS  # the job's default bins per continuous column
+DPFED_METHODS = ("central", "fed-iid", "central+pairs", "fed-iid+pairs")
 HEADER = ("method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s")
 METRICS = HEADER[1:]
 Method = Callable[[np.random.Generator], tuple[pd.DataFrame, str]]
@@ -429,10 +447,13 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
     print(f"\n== {name}: {n} training rows (4 IID sites), {len(holdout)} holdout rows, "
           f"{len(schema.columns)} columns, target {target!r}, delta {delta:g}; MST/AIM domain "
           f"{disc.domain.size():.3g} cells ({args.bins} bins per continuous column)")
+    most = "columns - 1" if args.pairs is None else args.pairs
+    print(f"   dpfed from {Path(dpfed.__file__).resolve().parent}; {central_pairs_note()}; "
+          f"+pairs split {args.pair_split}, pairs {most}, pair_groups {args.pair_groups}; "
+          f"without pairs {NO_PAIRS_SPLIT}")
 
     metrics = Metrics(schema, target, train, holdout, DPFED_BINS)
-    share = SYNTH_DEFAULT_SPLIT["generative"]["links"]
-    split = {"marginals": share[0], "pca": 1.0 - share[0]}
+    split = {"marginals": NO_PAIRS_SPLIT["links"][0], "pca": NO_PAIRS_SPLIT["pca"][0]}
 
     def ev(method: str, syn: pd.DataFrame, seconds: float) -> dict[str, Any]:
         return metrics.evaluate(method, syn, seconds)
@@ -483,10 +504,23 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
             return fm.sample(n), "central"
 
         def fed(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
-            model = fit_federated(schema, site_tables, _eps, delta, share, DPFED_BINS, rng)
+            model = fit_federated(schema, site_tables, _eps, delta, NO_PAIRS_SPLIT, DPFED_BINS,
+                                  rng)
             return model.sample(n, rng=rng), "fed-iid"
 
-        methods += [("central", central, True), ("fed-iid", fed, True)]
+        def central_pairs(rng: np.random.Generator, _eps: float = eps
+                          ) -> tuple[pd.DataFrame, str]:
+            model = fit_federated(schema, [pooled], _eps, delta, args.pair_split, DPFED_BINS,
+                                  rng, pairs=args.pairs, pair_groups=args.pair_groups)
+            return model.sample(n, rng=rng), "central+pairs"
+
+        def fed_pairs(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            model = fit_federated(schema, site_tables, _eps, delta, args.pair_split, DPFED_BINS,
+                                  rng, pairs=args.pairs, pair_groups=args.pair_groups)
+            return model.sample(n, rng=rng), "fed-iid+pairs"
+
+        methods += [("central", central, True), ("fed-iid", fed, True),
+                    ("central+pairs", central_pairs, True), ("fed-iid+pairs", fed_pairs, True)]
         here = []
         for index, (_name, run, cheap) in enumerate(methods):
             runs = []
@@ -512,7 +546,7 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
 def ratios(rows: list[dict[str, Any]]) -> None:
     """dpfed's methods against AIM and MST (of every relation run): tvd2, auc, time."""
     refs = [r for r in rows if r["method"].startswith(("AIM", "MST"))]
-    ours = [r for r in rows if r["method"] in ("central", "fed-iid")]
+    ours = [r for r in rows if r["method"] in DPFED_METHODS]
     for ref in refs:
         print(f"  vs {ref['method']}: " + "; ".join(
             f"{r['method']} tvd2 x{r['tvd2'] / ref['tvd2']:.2f}, auc x{r['auc'] / ref['auc']:.2f}"
@@ -539,7 +573,18 @@ def main() -> None:
     ap.add_argument("--aim-iters", type=int, default=1000)
     ap.add_argument("--aim-time-limit", type=float, default=900.0, help="seconds per AIM run")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="most 2-way marginals of the +pairs rows (default: columns - 1)")
+    ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
+                    help="groups per ordered column in a pair table (+pairs rows)")
+    ap.add_argument("--pairs-share", type=float, default=None,
+                    help="epsilon share of the pairs round (+pairs rows); the links round gives "
+                         "or takes the difference to the job's default split")
     args = ap.parse_args()
+    try:
+        args.pair_split = pairs_split(args.pairs_share)
+    except ValueError as exc:
+        raise SystemExit(f"--pairs-share: {exc}") from None
     relations = {"replace-one": [REPLACE_ONE], "add-remove": [ADD_REMOVE],
                  "both": [REPLACE_ONE, ADD_REMOVE]}[args.relation]
     rows = [r for name in args.tables for r in run_table(name, args.eps, args.delta,

@@ -2,7 +2,10 @@
 
 A generative model over 20 mixed columns (16 continuous with quantile links, 2 ordinal, 2
 nominal: latent dimension 24) fitted to the mixed demo table writes ``--rows`` rows to Parquet
-with :meth:`dpfed.aggregator.synth_model.SynthModel.write`.
+with :meth:`dpfed.aggregator.synth_model.SynthModel.write`; so does the same model with the
+pair correction of 19 pair tables (the ``synth`` job's default ``pairs``), and the ratio of
+the two times is printed, with each one-thread stage's share of the time (latent draw,
+decode, pair correction, Arrow, Parquet).
 
 The floor, measured in the same run and in the same process (the machine is shared and noisy):
 drawing the ``N x p`` standard normals (float32) and the ``N x p`` by ``p x p`` product that
@@ -59,12 +62,25 @@ from dpfed.common.synth.link_release import (  # noqa: E402
     proportions_from_histograms,
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
+from dpfed.common.synth.pair_marginals import (  # noqa: E402
+    DEFAULT_GROUPS,
+    PairTableAccumulator,
+    choose_forest,
+    dependence_scores,
+    fit_pair_tables,
+)
 
 BINS = 32
 
 
-def build_model(seed: int = 3) -> SynthModel:
-    """The 20-column mixed model (fitted at epsilon 1 on one site of 20 000 demo rows)."""
+def build_model(seed: int = 3, pairs: bool = False) -> SynthModel:
+    """The 20-column mixed model (fitted at epsilon 1 on one site of 20 000 demo rows).
+
+    ``pairs``: the same model with the pair correction of a spanning forest (19 edges, the
+    job's default ``pairs`` = columns - 1, :data:`DEFAULT_GROUPS` groups) fitted to the exact
+    pair tables of the demo rows (this bench measures speed: the correction's cost does not
+    depend on the noise of its tables).
+    """
     schema, frames = generate_demo(1, 20_000, 20, seed=seed, mixed=True)
     table, _ = encode_table(schema, frames[0])
     rng = np.random.default_rng(0)
@@ -80,9 +96,22 @@ def build_model(seed: int = 3) -> SynthModel:
     est = dppca.combine([dppca.site_release(g.gram(), table.n_rows, epsilon=1.0, delta=1e-6,
                                             rank=dim, rng=rng).factor], dim)
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
-    return SynthModel.build(schema, mode="generative", continuous_link="quantile",
-                            n_bins=BINS, proportions=props, factor_model=fm,
-                            dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)
+    model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
+                             n_bins=BINS, proportions=props, factor_model=fm,
+                             dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)
+    if not pairs:
+        return model
+    grid = model.pair_grid(DEFAULT_GROUPS)
+    cands = grid.candidate_pairs()
+    acc2 = PairTableAccumulator(grid, cands)
+    acc2.add(table)
+    d = len(schema.columns)
+    edges = choose_forest(dependence_scores(acc2.counts, grid, cands, props, table.n_rows),
+                          cands, d, d - 1)
+    acc2 = PairTableAccumulator(grid, edges)
+    acc2.add(table)
+    joint = fit_pair_tables(acc2.counts.astype(np.float64), grid, edges, props, table.n_rows)
+    return model.with_pairs(grid, edges, joint, rng)
 
 
 def floor_seconds(model: SynthModel, rows: int, path: Path) -> tuple[float, float, float]:
@@ -117,7 +146,9 @@ def stages(model: SynthModel, rows: int) -> dict[str, float]:
     rng = np.random.default_rng(2)
     fm, decode = model.factor_model, model.decode_links
     labels = arrow_dictionaries(model.schema)
-    out = {"latent draw": 0.0, "decode": 0.0, "arrow": 0.0, "parquet": 0.0}
+    correction = model.pair_correction
+    out = {"latent draw": 0.0, "decode": 0.0, "pair correction": 0.0, "arrow": 0.0,
+           "parquet": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         writer: pq.ParquetWriter | None = None
         for start in range(0, rows, CHUNK_ROWS):
@@ -127,6 +158,9 @@ def stages(model: SynthModel, rows: int) -> dict[str, float]:
             t1 = time.perf_counter()
             enc = decode.from_latent(x)
             t2 = time.perf_counter()
+            if correction is not None:
+                enc = correction.apply(enc, rng)
+            t2c = time.perf_counter()
             table = arrow_table(enc, labels)
             t3 = time.perf_counter()
             if writer is None:
@@ -134,7 +168,8 @@ def stages(model: SynthModel, rows: int) -> dict[str, float]:
                                           use_dictionary=list(labels), **PARQUET_OPTIONS)
             writer.write_table(table)
             t4 = time.perf_counter()
-            for key, dt in zip(out, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for key, dt in zip(out, (t1 - t0, t2 - t1, t2c - t2, t3 - t2c, t4 - t3),
+                               strict=True):
                 out[key] += dt
         assert writer is not None
         writer.close()
@@ -207,11 +242,13 @@ def main() -> None:
 def run(rows: int, rounds: int, big_rows: int = 0) -> None:
     """Print the figures (see the module docstring)."""
     model = build_model()
+    paired = build_model(pairs=True)
     p = model.factor_model.dim
     print(f"generation: {len(model.schema.columns)} mixed columns (latent dimension {p}), "
           f"{rows:,} rows to Parquet per write, chunks of {CHUNK_ROWS:,} rows, "
           f"{default_workers()} worker thread(s), {os.cpu_count()} CPUs")
     ratios, ratios_1, cpu_ratios = [], [], []
+    pair_ratios, pair_ratios_1 = [], []
     best = best_1 = best_floor = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         model_path = model.save(Path(tmp) / "model.npz")
@@ -235,21 +272,45 @@ def run(rows: int, rounds: int, big_rows: int = 0) -> None:
                   f"(x{ours / floor:.2f} the floor's time), one thread {rows / one:>10,.0f} "
                   f"rows/s (x{one / floor:.2f}); CPU seconds ours/floor "
                   f"{ours_cpu / floor_cpu:.2f}", flush=True)
+            t = time.perf_counter()
+            paired.write(Path(tmp) / "pairs.parquet", rows, rng=np.random.default_rng(r))
+            ours_p = time.perf_counter() - t
+            t = time.perf_counter()
+            paired.write(Path(tmp) / "pairs1.parquet", rows, rng=np.random.default_rng(r),
+                         workers=0)
+            one_p = time.perf_counter() - t
+            pair_ratios.append(ours_p / ours)
+            pair_ratios_1.append(one_p / one)
+            print(f"           with pairs ({len(paired.pair_correction.steps)} edges): "
+                  f"{rows / ours_p:>10,.0f} rows/s (x{ours_p / floor:.2f} the floor's time, "
+                  f"x{ours_p / ours:.2f} without pairs), one thread {rows / one_p:>10,.0f} "
+                  f"rows/s (x{one_p / floor:.2f} the floor, x{one_p / one:.2f} without pairs)",
+                  flush=True)
         print(f"  best: floor {best_floor:,.0f} rows/s, ours {best:,.0f} rows/s, one thread "
               f"{best_1:,.0f} rows/s; median time ratio ours/floor "
               f"{statistics.median(ratios):.2f} (one thread {statistics.median(ratios_1):.2f});"
               f" median CPU-time ratio {statistics.median(cpu_ratios):.2f}")
-        st = stages(model, min(rows, 1_000_000))
-        total = sum(st.values())
-        print("  one-thread stages: " + ", ".join(f"{k} {v / total:.0%}"
-                                                  for k, v in st.items()))
+        print(f"  with pairs: median time ratio with/without pairs "
+              f"{statistics.median(pair_ratios):.2f} (one thread "
+              f"{statistics.median(pair_ratios_1):.2f})")
+        for label, m in (("without pairs", model), ("with pairs", paired)):
+            st = stages(m, min(rows, 1_000_000))
+            total = sum(st.values())
+            print(f"  one-thread stages {label}: " + ", ".join(
+                f"{k} {v / total:.0%}" for k, v in st.items()))
         small, large = max(rows // 4, 4 * CHUNK_ROWS), 4 * max(rows // 4, 4 * CHUNK_ROWS)
         mem = [run_child(model_path, n, trace=True) for n in (small, large)]
         rss = [run_child(model_path, n, trace=False) for n in (small, large)]
+        paired_path = paired.save(Path(tmp) / "paired.npz")
+        mem_p = [run_child(paired_path, n, trace=True) for n in (small, large)]
         big = run_child(model_path, big_rows, trace=False) if big_rows else None
     print(f"  peak traced memory: {mem[0]['traced_mib']:.0f} MiB at {small:,} rows, "
           f"{mem[1]['traced_mib']:.0f} MiB at {large:,} rows (ratio "
           f"{mem[1]['traced_mib'] / max(mem[0]['traced_mib'], 1e-9):.2f}; 1 = independent of N)")
+    print(f"  with pairs (model saved and loaded): peak traced memory "
+          f"{mem_p[0]['traced_mib']:.0f} MiB at {small:,} rows, {mem_p[1]['traced_mib']:.0f} MiB "
+          f"at {large:,} rows (ratio "
+          f"{mem_p[1]['traced_mib'] / max(mem_p[0]['traced_mib'], 1e-9):.2f})")
     grow = [r["rss_mib"] - r["rss_before_mib"] for r in rss]
     print(f"  peak RSS while writing: {rss[0]['rss_mib']:.0f} MiB at {small:,} rows, "
           f"{rss[1]['rss_mib']:.0f} MiB at {large:,} rows (ratio "

@@ -16,6 +16,12 @@ split into a real holdout (20 %) and 4 site tables, IID or non-IID
 * ``fed-secure-iid`` / ``fed-secure-noniid``: the job with ``--aggregation secure``, 4 sites:
   the sites' real secure sources, Skellam shares and masks, and the job's post-processing of
   the decoded sums, in-process (:func:`secure_synth_round.fit_secure`).
+* ``central+pairs``, ``fed-iid+pairs``, ``fed-noniid+pairs``: the same with the job's two pair
+  rounds (``pair_scores``, ``pairs``; :func:`fit_federated`) at the job's default split with
+  pairs (:data:`PAIRS_SPLIT`); ``central+pairs`` is the job's rounds with one site on the
+  pooled rows. ``--pairs-rows on|off|both`` (default both: side by side with the rows above,
+  which use the split with ``pairs`` = 0); ``--pairs``, ``--pair-groups``. The secure rows
+  run without pairs (``--no-secure`` skips them).
 
 Metrics against the real holdout: ``tvd1`` mean 1-way TVD (continuous columns on 20 bins),
 ``tvd2``/``tvd2max`` mean/max 2-way TVD (continuous on 5 bins), ``corr`` mean |correlation
@@ -25,7 +31,9 @@ close as fresh data), ``nndr`` median nearest-neighbour distance ratio, ``cal`` 
 between each synthetic column and its released DP marginal on the release bins (calibration:
 sampling error only). Ratios: ``tvd1/indep`` (central and secure vs indep, site-level
 federated vs indep-fed; goal <= 1.2) and federated / central per metric (errors
-fed/central, auc/dcr/nndr central/fed; goal <= 1.2), site-level and secure side by side.
+fed/central, auc/dcr/nndr central/fed; goal <= 1.2; ``+pairs`` rows against
+``central+pairs``), site-level and secure side by side; a last block says per row which goal
+is met or missed.
 
 Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
 
@@ -35,9 +43,12 @@ Usage: ``python bench/synth_quality.py --table flchain [--eps 0.5 1 2 5] [--spli
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_tables import load_table, split_sites  # noqa: E402
 from secure_synth_round import federation, fit_secure  # noqa: E402
 
+import dpfed  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
@@ -60,9 +72,9 @@ from dpfed.common.evaluation.disclosure import (  # noqa: E402
     standardize,
 )
 from dpfed.common.evaluation.utility_metrics import table_correlation_error  # noqa: E402
-from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT  # noqa: E402
 from dpfed.common.pca import dppca  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
+from dpfed.common.synth import pair_marginals as pm  # noqa: E402
 from dpfed.common.synth.factor_model import FactorModelSynthesizer, dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
@@ -72,6 +84,7 @@ from dpfed.common.synth.link_release import (  # noqa: E402
     sum_histograms,
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
+from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.pipeline import (  # noqa: E402
     combine_factors,
     links_from_histograms,
@@ -97,23 +110,71 @@ def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFra
 # --------------------------------------------------------------------------- methods
 
 
+#: The ``synth`` job's default generative split with the pair rounds: (epsilon share, delta
+#: share) per round, in round order (PAIRS.md; ``pairs`` = 0 keeps the old links/pca split).
+PAIRS_SPLIT: dict[str, tuple[float, float]] = {
+    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2)}
+#: The split without the pair rounds (the job's generative default before them, and with
+#: ``pairs`` = 0).
+NO_PAIRS_SPLIT: dict[str, tuple[float, float]] = {"links": (0.8, 0.5), "pca": (0.2, 0.5)}
+
+
+def pairs_split(pairs_share: float | None = None) -> dict[str, tuple[float, float]]:
+    """The job's split with pairs; ``pairs_share`` moves the pairs round's epsilon share.
+
+    The difference to the default share of the ``pairs`` round is taken from (or given to)
+    the links round; the delta shares stay the job's.
+    """
+    split = dict(PAIRS_SPLIT)
+    if pairs_share is None:
+        return split
+    top = split["links"][0] + split["pairs"][0]
+    if not 0.0 < pairs_share < top:
+        raise ValueError(f"the pairs round's epsilon share must be in (0, {top:g}), got "
+                         f"{pairs_share:g}")
+    split["links"] = (top - pairs_share, split["links"][1])
+    split["pairs"] = (pairs_share, split["pairs"][1])
+    return split
+
+
+def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
+             ) -> dict[str, tuple[float, float]]:
+    """A round -> (epsilon share, delta share) map; a bare pair is the links share (no pairs)."""
+    if isinstance(split, Mapping):
+        return {k: (float(v[0]), float(v[1])) for k, v in split.items()}
+    links = (float(split[0]), float(split[1]))
+    return {"links": links, "pca": (1.0 - links[0], 1.0 - links[1])}
+
+
 def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
-                  links_share: tuple[float, float], n_bins: int,
-                  rng: np.random.Generator, weighting: str = "size") -> SynthModel:
+                  split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
+                  rng: np.random.Generator, weighting: str = "size", pairs: int | None = None,
+                  pair_groups: int = DEFAULT_GROUPS, gate: bool = False) -> SynthModel:
     """The ``synth`` job's rounds through the same site and coordinator functions.
 
+    ``split`` maps round names to (epsilon share, delta share) (:data:`PAIRS_SPLIT`,
+    :data:`NO_PAIRS_SPLIT`); a bare (epsilon, delta) pair is the links round's share with the
+    rest to the pca round. The two pair rounds run when ``split`` has a ``pairs`` round and
+    ``pairs`` (most 2-way marginals; None: the job's default, columns - 1) is not 0:
+    ``pair_scores`` (every site: the grid from the DP link proportions, exact tables of the
+    candidate pairs, dependence scores, Gaussian release; coordinator: sum, spanning forest)
+    then ``pairs`` (every site: the forest's tables, Gaussian release; coordinator: sum,
+    projection and raking with the pooled row count, the model's correction).
     ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
-    of the job's size weights (for the weighting check).
+    of the job's size weights (for the weighting check). ``gate`` (an experiment, not the
+    job): the forest is chosen on :func:`gated_scores` instead of the raw noisy scores.
     """
-    el, dl = links_share[0] * eps, links_share[1] * delta
-    ep, dp = (1.0 - links_share[0]) * eps, (1.0 - links_share[1]) * delta
+    shares = as_split(split)
+    el, dl = shares["links"][0] * eps, shares["links"][1] * delta
+    ep, dp = shares["pca"][0] * eps, shares["pca"][1] * delta
     rels = []
     for t in tables:  # site: link round
         acc = LinkHistogramAccumulator(schema, n_bins)
         acc.add(t)
         rels.append(release_link_histograms(acc.counts, schema, epsilon=el, delta=dl, rng=rng))
+    n_total = sum(t.n_rows for t in tables)
     props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
-                                         n_rows=sum(t.n_rows for t in tables))
+                                         n_rows=n_total)
     dim = links.dim
     clip = default_clip_norm(dim)
     factors = []
@@ -129,10 +190,72 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
     dpc = dp_second_moment(est, dim)
     d = np.sqrt(np.diag(dpc))
-    return SynthModel.build(schema, mode="generative", continuous_link="quantile",
-                            n_bins=n_bins, proportions=props, factor_model=fm,
-                            dp_correlation=dpc / np.outer(d, d), rng=rng,
-                            latent_correlation=corr)
+    model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
+                             n_bins=n_bins, proportions=props, factor_model=fm,
+                             dp_correlation=dpc / np.outer(d, d), rng=rng,
+                             latent_correlation=corr)
+    n_cols = len(schema.columns)
+    max_pairs = n_cols - 1 if pairs is None else pairs
+    if "pairs" not in shares or max_pairs == 0 or n_cols < 2:
+        return model
+    es, ds = shares["pair_scores"][0] * eps, shares["pair_scores"][1] * delta
+    eq, dq = shares["pairs"][0] * eps, shares["pairs"][1] * delta
+    grid = pm.PairGrid.from_proportions(schema, props, n_bins, pair_groups)
+    cands = grid.candidate_pairs()
+    if not cands:
+        return model
+    scores = np.zeros(len(cands))
+    for t in tables:  # site: pair_scores round
+        acc2 = pm.PairTableAccumulator(grid, cands)
+        acc2.add(t)
+        exact = pm.dependence_scores(acc2.counts, grid, cands, props, t.n_rows)
+        scores += pm.score_mechanism(len(cands), es, ds).release(exact, rng)
+    if gate:  # coordinator (post-processing of the noisy scores and public sigmas)
+        scores, cands = gated_scores(scores, grid, cands, max_pairs, eq, dq, len(tables))
+        if not cands:
+            return model
+    edges = pm.choose_forest(scores, cands, n_cols, max_pairs)  # coordinator
+    if not edges:
+        return model
+    total = np.zeros(sum(grid.cells(e) for e in edges))
+    for t in tables:  # site: pairs round
+        acc2 = pm.PairTableAccumulator(grid, edges)
+        acc2.add(t)
+        total += pm.pair_table_mechanism(len(edges), eq, dq).release(acc2.counts, rng)
+    joint = pm.fit_pair_tables(total, grid, edges, props, n_total)  # coordinator
+    return model.with_pairs(grid, edges, joint, rng)
+
+
+def central_pairs_note() -> str:
+    """Which implementation the ``central+pairs`` rows use (printed with the results)."""
+    if "pairs" in inspect.signature(FactorModelSynthesizer).parameters:
+        return ("central+pairs: fit_federated with one site (the pooled rows); note: "
+                "FactorModelSynthesizer now has a `pairs` option -- switch central+pairs to it")
+    return ("central+pairs: the job's rounds with one site (fit_federated on the pooled rows); "
+            "FactorModelSynthesizer has no `pairs` option on this branch")
+
+
+def gated_scores(scores: np.ndarray, grid: pm.PairGrid, cands: list[pm.Pair], max_pairs: int,
+                 epsilon: float, delta: float, n_sites: int
+                 ) -> tuple[np.ndarray, list[pm.Pair]]:
+    """Noisy scores minus the expected L1 error of the pair's released table (an experiment).
+
+    A pair table helps only where the pair's dependence (its score, an L1 distance in counts)
+    exceeds the noise its release adds: ``cells sigma sqrt(S) sqrt(2/pi)`` for ``S`` sites at
+    the pairs round's Gaussian ``sigma`` (``K`` = ``max_pairs`` tables, then once more with the
+    number of pairs that pass). Returns the positive gated scores and their pairs.
+    Post-processing: noisy scores and public calibration only.
+    """
+    k = max(min(max_pairs, len(cands)), 1)
+    keep = np.zeros(len(cands), dtype=bool)
+    gated = scores
+    for _ in range(2):
+        sigma = pm.pair_table_mechanism(k, epsilon, delta).sigma
+        cost = np.array([grid.cells(p) for p in cands]) * sigma * np.sqrt(n_sites * 2 / np.pi)
+        gated = scores - cost
+        keep = gated > 0
+        k = max(min(int(keep.sum()), max_pairs), 1)
+    return gated[keep], [p for p, ok in zip(cands, keep, strict=True) if ok]
 
 
 def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
@@ -265,9 +388,22 @@ ERRORS = ("tvd1", "tvd2", "tvd2max", "corr")
 HIGHER = ("auc", "dcr", "nndr")
 
 
+@dataclass(frozen=True)
+class PairOptions:
+    """Which rows run with the pair rounds and how (``--pairs-rows``, ``--pairs``, ...)."""
+
+    rows: str = "both"  # "both": plain and +pairs rows side by side; "on"; "off"
+    split: Mapping[str, tuple[float, float]] = field(default_factory=lambda: dict(PAIRS_SPLIT))
+    pairs: int | None = None
+    groups: int = DEFAULT_GROUPS
+    secure: bool = True
+
+
 def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_bins: int,
-        seed: int, reps: int, n_rows: int = 25_000) -> list[dict[str, Any]]:
+        seed: int, reps: int, n_rows: int = 25_000,
+        opts: PairOptions | None = None) -> list[dict[str, Any]]:
     """Print (and return) the quality table of one table at every epsilon."""
+    opts = PairOptions() if opts is None else opts
     schema, frame, target = load(table, seed, n_rows)
     sites_iid, holdout = split_sites(frame, N_SITES, iid=True, seed=seed)
     sites_non, _ = split_sites(frame, N_SITES, iid=False, seed=seed)
@@ -277,15 +413,21 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
     enc_iid = [encode_table(schema, s)[0] for s in sites_iid]
     enc_non = [encode_table(schema, s)[0] for s in sites_non]
     n = len(train)
+    plain, paired = opts.rows in ("both", "off"), opts.rows in ("both", "on")
     print(f"\n{table}: {n} training rows ({N_SITES} sites), {len(holdout)} holdout rows, "
           f"{len(schema.columns)} columns, target {target!r}, delta {DELTA:g}, links share "
           f"{links_share[0]:g} of epsilon / {links_share[1]:g} of delta, {n_bins} bins, mean of "
           f"{reps} noise draws")
+    print(f"  dpfed from {Path(dpfed.__file__).resolve().parent}")
+    if paired:
+        print(f"  +pairs rows: split {dict(opts.split)}, pairs "
+              f"{opts.pairs if opts.pairs is not None else 'columns - 1'}, pair_groups "
+              f"{opts.groups}; {central_pairs_note()}; secure rows run without pairs")
     cols = ("eps", "method") + ERRORS + HIGHER + ("cal", "s", "tvd1/ind", "fed/central")
     print(f"{cols[0]:>10} {cols[1]:>17} " + " ".join(f"{h:>8}" for h in cols[2:]))
     rows: list[dict[str, Any]] = []
     tmp = tempfile.TemporaryDirectory()
-    fed = federation(Path(tmp.name), SITE_IDS)
+    fed = federation(Path(tmp.name), SITE_IDS) if opts.secure and plain else None
 
     def show(eps: float | str, row: dict[str, Any], indep: float | None,
              central: dict[str, Any] | None) -> None:
@@ -322,30 +464,47 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
             t = time.perf_counter()
             syn, props = independent_marginals(schema, enc_iid, eps, DELTA, n, n_bins, rng)
             add("indep-fed", syn, t, props)
-            t = time.perf_counter()
-            fm = FactorModelSynthesizer(schema, epsilon=eps, delta=DELTA, budget_split=split,
-                                        n_bins=n_bins, rng=rng).fit(train)
-            add("central", fm.sample(n), t, fm.proportions_)
-            for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
+            if plain:
                 t = time.perf_counter()
-                model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
-                add(name, model.sample(n, rng=rng), t, model.proportions)
-            for name, parts in (("fed-secure-iid", enc_iid), ("fed-secure-noniid", enc_non)):
-                t = time.perf_counter()
-                model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng, n_bins=n_bins,
-                                   links_share=links_share)
-                add(name, model.sample(n, rng=rng), t, model.proportions)
+                fm = FactorModelSynthesizer(schema, epsilon=eps, delta=DELTA,
+                                            budget_split=split, n_bins=n_bins, rng=rng
+                                            ).fit(train)
+                add("central", fm.sample(n), t, fm.proportions_)
+                for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
+                    t = time.perf_counter()
+                    model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
+                    add(name, model.sample(n, rng=rng), t, model.proportions)
+            if paired:
+                for name, parts in (("central+pairs", [pooled]), ("fed-iid+pairs", enc_iid),
+                                    ("fed-noniid+pairs", enc_non)):
+                    t = time.perf_counter()
+                    model = fit_federated(schema, parts, eps, DELTA, opts.split, n_bins, rng,
+                                          pairs=opts.pairs, pair_groups=opts.groups)
+                    add(name, model.sample(n, rng=rng), t, model.proportions)
+            if fed is not None:
+                for name, parts in (("fed-secure-iid", enc_iid),
+                                    ("fed-secure-noniid", enc_non)):
+                    t = time.perf_counter()
+                    model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng,
+                                       n_bins=n_bins, links_share=links_share)
+                    add(name, model.sample(n, rng=rng), t, model.proportions)
         mean = {name: {"method": name, **{k: float(np.mean([r[k] for r in rs]))
                                           for k in rs[0] if k != "method"}}
                 for name, rs in runs.items()}
         show(eps, mean["indep"], mean["indep"]["tvd1"], None)
         show(eps, mean["indep-fed"], mean["indep-fed"]["tvd1"], None)
-        show(eps, mean["central"], mean["indep"]["tvd1"], None)
-        for name in FEDERATED:  # secure sums pool the counts: its floor is the pooled indep
-            floor = mean["indep" if "secure" in name else "indep-fed"]["tvd1"]
-            show(eps, mean[name], floor, mean["central"])
+        for suffix in ("", "+pairs"):
+            central = mean.get("central" + suffix)
+            if central is None:
+                continue
+            show(eps, central, mean["indep"]["tvd1"], None)
+            for name in FEDERATED:  # secure sums pool the counts: its floor is the pooled indep
+                if name + suffix in mean:
+                    floor = mean["indep" if "secure" in name else "indep-fed"]["tvd1"]
+                    show(eps, mean[name + suffix], floor, central)
     print("federated / central per metric (errors fed/central; auc, dcr, nndr central/fed; "
-          "goal <= 1.2), site-level (fed-*) and secure (fed-secure-*):")
+          "goal <= 1.2), site-level (fed-*) and secure (fed-secure-*); +pairs rows against "
+          "central+pairs:")
     print(f"{'eps':>10} {'method':>17} " + " ".join(f"{k:>8}" for k in ERRORS + HIGHER)
           + f" {'worst':>8}")
     for row in rows:
@@ -354,8 +513,23 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
             worst = max(r, key=r.get)
             print(f"{row['eps']!s:>10} {row['method']:>17} " + " ".join(
                 f"{r[k]:>8.2f}" for k in ERRORS + HIGHER) + f" {r[worst]:>5.2f} {worst}")
+    goals(rows)
     tmp.cleanup()
     return rows
+
+
+def goals(rows: list[dict[str, Any]]) -> None:
+    """Where the goals hold: tvd1/indep <= 1.2 and every fed/central ratio <= 1.2."""
+    print("goals (tvd1/indep <= 1.2; fed/central <= 1.2 on every metric):")
+    for row in rows:
+        if row["eps"] == "real" or row["method"].startswith("indep"):
+            continue
+        ind = row.get("tvd1_indep")
+        misses = [] if ind is None or ind <= 1.2 else [f"tvd1/indep {ind:.2f}"]
+        fc = row.get("fed_central") or {}
+        misses += [f"{k} {v:.2f}" for k, v in fc.items() if v > 1.2]
+        print(f"{row['eps']!s:>10} {row['method']:>17}  "
+              + ("met" if not misses else "MISSED: " + ", ".join(misses)))
 
 
 #: Fractions of each non-IID site's rows kept by the weighting check (unequal sizes).
@@ -398,22 +572,35 @@ def main() -> None:
     ap.add_argument("--table", choices=("flchain", "health_insurance", "generated", "all"),
                     default="all")
     ap.add_argument("--eps", type=float, nargs="+", default=[0.5, 1.0, 2.0, 5.0])
-    default = SYNTH_DEFAULT_SPLIT["generative"]["links"]
+    default = NO_PAIRS_SPLIT["links"]
     ap.add_argument("--split", type=float, default=default[0],
-                    help="epsilon share of the link round (default: the job's)")
+                    help="epsilon share of the link round of the rows without pairs "
+                         "(default: the job's with pairs = 0)")
     ap.add_argument("--delta-split", type=float, default=default[1],
-                    help="delta share of the link round (default: the job's)")
+                    help="delta share of the link round of the rows without pairs")
     ap.add_argument("--bins", type=int, default=DEFAULT_BINS)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--weighting-check", action="store_true",
                     help="also compare size vs equal factor weights on unequal non-IID sites")
     ap.add_argument("--reps", type=int, default=3,
                     help="noise repetitions averaged per epsilon (same data split)")
+    ap.add_argument("--pairs-rows", choices=("both", "on", "off"), default="both",
+                    help="rows without the pair rounds (off), with them (on, the job's default "
+                         "split with pairs), or both side by side")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="most 2-way marginals of the +pairs rows (default: columns - 1)")
+    ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
+                    help="groups per ordered column in a pair table (+pairs rows)")
+    ap.add_argument("--no-secure", action="store_true",
+                    help="skip the secure-aggregation rows (they run without pairs)")
     args = ap.parse_args()
+    opts = PairOptions(rows=args.pairs_rows, pairs=args.pairs, groups=args.pair_groups,
+                       secure=not args.no_secure)
     tables = (["flchain", "health_insurance", "generated"] if args.table == "all"
               else [args.table])
     for table in tables:
-        run(table, args.eps, (args.split, args.delta_split), args.bins, args.seed, args.reps)
+        run(table, args.eps, (args.split, args.delta_split), args.bins, args.seed, args.reps,
+            opts=opts)
         if args.weighting_check:
             weighting_check(table, args.eps, (args.split, args.delta_split), args.bins,
                             args.seed, args.reps)
