@@ -513,19 +513,31 @@ class PairCorrection:
     def _draw_cell(self, column: int, group: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Draw a link cell inside each ``group`` from the DP 1-way proportions."""
         grid = self.grid
-        offsets = np.cumsum([0, *histogram_sizes(grid.schema, grid.n_bins)])
-        p = self.proportions[offsets[column]:offsets[column + 1]]
         members = grid.groups[column]
         if members.shape[0] == int(members.max()) + 1:  # one cell per group
             return np.asarray(group, dtype=np.intp)
-        out = np.empty(group.shape[0], dtype=np.intp)
-        for g in np.unique(group):
-            rows = np.flatnonzero(group == g)
-            cells = np.flatnonzero(members == g)
-            w = np.clip(p[cells], 0.0, None)
-            w = w / w.sum() if w.sum() > 0 else np.full(cells.size, 1.0 / cells.size)
-            out[rows] = cells[rng.choice(cells.size, size=rows.size, p=w)]
-        return out
+        offsets = np.cumsum([0, *histogram_sizes(grid.schema, grid.n_bins)])
+        p = np.clip(self.proportions[offsets[column]:offsets[column + 1]], 0.0, None)
+        # Groups of an ordered column are runs of consecutive cells, so ``group + (cumulative
+        # share of the cell inside its group)`` increases along the cells: one searchsorted
+        # draws every row's cell inside its group.
+        per_group = np.bincount(members, weights=p, minlength=int(members.max()) + 1)
+        share = np.divide(p, per_group[members], out=np.zeros_like(p),
+                          where=per_group[members] > 0)
+        runs = np.bincount(members)
+        flat = per_group[members] <= 0  # a group without DP mass: uniform over its cells
+        share[flat] = 1.0 / runs[members[flat]]
+        within = np.zeros_like(share)
+        for g in range(runs.shape[0]):  # cumulative share inside each group (few groups)
+            cells = members == g
+            within[cells] = np.cumsum(share[cells])
+        keys = members + np.minimum(within, 1.0) - 1e-12
+        u = group + rng.random(group.shape[0])
+        cells = np.searchsorted(keys, u, side="left")
+        # Rounding cannot leave the group: clip into its run of cells.
+        first = np.searchsorted(members, group, side="left")
+        last = np.searchsorted(members, group, side="right") - 1
+        return np.asarray(np.clip(cells, first, last), dtype=np.intp)
 
     def apply(self, table: EncodedTable, rng: np.random.Generator) -> EncodedTable:
         """Return ``table`` with the correction applied (each row on its own)."""
