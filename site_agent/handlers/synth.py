@@ -145,6 +145,29 @@ def check_pair_edges(raw: Any, candidates: list[Pair], n_columns: int,
     return edges
 
 
+def pair_grid(schema: Schema, params: SynthParams, proportions: np.ndarray) -> PairGrid:
+    """Return the pair rounds' cells for the job's ``pair_groups`` and the (checked) links."""
+    return PairGrid.from_proportions(schema, proportions, params.n_bins, params.pair_groups)
+
+
+def pair_candidates(grid: PairGrid) -> list[Pair]:
+    """Return the candidate pairs; refuse (ValidationError) a schema that has none."""
+    candidates = grid.candidate_pairs()
+    if not candidates:
+        raise ValidationError(f"no column pair has a table of at most {MAX_PAIR_CELLS} cells; "
+                              "the pair rounds do not apply to this schema")
+    return candidates
+
+
+def exact_pair_tables(grid: PairGrid, pairs: list[Pair], data: DataAccess
+                      ) -> PairTableAccumulator:
+    """Return the exact 2-way tables of ``pairs`` over ``data``'s rows (site-internal)."""
+    acc = PairTableAccumulator(grid, pairs)
+    for table, _report in data.iter_chunks():
+        acc.add(table)
+    return acc
+
+
 class SiteBoundHandler(TaskHandler):
     """A handler that reads the site's holdout secret from its state directory."""
 
@@ -267,20 +290,15 @@ class SynthHandler(SiteBoundHandler):
                         ) -> tuple[str, SynthParams, int, Any]:
         """Exact scores (pair_scores) or (tables, edges) (pairs) over the training rows."""
         props = np.asarray(arrays["link_proportions"], dtype=np.float64)  # digest checked
-        grid = PairGrid.from_proportions(schema, props, params.n_bins, params.pair_groups)
-        candidates = grid.candidate_pairs()
+        grid = pair_grid(schema, params, props)
+        candidates = pair_candidates(grid)
         if rnd == "pair_scores":
-            if not candidates:
-                raise ValidationError(f"no column pair has a table of at most {MAX_PAIR_CELLS} "
-                                      "cells; the pair rounds do not apply to this schema")
             pairs = candidates
         else:
             d = len(schema.columns)
             pairs = check_pair_edges(extra.get("pair_edges"), candidates, d,
                                      params.max_pairs(d))
-        acc = PairTableAccumulator(grid, pairs)
-        for table, _report in data.iter_chunks():
-            acc.add(table)
+        acc = exact_pair_tables(grid, pairs, data)
         if rnd == "pair_scores":
             return rnd, params, acc.n_rows, dependence_scores(acc.counts, grid, pairs, props,
                                                               acc.n_rows)

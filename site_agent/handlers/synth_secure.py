@@ -62,10 +62,7 @@ from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm, laten
 from dpfed.common.synth.pair_marginals import (
     MAX_GROUPS,
     SCORE_SENSITIVITY,
-    Pair,
     PairGrid,
-    PairTableAccumulator,
-    check_pairs,
     dependence_scores,
 )
 from dpfed.common.transport.protocol import Task
@@ -77,7 +74,14 @@ from dpfed.site_agent.handlers.secagg_sources import (
     planned_contribution,
     row_statistic,
 )
-from dpfed.site_agent.handlers.synth import check_links, training_rows
+from dpfed.site_agent.handlers.synth import (
+    check_links,
+    check_pair_edges,
+    exact_pair_tables,
+    pair_candidates,
+    pair_grid,
+    training_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +188,11 @@ def _pair_grid(task: Task, data: DataAccess, params: SynthParams) -> tuple[PairG
     check_links(data.schema, params, extra, dict(task.arrays))  # digest and proportions
     groups = check_int(task.params.get("pair_groups"), "pair_groups", minimum=2,
                        maximum=MAX_GROUPS)
+    if groups != params.pair_groups:
+        raise ValidationError(f"pair_groups {groups} differs from the job's "
+                              f"{params.pair_groups}; refusing")
     proportions = np.asarray(task.arrays["link_proportions"], dtype=np.float64)
-    return PairGrid.from_proportions(data.schema, proportions, params.n_bins, groups), proportions
-
-
-def _candidates(grid: PairGrid) -> list[Pair]:
-    cands = grid.candidate_pairs()
-    if not cands:
-        raise ValidationError("no column pair of this schema has a table of at most the "
-                              "candidate size; the pair rounds have nothing to measure")
-    return cands
+    return pair_grid(data.schema, params, proportions), proportions
 
 
 def synth_pair_scores_contribution(task: Task, data: DataAccess, participants: list[str],
@@ -206,34 +205,16 @@ def synth_pair_scores_contribution(task: Task, data: DataAccess, participants: l
     """
     params = _synth_params(task, data)
     grid, proportions = _pair_grid(task, data, params)
-    cands = _candidates(grid)
+    cands = pair_candidates(grid)
     data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
 
     def compute(plan: SecureSumPlan, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
-        acc = PairTableAccumulator(grid, cands)
-        for table, _report in data.iter_chunks():
-            acc.add(table)
+        acc = exact_pair_tables(grid, cands, data)
         scores = dependence_scores(acc.counts, grid, cands, proportions, acc.n_rows)
         return floored_scores(scores, acc.n_rows), acc.n_rows
 
     return planned_contribution(task, participants, tolerated, statistics=("scores",),
                                 dim=len(cands), row_norm=float(SCORE_BOUND), compute=compute)
-
-
-def check_edges(raw: object, grid: PairGrid) -> list[Pair]:
-    """Validate the task's ``pair_edges``: ``[parent, child]`` candidate pairs, each once."""
-    cands = set(_candidates(grid))
-    if not isinstance(raw, list) or not 1 <= len(raw) <= len(cands):
-        raise ValidationError(f"pair_edges must be a list of 1..{len(cands)} [parent, child] "
-                              f"pairs, got {type(raw).__name__}")
-    if not all(isinstance(e, (list, tuple)) for e in raw):
-        raise ValidationError("pair_edges must hold [parent, child] pairs of column indices")
-    edges = check_pairs(raw, len(grid.schema.columns))
-    for a, b in edges:
-        if (min(a, b), max(a, b)) not in cands:
-            raise ValidationError(f"pair_edges: ({a}, {b}) is not a candidate pair (its table "
-                                  f"has {grid.cells((a, b))} cells)")
-    return edges
 
 
 def synth_pairs_contribution(task: Task, data: DataAccess, participants: list[str],
@@ -244,13 +225,13 @@ def synth_pairs_contribution(task: Task, data: DataAccess, participants: list[st
     """
     params = _synth_params(task, data)
     grid, _proportions = _pair_grid(task, data, params)
-    edges = check_edges(task.params.get("pair_edges"), grid)
+    d = len(data.schema.columns)
+    edges = check_pair_edges(task.params.get("pair_edges"), pair_candidates(grid), d,
+                             params.max_pairs(d))
     data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
 
     def compute(plan: SecureSumPlan, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
-        acc = PairTableAccumulator(grid, edges)
-        for table, _report in data.iter_chunks():
-            acc.add(table)
+        acc = exact_pair_tables(grid, edges, data)
         return acc.counts, acc.n_rows
 
     return planned_contribution(task, participants, tolerated, statistics=("counts",),

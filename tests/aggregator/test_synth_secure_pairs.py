@@ -76,7 +76,8 @@ def test_secure_pair_rounds_decode_the_pooled_scores_and_tables(tmp_path: Path) 
         async with harness(tmp_path, honest=(), n_sites=3) as h:
             await _start_secure_sites(h, ["hospital-1", "hospital-2", "hospital-3"])
             schema = Schema.load(h.fed.schema_path)
-            params = SynthParams.from_mapping({"aggregation": "secure", "n_bins": 16},
+            params = SynthParams.from_mapping({"aggregation": "secure", "n_bins": 16,
+                                               "pair_groups": GROUPS},
                                               latent_dim=latent_dim(schema))
             base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
             sizes = histogram_sizes(schema, params.n_bins)

@@ -81,8 +81,12 @@ def pair_task(source: str, *, groups: object = 4, edges: object = None,
               props: np.ndarray | None = None, digest: str | None = None,
               task_id: str | None = None) -> Task:
     p = uneven_proportions() if props is None else props
+    # The job carries the same pair_groups as the task (a site refuses a mismatch); an
+    # invalid value stays only in the task, where the site's own check names it.
+    valid = isinstance(groups, int) and 2 <= groups <= 64
     params: dict[str, object] = {
-        "stage": "contribute", "source": source, "job": job_params(),
+        "stage": "contribute", "source": source,
+        "job": job_params(pair_groups=groups) if valid else job_params(),
         "schema_digest": SCHEMA.digest(), "pair_groups": groups,
         "links_digest": digest if digest is not None else links_digest(SCHEMA, p, N_BINS,
                                                                        "quantile")}
@@ -267,7 +271,7 @@ def test_an_edge_outside_the_candidate_pairs_is_refused() -> None:
 
     g = PairGrid.from_proportions(_WIDE, props, N_BINS, 6)
     assert g.candidate_pairs() == [(0, 1), (0, 2)]
-    with pytest.raises(ValidationError, match=r"\(2, 1\) is not a candidate pair"):
+    with pytest.raises(ValidationError, match=r"\(2, 1\), which is not a candidate pair"):
         synth_pairs_contribution(task([[0, 1], [2, 1]]), WideAccess(), list(SITES[:2]), 0)
     given = synth_pairs_contribution(task([[1, 0], [0, 2]]), WideAccess(), list(SITES[:2]), 0)
     assert given.plan.dim == 2 * 70 * 6
@@ -307,10 +311,10 @@ def test_a_tampered_links_digest_is_refused_before_any_charge(
     ([[0, -1]], "pair column must be >= 0"),
     ([[0, 1, 2]], "two indices"),
     ([[0.5, 1]], "pair column must be an integer"),
-    ([], "pair_edges must be a list of 1..6"),
-    ("0,1", "pair_edges must be a list"),
-    ([[0, 1]] * 7, "pair_edges must be a list of 1..6"),
-    (["01"], "pair_edges must hold"),
+    ([], "needs pair_edges"),
+    ("0,1", "needs pair_edges"),
+    ([[0, 1]] * 7, "measures at most 3"),
+    (["01"], "pair_edges must be a list of [parent, child]"),
 ])
 def test_invalid_edges_are_refused_before_any_charge(
         runners: dict[str, TaskRunner], edges: object, reason: str) -> None:
@@ -332,6 +336,15 @@ def test_invalid_pair_groups_and_a_foreign_bound_are_refused(
     # a plan whose per-entry bound is not the source's (b = 1 would halve the noise)
     answers, _ = _secure_round(runners, pair_task("synth_pair_scores"), "scores", 6, 1.0, 1.0)
     assert all(isinstance(a, Refusal) and "row_norm" in a.reason for a in answers.values())
+    # a task whose pair_groups is not the job's (the grid, hence the cells, would differ)
+    mismatched = pair_task("synth_pair_scores")
+    mismatched = Task(mismatched.task_id, mismatched.job_id, mismatched.kind,
+                      mismatched.epsilon, mismatched.delta,
+                      {**mismatched.params, "job": job_params(pair_groups=6)},
+                      mismatched.arrays)
+    answers, _ = _secure_round(runners, mismatched, "scores", 6, 2.0, 1.0)
+    assert all(isinstance(a, Refusal) and "differs from the job's" in a.reason
+               for a in answers.values())
     assert _no_charges(runners)
 
 
@@ -387,8 +400,8 @@ def test_pair_sources_leave_the_evaluation_holdout_out(tmp_path: Path) -> None:
     frame = base_frame(500, seed=3)
     task = pair_task("synth_pair_scores")
     task = Task(task.task_id, "j", "secagg", 1.0, 1e-6,
-                {**task.params, "job": job_params(evaluate_rows=100), "statistic": "scores",
-                 "scale": 1.0}, task.arrays)
+                {**task.params, "job": job_params(evaluate_rows=100, pair_groups=4),
+                 "statistic": "scores", "scale": 1.0}, task.arrays)
     given = synth_pair_scores_contribution(task, TableAccess(frame), list(SITES[:2]), 0,
                                            site_dir=tmp_path)
     stat, n_rows = given.compute(np.random.default_rng(0))
