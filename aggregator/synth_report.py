@@ -174,7 +174,10 @@ def add_pairs_section(report: Report, model: SynthModel, table: EncodedTable) ->
         f"noise; the coordinator chose the {len(names)} pair(s) below (a maximum-weight "
         "forest of the noisy scores, parent first) and the sites released their 2-way "
         f"tables on groups of cells (at most {correction.grid.max_groups} per ordinal or "
-        "continuous column). Every synthetic row is corrected towards these tables.")
+        "continuous column). Every synthetic row is corrected towards these tables, by the "
+        "share of each table's difference from the factor model that its noise does not "
+        "explain: where a table differs from the model by about its noise alone, the rows "
+        "keep the model's table, so a TVD of the size of that noise is expected below.")
     rows = []
     for i, ((parent, child), t) in enumerate(zip(names, synthetic, strict=True)):
         tvd: Any = "-" if released is None else 0.5 * float(np.abs(released[i] - t).sum())
