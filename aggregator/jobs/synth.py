@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,7 @@ from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.rng import production_rng
+from dpfed.common.privacy.skellam import skellam_calibrate
 from dpfed.common.synth.factor_model import dp_second_moment
 from dpfed.common.synth.generative import FactorModel, fit_factor_model
 from dpfed.common.synth.link_release import (
@@ -80,6 +82,12 @@ from dpfed.common.synth.link_release import (
     sum_histograms,
 )
 from dpfed.common.synth.links import default_clip_norm, latent_dim
+from dpfed.common.synth.pair_marginals import (
+    NOISY_PAIR_TABLES,
+    expected_pair_table_error,
+    pair_table_mechanism,
+    typical_pair_cells,
+)
 from dpfed.common.synth.pipeline import combine_factors, row_aligned_model
 from dpfed.common.transport.protocol import JobSpec, TaskResult
 from dpfed.common.validation import check_delta, check_epsilon
@@ -118,6 +126,39 @@ def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, 
             f"(limit {MAX_PROPORTION_ERROR}); raise --epsilon/--delta or lower --n-bins")
 
 
+def pair_noise_note(schema: Schema, params: SynthParams, epsilon: float, delta: float,
+                    row_counts: list[int]) -> str | None:
+    """Return a warning when the pair tables would be mostly noise at this budget, else None.
+
+    Computed from public numbers only (schema, budget split, the sites' row counts): the
+    expected L1 error of a typical pair table
+    (:func:`~dpfed.common.synth.pair_marginals.expected_pair_table_error`) above
+    :data:`~dpfed.common.synth.pair_marginals.NOISY_PAIR_TABLES`. The job still runs as
+    planned (the correction then keeps the model's tables for most pairs).
+    """
+    if not params.pair_rounds or not row_counts or min(row_counts) < 1:
+        return None
+    k = params.max_pairs(len(schema.columns))
+    cells = typical_pair_cells(schema, params.n_bins, params.pair_groups)
+    if k == 0 or cells == 0:
+        return None
+    eps, dlt = {n: (e, d) for n, e, d in params.plan(epsilon, delta)}["pairs"]
+    if params.aggregation == "secure":
+        l2, l1 = math.sqrt(2.0 * k), 2.0 * k
+        sigma = math.sqrt(skellam_calibrate(eps, dlt, l2, l1).mu)
+    else:
+        sigma = pair_table_mechanism(k, eps, dlt).sigma * math.sqrt(len(row_counts))
+    err = expected_pair_table_error(cells, sigma, sum(row_counts))
+    if err <= NOISY_PAIR_TABLES:
+        return None
+    return (f"at this budget a typical pair table ({cells} cells, {sum(row_counts)} rows at "
+            f"{len(row_counts)} site(s)) has an expected L1 error of {err:.2f} on its "
+            "proportions: mostly noise, so the correction will keep the model's tables for "
+            "most pairs; --pairs 0 gives that budget back to the marginals"
+            + ("" if params.aggregation == "secure" else
+               " (--aggregation secure adds the noise once instead of at every site)"))
+
+
 def plan_table(params: SynthParams, epsilon: float, delta: float) -> list[dict[str, Any]]:
     """Return the per-round budget every site will be charged (what ``--plan`` prints)."""
     return [{"round": n, "epsilon": e, "delta": d} for n, e, d in params.plan(epsilon, delta)]
@@ -151,6 +192,10 @@ class SynthJob(JobType):
             rows = [training_count(n) for n in rows]  # the holdout trains nothing
         if rows and min(rows) > 0:
             check_budget_for_cells(schema, params, ctx.spec.epsilon, ctx.spec.delta, rows)
+            noisy = pair_noise_note(schema, params, ctx.spec.epsilon, ctx.spec.delta, rows)
+            if noisy:
+                ctx.emit("plan", noisy, 0.0)
+                log.warning("[SynthJob.run] job=%s %s", ctx.job_id, noisy)
         base = {**params.to_mapping(), "schema_digest": schema.digest()}
         secure_base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
         size = sum(histogram_sizes(schema, params.n_bins))

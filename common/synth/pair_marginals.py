@@ -277,6 +277,36 @@ def pair_table_mechanism(n_pairs: int, epsilon: float, delta: float) -> Gaussian
     return GaussianMechanism(epsilon, delta, math.sqrt(2.0 * k))
 
 
+#: Expected L1 error of a typical pair table (in proportions) above which the pair tables are
+#: mostly noise: the correction then leaves most pairs at the model's tables, and the budget
+#: they took from the links is better left there (``--pairs 0``).
+NOISY_PAIR_TABLES = 1.0
+
+
+def typical_pair_cells(schema: Schema, n_bins: int, max_groups: int) -> int:
+    """Median cells of a candidate pair table, from the schema alone (before any release).
+
+    An ordinal or continuous column has at most ``max_groups`` groups (fewer levels or bins
+    if it has fewer), a nominal column one per category; pairs above
+    :data:`MAX_PAIR_CELLS` are not candidates.
+    """
+    sizes = [min(s, max_groups) if not isinstance(c, NominalColumn) else s
+             for c, s in zip(schema.columns, histogram_sizes(schema, n_bins), strict=True)]
+    cells = [a * b for a, b in itertools.combinations(sizes, 2) if a * b <= MAX_PAIR_CELLS]
+    return int(np.median(cells)) if cells else 0
+
+
+def expected_pair_table_error(cells: int, pooled_sigma: float, n_rows: int) -> float:
+    """Return the expected L1 error, in proportions, of a pair table of ``cells`` cells.
+
+    ``pooled_sigma`` is the noise's standard deviation on every summed cell (``sqrt(S)``
+    times one site's Gaussian sigma at site level; the Skellam noise's under secure
+    aggregation) and ``n_rows`` the public pooled row count: ``cells sigma sqrt(2/pi) / N``.
+    """
+    n = check_int(n_rows, "n_rows", minimum=1)
+    return float(cells) * float(pooled_sigma) * math.sqrt(2.0 / math.pi) / n
+
+
 def choose_forest(scores: np.ndarray, pairs: Sequence[Pair], n_columns: int,
                   max_pairs: int) -> list[Pair]:
     """Maximum-weight spanning forest of the noisy scores, as (parent, child) edges.

@@ -209,3 +209,32 @@ def test_pair_rounds_are_skipped_without_a_candidate_pair() -> None:
     assert len(planned[1]) == len(SCHEMA.columns) * (len(SCHEMA.columns) - 1) // 2
     off = SynthParams.from_mapping({"n_bins": 8, "pairs": 0}, latent_dim=50)
     assert plan_pairs(SCHEMA, off, props) is None
+
+
+def test_the_job_warns_when_its_pair_tables_would_be_mostly_noise() -> None:
+    from dpfed.aggregator.jobs.synth import pair_noise_note
+    from dpfed.common.synth.pair_marginals import (
+        expected_pair_table_error,
+        pair_table_mechanism,
+        typical_pair_cells,
+    )
+
+    params = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6), latent_dim=50)
+    # Small sites, site-level: the summed noise swamps the tables.
+    note = pair_noise_note(SCHEMA, params, 1.0, 1e-6, [500] * 4)
+    assert note is not None and "--pairs 0" in note and "--aggregation secure" in note
+    # The figure is the closed form with the split's pairs budget and sqrt(S) sites' noise.
+    k = params.max_pairs(len(SCHEMA.columns))
+    cells = typical_pair_cells(SCHEMA, params.n_bins, params.pair_groups)
+    eps, dlt = {n: (e, d) for n, e, d in params.plan(1.0, 1e-6)}["pairs"]
+    err = expected_pair_table_error(cells, pair_table_mechanism(k, eps, dlt).sigma * 2.0, 2000)
+    assert f"{err:.2f}" in note and err > 1.0
+    # Large sites, or no pair rounds: no warning.
+    assert pair_noise_note(SCHEMA, params, 1.0, 1e-6, [10**7] * 4) is None
+    off = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6, pairs=0), latent_dim=50)
+    assert pair_noise_note(SCHEMA, off, 1.0, 1e-6, [500] * 4) is None
+    # Secure aggregation adds the noise once: less error for the same rows.
+    secure = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6, aggregation="secure"),
+                                      latent_dim=50)
+    secure_note = pair_noise_note(SCHEMA, secure, 1.0, 1e-6, [500] * 4)
+    assert secure_note is None or "--aggregation secure" not in secure_note
