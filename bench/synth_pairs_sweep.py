@@ -36,6 +36,7 @@ from synth_quality import (  # noqa: E402
 )
 
 from dpfed.common.data.encoding import encode_table  # noqa: E402
+from dpfed.common.synth.factor_model import FactorModelSynthesizer  # noqa: E402
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.quantile_link import DEFAULT_BINS  # noqa: E402
 
@@ -48,7 +49,9 @@ def scores(metrics: Metrics, fit: Any, n: int, reps: int, key: list[int]) -> dic
     out = []
     for rep in range(reps):
         rng = np.random.default_rng([*key, rep])
-        syn = fit(rng).sample(n, rng=rng)
+        model = fit(rng)  # FactorModelSynthesizer samples with its own generator (rng)
+        syn = (model.sample(n) if isinstance(model, FactorModelSynthesizer)
+               else model.sample(n, rng=rng))
         t1, t2, t2m = metrics.tvds(syn)
         out.append((t1, t2, t2m, metrics.auc(syn)))
     return dict(zip(KEYS, np.mean(out, axis=0).tolist(), strict=True))
