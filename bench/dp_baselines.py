@@ -47,12 +47,16 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
 ``central+pairs`` / ``fed-iid+pairs``
     the same with the job's two pair rounds (``pair_scores``, ``pairs``: DP 2-way tables of a
     spanning forest of column pairs and the correction fitting generated rows to them) at the
-    job's default split with pairs (links 0.6 / 0.4, pca 0.15 / 0.3, pair_scores 0.05 / 0.1,
-    pairs 0.2 / 0.2 of (epsilon, delta); ``fit_federated`` of ``bench/synth_quality.py``).
-    ``central+pairs`` runs the job's rounds with one site on the pooled rows (the header line
-    says so; ``FactorModelSynthesizer`` has no pairs option). ``--pairs``, ``--pair-groups``
-    and ``--pairs-share`` change them. Rows without pairs use the split with ``pairs`` = 0
-    (links 0.8 / 0.5, pca 0.2 / 0.5).
+    job's default split with pairs (``dpfed.common.job_params.SYNTH_PAIRS_DEFAULT_SPLIT``);
+    ``central+pairs`` is ``FactorModelSynthesizer`` with its default ``pairs``, ``central``
+    the same with ``pairs=0`` (the job's split without pairs, ``SYNTH_DEFAULT_SPLIT``).
+    ``--pairs``, ``--pair-groups`` and ``--pairs-share`` change them.
+``secure-iid`` / ``secure-iid+pairs``
+    the job with ``--aggregation secure`` over the 4 IID sites, without and with the pair
+    rounds (the sites' real secure sources, Skellam shares and masks, in-process;
+    ``fit_secure`` of ``bench/secure_synth_round.py``); ``--no-secure`` skips them.
+
+dpfed's rows of an epsilon run before MST and AIM (they are there when AIM is cut short).
 
 Neighbouring relation. dpfed uses replace-one (bounded DP): a neighbouring table has the same
 number of rows and one row changed. The published MST and AIM are analysed under add/remove
@@ -91,6 +95,7 @@ import argparse
 import itertools
 import math
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -121,10 +126,11 @@ except ImportError:
                      "python bench/dp_baselines.py") from None
 
 from real_tables import TABLES, load_table, split_sites  # noqa: E402
+from secure_synth_round import federation, fit_secure  # noqa: E402
 from synth_quality import (  # noqa: E402
     NO_PAIRS_SPLIT,
     Metrics,
-    central_pairs_note,
+    fit_central,
     fit_federated,
     independent_marginals,
     pairs_split,
@@ -134,7 +140,6 @@ import dpfed  # noqa: E402
 from dpfed.common.data.encoding import encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
 from dpfed.common.privacy.accounting import rho_for_epsilon  # noqa: E402
-from dpfed.common.synth.factor_model import FactorModelSynthesizer  # noqa: E402
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.quantile_link import DEFAULT_BINS  # noqa: E402
 
@@ -420,7 +425,9 @@ def aim(data: Dataset, rho: float, rel: Relation, rng: np.random.Generator, *, d
 
 
 DPFED_BINS = DEFAULT_BINS  # the job's default bins per continuous column
-DPFED_METHODS = ("central", "fed-iid", "central+pairs", "fed-iid+pairs")
+DPFED_METHODS = ("central", "fed-iid", "central+pairs", "fed-iid+pairs", "secure-iid",
+                 "secure-iid+pairs")
+SITE_IDS = [f"site-{i}" for i in range(4)]
 HEADER = ("method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s")
 METRICS = HEADER[1:]
 Method = Callable[[np.random.Generator], tuple[pd.DataFrame, str]]
@@ -448,12 +455,12 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
           f"{len(schema.columns)} columns, target {target!r}, delta {delta:g}; MST/AIM domain "
           f"{disc.domain.size():.3g} cells ({args.bins} bins per continuous column)")
     most = "columns - 1" if args.pairs is None else args.pairs
-    print(f"   dpfed from {Path(dpfed.__file__).resolve().parent}; {central_pairs_note()}; "
-          f"+pairs split {args.pair_split}, pairs {most}, pair_groups {args.pair_groups}; "
-          f"without pairs {NO_PAIRS_SPLIT}")
+    print(f"   dpfed from {Path(dpfed.__file__).resolve().parent}; central(+pairs): "
+          f"FactorModelSynthesizer (pairs=0 / its default); +pairs split {args.pair_split}, "
+          f"pairs {most}, pair_groups {args.pair_groups}; without pairs {dict(NO_PAIRS_SPLIT)}")
 
     metrics = Metrics(schema, target, train, holdout, DPFED_BINS)
-    split = {"marginals": NO_PAIRS_SPLIT["links"][0], "pca": NO_PAIRS_SPLIT["pca"][0]}
+    fed_dir: Path = args.fed_dir
 
     def ev(method: str, syn: pd.DataFrame, seconds: float) -> dict[str, Any]:
         return metrics.evaluate(method, syn, seconds)
@@ -499,8 +506,7 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
                 methods.append(("AIM", run_aim, False))
 
         def central(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
-            fm = FactorModelSynthesizer(schema, epsilon=_eps, delta=delta, budget_split=split,
-                                        n_bins=DPFED_BINS, rng=rng).fit(train)
+            fm = fit_central(schema, train, _eps, delta, NO_PAIRS_SPLIT, DPFED_BINS, rng)
             return fm.sample(n), "central"
 
         def fed(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
@@ -510,17 +516,34 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
 
         def central_pairs(rng: np.random.Generator, _eps: float = eps
                           ) -> tuple[pd.DataFrame, str]:
-            model = fit_federated(schema, [pooled], _eps, delta, args.pair_split, DPFED_BINS,
-                                  rng, pairs=args.pairs, pair_groups=args.pair_groups)
-            return model.sample(n, rng=rng), "central+pairs"
+            fm = fit_central(schema, train, _eps, delta, args.pair_split, DPFED_BINS, rng,
+                             pairs=args.pairs, pair_groups=args.pair_groups)
+            return fm.sample(n), "central+pairs"
 
         def fed_pairs(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
             model = fit_federated(schema, site_tables, _eps, delta, args.pair_split, DPFED_BINS,
                                   rng, pairs=args.pairs, pair_groups=args.pair_groups)
             return model.sample(n, rng=rng), "fed-iid+pairs"
 
-        methods += [("central", central, True), ("fed-iid", fed, True),
-                    ("central+pairs", central_pairs, True), ("fed-iid+pairs", fed_pairs, True)]
+        def secure(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            model = fit_secure(schema, site_tables, SITE_IDS, fed_dir, _eps, delta, rng,
+                               n_bins=DPFED_BINS, split=NO_PAIRS_SPLIT, pairs=0)
+            return model.sample(n, rng=rng), "secure-iid"
+
+        def secure_pairs(rng: np.random.Generator, _eps: float = eps
+                         ) -> tuple[pd.DataFrame, str]:
+            model = fit_secure(schema, site_tables, SITE_IDS, fed_dir, _eps, delta, rng,
+                               n_bins=DPFED_BINS, split=args.pair_split, pairs=args.pairs,
+                               pair_groups=args.pair_groups)
+            return model.sample(n, rng=rng), "secure-iid+pairs"
+
+        # dpfed's methods first: their rows are there even when AIM is cut short.
+        ours: list[tuple[str, Method, bool]] = [
+            ("central", central, True), ("fed-iid", fed, True),
+            ("central+pairs", central_pairs, True), ("fed-iid+pairs", fed_pairs, True)]
+        if not args.no_secure:
+            ours += [("secure-iid", secure, True), ("secure-iid+pairs", secure_pairs, True)]
+        methods = methods[:1] + ours + methods[1:]
         here = []
         for index, (_name, run, cheap) in enumerate(methods):
             runs = []
@@ -577,6 +600,8 @@ def main() -> None:
                     help="most 2-way marginals of the +pairs rows (default: columns - 1)")
     ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
                     help="groups per ordered column in a pair table (+pairs rows)")
+    ap.add_argument("--no-secure", action="store_true",
+                    help="skip the secure-aggregation rows (secure-iid, secure-iid+pairs)")
     ap.add_argument("--pairs-share", type=float, default=None,
                     help="epsilon share of the pairs round (+pairs rows); the links round gives "
                          "or takes the difference to the job's default split")
@@ -587,8 +612,10 @@ def main() -> None:
         raise SystemExit(f"--pairs-share: {exc}") from None
     relations = {"replace-one": [REPLACE_ONE], "add-remove": [ADD_REMOVE],
                  "both": [REPLACE_ONE, ADD_REMOVE]}[args.relation]
-    rows = [r for name in args.tables for r in run_table(name, args.eps, args.delta,
-                                                          relations, args)]
+    with tempfile.TemporaryDirectory() as tmp:
+        args.fed_dir = federation(Path(tmp), SITE_IDS)
+        rows = [r for name in args.tables for r in run_table(name, args.eps, args.delta,
+                                                              relations, args)]
     summary(rows)
 
 

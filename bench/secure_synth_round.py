@@ -1,12 +1,14 @@
 """The ``synth`` job's secure rounds, in-process with the real code (shared by the benches).
 
 :func:`fit_secure` runs ``dpfed synth --aggregation secure`` without the network: every site's
-``synth_counts`` and ``synth_latent`` sources (the site-agent code), its Skellam share and its
+``synth_counts`` and ``synth_latent`` sources, and with the pair rounds its
+``synth_pair_scores`` and ``synth_pairs`` sources (the site-agent code), its Skellam share and its
 pairwise masks (real X25519 keys signed with certificates from dpfed's CA,
 :func:`federation`); the coordinator decodes only the sums and post-processes them exactly as
 :mod:`dpfed.aggregator.jobs.synth` and :mod:`dpfed.aggregator.jobs.synth_secure` do (links
 from the pooled counts projected onto the public N, ``G / N`` eigendecomposed, the factor model
-with the job's rank rule, calibration to the released marginals in ``SynthModel.build``).
+with the job's rank rule, calibration to the released marginals in ``SynthModel.build``; the
+job's pair planning, forest, table fit and ``with_pairs`` with the decoded sum's noise).
 
 Used by ``bench/synth_secure.py`` and ``bench/synth_quality.py`` (methods ``fed-secure-*``).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dpfed.aggregator.jobs.pca_secure import decompose_second_moment  # noqa: E402
 from dpfed.aggregator.jobs.secure_rounds import symmetric_from_upper  # noqa: E402
 from dpfed.aggregator.jobs.synth import _correlation  # noqa: E402
+from dpfed.aggregator.jobs.synth_pairs import plan_pairs  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, EncodingReport  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
@@ -34,18 +37,30 @@ from dpfed.common.job_params import SynthParams  # noqa: E402
 from dpfed.common.secagg.keys import generate_ephemeral, sign_ephemeral  # noqa: E402
 from dpfed.common.secagg.masking import MaskContext  # noqa: E402
 from dpfed.common.secagg.messages import plan_params  # noqa: E402
-from dpfed.common.secagg.secure_sum import decode_sum, plan_for, site_contribution  # noqa: E402
+from dpfed.common.secagg.secure_sum import (  # noqa: E402
+    SecureSumPlan,
+    decode_sum,
+    plan_for,
+    site_contribution,
+)
 from dpfed.common.synth.factor_model import dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import histogram_sizes, links_digest  # noqa: E402
 from dpfed.common.synth.links import default_clip_norm, latent_dim  # noqa: E402
-from dpfed.common.synth.pipeline import links_from_histograms  # noqa: E402
+from dpfed.common.synth.pair_marginals import (  # noqa: E402
+    DEFAULT_GROUPS,
+    SCORE_SENSITIVITY,
+    fit_pair_tables,
+)
+from dpfed.common.synth.pipeline import links_from_histograms, pair_forest  # noqa: E402
 from dpfed.common.transport.certs import init_federation  # noqa: E402
 from dpfed.common.transport.protocol import Task  # noqa: E402
 from dpfed.site_agent.handlers.secagg_sources import ContributionBuilder  # noqa: E402
 from dpfed.site_agent.handlers.synth_secure import (  # noqa: E402
     synth_counts_contribution,
     synth_latent_contribution,
+    synth_pair_scores_contribution,
+    synth_pairs_contribution,
 )
 
 
@@ -72,13 +87,15 @@ def federation(directory: Path, ids: list[str]) -> Path:
 
 def secure_round(source: ContributionBuilder, statistic: str, params: dict[str, object],
                  arrays: dict[str, np.ndarray], sites: list[SiteRows], ids: list[str],
-                 fed: Path, eps: float, delta: float, n_bins: int,
-                 rng: np.random.Generator) -> tuple[np.ndarray, int]:
-    """One secure sum through the sites' real source code; return (decoded sum, N)."""
-    schema = sites[0].schema
+                 fed: Path, eps: float, delta: float, *, dim: int, row_norm: float,
+                 rng: np.random.Generator) -> tuple[np.ndarray, int, SecureSumPlan]:
+    """One secure sum through the sites' real source code; return (decoded sum, N, plan).
+
+    ``dim`` and ``row_norm`` are what the job's coordinator plans the sum with
+    (:mod:`dpfed.aggregator.jobs.synth_secure`); every site recomputes the plan from its own
+    rows and the task and must agree.
+    """
     n = sum(s.table.n_rows for s in sites)
-    dim, row_norm = ((sum(histogram_sizes(schema, n_bins)), math.sqrt(len(schema.columns)))
-                     if statistic == "counts" else (latent_dim(schema), 1.0))
     plan = plan_for(statistic, dim=dim, total_rows=n, epsilon=eps, delta=delta,
                     participants=ids, row_norm=row_norm)
     task = Task("bench/sum", "bench", "secagg", eps, delta,
@@ -101,37 +118,74 @@ def secure_round(source: ContributionBuilder, statistic: str, params: dict[str, 
         masked[s] = site_contribution(stat, plan=plan, own_id=s, own_key=keys[s][0],
                                       signed_keys=signed, context=ctx, ca=ca,
                                       min_participants=2, tolerated=0, rng=rng)
-    return decode_sum(masked, plan), n
+    return decode_sum(masked, plan), n, plan
 
 
 def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: Path,
                eps: float, delta: float, rng: np.random.Generator, *, n_bins: int,
-               links_share: tuple[float, float]) -> SynthModel:
+               split: Mapping[str, tuple[float, float]] | tuple[float, float] | None = None,
+               pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS) -> SynthModel:
     """The job's secure rounds (sites' real sources), then the job's post-processing.
 
-    ``links_share`` is the (epsilon, delta) share of the links round; the pca round gets the
-    rest (the job's ``split``).
+    ``split`` maps round names to (epsilon share, delta share) as the job's ``split``
+    parameter (None: the job's default for ``pairs``); a bare (epsilon, delta) pair is the
+    links round's share with the rest to the pca round (no pair rounds). ``pairs`` (None: the
+    job's default, columns - 1; 0: no pair rounds) and ``pair_groups`` are the job's. With
+    pair rounds, ``pair_scores`` and ``pairs`` are secure sums too (the sites'
+    ``synth_pair_scores`` and ``synth_pairs`` sources) and the model is fitted to the decoded
+    tables with their public Skellam noise, as :mod:`dpfed.aggregator.jobs.synth_pairs` does.
     """
     dim = latent_dim(schema)
-    split = {"links": list(links_share), "pca": [1.0 - links_share[0], 1.0 - links_share[1]]}
-    params = SynthParams.from_mapping({"n_bins": n_bins, "aggregation": "secure",
-                                       "split": split}, latent_dim=dim)
+    raw: dict[str, object] = {"n_bins": n_bins, "aggregation": "secure",
+                              "pair_groups": pair_groups}
+    if isinstance(split, Mapping):
+        raw["split"] = {k: [float(v[0]), float(v[1])] for k, v in split.items()}
+    elif split is not None:
+        raw["split"] = {"links": [split[0], split[1]], "pca": [1.0 - split[0], 1.0 - split[1]]}
+        pairs = 0
+    if pairs is not None:
+        raw["pairs"] = pairs
+    params = SynthParams.from_mapping(raw, latent_dim=dim)
     budget = {name: (e, d) for name, e, d in params.plan(eps, delta)}
     base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
     sites = [SiteRows(schema, t) for t in tables]
-    counts, n = secure_round(synth_counts_contribution, "counts", base, {}, sites, ids, fed,
-                             *budget["links"], n_bins, rng)
+    counts, n, _ = secure_round(
+        synth_counts_contribution, "counts", base, {}, sites, ids, fed, *budget["links"],
+        dim=sum(histogram_sizes(schema, n_bins)), row_norm=math.sqrt(len(schema.columns)),
+        rng=rng)
     props, links = links_from_histograms(counts, schema, n_bins, n_rows=n,
                                          continuous_link=params.continuous_link)
     digest = links_digest(schema, props, n_bins, params.continuous_link)
-    upper, n = secure_round(synth_latent_contribution, "gram", {**base, "links_digest": digest},
-                            {"link_proportions": props}, sites, ids, fed, *budget["pca"],
-                            n_bins, rng)
+    arrays = {"link_proportions": props}
+    upper, n, _ = secure_round(synth_latent_contribution, "gram",
+                               {**base, "links_digest": digest}, arrays, sites, ids, fed,
+                               *budget["pca"], dim=dim, row_norm=1.0, rng=rng)
     est = decompose_second_moment(symmetric_from_upper(upper, dim) / n, dim)
     clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, rank=params.rank,
                                 info_threshold=params.info_threshold)
-    return SynthModel.build(schema, mode="generative", continuous_link=params.continuous_link,
-                            n_bins=n_bins, proportions=props, factor_model=fm,
-                            dp_correlation=_correlation(dp_second_moment(est, dim)), rng=rng,
-                            latent_correlation=corr)
+    model = SynthModel.build(schema, mode="generative",
+                             continuous_link=params.continuous_link, n_bins=n_bins,
+                             proportions=props, factor_model=fm,
+                             dp_correlation=_correlation(dp_second_moment(est, dim)), rng=rng,
+                             latent_correlation=corr)
+    planned = plan_pairs(schema, params, props)  # the job's: None without pair rounds
+    if planned is None:
+        return model
+    grid, cands, most = planned
+    pair_base = {**base, "links_digest": digest, "pair_groups": params.pair_groups}
+    scores, _, _ = secure_round(synth_pair_scores_contribution, "scores", pair_base, arrays,
+                                sites, ids, fed, *budget["pair_scores"], dim=len(cands),
+                                row_norm=SCORE_SENSITIVITY, rng=rng)
+    edges = pair_forest(np.asarray(scores, dtype=np.float64), grid, most)
+    if not edges:
+        return model
+    tables_sum, n, plan = secure_round(
+        synth_pairs_contribution, "counts",
+        {**pair_base, "pair_edges": [[a, b] for a, b in edges]}, arrays, sites, ids, fed,
+        *budget["pairs"], dim=sum(grid.cells(e) for e in edges),
+        row_norm=math.sqrt(len(edges)), rng=rng)
+    joint = fit_pair_tables(np.asarray(tables_sum, dtype=np.float64), grid, edges, props,
+                            float(n))
+    noise_sd = math.sqrt(plan.pooled_variance)  # counts (scale 1), as the job
+    return model.with_pairs(grid, edges, joint, rng, noise_sd=noise_sd / max(n, 1))

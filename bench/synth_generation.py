@@ -65,10 +65,10 @@ from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noq
 from dpfed.common.synth.pair_marginals import (  # noqa: E402
     DEFAULT_GROUPS,
     PairTableAccumulator,
-    choose_forest,
     dependence_scores,
     fit_pair_tables,
 )
+from dpfed.common.synth.pipeline import pair_forest  # noqa: E402
 
 BINS = 32
 
@@ -106,8 +106,8 @@ def build_model(seed: int = 3, pairs: bool = False) -> SynthModel:
     acc2 = PairTableAccumulator(grid, cands)
     acc2.add(table)
     d = len(schema.columns)
-    edges = choose_forest(dependence_scores(acc2.counts, grid, cands, props, table.n_rows),
-                          cands, d, d - 1)
+    edges = pair_forest(dependence_scores(acc2.counts, grid, cands, props, table.n_rows),
+                        grid, d - 1)
     acc2 = PairTableAccumulator(grid, edges)
     acc2.add(table)
     joint = fit_pair_tables(acc2.counts.astype(np.float64), grid, edges, props, table.n_rows)

@@ -16,12 +16,14 @@ split into a real holdout (20 %) and 4 site tables, IID or non-IID
 * ``fed-secure-iid`` / ``fed-secure-noniid``: the job with ``--aggregation secure``, 4 sites:
   the sites' real secure sources, Skellam shares and masks, and the job's post-processing of
   the decoded sums, in-process (:func:`secure_synth_round.fit_secure`).
-* ``central+pairs``, ``fed-iid+pairs``, ``fed-noniid+pairs``: the same with the job's two pair
-  rounds (``pair_scores``, ``pairs``; :func:`fit_federated`) at the job's default split with
-  pairs (:data:`PAIRS_SPLIT`); ``central+pairs`` is the job's rounds with one site on the
-  pooled rows. ``--pairs-rows on|off|both`` (default both: side by side with the rows above,
-  which use the split with ``pairs`` = 0); ``--pairs``, ``--pair-groups``. The secure rows
-  run without pairs (``--no-secure`` skips them).
+* ``central+pairs``, ``fed-iid+pairs``, ``fed-noniid+pairs``, ``fed-secure-iid+pairs``,
+  ``fed-secure-noniid+pairs``: the same with the job's two pair rounds (``pair_scores``,
+  ``pairs``) at the job's default split with pairs
+  (:data:`dpfed.common.job_params.SYNTH_PAIRS_DEFAULT_SPLIT`); ``central+pairs`` is
+  :class:`FactorModelSynthesizer` with its default ``pairs`` (its pair releases), the rows
+  above use ``pairs=0`` and the job's split without pairs (``SYNTH_DEFAULT_SPLIT``).
+  ``--pairs-rows on|off|both`` (default both: side by side); ``--pairs``, ``--pair-groups``;
+  ``--no-secure`` skips the secure rows.
 
 Metrics against the real holdout: ``tvd1`` mean 1-way TVD (continuous columns on 20 bins),
 ``tvd2``/``tvd2max`` mean/max 2-way TVD (continuous on 5 bins), ``corr`` mean |correlation
@@ -43,7 +45,6 @@ Usage: ``python bench/synth_quality.py --table flchain [--eps 0.5 1 2 5] [--spli
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import tempfile
 import time
@@ -72,6 +73,10 @@ from dpfed.common.evaluation.disclosure import (  # noqa: E402
     standardize,
 )
 from dpfed.common.evaluation.utility_metrics import table_correlation_error  # noqa: E402
+from dpfed.common.job_params import (  # noqa: E402
+    SYNTH_DEFAULT_SPLIT,
+    SYNTH_PAIRS_DEFAULT_SPLIT,
+)
 from dpfed.common.pca import dppca  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.synth import pair_marginals as pm  # noqa: E402
@@ -88,6 +93,7 @@ from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.pipeline import (  # noqa: E402
     combine_factors,
     links_from_histograms,
+    pair_forest,
 )
 from dpfed.common.synth.quantile_link import DEFAULT_BINS, bin_codes  # noqa: E402
 
@@ -110,13 +116,10 @@ def load(name: str, seed: int, n_rows: int = 25_000) -> tuple[Schema, pd.DataFra
 # --------------------------------------------------------------------------- methods
 
 
-#: The ``synth`` job's default generative split with the pair rounds: (epsilon share, delta
-#: share) per round, in round order (PAIRS.md; ``pairs`` = 0 keeps the old links/pca split).
-PAIRS_SPLIT: dict[str, tuple[float, float]] = {
-    "links": (0.6, 0.4), "pca": (0.15, 0.3), "pair_scores": (0.05, 0.1), "pairs": (0.2, 0.2)}
-#: The split without the pair rounds (the job's generative default before them, and with
-#: ``pairs`` = 0).
-NO_PAIRS_SPLIT: dict[str, tuple[float, float]] = {"links": (0.8, 0.5), "pca": (0.2, 0.5)}
+#: The ``synth`` job's default generative split with the pair rounds, (epsilon share, delta
+#: share) per round in round order, and without them (``pairs`` = 0): the job's constants.
+PAIRS_SPLIT: Mapping[str, tuple[float, float]] = SYNTH_PAIRS_DEFAULT_SPLIT
+NO_PAIRS_SPLIT: Mapping[str, tuple[float, float]] = SYNTH_DEFAULT_SPLIT["generative"]
 
 
 def pairs_split(pairs_share: float | None = None) -> dict[str, tuple[float, float]]:
@@ -135,6 +138,28 @@ def pairs_split(pairs_share: float | None = None) -> dict[str, tuple[float, floa
     split["links"] = (top - pairs_share, split["links"][1])
     split["pairs"] = (pairs_share, split["pairs"][1])
     return split
+
+
+def fit_central(schema: Schema, train: pd.DataFrame, eps: float, delta: float,
+                split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
+                rng: np.random.Generator, pairs: int | None = None,
+                pair_groups: int = DEFAULT_GROUPS) -> FactorModelSynthesizer:
+    """:class:`FactorModelSynthesizer` on the pooled rows at the job's split (``central``).
+
+    With a ``pairs`` round in ``split`` the synthesizer runs its pair releases (``pairs``:
+    None = its default, columns - 1); without one ``pairs=0``. The epsilon shares of ``split``
+    are passed as its ``budget_split`` (only when they differ from the job's default, which
+    the synthesizer uses itself); its delta shares are always the job's.
+    """
+    shares = as_split(split)
+    with_pairs = "pairs" in shares and pairs != 0
+    default = PAIRS_SPLIT if with_pairs else NO_PAIRS_SPLIT
+    budget = None
+    if {k: v[0] for k, v in shares.items()} != {k: v[0] for k, v in default.items()}:
+        budget = {("marginals" if k == "links" else k): v[0] for k, v in shares.items()}
+    return FactorModelSynthesizer(schema, epsilon=eps, delta=delta, budget_split=budget,
+                                  n_bins=n_bins, rng=rng, pairs=pairs if with_pairs else 0,
+                                  pair_groups=pair_groups).fit(train)
 
 
 def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
@@ -214,25 +239,23 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
         scores, cands = gated_scores(scores, grid, cands, max_pairs, eq, dq, len(tables))
         if not cands:
             return model
-    edges = pm.choose_forest(scores, cands, n_cols, max_pairs)  # coordinator
+        edges = pm.choose_forest(scores, cands, n_cols, max_pairs)
+    else:  # coordinator: the job's step (aggregator/jobs/synth_pairs.py)
+        edges = pair_forest(scores, grid, max_pairs)
     if not edges:
         return model
+    mech = pm.pair_table_mechanism(len(edges), eq, dq)
     total = np.zeros(sum(grid.cells(e) for e in edges))
     for t in tables:  # site: pairs round
         acc2 = pm.PairTableAccumulator(grid, edges)
         acc2.add(t)
-        total += pm.pair_table_mechanism(len(edges), eq, dq).release(acc2.counts, rng)
-    joint = pm.fit_pair_tables(total, grid, edges, props, n_total)  # coordinator
-    return model.with_pairs(grid, edges, joint, rng)
-
-
-def central_pairs_note() -> str:
-    """Which implementation the ``central+pairs`` rows use (printed with the results)."""
-    if "pairs" in inspect.signature(FactorModelSynthesizer).parameters:
-        return ("central+pairs: fit_federated with one site (the pooled rows); note: "
-                "FactorModelSynthesizer now has a `pairs` option -- switch central+pairs to it")
-    return ("central+pairs: the job's rounds with one site (fit_federated on the pooled rows); "
-            "FactorModelSynthesizer has no `pairs` option on this branch")
+        total += mech.release(acc2.counts, rng)
+    # coordinator, as the job: fit the tables to the public pooled N and the DP 1-way
+    # marginals, then the correction shrinks each table towards the model by the summed
+    # tables' public noise, sqrt(S) x one site's sigma, in proportions (divided by N).
+    joint = pm.fit_pair_tables(total, grid, edges, props, n_total)
+    noise_sd = mech.sigma * np.sqrt(len(tables))
+    return model.with_pairs(grid, edges, joint, rng, noise_sd=noise_sd / max(n_total, 1))
 
 
 def gated_scores(scores: np.ndarray, grid: pm.PairGrid, cands: list[pm.Pair], max_pairs: int,
@@ -422,12 +445,13 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
     if paired:
         print(f"  +pairs rows: split {dict(opts.split)}, pairs "
               f"{opts.pairs if opts.pairs is not None else 'columns - 1'}, pair_groups "
-              f"{opts.groups}; {central_pairs_note()}; secure rows run without pairs")
+              f"{opts.groups}; central+pairs: FactorModelSynthesizer (its pair releases); "
+              "fed-secure+pairs: the job's secure pair rounds (secure_synth_round.fit_secure)")
     cols = ("eps", "method") + ERRORS + HIGHER + ("cal", "s", "tvd1/ind", "fed/central")
     print(f"{cols[0]:>10} {cols[1]:>17} " + " ".join(f"{h:>8}" for h in cols[2:]))
     rows: list[dict[str, Any]] = []
     tmp = tempfile.TemporaryDirectory()
-    fed = federation(Path(tmp.name), SITE_IDS) if opts.secure and plain else None
+    fed = federation(Path(tmp.name), SITE_IDS) if opts.secure else None
 
     def show(eps: float | str, row: dict[str, Any], indep: float | None,
              central: dict[str, Any] | None) -> None:
@@ -447,7 +471,6 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
 
     real = metrics.evaluate("real-train", train, 0.0)
     show("real", real, None, None)
-    split = {"marginals": links_share[0], "pca": 1.0 - links_share[0]}
     for eps in epsilons:
         runs: dict[str, list[dict[str, Any]]] = {}
 
@@ -466,28 +489,33 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
             add("indep-fed", syn, t, props)
             if plain:
                 t = time.perf_counter()
-                fm = FactorModelSynthesizer(schema, epsilon=eps, delta=DELTA,
-                                            budget_split=split, n_bins=n_bins, rng=rng
-                                            ).fit(train)
+                fm = fit_central(schema, train, eps, DELTA, links_share, n_bins, rng)
                 add("central", fm.sample(n), t, fm.proportions_)
                 for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
                     t = time.perf_counter()
                     model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
                     add(name, model.sample(n, rng=rng), t, model.proportions)
             if paired:
-                for name, parts in (("central+pairs", [pooled]), ("fed-iid+pairs", enc_iid),
-                                    ("fed-noniid+pairs", enc_non)):
+                t = time.perf_counter()
+                fm = fit_central(schema, train, eps, DELTA, opts.split, n_bins, rng,
+                                 pairs=opts.pairs, pair_groups=opts.groups)
+                add("central+pairs", fm.sample(n), t, fm.proportions_)
+                for name, parts in (("fed-iid+pairs", enc_iid), ("fed-noniid+pairs", enc_non)):
                     t = time.perf_counter()
                     model = fit_federated(schema, parts, eps, DELTA, opts.split, n_bins, rng,
                                           pairs=opts.pairs, pair_groups=opts.groups)
                     add(name, model.sample(n, rng=rng), t, model.proportions)
             if fed is not None:
-                for name, parts in (("fed-secure-iid", enc_iid),
-                                    ("fed-secure-noniid", enc_non)):
-                    t = time.perf_counter()
-                    model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng,
-                                       n_bins=n_bins, links_share=links_share)
-                    add(name, model.sample(n, rng=rng), t, model.proportions)
+                variants = ([("", links_share, 0)] if plain else []) + (
+                    [("+pairs", opts.split, opts.pairs)] if paired else [])
+                for suffix, split, most in variants:
+                    for name, parts in (("fed-secure-iid", enc_iid),
+                                        ("fed-secure-noniid", enc_non)):
+                        t = time.perf_counter()
+                        model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng,
+                                           n_bins=n_bins, split=split, pairs=most,
+                                           pair_groups=opts.groups)
+                        add(name + suffix, model.sample(n, rng=rng), t, model.proportions)
         mean = {name: {"method": name, **{k: float(np.mean([r[k] for r in rs]))
                                           for k in rs[0] if k != "method"}}
                 for name, rs in runs.items()}
