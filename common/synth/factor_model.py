@@ -534,7 +534,7 @@ class FactorModelSynthesizer:
         Shares of ``epsilon`` for ``"marginals"`` (link statistics), ``"pca"``,
         ``"factors"`` (row-aligned only), ``"pair_scores"`` and ``"pairs"`` (generative
         mode with ``pairs`` > 0). Defaults: the ``synth`` job's split, generative with pair
-        tables ``{marginals: 0.6, pca: 0.15, pair_scores: 0.05, pairs: 0.2}``
+        tables ``{marginals: 0.6, pca: 0.25, pair_scores: 0.03, pairs: 0.12}``
         (:data:`PAIRS_DEFAULT_SPLIT`), generative with ``pairs=0`` ``{marginals: 0.8, pca:
         0.2}``, row-aligned ``{marginals: 0.2, pca: 0.2, factors: 0.6}``
         (:data:`dpfed.common.job_params.SYNTH_DEFAULT_SPLIT`; measured with
