@@ -58,6 +58,7 @@ from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
 from dpfed.aggregator.jobs.synth_evaluation import run_evaluation
 from dpfed.aggregator.jobs.synth_pairs import PairRounds, run_pair_rounds
 from dpfed.aggregator.jobs.synth_secure import (
+    counts_sigma,
     pooled_counts_sigma,
     secure_latent_pca,
     secure_links,
@@ -70,7 +71,6 @@ from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.rng import production_rng
-from dpfed.common.privacy.skellam import skellam_calibrate
 from dpfed.common.synth.factor_model import dp_second_moment
 from dpfed.common.synth.generative import FactorModel, fit_factor_model
 from dpfed.common.synth.link_release import (
@@ -144,8 +144,7 @@ def pair_noise_note(schema: Schema, params: SynthParams, epsilon: float, delta: 
         return None
     eps, dlt = {n: (e, d) for n, e, d in params.plan(epsilon, delta)}["pairs"]
     if params.aggregation == "secure":
-        l2, l1 = math.sqrt(2.0 * k), 2.0 * k
-        sigma = math.sqrt(skellam_calibrate(eps, dlt, l2, l1).mu)
+        sigma = counts_sigma(k, eps, dlt)
     else:
         sigma = pair_table_mechanism(k, eps, dlt).sigma * math.sqrt(len(row_counts))
     err = expected_pair_table_error(cells, sigma, sum(row_counts))

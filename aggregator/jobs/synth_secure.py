@@ -70,20 +70,20 @@ SECURE_SYNTH_ROUNDS = {
 }
 
 
-def counts_sensitivity(schema: Schema) -> tuple[float, float]:
-    """Return the (L2, L1) replace-one sensitivity of the concatenated count vector.
+def counts_sigma(groups: int, epsilon: float, delta: float) -> float:
+    """Return the Skellam noise's standard deviation on every cell of a secure counts sum.
 
-    One replaced row moves one count down and another up in each of the C columns'
-    histograms: ``sqrt(2 C)`` and ``2 C``.
+    ``groups`` is the number ``C`` of histograms (or tables) every row adds one count to:
+    one replaced row moves one count down and another up in each, so L2 sensitivity
+    ``sqrt(2 C)`` and L1 ``2 C`` (budget checks before anything runs).
     """
-    c = len(schema.columns)
-    return math.sqrt(2.0 * c), 2.0 * c
+    return math.sqrt(skellam_calibrate(epsilon, delta, math.sqrt(2.0 * groups),
+                                       2.0 * groups).mu)
 
 
 def pooled_counts_sigma(schema: Schema, epsilon: float, delta: float) -> float:
     """Return the Skellam noise's standard deviation on every pooled count (budget check)."""
-    l2, l1 = counts_sensitivity(schema)
-    return math.sqrt(skellam_calibrate(epsilon, delta, l2, l1).mu)
+    return counts_sigma(len(schema.columns), epsilon, delta)
 
 
 @dataclass(frozen=True)
