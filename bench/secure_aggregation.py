@@ -34,6 +34,7 @@ from dpfed.common.privacy.mechanisms import gaussian_sigma, symmetric_gaussian_n
 from dpfed.common.secagg.keys import generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.secure_sum import (
+    SecureSumPlan,
     decode_sum,
     integer_gram_upper,
     plan_gram,
@@ -45,6 +46,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dppca_utility import make_sites, site_factor  # noqa: E402
 
 
+def masked_shares(statistics: dict[str, np.ndarray], plan: SecureSumPlan, fed: Path,
+                  context: MaskContext, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Every site's masked share of a secure sum, through the real key exchange and masking.
+
+    ``statistics`` maps site id -> its integer statistic; each site signs an ephemeral key with
+    its certificate from ``fed`` (written by :func:`~dpfed.common.transport.certs.
+    init_federation`), and every share is checked against the federation's CA.
+    """
+    ids = list(statistics)
+    ca = x509.load_pem_x509_certificate((fed / "ca.pem").read_bytes())
+    keys = {s: generate_ephemeral() for s in ids}
+    signed = {}
+    for s in ids:
+        kit = fed / "sites" / s
+        signing = serialization.load_pem_private_key((kit / "site.key").read_bytes(), None)
+        signed[s] = sign_ephemeral(site_id=s, public_key=keys[s][1], context=context,
+                                   signing_key=signing,  # type: ignore[arg-type]
+                                   certificate_pem=(kit / "site.pem").read_bytes())
+    return {s: site_contribution(stat, plan=plan, own_id=s, own_key=keys[s][0],
+                                 signed_keys=signed, context=context, ca=ca,
+                                 min_participants=2, tolerated=0, rng=rng)
+            for s, stat in statistics.items()}
+
+
 def secure_release(sites: list[np.ndarray], ids: list[str], fed: Path, epsilon: float,
                    delta: float, rng: np.random.Generator) -> tuple[np.ndarray, float]:
     """The pooled G/N from a real secure sum; also the bytes one site sends."""
@@ -52,21 +77,8 @@ def secure_release(sites: list[np.ndarray], ids: list[str], fed: Path, epsilon: 
     n = sum(len(x) for x in sites)
     plan = plan_gram(dim=d, total_rows=n, epsilon=epsilon, delta=delta, participants=ids)
     ctx = MaskContext("bench", "pca", f"bench/pca/{rng.integers(1 << 30)}")
-    ca = x509.load_pem_x509_certificate((fed / "ca.pem").read_bytes())
-    keys = {s: generate_ephemeral() for s in ids}
-    signed = {}
-    for s in ids:
-        kit = fed / "sites" / s
-        signing = serialization.load_pem_private_key((kit / "site.key").read_bytes(), None)
-        signed[s] = sign_ephemeral(site_id=s, public_key=keys[s][1], context=ctx,
-                                   signing_key=signing,  # type: ignore[arg-type]
-                                   certificate_pem=(kit / "site.pem").read_bytes())
-    masked = {}
-    for s, x in zip(ids, sites, strict=True):
-        stat = integer_gram_upper([x], plan, rng)
-        masked[s] = site_contribution(stat, plan=plan, own_id=s, own_key=keys[s][0],
-                                      signed_keys=signed, context=ctx, ca=ca,
-                                      min_participants=2, tolerated=0, rng=rng)
+    masked = masked_shares({s: integer_gram_upper([x], plan, rng)
+                            for s, x in zip(ids, sites, strict=True)}, plan, fed, ctx, rng)
     upper = decode_sum(masked, plan) / n
     a = np.zeros((d, d))
     a[np.triu_indices(d)] = upper

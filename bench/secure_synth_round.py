@@ -21,10 +21,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from secure_aggregation import masked_shares  # noqa: E402
 
 from dpfed.aggregator.jobs.pca_secure import decompose_second_moment  # noqa: E402
 from dpfed.aggregator.jobs.secure_rounds import symmetric_from_upper  # noqa: E402
@@ -34,14 +34,12 @@ from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, EncodingReport  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
 from dpfed.common.job_params import SynthParams  # noqa: E402
-from dpfed.common.secagg.keys import generate_ephemeral, sign_ephemeral  # noqa: E402
 from dpfed.common.secagg.masking import MaskContext  # noqa: E402
 from dpfed.common.secagg.messages import plan_params  # noqa: E402
 from dpfed.common.secagg.secure_sum import (  # noqa: E402
     SecureSumPlan,
     decode_sum,
     plan_for,
-    site_contribution,
 )
 from dpfed.common.synth.factor_model import dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
@@ -103,21 +101,8 @@ def secure_round(source: ContributionBuilder, statistic: str, params: dict[str, 
     given = [source(task, s, ids, 0) for s in sites]
     assert all(g.plan == plan for g in given)  # each site recomputed the coordinator's plan
     ctx = MaskContext("bench", statistic, f"bench/{statistic}/{rng.integers(1 << 30)}")
-    ca = x509.load_pem_x509_certificate((fed / "ca.pem").read_bytes())
-    keys = {s: generate_ephemeral() for s in ids}
-    signed = {}
-    for s in ids:
-        kit = fed / "sites" / s
-        signing = serialization.load_pem_private_key((kit / "site.key").read_bytes(), None)
-        signed[s] = sign_ephemeral(site_id=s, public_key=keys[s][1], context=ctx,
-                                   signing_key=signing,  # type: ignore[arg-type]
-                                   certificate_pem=(kit / "site.pem").read_bytes())
-    masked = {}
-    for s, g in zip(ids, given, strict=True):
-        stat, _ = g.compute(rng)
-        masked[s] = site_contribution(stat, plan=plan, own_id=s, own_key=keys[s][0],
-                                      signed_keys=signed, context=ctx, ca=ca,
-                                      min_participants=2, tolerated=0, rng=rng)
+    masked = masked_shares({s: g.compute(rng)[0] for s, g in zip(ids, given, strict=True)},
+                           plan, fed, ctx, rng)
     return decode_sum(masked, plan), n, plan
 
 
