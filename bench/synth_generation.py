@@ -73,6 +73,14 @@ from dpfed.common.synth.pipeline import pair_forest  # noqa: E402
 BINS = 32
 
 
+def write_seconds(model: SynthModel, path: Path, rows: int, seed: int,
+                  workers: int | None = None) -> float:
+    """Wall seconds of ``model.write`` of ``rows`` rows (default workers, or ``workers``)."""
+    t = time.perf_counter()
+    model.write(path, rows, rng=np.random.default_rng(seed), workers=workers)
+    return time.perf_counter() - t
+
+
 def build_model(seed: int = 3, pairs: bool = False) -> SynthModel:
     """The 20-column mixed model (fitted at epsilon 1 on one site of 20 000 demo rows).
 
@@ -258,10 +266,7 @@ def run(rows: int, rounds: int, big_rows: int = 0) -> None:
             cpu, t = time.process_time(), time.perf_counter()
             model.write(Path(tmp) / "ours.parquet", rows, rng=np.random.default_rng(r))
             ours, ours_cpu = time.perf_counter() - t, time.process_time() - cpu
-            t = time.perf_counter()
-            model.write(Path(tmp) / "one.parquet", rows, rng=np.random.default_rng(r),
-                        workers=0)
-            one = time.perf_counter() - t
+            one = write_seconds(model, Path(tmp) / "one.parquet", rows, r, workers=0)
             ratios.append(ours / floor)
             ratios_1.append(one / floor)
             cpu_ratios.append(ours_cpu / floor_cpu)
@@ -272,13 +277,8 @@ def run(rows: int, rounds: int, big_rows: int = 0) -> None:
                   f"(x{ours / floor:.2f} the floor's time), one thread {rows / one:>10,.0f} "
                   f"rows/s (x{one / floor:.2f}); CPU seconds ours/floor "
                   f"{ours_cpu / floor_cpu:.2f}", flush=True)
-            t = time.perf_counter()
-            paired.write(Path(tmp) / "pairs.parquet", rows, rng=np.random.default_rng(r))
-            ours_p = time.perf_counter() - t
-            t = time.perf_counter()
-            paired.write(Path(tmp) / "pairs1.parquet", rows, rng=np.random.default_rng(r),
-                         workers=0)
-            one_p = time.perf_counter() - t
+            ours_p = write_seconds(paired, Path(tmp) / "pairs.parquet", rows, r)
+            one_p = write_seconds(paired, Path(tmp) / "pairs1.parquet", rows, r, workers=0)
             pair_ratios.append(ours_p / ours)
             pair_ratios_1.append(one_p / one)
             print(f"           with pairs ({len(paired.pair_correction.steps)} edges): "
