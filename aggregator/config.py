@@ -29,6 +29,7 @@ inline lists) and its certificate is not revoked; with no list at all nobody is 
     min_sites = 2               # default quorum
     task_deadline_s = 600       # default per-task deadline
     resume_wait_s = 60          # after a restart, how long resumed jobs wait for their sites
+                                # (above the agents' 30 s maximum reconnect backoff)
 
     [store]
     path = "store"

@@ -42,7 +42,7 @@ def ledger_events(fed: LocalFederation, site_id: str) -> int:
 def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=2,
-        task_deadline_s=60, resume_wait_s=30,
+        task_deadline_s=60, resume_wait_s=45,
         settings=roomy_settings())
     yield from running(federation)
 

@@ -65,7 +65,7 @@ def true_counts(fed: LocalFederation, raw: object) -> dict[str, np.ndarray]:
 def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=3,
-        task_deadline_s=60, resume_wait_s=30, mixed=True,
+        task_deadline_s=60, resume_wait_s=45, mixed=True,
         settings=roomy_settings())
     yield from running(federation)
 

@@ -36,7 +36,7 @@ def ledger_events(fed: LocalFederation, site_id: str) -> list[tuple[str, str]]:
 def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=7, min_sites=2,
-        task_deadline_s=60, resume_wait_s=10, mixed=True,
+        task_deadline_s=60, resume_wait_s=45, mixed=True,
         settings=roomy_settings(allowed_jobs=("synth", "synth_rows", "synth_eval")))
     config = federation.site_config(STRICT)
     config.write_text(config.read_text().replace(

@@ -38,7 +38,7 @@ def ledger_tasks(fed: LocalFederation, site_id: str) -> list[str]:
 def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=5, min_sites=2,
-        task_deadline_s=60, resume_wait_s=30, mixed=True,
+        task_deadline_s=60, resume_wait_s=45, mixed=True,
         settings=roomy_settings(allowed_jobs=("pca", "synth", "synth_rows", "synth_eval")))
     yield from running(federation)
 
