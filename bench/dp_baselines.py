@@ -141,7 +141,7 @@ from dpfed.common.data.encoding import encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
 from dpfed.common.privacy.accounting import rho_for_epsilon  # noqa: E402
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
-from dpfed.common.synth.quantile_link import DEFAULT_BINS  # noqa: E402
+from dpfed.common.synth.quantile_link import DEFAULT_BINS, snap_to_whole  # noqa: E402
 
 # --------------------------------------------------------------------------- relation
 
@@ -209,7 +209,9 @@ class Discretiser:
             c = np.asarray(data.data[col.name]).astype(int)
             if isinstance(col, ContinuousColumn):
                 w = (col.max - col.min) / self.bins
-                out[col.name] = col.min + (c + rng.random(c.size)) * w
+                drawn = col.min + (c + rng.random(c.size)) * w
+                # Integer columns: whole numbers, bin by bin, exactly as dpfed decodes them.
+                out[col.name] = snap_to_whole(col, drawn, self.bins) if col.integer else drawn
             else:
                 labels = col.levels if isinstance(col, OrdinalColumn) else col.categories
                 out[col.name] = np.asarray(labels, dtype=object)[c]

@@ -76,7 +76,7 @@ def _flchain() -> tuple[Schema, pd.DataFrame, str]:
         "chapter": chapter,
     })
     schema = Schema((
-        ContinuousColumn("age", 40.0, 110.0),
+        ContinuousColumn("age", 40.0, 110.0, integer=True),
         NominalColumn("sex", ("F", "M")),
         OrdinalColumn("sample_yr", tuple(str(y) for y in range(1995, 2004))),
         ContinuousColumn("kappa", 0.0, 25.0),
@@ -84,7 +84,7 @@ def _flchain() -> tuple[Schema, pd.DataFrame, str]:
         OrdinalColumn("flc_grp", tuple(str(g) for g in range(1, 11))),
         ContinuousColumn("creatinine", 0.0, 12.0),
         NominalColumn("mgus", ("no", "yes")),
-        ContinuousColumn("futime", 0.0, 6000.0),
+        ContinuousColumn("futime", 0.0, 6000.0, integer=True),
         NominalColumn("death", ("no", "yes")),
         NominalColumn("chapter", chapters),
     ), name="flchain")
@@ -102,13 +102,13 @@ def _health_insurance() -> tuple[Schema, pd.DataFrame, str]:
     yes_no = ("no", "yes")
     schema = Schema((
         NominalColumn("health", yes_no),
-        ContinuousColumn("age", 18.0, 65.0),
+        ContinuousColumn("age", 18.0, 65.0, integer=True),
         NominalColumn("limit", yes_no),
         NominalColumn("gender", ("female", "male")),
         NominalColumn("insurance", yes_no),
         NominalColumn("married", yes_no),
         NominalColumn("selfemp", yes_no),
-        ContinuousColumn("family", 1.0, 15.0),
+        ContinuousColumn("family", 1.0, 15.0, integer=True),
         NominalColumn("region", ("northeast", "midwest", "south", "west")),
         NominalColumn("ethnicity", ("cauc", "afam", "other")),
         OrdinalColumn("education", ("none", "ged", "highschool", "bachelor", "master", "phd",

@@ -15,7 +15,8 @@ Every site draws its rows from one latent factor model (seed 000's model, used h
    ``SITE_SHIFT x factor sd x N(0, 1)``; loadings are shared.
 4. Links (as in seed 000's Alg. 2, run forwards): a continuous column is
    ``mean + sd x z`` rounded to the column's precision and clipped into its declared bounds
-   (the bounds lie >= 3 sd away, so clipping is rare); an ordinal column thresholds its
+   (the bounds lie >= 3 sd away, so clipping is rare; columns of precision 0 are declared
+   ``integer`` in the schema); an ordinal column thresholds its
    coordinate at fixed cut points; a nominal column with Q categories uses Q-1 coordinates
    (plus fixed offsets) and takes category 0 if all are <= 0, else 1 + argmax.
 
@@ -218,7 +219,9 @@ def demo_model(n_features: int, *, seed: int, mixed: bool = False,
         mean = float(np.round(rng.uniform(35, 65), 1))
         sd = float(np.round(rng.uniform(8, 14), 1))
         continuous.append(_ContinuousSpec(f"lab_{i + 1:03d}", 0, 100, mean, sd, 2))
-    columns: list[Column] = [ContinuousColumn(c.name, c.min, c.max) for c in continuous]
+    # Columns recorded in whole units (age, blood pressure, ...) are declared integer.
+    columns: list[Column] = [ContinuousColumn(c.name, c.min, c.max, integer=c.decimals == 0)
+                             for c in continuous]
     columns += [OrdinalColumn(name, levels) for name, levels, _ in ordinals]
     columns += [NominalColumn(name, cats) for name, cats, _ in nominals]
     schema = Schema(tuple(columns), name=f"dpfed demo ({p} columns, seed {seed})")

@@ -7,6 +7,7 @@ One ``[[columns]]`` table per column, in data order::
     type = "continuous"
     min = 0
     max = 110
+    integer = true          # optional: whole numbers only (synthetic values are too)
 
     [[columns]]
     name = "severity"
@@ -44,12 +45,23 @@ DEFAULT_MISSING_VALUES: tuple[str, ...] = ("", "NA", "NaN", "nan", "null", "NULL
 
 @dataclass(frozen=True)
 class ContinuousColumn:
-    """A real-valued column with declared bounds ``min <= x <= max``."""
+    """A real-valued column with declared bounds ``min <= x <= max``.
+
+    ``integer``: the column's values are whole numbers (ages in years, counts, days), so
+    synthetic values are whole numbers too (a public fact used only to decode outputs; data
+    values are read as they are). Its bounds must then be whole numbers.
+    """
 
     name: str
     min: float
     max: float
     type: Literal["continuous"] = "continuous"
+    integer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.integer and not (float(self.min).is_integer() and float(self.max).is_integer()):
+            raise SchemaError(f"integer column {self.name!r} needs whole-number bounds, got "
+                              f"min={self.min:g}, max={self.max:g}")
 
     @property
     def center(self) -> float:
@@ -93,7 +105,7 @@ class NominalColumn:
 Column = ContinuousColumn | OrdinalColumn | NominalColumn
 
 _ALLOWED_KEYS: dict[str, set[str]] = {
-    "continuous": {"name", "type", "min", "max"},
+    "continuous": {"name", "type", "min", "max", "integer"},
     "ordinal": {"name", "type", "levels"},
     "nominal": {"name", "type", "categories"},
 }
@@ -144,7 +156,14 @@ def _parse_column(index: int, table: Any, source: str) -> Column:
             raise SchemaError(
                 f"{where}: 'min' must be < 'max', got min={bounds['min']:g}, max={bounds['max']:g}"
             )
-        return ContinuousColumn(name, bounds["min"], bounds["max"])
+        integer = table.get("integer", False)
+        if not isinstance(integer, bool):
+            raise SchemaError(f"{where}: 'integer' must be true or false, got {integer!r}")
+        if integer and not (bounds["min"].is_integer() and bounds["max"].is_integer()):
+            raise SchemaError(
+                f"{where}: an integer column needs whole-number 'min' and 'max', got "
+                f"min={bounds['min']:g}, max={bounds['max']:g}")
+        return ContinuousColumn(name, bounds["min"], bounds["max"], integer=integer)
     key = "levels" if ctype == "ordinal" else "categories"
     raw = table.get(key)
     if not isinstance(raw, list) or len(raw) < 2:
@@ -231,7 +250,11 @@ class Schema:
         cols: list[dict[str, Any]] = []
         for c in self.columns:
             if isinstance(c, ContinuousColumn):
-                cols.append({"name": c.name, "type": c.type, "min": c.min, "max": c.max})
+                entry: dict[str, Any] = {"name": c.name, "type": c.type, "min": c.min,
+                                         "max": c.max}
+                if c.integer:  # only when set: schemas without it keep their digest
+                    entry["integer"] = True
+                cols.append(entry)
             elif isinstance(c, OrdinalColumn):
                 cols.append({"name": c.name, "type": c.type, "levels": list(c.levels)})
             else:

@@ -294,6 +294,8 @@ class ContinuousLink:
         col = self.column
         y = np.multiply(latent[:, 0], col.half_range * self.sd, dtype=np.float64)
         y += col.center + col.half_range * self.mean
+        if col.integer:
+            np.rint(y, out=y)
         np.clip(y, col.min, col.max, out=y)
         return np.asarray(y)
 

@@ -54,7 +54,7 @@ from dpfed.common.data.schema import ContinuousColumn, NominalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.mechanisms import GaussianMechanism
 from dpfed.common.synth.link_release import histogram_sizes, project_counts, split_proportions
-from dpfed.common.synth.quantile_link import bin_codes
+from dpfed.common.synth.quantile_link import bin_codes, snap_to_whole
 from dpfed.common.validation import check_finite_array, check_int
 
 #: Default most groups per ordinal/continuous column in a pair table.
@@ -590,8 +590,9 @@ class PairCorrection:
             if isinstance(col, ContinuousColumn):
                 width = (col.max - col.min) / grid.n_bins
                 values = np.array(columns[col.name], dtype=np.float64)
-                values[rows] = np.clip(
-                    col.min + (fine[j][rows] + rng.random(rows.size)) * width, col.min, col.max)
+                drawn = col.min + (fine[j][rows] + rng.random(rows.size)) * width
+                values[rows] = (snap_to_whole(col, drawn, grid.n_bins) if col.integer
+                                else np.clip(drawn, col.min, col.max))
                 columns[col.name] = values
             else:
                 codes = np.array(columns[col.name])

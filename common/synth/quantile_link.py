@@ -15,6 +15,11 @@ inverse
     bin), so every decoded value lies within the schema bounds and a standard normal ``z``
     decodes to exactly the DP histogram.
 
+An ``integer`` column (:class:`~dpfed.common.data.schema.ContinuousColumn`) decodes to whole
+numbers bin by bin (:func:`snap_to_whole`): a bin's decoded mass is spread evenly over the
+whole numbers inside the bin, so with bins narrower than one the decoded counts are exactly the
+DP histogram's.
+
 Every latent coordinate of this link is standard normal under the link model, like the
 ordinal and nominal links, so the generative mode's correlation correction and rescaling apply
 unchanged. Privacy: the link is post-processing of the DP bin proportions; the bins are public
@@ -24,6 +29,7 @@ unchanged. Privacy: the link is post-processing of the DP bin proportions; the b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 from scipy import special
@@ -40,6 +46,9 @@ _U_MIN = 2.0 ** -53
 _GRID_LO = -8.5
 _GRID_POINTS = 16385
 _GRID_STEP = 17.0 / (_GRID_POINTS - 1)
+#: Integer columns with more whole numbers than this are decoded by plain rounding (their
+#: bins hold thousands of whole numbers each, where spreading evenly is rounding).
+_MAX_WHOLE_NUMBERS = 1 << 20
 
 
 def bin_edges(column: ContinuousColumn, n_bins: int) -> np.ndarray:
@@ -54,6 +63,43 @@ def bin_codes(column: ContinuousColumn, values: np.ndarray, n_bins: int) -> np.n
     width = (column.max - column.min) / n_bins
     codes = np.floor((np.clip(v, column.min, column.max) - column.min) / width)
     return np.clip(codes, 0, n_bins - 1).astype(np.intp)
+
+
+@lru_cache(maxsize=256)
+def _whole_numbers_per_bin(column: ContinuousColumn, n_bins: int
+                           ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(first whole number, how many) of each public bin, by :func:`bin_codes`'s own rule."""
+    lo, hi = int(column.min), int(column.max)
+    if hi - lo + 1 > _MAX_WHOLE_NUMBERS:
+        return None
+    counts = np.bincount(bin_codes(column, np.arange(lo, hi + 1, dtype=np.float64), n_bins),
+                         minlength=n_bins)
+    first = lo + np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return first.astype(np.float64), counts.astype(np.float64)
+
+
+def snap_to_whole(column: ContinuousColumn, values: np.ndarray, n_bins: int) -> np.ndarray:
+    """Whole numbers for the decoded values of an ``integer`` column (post-processing).
+
+    A value at relative position ``t`` in its public bin becomes the ``floor(t k)``-th of the
+    bin's ``k`` whole numbers: values spread uniformly within a bin (as the quantile link and
+    the pair correction decode them) fall evenly on the bin's whole numbers, and the bins'
+    masses are kept exactly. A bin without a whole number (bins narrower than one) holds only
+    noise mass; its values go to the nearest whole number. Returns float64 within the bounds.
+    """
+    v = np.clip(np.asarray(values, dtype=np.float64), column.min, column.max)
+    per_bin = _whole_numbers_per_bin(column, n_bins)
+    if per_bin is None:
+        return np.rint(v)
+    first, counts = per_bin
+    width = (column.max - column.min) / n_bins
+    codes = bin_codes(column, v, n_bins)
+    t = np.clip((v - column.min) / width - codes, 0.0, 1.0 - 1e-12)
+    k = counts[codes]
+    out = first[codes] + np.floor(t * k)
+    empty = k == 0
+    out[empty] = np.rint(v[empty])
+    return np.asarray(out, dtype=np.float64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,6 +169,8 @@ class QuantileLink(ContinuousLink):
         y = self._table.take(i)
         t *= self._slope.take(i)
         y += t
+        if self.column.integer:
+            return snap_to_whole(self.column, y, self.n_bins)
         return np.asarray(y)
 
     def moments(self) -> tuple[float, float]:

@@ -66,11 +66,32 @@ def test_parse_mixed_schema_and_round_trip(tmp_path: Path) -> None:
     ("[[columns]]\nname='x'\ntype='continuous'\nmin=0\nmax=1\n[[columns]]\nname='x'\n"
      "type='continuous'\nmin=0\nmax=1", "unique"),
     ("colums = 1", "unknown top-level"),
+    ("[[columns]]\nname='x'\ntype='continuous'\nmin=0\nmax=1\ninteger='yes'",
+     "'integer' must be true or false, got 'yes'"),
+    ("[[columns]]\nname='x'\ntype='continuous'\nmin=0.5\nmax=10\ninteger=true",
+     "integer column needs whole-number 'min' and 'max', got min=0.5"),
     ("[[columns]\n", "not valid TOML"),
 ])
 def test_schema_errors_name_the_problem(text: str, match: str) -> None:
     with pytest.raises(SchemaError, match=match):
         Schema.from_toml(text)
+
+
+def test_integer_flag_round_trips_and_leaves_other_digests_alone(tmp_path: Path) -> None:
+    plain = Schema.from_toml(MIXED)
+    flagged = Schema.from_toml(MIXED.replace("max = 110\n", "max = 110\ninteger = true\n"))
+    age = flagged.column("age")
+    assert isinstance(age, ContinuousColumn) and age.integer
+    assert not plain.column("age").integer  # type: ignore[union-attr]
+    # Written only when set: a schema without it keeps the digest it had before the flag.
+    assert "integer" not in plain.to_toml() and "integer = true" in flagged.to_toml()
+    assert Schema.from_toml(flagged.to_toml()) == flagged
+    assert flagged.digest() != plain.digest()
+    assert plain.digest() == Schema.from_toml(MIXED.replace("max = 110\n",
+                                                            "max = 110\ninteger = false\n")
+                                              ).digest()
+    with pytest.raises(SchemaError, match="whole-number bounds"):
+        ContinuousColumn("x", 0.0, 2.5, integer=True)
 
 
 def test_missing_schema_file(tmp_path: Path) -> None:

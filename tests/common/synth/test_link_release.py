@@ -32,7 +32,13 @@ from dpfed.common.synth.link_release import (
     sum_histograms,
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm
-from dpfed.common.synth.quantile_link import QuantileLink, bin_codes, bin_edges
+from dpfed.common.synth.quantile_link import (
+    QuantileLink,
+    bin_codes,
+    bin_edges,
+    identity_link_from_bins,
+    snap_to_whole,
+)
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
@@ -129,6 +135,61 @@ def test_quantile_link_validates_and_stays_within_bounds() -> None:
                                   [0, 0, 1, 3, 3])
     with pytest.raises(ValidationError, match="rng"):
         link.forward(np.array([0.5]), np.zeros((1, 1)))
+
+
+@pytest.mark.parametrize("lo, hi, bins", [(1, 15, 32), (0, 3, 32), (18, 65, 32), (0, 40, 20)])
+def test_integer_column_decodes_to_whole_numbers_with_the_bins_masses(
+        lo: int, hi: int, bins: int) -> None:
+    """Every bin's decoded mass lands, evenly, on the whole numbers inside that bin.
+
+    Bins narrower than one hold at most one whole number each: the decoded counts are then
+    the DP histogram's exactly (up to sampling), whatever the spacing of the data's values.
+    The broken copy -- rounding the continuous decode -- moves mass between whole numbers
+    of neighbouring bins and is caught whenever bins hold more than one.
+    """
+    col = ContinuousColumn("n", float(lo), float(hi), integer=True)
+    plain = ContinuousColumn("n", float(lo), float(hi))
+    rng = np.random.default_rng(lo + hi)
+    data = rng.integers(lo, hi + 1, 100_000).astype(float)
+    data = np.where(rng.random(data.size) < 0.6, lo + (data - lo) // 3 * 3, data)  # lumpy
+    counts = np.bincount(bin_codes(col, data, bins), minlength=bins) + 1e-9
+    link = QuantileLink(col, proportions=counts / counts.sum())
+    z = rng.standard_normal((400_000, 1))
+    y = link.inverse(z)
+    assert np.array_equal(y, np.rint(y)) and y.min() >= lo and y.max() <= hi
+    whole = np.arange(lo, hi + 1, dtype=float)
+    code = bin_codes(col, whole, bins)
+    per_bin = np.bincount(code, minlength=bins)
+    # The bins' masses are kept: the same z decodes into the same bin either way, except
+    # values in a bin without a whole number (the noise floor's mass, and the decoding
+    # table's interpolation across such a bin), which go to the nearest whole number.
+    before = bin_codes(plain, QuantileLink(plain, proportions=link.proportions).inverse(z), bins)
+    holds = per_bin[before] > 0
+    assert holds.mean() > 0.99
+    np.testing.assert_array_equal(bin_codes(col, y, bins)[holds], before[holds])
+    expected = link.proportions[code] / per_bin[code]  # each bin's mass, evenly split
+    got = np.bincount((y - lo).astype(int), minlength=whole.size) / y.size
+    assert 0.5 * np.abs(got - expected).sum() < 0.01
+    rounded = np.rint(QuantileLink(plain, proportions=link.proportions).inverse(z))
+    broken = np.bincount((rounded - lo).astype(int), minlength=whole.size) / y.size
+    if per_bin.max() > 1:
+        assert 0.5 * np.abs(broken - expected).sum() > 0.05
+    else:  # narrow bins: exactly the data's whole-number frequencies
+        real = np.bincount((data - lo).astype(int), minlength=whole.size) / data.size
+        assert 0.5 * np.abs(got - real).sum() < 0.01
+
+
+def test_snap_to_whole_edge_cases() -> None:
+    col = ContinuousColumn("n", 0.0, 10.0, integer=True)
+    # Values at and beyond the bounds, bin edges, and a bin without a whole number.
+    y = snap_to_whole(col, np.array([-5.0, 0.0, 0.26, 0.49, 9.99, 10.0, 99.0]), 40)
+    np.testing.assert_array_equal(y, [0, 0, 0, 0, 10, 10, 10])
+    huge = ContinuousColumn("days", 0.0, 1e9, integer=True)  # too many to enumerate: rint
+    v = np.array([0.4, 12345.6, 1e9])
+    np.testing.assert_array_equal(snap_to_whole(huge, v, 32), np.rint(v))
+    identity = identity_link_from_bins(col, np.full(8, 1 / 8))
+    decoded = identity.inverse(np.linspace(-3, 3, 50)[:, None])
+    assert np.array_equal(decoded, np.rint(decoded)) and 0 <= decoded.min() <= decoded.max() <= 10
 
 
 def test_digest_changes_with_any_link_parameter() -> None:
