@@ -383,4 +383,12 @@ def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:
     assert "column pairs 7" in run.stdout  # 8 columns: a spanning tree of 7 pairs
     for site in ("hospital-1", "hospital-2"):
         assert list((out / "sites" / site / "evaluations").glob("*/synth_evaluation.html"))
-    assert SynthModel.load(out / "synth_model.npz").sample(10).shape == (10, 8)
+    model = SynthModel.load(out / "synth_model.npz")
+    assert model.sample(10).shape == (10, 8)
+    # The demo schema's whole-unit columns (age, blood pressure) come out as whole numbers.
+    integer = [c.name for c in model.schema.columns
+               if isinstance(c, ContinuousColumn) and c.integer]
+    assert "age" in integer
+    rows = pd.read_parquet(out / "synth.parquet")
+    for name in integer:
+        assert np.array_equal(rows[name], np.rint(rows[name])), name
