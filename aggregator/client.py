@@ -454,6 +454,7 @@ class Coordinator:
                    aggregation: str = "site",
                    evaluate_summary: tuple[float, float] | None = None,
                    pairs: int | None = None, pair_groups: int | None = None,
+                   composition: str = "basic",
                    ) -> tuple[pd.DataFrame, SynthModel]:
         """Run a federated DP synthesis job; return a synthetic table and the fitted model.
 
@@ -471,6 +472,11 @@ class Coordinator:
         measures (rounds ``pair_scores`` and ``pairs``; default: the number of columns minus
         1; 0 skips them) and ``pair_groups`` the most groups per ordinal/continuous column in
         a pair table (default 6); see docs/synthesis.md.
+
+        ``composition="zcdp"`` gives every round its share of the job's zCDP rho instead of
+        its share of (epsilon, delta): much less noise per round, for sites whose ledger uses
+        the ``zcdp`` accountant (others are left out, charged nothing); site-level
+        aggregation only.
 
         ``aggregation="secure"`` (generative mode only) sums the sites' histograms and latent
         Gram matrices under secure aggregation (noise of one row of the pooled data; the
@@ -492,7 +498,7 @@ class Coordinator:
                                  sites=sites, on_event=on_event, evaluate_rows=evaluate_rows,
                                  aggregation=aggregation,
                                  evaluate_summary=evaluate_summary, pairs=pairs,
-                                 pair_groups=pair_groups)
+                                 pair_groups=pair_groups, composition=composition)
         return model.sample(rows), model
 
     def synth_model(self, *, epsilon: float, delta: float, rows: int | None = None,
@@ -503,7 +509,8 @@ class Coordinator:
                     on_event: Callable[[JobEvent], None] | None = None,
                     evaluate_rows: int = 0, aggregation: str = "site",
                     evaluate_summary: tuple[float, float] | None = None,
-                    pairs: int | None = None, pair_groups: int | None = None) -> SynthModel:
+                    pairs: int | None = None, pair_groups: int | None = None,
+                    composition: str = "basic") -> SynthModel:
         """Run a synthesis job and return only the fitted model (see :meth:`synthesize`)."""
         mode = mode.replace("-", "_")
         if mode == "row_aligned":
@@ -520,7 +527,7 @@ class Coordinator:
                                           evaluate_rows=evaluate_rows,
                                           aggregation=aggregation,
                                           evaluate_summary=evaluate_summary, pairs=pairs,
-                                          pair_groups=pair_groups),
+                                          pair_groups=pair_groups, composition=composition),
                           on_event=on_event)
         return self.synth_result(job)
 
@@ -532,7 +539,8 @@ class Coordinator:
                    deadline_seconds: float = 0.0, sites: tuple[str, ...] = (),
                    evaluate_rows: int = 0, aggregation: str = "site",
                    evaluate_summary: tuple[float, float] | None = None,
-                   pairs: int | None = None, pair_groups: int | None = None) -> JobSpec:
+                   pairs: int | None = None, pair_groups: int | None = None,
+                   composition: str = "basic") -> JobSpec:
         """Return the job spec of a synthesis job (what :meth:`synthesize` submits)."""
         params: dict[str, Any] = {"mode": mode.replace("-", "_"),
                                   "continuous_link": continuous_link, "n_bins": n_bins,
@@ -551,6 +559,8 @@ class Coordinator:
             params["pairs"] = pairs
         if pair_groups is not None:
             params["pair_groups"] = pair_groups
+        if composition != "basic":
+            params["composition"] = composition
         return JobSpec("synth", epsilon, delta, params, min_sites, deadline_seconds,
                        tuple(sites))
 

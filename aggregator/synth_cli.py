@@ -50,12 +50,13 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
     from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+    from dpfed.common.privacy.composition import round_rho
 
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
                                   aggregation=args.aggregation,
                                   evaluate_rows=args.evaluate_rows if args.evaluate else 0,
                                   evaluate_summary=_summary_budget(args), pairs=args.pairs,
-                                  pair_groups=args.pair_groups)
+                                  pair_groups=args.pair_groups, composition=args.composition)
     params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
     plan = params.plan(args.epsilon, args.delta)
     sites = coord.sites()
@@ -70,6 +71,12 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         print(f"  pair_scores and pairs measure at most {most} DP 2-way marginal(s) of column "
               f"pairs (--pairs; 0 skips them), {params.pair_groups} groups per ordered column "
               "(--pair-groups)")
+    if params.composition == "zcdp":
+        print(f"  --composition zcdp: every round gets its share of rho = "
+              f"{sum(round_rho(e, d) for _, e, d in plan):.4g} (the job's epsilon "
+              f"{args.epsilon:g} at delta {args.delta:g}); the epsilons below are each round's "
+              "own guarantee. Only sites whose ledger uses the zcdp accountant take part; it "
+              "adds the rounds' rho")
     print(f"{'site':<16} {'round':<11} {'epsilon':>10} {'delta':>10} {'eps left now':>13}")
     for site in sites or []:
         left = f"{site.budget.epsilon_remaining:.4g}" if site.budget else "?"
@@ -87,7 +94,11 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
             print(f"{'(every site)':<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
-    print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")
+    if params.composition == "zcdp":
+        print(f"total per site: rho {sum(round_rho(e, d) for _, e, d in plan):.4g}, i.e. "
+              f"({args.epsilon:g}, {args.delta:g})-DP by zCDP composition")
+    else:
+        print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")
     if params.summary_epsilon:
         print(f"plus, at sites whose policy allows DP evaluation summaries: epsilon "
               f"{params.summary_epsilon:.4g}, delta {params.summary_delta:.3g} "
@@ -123,7 +134,7 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
     # --mode / --aggregation combinations are refused here, before anything connects or runs
     SynthParams.from_mapping(Coordinator.synth_spec(
         epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation,
-        pairs=args.pairs, pair_groups=args.pair_groups).params,
+        pairs=args.pairs, pair_groups=args.pair_groups, composition=args.composition).params,
         latent_dim=SYNTH_MAX_LATENT_DIM)
     if mode == "row_aligned":
         if args.rows is not None:
@@ -150,7 +161,7 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
             evaluate_rows=args.evaluate_rows if args.evaluate else 0,
             aggregation=args.aggregation,
             evaluate_summary=_summary_budget(args), pairs=args.pairs,
-            pair_groups=args.pair_groups)
+            pair_groups=args.pair_groups, composition=args.composition)
     model_path = model.save(args.model)
     written = model.write(args.out, args.rows, fmt=fmt, progress=write_progress(args.out))
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
@@ -209,6 +220,10 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p.add_argument("--pair-groups", type=int, metavar="G",
                    help="most groups per ordinal/continuous column in a pair table (2..64, "
                    "default 6)")
+    p.add_argument("--composition", choices=["basic", "zcdp"], default="basic",
+                   help="basic (default): every round gets its share of epsilon and delta; "
+                   "zcdp: its share of the job's zCDP rho (less noise per round; only sites "
+                   "whose ledger uses the zcdp accountant take part; --aggregation site)")
     p.add_argument("--evaluate", action="store_true",
                    help="send a synthetic sample to every site, which compares it with its own "
                    "rows and writes an HTML report in its own directory (nothing comes back); "

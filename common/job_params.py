@@ -13,6 +13,7 @@ from typing import Any
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
+from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS, MAX_GROUPS
 from dpfed.common.validation import (
@@ -248,6 +249,12 @@ class SynthParams:
     pair_groups : int
         Most groups an ordinal or continuous column's cells are merged into in a pair table
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
+    composition : {"basic", "zcdp"}
+        How the split turns into each round's calibration
+        (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
+        share of (epsilon, delta); ``zcdp`` its share of the job's rho, for sites whose
+        accountant is ``zcdp`` (generative mode, site-level aggregation, analytic
+        calibration).
     """
 
     mode: str = "generative"
@@ -264,6 +271,7 @@ class SynthParams:
     summary_delta: float = 0.0
     pairs: int | None = None
     pair_groups: int = DEFAULT_GROUPS
+    composition: str = "basic"
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
@@ -271,7 +279,7 @@ class SynthParams:
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
                           "info_threshold", "calibration", "split", "evaluate_rows",
                           "aggregation", "summary_epsilon", "summary_delta", "pairs",
-                          "pair_groups"}, "synth")
+                          "pair_groups", "composition"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -309,8 +317,11 @@ class SynthParams:
                       and not (pairs is None and isinstance(raw_split, Mapping)
                                and not any(r in raw_split for r in PAIR_ROUNDS)))
         split = cls._split(mode, raw_split, with_pairs)
+        composition = _composition(params.get("composition", "basic"), mode, aggregation,
+                                   calibration)
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
-                   evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups)
+                   evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups,
+                   composition)
 
     @staticmethod
     def _split(mode: str, raw: Any, with_pairs: bool) -> tuple[tuple[str, float, float], ...]:
@@ -369,8 +380,13 @@ class SynthParams:
         return most if self.pairs is None else min(self.pairs, most)
 
     def plan(self, epsilon: float, delta: float) -> list[tuple[str, float, float]]:
-        """Each round's (name, epsilon, delta) at every site: the split the ledgers record."""
-        return [(name, epsilon * e, delta * d) for name, e, d in self.split]
+        """Each round's (name, epsilon, delta) at every site: the split the ledgers record.
+
+        Under ``zcdp`` composition the rounds' epsilons add up to more than ``epsilon`` (each
+        is the round's own guarantee); their rhos add up to the job's
+        (:func:`dpfed.common.privacy.composition.split_budget`).
+        """
+        return split_budget(epsilon, delta, self.split, self.composition)
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if a Gaussian round cannot be calibrated at its share of (epsilon, delta)."""
@@ -403,7 +419,24 @@ class SynthParams:
             out["pairs"] = self.pairs
         if self.pair_rounds:
             out["pair_groups"] = self.pair_groups
+        if self.composition != "basic":  # absent by default: older jobs resume unchanged
+            out["composition"] = self.composition
         return out
+
+
+def _composition(raw: Any, mode: str, aggregation: str, calibration: str) -> str:
+    """Validate ``composition`` (``--composition``) against the job's other settings."""
+    composition = check_choice(raw, "--composition", COMPOSITIONS)
+    if composition == "zcdp":
+        if mode != "generative":
+            raise ValidationError("--composition zcdp needs --mode generative (row-aligned "
+                                  "mode's factors round is a pure-epsilon release)")
+        if aggregation != "site":
+            raise ValidationError("--composition zcdp runs with --aggregation site only: the "
+                                  "secure rounds' Skellam noise is calibrated per round")
+        if calibration != "analytic":
+            raise ValidationError("--composition zcdp needs --calibration analytic")
+    return composition
 
 
 def synth_rounds(mode: str, with_pairs: bool) -> tuple[str, ...]:

@@ -61,7 +61,7 @@ class JobContext:
         self.outcomes: dict[str, SiteOutcome] = {}
         self.wait_for_quorum_s = wait_for_quorum_s
         self.resumed = resumed
-        self._over_budget: set[str] = set()
+        self._left_out: set[str] = set()
         #: The submitting analyst's id (from their certificate); sent with every task.
         self.analyst_id = analyst_id
         #: Targets of the current round that are disconnected and awaited back.
@@ -94,19 +94,39 @@ class JobContext:
             if b is None or b.accountant != "basic":
                 continue
             if eps > b.epsilon_remaining * (1 + 1e-9) or delta > b.delta_remaining * (1 + 1e-9):
-                self._over_budget.add(s.site_id)
+                self._left_out.add(s.site_id)
                 self.outcomes[s.site_id] = SiteOutcome(
                     s.site_id, "refused",
                     f"budget_exceeded: the job needs epsilon={eps:g}, delta={delta:g} over all "
                     f"its rounds; the site reports {b.epsilon_remaining:g}, "
                     f"{b.delta_remaining:g} left", row_count=s.hello.row_count)
 
+    def refuse_unless_accountant(self, accountant: str, why: str) -> None:
+        """Before a job's first round, leave out sites whose ledger does not use ``accountant``.
+
+        For a job whose calibration is only economical under one accountant (a ``zcdp``
+        composed synth job charges a ``basic`` site the sum of its rounds' epsilons). Recorded
+        as refused, sent no round, charged nothing; not applied to a resumed job.
+        """
+        if self.resumed:
+            return
+        for s in self.registry.connected():
+            b = s.hello.budget
+            if b is not None and b.accountant == accountant:
+                continue
+            self._left_out.add(s.site_id)
+            reported = "no budget" if b is None else f"a {b.accountant!r} accountant"
+            self.outcomes[s.site_id] = SiteOutcome(
+                s.site_id, "refused", f"this job needs sites whose ledger uses the "
+                f"{accountant!r} accountant ({why}); the site reports {reported}",
+                row_count=s.hello.row_count)
+
     def _targets(self, kind: str, only: Collection[str] | None = None) -> list[str]:
         sessions = self.registry.connected()
         wanted = set(self.spec.sites)
         targets = []
         for s in sessions:
-            if (wanted and s.site_id not in wanted) or s.site_id in self._over_budget:
+            if (wanted and s.site_id not in wanted) or s.site_id in self._left_out:
                 continue
             earlier = self.outcomes.get(s.site_id)
             if earlier is not None and earlier.status != "ok":

@@ -200,6 +200,11 @@ class SynthJob(JobType):
         size = sum(histogram_sizes(schema, params.n_bins))
         if secure:
             ctx.refuse_over_budget()
+        if params.composition == "zcdp":
+            ctx.refuse_unless_accountant(
+                "zcdp", "--composition zcdp; a 'basic' ledger would be charged "
+                f"{sum(e for _, e, _ in plan):.3g} epsilon for this epsilon={ctx.spec.epsilon:g} "
+                "job")
 
         # ---------------------------------------------------------------- round 1: links
         def check_links(result: TaskResult) -> None:

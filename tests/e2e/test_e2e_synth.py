@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpfed.aggregator.client import Coordinator
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.synth_model import SynthModel
 from dpfed.common.data.schema import ContinuousColumn, Schema
@@ -392,3 +393,57 @@ def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:
     rows = pd.read_parquet(out / "synth.parquet")
     for name in integer:
         assert np.array_equal(rows[name], np.rint(rows[name])), name
+
+
+def test_zcdp_composition_charges_the_jobs_rho_and_leaves_basic_ledgers_out(
+        tmp_path: Path) -> None:
+    """``composition=zcdp``: the rounds' rhos at a zcdp site add up to the job's rho.
+
+    hospital-1 and -2 account in zCDP, hospital-3 in basic epsilon: hospital-3 is left out
+    before round 1 (it would be charged about 1.7 epsilon) and charged nothing. Every round
+    the zcdp sites charge is the analytic Gaussian at the plan's (epsilon_i, delta_i), whose
+    rho is the round's share of the job's; the four together convert back to at most the
+    job's (epsilon, delta).
+    """
+    from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT
+    from dpfed.common.privacy.accounting import rho_for_epsilon, zcdp_to_epsilon
+
+    zcdp = roomy_settings(allowed_jobs=("synth",), accountant="zcdp")
+    fed = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=9,
+                                 min_sites=2, task_deadline_s=60, mixed=True,
+                                 settings=roomy_settings(allowed_jobs=("synth",)))
+    for site in ("hospital-1", "hospital-2"):
+        fed.write_site_config(site, zcdp)
+    fed.start_coordinator()
+    fed.start_sites()
+    eps, delta = 1.0, 1e-6
+    try:
+        fed.wait_for_sites()
+        with fed.analyst() as coord:
+            job = coord.submit(Coordinator.synth_spec(epsilon=eps, delta=delta,
+                                                      composition="zcdp", min_sites=2))
+            assert job.state == "succeeded", job.error
+            model = coord.synth_result(job)
+        outcome = {s.site_id: (s.status, s.reason) for s in job.sites}
+        assert outcome["hospital-3"][0] == "refused"
+        assert "'zcdp' accountant" in outcome["hospital-3"][1]
+        assert charged_events(fed, "hospital-3") == []
+        rho_job = rho_for_epsilon(eps, delta)
+        shares = {name: e for name, (e, _d) in SYNTH_PAIRS_DEFAULT_SPLIT.items()}
+        for site in ("hospital-1", "hospital-2"):
+            events = charged_events(fed, site)
+            assert [e.task_id.split("/")[-1] for e in events] == list(shares)
+            for e in events:
+                # The ledger's rho is the noise actually drawn: sensitivity^2 / (2 sigma^2).
+                assert e.rho == pytest.approx(e.sensitivity ** 2 / (2 * e.noise_scale ** 2),
+                                              rel=1e-9)
+                assert e.rho <= shares[e.task_id.split("/")[-1]] * rho_job
+            total = sum(e.rho for e in events)
+            assert rho_job * (1 - 1e-6) <= total <= rho_job
+            assert zcdp_to_epsilon(total, delta) <= eps
+            # Each round's own epsilon is honest and larger than its basic share.
+            assert sum(e.epsilon for e in events) > 1.5 * eps
+        assert model.metadata["params"]["composition"] == "zcdp"
+        assert len(model.sample(50)) == 50
+    finally:
+        fed.stop_all()
