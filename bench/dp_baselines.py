@@ -527,6 +527,19 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
                                   rng, pairs=args.pairs, pair_groups=args.pair_groups)
             return model.sample(n, rng=rng), "fed-iid+pairs"
 
+        def central_zcdp(rng: np.random.Generator, _eps: float = eps
+                         ) -> tuple[pd.DataFrame, str]:
+            fm = fit_central(schema, train, _eps, delta, args.pair_split, DPFED_BINS, rng,
+                             pairs=args.pairs, pair_groups=args.pair_groups,
+                             composition="zcdp")
+            return fm.sample(n), "central+pairs zcdp"
+
+        def fed_zcdp(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
+            model = fit_federated(schema, site_tables, _eps, delta, args.pair_split, DPFED_BINS,
+                                  rng, pairs=args.pairs, pair_groups=args.pair_groups,
+                                  composition="zcdp")
+            return model.sample(n, rng=rng), "fed-iid+pairs zcdp"
+
         def secure(rng: np.random.Generator, _eps: float = eps) -> tuple[pd.DataFrame, str]:
             model = fit_secure(schema, site_tables, SITE_IDS, fed_dir, _eps, delta, rng,
                                n_bins=DPFED_BINS, split=NO_PAIRS_SPLIT, pairs=0)
@@ -542,7 +555,8 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
         # dpfed's methods first: their rows are there even when AIM is cut short.
         ours: list[tuple[str, Method, bool]] = [
             ("central", central, True), ("fed-iid", fed, True),
-            ("central+pairs", central_pairs, True), ("fed-iid+pairs", fed_pairs, True)]
+            ("central+pairs", central_pairs, True), ("fed-iid+pairs", fed_pairs, True),
+            ("central+pairs zcdp", central_zcdp, True), ("fed-iid+pairs zcdp", fed_zcdp, True)]
         if not args.no_secure:
             ours += [("secure-iid", secure, True), ("secure-iid+pairs", secure_pairs, True)]
         methods = methods[:1] + ours + methods[1:]

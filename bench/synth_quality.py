@@ -79,6 +79,7 @@ from dpfed.common.job_params import (  # noqa: E402
 )
 from dpfed.common.pca import dppca  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
+from dpfed.common.privacy.composition import split_budget  # noqa: E402
 from dpfed.common.synth import pair_marginals as pm  # noqa: E402
 from dpfed.common.synth.factor_model import FactorModelSynthesizer, dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
@@ -143,7 +144,8 @@ def pairs_split(pairs_share: float | None = None) -> dict[str, tuple[float, floa
 def fit_central(schema: Schema, train: pd.DataFrame, eps: float, delta: float,
                 split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
                 rng: np.random.Generator, pairs: int | None = None,
-                pair_groups: int = DEFAULT_GROUPS) -> FactorModelSynthesizer:
+                pair_groups: int = DEFAULT_GROUPS,
+                composition: str = "basic") -> FactorModelSynthesizer:
     """:class:`FactorModelSynthesizer` on the pooled rows at the job's split (``central``).
 
     With a ``pairs`` round in ``split`` the synthesizer runs its pair releases (``pairs``:
@@ -159,7 +161,7 @@ def fit_central(schema: Schema, train: pd.DataFrame, eps: float, delta: float,
         budget = {("marginals" if k == "links" else k): v[0] for k, v in shares.items()}
     return FactorModelSynthesizer(schema, epsilon=eps, delta=delta, budget_split=budget,
                                   n_bins=n_bins, rng=rng, pairs=pairs if with_pairs else 0,
-                                  pair_groups=pair_groups).fit(train)
+                                  pair_groups=pair_groups, composition=composition).fit(train)
 
 
 def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
@@ -174,7 +176,8 @@ def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
 def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
                   split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
                   rng: np.random.Generator, weighting: str = "size", pairs: int | None = None,
-                  pair_groups: int = DEFAULT_GROUPS, gate: bool = False) -> SynthModel:
+                  pair_groups: int = DEFAULT_GROUPS, gate: bool = False,
+                  composition: str = "basic") -> SynthModel:
     """The ``synth`` job's rounds through the same site and coordinator functions.
 
     ``split`` maps round names to (epsilon share, delta share) (:data:`PAIRS_SPLIT`,
@@ -188,10 +191,14 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
     of the job's size weights (for the weighting check). ``gate`` (an experiment, not the
     job): the forest is chosen on :func:`gated_scores` instead of the raw noisy scores.
+    ``composition`` is the job's (``zcdp``: every round gets its share of rho, as
+    :meth:`SynthParams.plan` gives it).
     """
     shares = as_split(split)
-    el, dl = shares["links"][0] * eps, shares["links"][1] * delta
-    ep, dp = shares["pca"][0] * eps, shares["pca"][1] * delta
+    budget = {name: (e, d) for name, e, d in split_budget(
+        eps, delta, [(k, e, d) for k, (e, d) in shares.items()], composition)}
+    el, dl = budget["links"]
+    ep, dp = budget["pca"]
     rels = []
     for t in tables:  # site: link round
         acc = LinkHistogramAccumulator(schema, n_bins)
@@ -223,8 +230,8 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     max_pairs = n_cols - 1 if pairs is None else pairs
     if "pairs" not in shares or max_pairs == 0 or n_cols < 2:
         return model
-    es, ds = shares["pair_scores"][0] * eps, shares["pair_scores"][1] * delta
-    eq, dq = shares["pairs"][0] * eps, shares["pairs"][1] * delta
+    es, ds = budget["pair_scores"]
+    eq, dq = budget["pairs"]
     grid = pm.PairGrid.from_proportions(schema, props, n_bins, pair_groups)
     cands = grid.candidate_pairs()
     if not cands:

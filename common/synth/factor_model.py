@@ -73,7 +73,8 @@ from dpfed.common.errors import DataError, ValidationError
 from dpfed.common.job_params import SYNTH_DEFAULT_SPLIT, SYNTH_MAX_BINS, SYNTH_PAIRS_DEFAULT_SPLIT
 from dpfed.common.pca import dppca
 from dpfed.common.pca.dppca import GramAccumulator, PCAEstimate
-from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.accounting import PrivacyCost, zcdp_to_epsilon
+from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.privacy.rng import resolve_rng
 from dpfed.common.synth.generative import (
@@ -591,6 +592,12 @@ class FactorModelSynthesizer:
         default or names ``"pair_scores"`` or ``"pairs"``; else 0. 0 disables them.
     pair_groups : int
         Most groups per ordinal or continuous column in a pair table (2..64, default 6).
+    composition : {"basic", "zcdp"}
+        ``basic`` (default): every release gets its share of ``epsilon`` and ``delta``.
+        ``zcdp``: its share of the zCDP rho that ``(epsilon, delta)`` converts to (the ``synth``
+        job's ``--composition zcdp``, :mod:`dpfed.common.privacy.composition`): much less
+        noise per release; every release must then be Gaussian (generative mode,
+        ``continuous_scaling="dp"``, analytic calibration).
 
     Attributes (after fit)
     ----------------------
@@ -631,7 +638,8 @@ class FactorModelSynthesizer:
     privacy_costs_ : dict[str, PrivacyCost]
         Cost of each release made by :meth:`fit`.
     privacy_cost_ : PrivacyCost
-        Their basic sequential composition.
+        Their composition: basic (epsilons and deltas add), or under ``zcdp`` the rhos add
+        and the epsilon is their conversion at ``delta`` (at most ``epsilon``).
 
     Privacy
     -------
@@ -666,7 +674,7 @@ class FactorModelSynthesizer:
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
                  rng: np.random.Generator | None = None,
                  links: LatentLinks | None = None, pairs: int | None = None,
-                 pair_groups: int = DEFAULT_GROUPS) -> None:
+                 pair_groups: int = DEFAULT_GROUPS, composition: str = "basic") -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         self.schema = schema
@@ -699,6 +707,13 @@ class FactorModelSynthesizer:
                                                          "loading_noise_epsilon"))
         self.pca_calibration = check_choice(pca_calibration, "pca_calibration",
                                             ("analytic", "classic"))
+        self.composition = check_choice(composition, "composition", COMPOSITIONS)
+        if self.composition == "zcdp" and (self.mode != "generative"
+                                           or self.continuous_scaling != "dp"
+                                           or self.pca_calibration != "analytic"):
+            raise ValidationError("composition='zcdp' needs Gaussian releases only: "
+                                  "mode='generative', continuous_scaling='dp' and "
+                                  "pca_calibration='analytic'")
         self.row_policy = row_policy
         if links is not None and (not isinstance(links, LatentLinks)
                                   or links.schema.digest() != schema.digest()):
@@ -838,6 +853,11 @@ class FactorModelSynthesizer:
             raise DataError("no rows left to fit after encoding (see the encoding report)")
         budget = self._allocation()
         deltas = self._delta_allocation()
+        if self.composition == "zcdp":
+            shares = [(k, budget[k] / self.epsilon, deltas[k] / self.delta) for k in budget]
+            plan = split_budget(self.epsilon, self.delta, shares, "zcdp")
+            budget = {k: e for k, e, _ in plan}
+            deltas = {k: d for k, _, d in plan}
         rng = self._rng
         costs: dict[str, PrivacyCost] = {}
         self.proportions_ = None
@@ -899,7 +919,11 @@ class FactorModelSynthesizer:
         self.budget_ = budget
         self.delta_budget_ = deltas
         self.privacy_costs_ = costs
-        self.privacy_cost_ = PrivacyCost.total(costs.values())
+        total = PrivacyCost.total(costs.values())
+        if self.composition == "zcdp":
+            total = PrivacyCost(zcdp_to_epsilon(total.rho, self.delta), self.delta, total.rho,
+                                "composed-zcdp")
+        self.privacy_cost_ = total
         self._fitted = True
         return self
 

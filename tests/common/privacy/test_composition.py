@@ -120,3 +120,34 @@ def test_synth_params_plan_and_mapping() -> None:
     assert basic.plan(1.0, 1e-6) == split_budget(1.0, 1e-6, basic.split)
     assert zcdp.plan(1.0, 1e-6) == split_budget(1.0, 1e-6, zcdp.split, "zcdp")
     zcdp.check_privacy(1.0, 1e-6)
+
+
+def test_central_synthesizer_composes_its_releases_in_rho() -> None:
+    """``FactorModelSynthesizer(composition="zcdp")``: the job's split of rho, centrally."""
+    import pandas as pd
+
+    from dpfed.common.data.schema import ContinuousColumn, NominalColumn, Schema
+    from dpfed.common.synth.factor_model import FactorModelSynthesizer
+
+    schema = Schema((ContinuousColumn("x", 0.0, 10.0), NominalColumn("g", ("a", "b", "c")),
+                     ContinuousColumn("y", 0.0, 10.0)))
+    r = np.random.default_rng(3)
+    x = r.uniform(0, 10, 3000)
+    frame = pd.DataFrame({"x": x, "g": r.choice(["a", "b", "c"], 3000),
+                          "y": np.clip(x + r.normal(0, 1, 3000), 0, 10)})
+    eps, delta = 1.0, 1e-6
+    synth = FactorModelSynthesizer(schema, epsilon=eps, delta=delta, composition="zcdp",
+                                   rng=np.random.default_rng(4)).fit(frame)
+    rho = rho_for_epsilon(eps, delta)
+    cost = synth.privacy_cost_
+    assert cost.mechanism == "composed-zcdp" and cost.delta == delta
+    assert rho * (1 - 1e-6) <= cost.rho <= rho and cost.epsilon <= eps
+    assert sum(c.rho for c in synth.privacy_costs_.values()) == pytest.approx(cost.rho)
+    assert set(synth.privacy_costs_) == {"marginals", "pca", "pair_scores", "pairs"}
+    basic = FactorModelSynthesizer(schema, epsilon=eps, delta=delta,
+                                   rng=np.random.default_rng(4)).fit(frame)
+    assert basic.privacy_cost_.rho < 0.6 * rho  # basic composition leaves rho unused
+    assert len(synth.sample(20)) == 20
+    for bad in ({"mode": "row_aligned"}, {"pca_calibration": "classic"}):
+        with pytest.raises(ValidationError, match="composition='zcdp'"):
+            FactorModelSynthesizer(schema, epsilon=eps, composition="zcdp", **bad)
