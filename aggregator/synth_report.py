@@ -27,6 +27,7 @@ from dpfed.aggregator.synth_evaluation_report import (  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn  # noqa: E402
+from dpfed.common.privacy.composition import round_rho  # noqa: E402
 from dpfed.common.privacy.rng import production_rng  # noqa: E402
 from dpfed.common.synth.link_release import split_proportions  # noqa: E402
 from dpfed.common.synth.quantile_link import bin_codes  # noqa: E402
@@ -237,8 +238,20 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
         report.heading("Aggregation: secure")
         report.paragraph(secure)
     report.heading("Privacy budget (charged at every site, per round)")
-    report.table(("round", "epsilon", "delta"),
-                 [(p["round"], p["epsilon"], p["delta"]) for p in meta.get("plan", [])])
+    plan = meta.get("plan", [])
+    if meta.get("params", {}).get("composition") == "zcdp":
+        rhos = [round_rho(p["epsilon"], p["delta"]) for p in plan]
+        report.paragraph(
+            f"zCDP composition: every round got its share of rho = {sum(rhos):.4g}, the "
+            f"job's (epsilon {meta.get('epsilon')}, delta {meta.get('delta')}); the sites' zCDP "
+            "ledgers add the rounds' rho. Each round's epsilon below is that round's own "
+            "guarantee (they are not added).")
+        report.table(("round", "epsilon", "delta", "rho"),
+                     [(p["round"], p["epsilon"], p["delta"], r)
+                      for p, r in zip(plan, rhos, strict=True)])
+    else:
+        report.table(("round", "epsilon", "delta"),
+                     [(p["round"], p["epsilon"], p["delta"]) for p in plan])
     sites = meta.get("sites", [])
     if sites:
         keys = [f"{r}_{x}" for r in ("links", "pca", "pair_scores", "pairs", "factors")

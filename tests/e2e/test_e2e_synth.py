@@ -338,6 +338,18 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
                       *conn)
         assert refused.returncode != 0 and flag in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
+    zcdp = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--composition", "zcdp",
+               *conn)
+    assert zcdp.returncode == 0, zcdp.stderr
+    assert "--composition zcdp" in zcdp.stdout and "(2, 1e-05)-DP by zCDP composition" in (
+        zcdp.stdout)
+    rows = [line.split() for line in zcdp.stdout.splitlines() if line.startswith("hospital")]
+    assert [r[1] for r in rows[:4]] == ["links", "pca", "pair_scores", "pairs"]
+    assert sum(float(r[2]) for r in rows[:4]) > 3.0  # each round's own epsilon; rho adds
+    secure_zcdp = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--composition",
+                      "zcdp", "--aggregation", "secure", *conn)
+    assert secure_zcdp.returncode != 0 and "--composition zcdp" in secure_zcdp.stderr
+    assert "Traceback" not in secure_zcdp.stderr
     summary_plan = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--evaluate",
                        "--evaluate-summary-epsilon", "0.3", *conn)
     assert summary_plan.returncode == 0, summary_plan.stderr
@@ -445,5 +457,8 @@ def test_zcdp_composition_charges_the_jobs_rho_and_leaves_basic_ledgers_out(
             assert sum(e.epsilon for e in events) > 1.5 * eps
         assert model.metadata["params"]["composition"] == "zcdp"
         assert len(model.sample(50)) == 50
+        from dpfed.aggregator.synth_report import synth_report
+        html = synth_report(model, model.sample(300))
+        assert "zCDP composition" in html and "rho" in html
     finally:
         fed.stop_all()
