@@ -106,10 +106,9 @@ class JobContext:
 
         For a job whose calibration is only economical under one accountant (a ``zcdp``
         composed synth job charges a ``basic`` site the sum of its rounds' epsilons). Recorded
-        as refused, sent no round, charged nothing; not applied to a resumed job.
+        as refused, sent no round, charged nothing. Applied to a resumed job too: such a site
+        was left out of the job's first run, so it holds no charge to replay.
         """
-        if self.resumed:
-            return
         for s in self.registry.connected():
             b = s.hello.budget
             if b is not None and b.accountant == accountant:
