@@ -62,6 +62,7 @@ class JobContext:
         self.wait_for_quorum_s = wait_for_quorum_s
         self.resumed = resumed
         self._left_out: set[str] = set()
+        self._required_accountant: tuple[str, str] | None = None
         #: The submitting analyst's id (from their certificate); sent with every task.
         self.analyst_id = analyst_id
         #: Targets of the current round that are disconnected and awaited back.
@@ -101,24 +102,16 @@ class JobContext:
                     f"its rounds; the site reports {b.epsilon_remaining:g}, "
                     f"{b.delta_remaining:g} left", row_count=s.hello.row_count)
 
-    def refuse_unless_accountant(self, accountant: str, why: str) -> None:
-        """Before a job's first round, leave out sites whose ledger does not use ``accountant``.
+    def require_accountant(self, accountant: str, why: str) -> None:
+        """Send this job's rounds only to sites whose ledger uses ``accountant``.
 
         For a job whose calibration is only economical under one accountant (a ``zcdp``
-        composed synth job charges a ``basic`` site the sum of its rounds' epsilons). Recorded
-        as refused, sent no round, charged nothing. Applied to a resumed job too: such a site
-        was left out of the job's first run, so it holds no charge to replay.
+        composed synth job would charge a ``basic`` site the sum of its rounds' epsilons).
+        Checked whenever a round picks its sites, so a site that connects late or after a
+        coordinator restart is checked too: it is recorded as refused (naming ``why``), sent
+        nothing and charged nothing.
         """
-        for s in self.registry.connected():
-            b = s.hello.budget
-            if b is not None and b.accountant == accountant:
-                continue
-            self._left_out.add(s.site_id)
-            reported = "no budget" if b is None else f"a {b.accountant!r} accountant"
-            self.outcomes[s.site_id] = SiteOutcome(
-                s.site_id, "refused", f"this job needs sites whose ledger uses the "
-                f"{accountant!r} accountant ({why}); the site reports {reported}",
-                row_count=s.hello.row_count)
+        self._required_accountant = (accountant, why)
 
     def _targets(self, kind: str, only: Collection[str] | None = None) -> list[str]:
         sessions = self.registry.connected()
@@ -132,6 +125,16 @@ class JobContext:
                 continue  # failed an earlier round of this job: later rounds go without it
             if only is not None and s.site_id not in only:
                 continue
+            if self._required_accountant is not None:
+                accountant, why = self._required_accountant
+                b = s.hello.budget
+                if b is None or b.accountant != accountant:
+                    reported = "no budget" if b is None else f"a {b.accountant!r} accountant"
+                    self.outcomes[s.site_id] = SiteOutcome(
+                        s.site_id, "refused", f"this job needs sites whose ledger uses the "
+                        f"{accountant!r} accountant ({why}); the site reports {reported}",
+                        row_count=s.hello.row_count)
+                    continue
             if kind not in s.hello.allowed_kinds:
                 self.outcomes[s.site_id] = SiteOutcome(
                     s.site_id, "refused", f"the site's policy does not allow {kind!r} jobs",

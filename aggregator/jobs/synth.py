@@ -201,7 +201,7 @@ class SynthJob(JobType):
         if secure:
             ctx.refuse_over_budget()
         if params.composition == "zcdp":
-            ctx.refuse_unless_accountant(
+            ctx.require_accountant(
                 "zcdp", "--composition zcdp; a 'basic' ledger would be charged "
                 f"{sum(e for _, e, _ in plan):.3g} epsilon for this epsilon={ctx.spec.epsilon:g} "
                 "job")
