@@ -66,6 +66,7 @@ class SimulationOptions:
     job: str = "pca"
     synth_rows: int = 20_000
     synth_mode: str = "generative"
+    composition: str = "basic"
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,6 +114,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="--job synth: synthetic rows to write (generative mode)")
     p.add_argument("--synth-mode", choices=["generative", "row-aligned"], default="generative",
                    help="--job synth: output mode")
+    p.add_argument("--composition", choices=["basic", "zcdp"], default="basic",
+                   help="--job synth: how the rounds share the budget (zcdp: shares of rho; "
+                   "the simulated sites then account in zcdp)")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -131,7 +135,7 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              ("--features", args.features, 2), ("--k", args.k, 1)):
         if value < low:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
-    return SimulationOptions(out=out, sites=n_sites, rows=args.rows, features=args.features,
+    opts = SimulationOptions(out=out, sites=n_sites, rows=args.rows, features=args.features,
                              k=args.k, rank=args.rank, epsilon=args.epsilon, delta=args.delta,
                              calibration=args.calibration, min_sites=args.min_sites,
                              clip_norm=args.clip_norm, centering=args.centering,
@@ -141,7 +145,13 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
                              deadline=args.deadline, job=getattr(args, "job", "pca"),
                              synth_rows=getattr(args, "synth_rows", 20_000),
-                             synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"))
+                             synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"),
+                             composition=getattr(args, "composition", "basic"))
+    if opts.job == "synth":  # before anything is made
+        from dpfed.aggregator.simulate_synth import check_synth_options
+
+        check_synth_options(opts)
+    return opts
 
 
 

@@ -31,16 +31,21 @@ if TYPE_CHECKING:
 EVALUATION_ROWS = 5000
 
 
+def check_synth_options(opts: SimulationOptions) -> None:
+    """Refuse --synth-mode / --aggregation / --composition combinations the job refuses."""
+    try:
+        SynthParams.from_mapping({"mode": opts.synth_mode, "aggregation": opts.aggregation,
+                                  "composition": opts.composition},
+                                 latent_dim=SYNTH_MAX_LATENT_DIM)
+    except ValidationError as exc:
+        raise ValidationError(str(exc).replace("--mode", "--synth-mode")) from None
+
+
 def run_synth_simulation(opts: SimulationOptions) -> int:
     """Run the synthesis simulation (``opts.out`` already prepared); return an exit code."""
     out = opts.out.resolve()
     t0 = time.monotonic()
-    # --synth-mode / --aggregation combinations are refused before anything starts
-    try:
-        SynthParams.from_mapping({"mode": opts.synth_mode, "aggregation": opts.aggregation},
-                                 latent_dim=SYNTH_MAX_LATENT_DIM)
-    except ValidationError as exc:
-        raise ValidationError(str(exc).replace("--mode", "--synth-mode")) from None
+    check_synth_options(opts)
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     if not opts.data:
         say("data", f"generating {opts.sites} x {opts.rows} rows x {opts.features} mixed "
@@ -48,7 +53,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     settings = SiteSettings(
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
         budget_delta=opts.budget_delta or min(0.5, 10 * opts.delta),
-        noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows", "synth_eval"))
+        noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows", "synth_eval"),
+        accountant="zcdp" if opts.composition == "zcdp" else "basic")
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows,
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
@@ -72,7 +78,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                           else opts.synth_rows,
                                           mode=opts.synth_mode, min_sites=opts.min_sites,
                                           on_event=progress, evaluate_rows=EVALUATION_ROWS,
-                                          aggregation=opts.aggregation)
+                                          aggregation=opts.aggregation,
+                                          composition=opts.composition)
             except JobFailedError as exc:
                 say("synth", f"FAILED: {exc}")
                 return exit_codes.JOB_FAILED
@@ -100,7 +107,9 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
         say("evaluate", f"{site_id}: site-local evaluation report {state}: {path}")
     print()
     print(f"dpfed simulate --job synth: {len(fed.site_ids)} sites, mode {model.mode}, "
-          f"aggregation {opts.aggregation}, latent dimension {model.links.dim}, "
+          f"aggregation {opts.aggregation}, composition {opts.composition} (site ledgers: "
+          f"{'zcdp' if opts.composition == 'zcdp' else 'basic'} accountant), "
+          f"latent dimension {model.links.dim}, "
           f"rank {model.factor_model.rank}, column pairs "
           f"{0 if model.pair_correction is None else len(model.pair_correction.edges)}")
     for site_id, _connected, b in budgets:
