@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dpfed.common.errors import ProtocolError
@@ -243,11 +244,19 @@ class SiteRegistry:
                 except TimeoutError:
                     return self.get(site_id)
 
-    async def wait_for_count(self, n: int, timeout: float) -> int:
-        """Wait until at least ``n`` sites are connected; return how many are."""
+    async def wait_for_count(self, n: int, timeout: float,
+                             eligible: Callable[[SiteSession], bool] | None = None) -> int:
+        """Wait until at least ``n`` sites (``eligible`` ones, if given) are connected.
+
+        Returns how many (eligible) sites are connected when it stops.
+        """
         deadline = time.monotonic() + timeout
+
+        def count() -> int:
+            return sum(1 for s in self.connected() if eligible is None or eligible(s))
+
         async with self._changed:
-            while len(self.connected()) < n:
+            while count() < n:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -255,7 +264,7 @@ class SiteRegistry:
                     await asyncio.wait_for(self._changed.wait(), remaining)
                 except TimeoutError:
                     break
-            return len(self.connected())
+            return count()
 
     def close_all(self, reason: str) -> None:
         """Close every session (coordinator shutdown)."""

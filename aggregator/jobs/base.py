@@ -113,44 +113,54 @@ class JobContext:
         """
         self._required_accountant = (accountant, why)
 
+    def _skipped(self, s: SiteSession, only: Collection[str] | None) -> bool:
+        """Whether a connected site is simply not part of this round (nothing to record)."""
+        if (self.spec.sites and s.site_id not in self.spec.sites) or s.site_id in self._left_out:
+            return True
+        earlier = self.outcomes.get(s.site_id)
+        if earlier is not None and earlier.status != "ok":
+            return True  # failed an earlier round of this job: later rounds go without it
+        return only is not None and s.site_id not in only
+
+    def _refusal(self, s: SiteSession, kind: str | None) -> str | None:
+        """Why this job cannot send the site a ``kind`` task (None: it can)."""
+        if self._required_accountant is not None:
+            accountant, why = self._required_accountant
+            b = s.hello.budget
+            if b is None or b.accountant != accountant:
+                reported = "no budget" if b is None else f"a {b.accountant!r} accountant"
+                return (f"this job needs sites whose ledger uses the {accountant!r} "
+                        f"accountant ({why}); the site reports {reported}")
+        if kind is not None and kind not in s.hello.allowed_kinds:
+            return f"the site's policy does not allow {kind!r} jobs"
+        return None
+
     def _targets(self, kind: str, only: Collection[str] | None = None) -> list[str]:
-        sessions = self.registry.connected()
-        wanted = set(self.spec.sites)
         targets = []
-        for s in sessions:
-            if (wanted and s.site_id not in wanted) or s.site_id in self._left_out:
+        for s in self.registry.connected():
+            if self._skipped(s, only):
                 continue
-            earlier = self.outcomes.get(s.site_id)
-            if earlier is not None and earlier.status != "ok":
-                continue  # failed an earlier round of this job: later rounds go without it
-            if only is not None and s.site_id not in only:
-                continue
-            if self._required_accountant is not None:
-                accountant, why = self._required_accountant
-                b = s.hello.budget
-                if b is None or b.accountant != accountant:
-                    reported = "no budget" if b is None else f"a {b.accountant!r} accountant"
-                    self.outcomes[s.site_id] = SiteOutcome(
-                        s.site_id, "refused", f"this job needs sites whose ledger uses the "
-                        f"{accountant!r} accountant ({why}); the site reports {reported}",
-                        row_count=s.hello.row_count)
-                    continue
-            if kind not in s.hello.allowed_kinds:
-                self.outcomes[s.site_id] = SiteOutcome(
-                    s.site_id, "refused", f"the site's policy does not allow {kind!r} jobs",
-                    row_count=s.hello.row_count)
+            reason = self._refusal(s, kind)
+            if reason is not None:
+                self.outcomes[s.site_id] = SiteOutcome(s.site_id, "refused", reason,
+                                                       row_count=s.hello.row_count)
                 continue
             targets.append(s.site_id)
         return targets
 
-    async def wait_for_sites(self) -> None:
+    async def wait_for_sites(self, kind: str | None = None,
+                             only: Collection[str] | None = None) -> None:
         """For a resumed job, wait (up to the resume wait) until the quorum has reconnected.
 
         A fresh job starts with the sites that are connected; a job resumed after a
-        coordinator restart gives them ``resume_wait_s`` to dial back in first.
+        coordinator restart gives them ``resume_wait_s`` to dial back in first. Only sites
+        the round could use count towards the quorum (a site this job refuses, e.g. for its
+        accountant, does not).
         """
         if self.wait_for_quorum_s > 0:
-            await self.registry.wait_for_count(self.min_sites, self.wait_for_quorum_s)
+            await self.registry.wait_for_count(
+                self.min_sites, self.wait_for_quorum_s,
+                eligible=lambda s: not self._skipped(s, only) and self._refusal(s, kind) is None)
 
     async def dispatch(self, kind: str, params: Mapping[str, Any], *, round_name: str,
                        arrays: Mapping[str, np.ndarray] | None = None,
@@ -188,7 +198,7 @@ class JobContext:
         """
         min_sites = self.min_sites if quorum is None else quorum
         if quorum is None:
-            await self.wait_for_sites()
+            await self.wait_for_sites(kind, only)
         targets = self._targets(kind, only)
         if len(targets) < min_sites:
             refused = "; ".join(f"{o.site_id}: {o.reason}" for o in self.outcomes.values()

@@ -411,40 +411,61 @@ def test_zcdp_composition_charges_the_jobs_rho_and_leaves_basic_ledgers_out(
         tmp_path: Path) -> None:
     """``composition=zcdp``: the rounds' rhos at a zcdp site add up to the job's rho.
 
-    hospital-1 and -2 account in zCDP, hospital-3 in basic epsilon: hospital-3 is left out
-    before round 1 (it would be charged about 1.7 epsilon) and charged nothing. Every round
-    the zcdp sites charge is the analytic Gaussian at the plan's (epsilon_i, delta_i), whose
-    rho is the round's share of the job's; the four together convert back to at most the
-    job's (epsilon, delta).
+    hospital-1 and -2 account in zCDP, hospital-3 in basic epsilon: hospital-3 is refused
+    (it would be charged about 1.7 epsilon) and charged nothing, in the first run and after
+    the coordinator is SIGKILLed once the zcdp sites paid for round 1 and restarted (the
+    resumed job waits for two *zcdp* sites, not any two). Every round the zcdp sites charge
+    is the analytic Gaussian at the plan's (epsilon_i, delta_i), whose rho is the round's
+    share of the job's; the four together convert back to at most the job's (epsilon, delta).
     """
     from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT
     from dpfed.common.privacy.accounting import rho_for_epsilon, zcdp_to_epsilon
 
     zcdp = roomy_settings(allowed_jobs=("synth",), accountant="zcdp")
     fed = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=9,
-                                 min_sites=2, task_deadline_s=60, mixed=True,
-                                 settings=roomy_settings(allowed_jobs=("synth",)))
+                                 min_sites=2, task_deadline_s=60, resume_wait_s=45,
+                                 mixed=True, settings=roomy_settings(allowed_jobs=("synth",)))
     for site in ("hospital-1", "hospital-2"):
         fed.write_site_config(site, zcdp)
     fed.start_coordinator()
     fed.start_sites()
     eps, delta = 1.0, 1e-6
+    port = fed.port
+
+    def submit() -> None:
+        try:
+            with fed.analyst() as coord:
+                coord.submit(Coordinator.synth_spec(epsilon=eps, delta=delta,
+                                                    composition="zcdp", min_sites=2))
+        except Exception:  # noqa: BLE001, S110 -- the stream dies with the coordinator
+            pass
+
     try:
         fed.wait_for_sites()
+        t = threading.Thread(target=submit, daemon=True)
+        t.start()
+        _wait_until(lambda: all(len(ledger_tasks(fed, s)) >= 1
+                                for s in ("hospital-1", "hospital-2")), 60,
+                    "the zcdp sites to pay for round 1")
+        fed.signal("coordinator", signal.SIGKILL)
+        fed.wait("coordinator")
+        t.join(30)
+        fed.start_coordinator(port=port)
         with fed.analyst() as coord:
-            job = coord.submit(Coordinator.synth_spec(epsilon=eps, delta=delta,
-                                                      composition="zcdp", min_sites=2))
+            job = coord.watch(coord.jobs(1)[0].job_id)
             assert job.state == "succeeded", job.error
             model = coord.synth_result(job)
         outcome = {s.site_id: (s.status, s.reason) for s in job.sites}
-        assert outcome["hospital-3"][0] == "refused"
-        assert "'zcdp' accountant" in outcome["hospital-3"][1]
+        # The resumed run may finish before hospital-3 dials back in; if it saw it, it refused it.
+        if "hospital-3" in outcome:
+            assert outcome["hospital-3"][0] == "refused"
+            assert "'zcdp' accountant" in outcome["hospital-3"][1]
         assert charged_events(fed, "hospital-3") == []
         rho_job = rho_for_epsilon(eps, delta)
         shares = {name: e for name, (e, _d) in SYNTH_PAIRS_DEFAULT_SPLIT.items()}
         for site in ("hospital-1", "hospital-2"):
             events = charged_events(fed, site)
-            assert [e.task_id.split("/")[-1] for e in events] == list(shares)
+            assert [e.task_id for e in events] == [f"{job.job_id}/{r}" for r in shares]
             for e in events:
                 # The ledger's rho is the noise actually drawn: sensitivity^2 / (2 sigma^2).
                 assert e.rho == pytest.approx(e.sensitivity ** 2 / (2 * e.noise_scale ** 2),
@@ -457,6 +478,15 @@ def test_zcdp_composition_charges_the_jobs_rho_and_leaves_basic_ledgers_out(
             assert sum(e.epsilon for e in events) > 1.5 * eps
         assert model.metadata["params"]["composition"] == "zcdp"
         assert len(model.sample(50)) == 50
+        # With every site connected, a second job names the reason hospital-3 is left out.
+        fed.wait_for_sites()
+        with fed.analyst() as coord:
+            again = coord.submit(Coordinator.synth_spec(epsilon=eps, delta=delta,
+                                                        composition="zcdp", min_sites=2))
+        assert again.state == "succeeded", again.error
+        refused = {s.site_id: s.reason for s in again.sites if s.status == "refused"}
+        assert list(refused) == ["hospital-3"] and "'zcdp' accountant" in refused["hospital-3"]
+        assert charged_events(fed, "hospital-3") == []
         from dpfed.aggregator.synth_report import synth_report
         html = synth_report(model, model.sample(300))
         assert "zCDP composition" in html and "rho" in html
