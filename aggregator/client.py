@@ -481,8 +481,8 @@ class Coordinator:
         ``aggregation="secure"`` (generative mode only) sums the sites' histograms and latent
         Gram matrices under secure aggregation (noise of one row of the pooled data; the
         coordinator sees only the noisy totals); ``"site"`` (default) noises every site alone.
-        The DataFrame is typed: floats within the schema bounds, categoricals with the
-        schema's labels (ordered for ordinal columns).
+        The DataFrame is typed: floats within the schema bounds (int64 for ``integer``
+        columns), categoricals with the schema's labels (ordered for ordinal columns).
 
         Raises
         ------

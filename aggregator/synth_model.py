@@ -91,7 +91,7 @@ def arrow_dictionaries(schema: Schema) -> dict[str, pa.Array]:
 
 def arrow_table(table: EncodedTable,
                 dictionaries: Mapping[str, pa.Array] | None = None) -> pa.Table:
-    """Typed Arrow table: floats, and dictionary-encoded labels for ordinal/nominal columns.
+    """Typed Arrow table: floats (int64 for integer columns), dictionary-encoded labels.
 
     The arrays wrap the decoded numpy buffers without a copy; ``dictionaries`` (from
     :func:`arrow_dictionaries`) saves rebuilding the labels for every chunk.
@@ -101,7 +101,8 @@ def arrow_table(table: EncodedTable,
     for col in table.schema.columns:
         values = table.columns[col.name]
         if isinstance(col, ContinuousColumn):
-            arrays.append(pa.array(np.asarray(values, dtype=np.float64)))
+            arrays.append(pa.array(np.asarray(
+                values, dtype=np.int64 if col.writes_int64 else np.float64)))
         else:
             arrays.append(pa.DictionaryArray.from_arrays(
                 pa.array(np.asarray(values, dtype=np.int32)), labels[col.name],

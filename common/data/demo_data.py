@@ -165,7 +165,9 @@ class DemoModel:
         for spec in self._continuous:
             x = np.rint((spec.mean + spec.sd * z[j]) * 10.0 ** spec.decimals)
             x /= 10.0 ** spec.decimals
-            arrays.append(pa.array(np.clip(x, spec.min, spec.max)))
+            x = np.clip(x, spec.min, spec.max)
+            # Whole-unit columns (the schema's integer ones) are written as integers.
+            arrays.append(pa.array(x.astype(np.int64) if spec.decimals == 0 else x))
             j += 1
         for cuts, col in zip(self._ordinal_cuts, self.schema.of_type("ordinal"), strict=True):
             assert isinstance(col, OrdinalColumn)

@@ -104,12 +104,17 @@ class EncodedTable:
     n_rows: int
 
     def to_frame(self) -> pd.DataFrame:
-        """Decode to a DataFrame with the schema's types (floats, ordered or plain categoricals)."""
+        """Decode to a DataFrame with the schema's types.
+
+        Continuous columns are floats (int64 for ``integer`` columns), ordinal and nominal
+        columns ordered or plain categoricals.
+        """
         data: dict[str, Any] = {}
         for col in self.schema.columns:
             values = self.columns[col.name]
             if isinstance(col, ContinuousColumn):
-                data[col.name] = values.astype(np.float64, copy=False)
+                data[col.name] = values.astype(np.int64 if col.writes_int64 else np.float64,
+                                               copy=False)
             else:
                 labels = col.levels if col.type == "ordinal" else col.categories
                 data[col.name] = pd.Categorical.from_codes(

@@ -64,6 +64,11 @@ class ContinuousColumn:
                               f"min={self.min:g}, max={self.max:g}")
 
     @property
+    def writes_int64(self) -> bool:
+        """Whether outputs hold this column as 64-bit integers (integer, bounds within 2^53)."""
+        return self.integer and -(2.0 ** 53) <= self.min and self.max <= 2.0 ** 53
+
+    @property
     def center(self) -> float:
         """Midpoint of the declared bounds."""
         return (self.min + self.max) / 2.0
