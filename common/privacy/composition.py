@@ -25,6 +25,11 @@ and its ledger event records ``rho_i``. The epsilons add up to more than the job
 (about 1.7 times for the synth job's four rounds): a site with a ``basic`` accountant would be
 charged that sum, so ``zcdp`` jobs are for sites whose accountant is ``zcdp`` (which adds the
 rhos: exactly the job's rho).
+
+Privacy: composition sets only each round's noise scale. Every round keeps its own
+neighbouring relation (replace-one, docs/privacy.md) and its own L2 sensitivity. Tests check
+that the rounds' rho charges, computed from the noise actually drawn, add up to at most the
+job's rho and convert back to at most its (epsilon, delta).
 """
 
 from __future__ import annotations
