@@ -30,7 +30,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dpfed.aggregator.result_file import decode_result, encode_result
-from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.encoding import EncodedTable, output_values
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
@@ -101,8 +101,7 @@ def arrow_table(table: EncodedTable,
     for col in table.schema.columns:
         values = table.columns[col.name]
         if isinstance(col, ContinuousColumn):
-            arrays.append(pa.array(np.asarray(
-                values, dtype=np.int64 if col.writes_int64 else np.float64)))
+            arrays.append(pa.array(output_values(col, values)))
         else:
             arrays.append(pa.DictionaryArray.from_arrays(
                 pa.array(np.asarray(values, dtype=np.int32)), labels[col.name],

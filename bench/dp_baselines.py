@@ -130,6 +130,7 @@ from secure_synth_round import federation, fit_secure  # noqa: E402
 from synth_quality import (  # noqa: E402
     NO_PAIRS_SPLIT,
     Metrics,
+    add_pair_arguments,
     fit_central,
     fit_federated,
     independent_marginals,
@@ -140,7 +141,6 @@ import dpfed  # noqa: E402
 from dpfed.common.data.encoding import encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
 from dpfed.common.privacy.accounting import rho_for_epsilon  # noqa: E402
-from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.quantile_link import DEFAULT_BINS, snap_to_whole  # noqa: E402
 
 # --------------------------------------------------------------------------- relation
@@ -612,12 +612,7 @@ def main() -> None:
     ap.add_argument("--aim-iters", type=int, default=1000)
     ap.add_argument("--aim-time-limit", type=float, default=900.0, help="seconds per AIM run")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--pairs", type=int, default=None,
-                    help="most 2-way marginals of the +pairs rows (default: columns - 1)")
-    ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
-                    help="groups per ordered column in a pair table (+pairs rows)")
-    ap.add_argument("--no-secure", action="store_true",
-                    help="skip the secure-aggregation rows (secure-iid, secure-iid+pairs)")
+    add_pair_arguments(ap, secure_rows="secure-iid, secure-iid+pairs")
     ap.add_argument("--pairs-share", type=float, default=None,
                     help="epsilon share of the pairs round (+pairs rows); the links round gives "
                          "or takes the difference to the job's default split")

@@ -602,6 +602,16 @@ def weighting_check(table: str, epsilons: list[float], links_share: tuple[float,
               f"{(size[2] - 0.5) / max(equal[2] - 0.5, 1e-9):.2f}", flush=True)
 
 
+def add_pair_arguments(ap: argparse.ArgumentParser, *, secure_rows: str) -> None:
+    """The pair-round options every quality bench takes (``--pairs``, ``--pair-groups``, ...)."""
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="most 2-way marginals of the +pairs rows (default: columns - 1)")
+    ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
+                    help="groups per ordered column in a pair table (+pairs rows)")
+    ap.add_argument("--no-secure", action="store_true",
+                    help=f"skip the secure-aggregation rows ({secure_rows})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", choices=("flchain", "health_insurance", "generated", "all"),
@@ -622,12 +632,7 @@ def main() -> None:
     ap.add_argument("--pairs-rows", choices=("both", "on", "off"), default="both",
                     help="rows without the pair rounds (off), with them (on, the job's default "
                          "split with pairs), or both side by side")
-    ap.add_argument("--pairs", type=int, default=None,
-                    help="most 2-way marginals of the +pairs rows (default: columns - 1)")
-    ap.add_argument("--pair-groups", type=int, default=DEFAULT_GROUPS,
-                    help="groups per ordered column in a pair table (+pairs rows)")
-    ap.add_argument("--no-secure", action="store_true",
-                    help="skip the secure-aggregation rows (they run without pairs)")
+    add_pair_arguments(ap, secure_rows="they run without pairs")
     args = ap.parse_args()
     opts = PairOptions(rows=args.pairs_rows, pairs=args.pairs, groups=args.pair_groups,
                        secure=not args.no_secure)

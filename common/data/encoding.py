@@ -113,8 +113,7 @@ class EncodedTable:
         for col in self.schema.columns:
             values = self.columns[col.name]
             if isinstance(col, ContinuousColumn):
-                data[col.name] = values.astype(np.int64 if col.writes_int64 else np.float64,
-                                               copy=False)
+                data[col.name] = output_values(col, values)
             else:
                 labels = col.levels if col.type == "ordinal" else col.categories
                 data[col.name] = pd.Categorical.from_codes(
@@ -130,6 +129,12 @@ class EncodedTable:
         schema = parts[0].schema
         cols = {c.name: np.concatenate([p.columns[c.name] for p in parts]) for c in schema.columns}
         return EncodedTable(schema, cols, sum(p.n_rows for p in parts))
+
+
+def output_values(column: ContinuousColumn, values: np.ndarray) -> np.ndarray:
+    """Return a continuous column's decoded values as outputs hold them (int64 if integer)."""
+    return np.asarray(values).astype(np.int64 if column.writes_int64 else np.float64,
+                                     copy=False)
 
 
 def _column_from(table: pa.Table | pa.RecordBatch, index: int) -> pa.Array:

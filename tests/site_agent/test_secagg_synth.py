@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -129,16 +130,21 @@ def test_counts_sensitivity_search_attains_the_plans_bound() -> None:
     assert worst1 == pytest.approx(plan.calibration.l1_sensitivity)
 
 
-def test_counts_search_catches_a_broken_accumulator(monkeypatch: pytest.MonkeyPatch) -> None:
-    real_add = LinkHistogramAccumulator.add
+def plant_double_counting(monkeypatch: pytest.MonkeyPatch, accumulator: type) -> None:
+    """Planted bug: ``accumulator.add`` counts every row twice in its cells (not in n_rows)."""
+    real_add = accumulator.add
 
-    def doubled(self: LinkHistogramAccumulator, table: EncodedTable) -> None:
-        real_add(self, table)  # planted bug: every row counted twice in the cells
+    def doubled(self: Any, table: EncodedTable) -> None:
+        real_add(self, table)
         n_rows = self.n_rows
         real_add(self, table)
         self.n_rows = n_rows
 
-    monkeypatch.setattr(LinkHistogramAccumulator, "add", doubled)
+    monkeypatch.setattr(accumulator, "add", doubled)
+
+
+def test_counts_search_catches_a_broken_accumulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    plant_double_counting(monkeypatch, LinkHistogramAccumulator)
     worst2, worst1, plan = search_counts()
     assert worst2 > plan.calibration.l2_sensitivity * 1.4
     assert worst1 > plan.calibration.l1_sensitivity * 1.4

@@ -53,6 +53,7 @@ from tests.site_agent.test_secagg_synth import (
     _secure_round,
     job_params,
     planned,
+    plant_double_counting,
     runners,
     search_records,
 )
@@ -216,15 +217,7 @@ def test_tables_sensitivity_search_attains_the_plans_bound() -> None:
 
 def test_tables_search_catches_a_double_counting_accumulator(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    real_add = PairTableAccumulator.add
-
-    def doubled(self: PairTableAccumulator, table: EncodedTable) -> None:
-        real_add(self, table)  # planted bug: every row counted twice in the tables
-        n_rows = self.n_rows
-        real_add(self, table)
-        self.n_rows = n_rows
-
-    monkeypatch.setattr(PairTableAccumulator, "add", doubled)
+    plant_double_counting(monkeypatch, PairTableAccumulator)
     worst2, worst1, plan = search_tables(EDGES, one_count_per_row=False)
     assert worst2 > plan.calibration.l2_sensitivity * 1.4
     assert worst1 > plan.calibration.l1_sensitivity * 1.4
