@@ -215,45 +215,81 @@ def nominal_locations(proportions: np.ndarray, *, tol: float = 1e-11,
                       max_iter: int = 100) -> np.ndarray:
     """Solve ``P(decode(N(m, I)) = l) = pi_l`` for the Q-1 locations ``m``.
 
-    Damped Newton on ``log P_l(m) - log pi_l`` (l = 1..Q-1) with the analytic Jacobian, started
-    from a common shift that matches ``pi_0``; converges in a few steps for any strictly
-    positive ``pi`` (the map is a bijection for this additive random-utility model, Berry
-    1994). Q = 2 has the closed form ``m = Phi^{-1}(pi_1)``.
+    Newton on ``log P_l(m) - log pi_l`` (l = 1..Q-1) with the analytic Jacobian, started
+    from a common shift that matches ``pi_0``; the map is a bijection for this additive
+    random-utility model (Berry 1994), and from there Newton converges in a few steps for
+    most strictly positive ``pi``. Q = 2 has the closed form ``m = Phi^{-1}(pi_1)``.
+
+    Steps are at most 1 per coordinate (a trust region) and are not required to lower the
+    residual: far from the solution -- one category near 1, others at the floor -- it grows
+    for a few steps before Newton's fast convergence sets in, and a line search insisting on
+    a decrease there stalls. From the shift start the Jacobian can also be numerically
+    singular (categories whose probability is ~1e-30 at the start); when Newton fails, the
+    solver follows the path ``(1 - t) uniform + t pi`` from the uniform proportions to ``pi``,
+    each solution starting the next, with steps in ``t`` halved where Newton fails
+    (``test_nominal_locations_converge_on_extreme_valid_proportions`` searches such vectors).
     """
     p = _check_proportions(proportions, "proportions")
     k = p.shape[0] - 1
     if k == 1:
         return np.array([float(special.ndtri(p[1]))])
     target = np.log(p[1:])
-    m = -special.ndtri(p[0] ** (1.0 / k)) + 0.5 * (target - target.mean())
+    start = -special.ndtri(p[0] ** (1.0 / k)) + 0.5 * (target - target.mean())
+    m = _newton_locations(p, start, tol, max_iter)
+    if m is not None:
+        return m
+    uniform = np.full(p.shape[0], 1.0 / p.shape[0])
+    m = _newton_locations(uniform, np.full(k, -special.ndtri(uniform[0] ** (1.0 / k))), tol,
+                          max_iter)
+    t, dt = 0.0, 0.5
+    while m is not None and t < 1.0 and dt > 1e-6:
+        t_next = min(1.0, t + dt)
+        found = _newton_locations((1.0 - t_next) * uniform + t_next * p, m, tol, 30)
+        if found is None:
+            dt /= 2.0
+            continue
+        m, t, dt = found, t_next, min(2.0 * dt, 1.0)
+    if m is not None and t >= 1.0:
+        return m
+    raise ValidationError(
+        f"could not fit nominal locations to proportions {p.tolist()} (Newton did not converge)")
+
+
+def _newton_locations(p: np.ndarray, start: np.ndarray, tol: float,
+                      max_iter: int) -> np.ndarray | None:
+    """Newton steps of :func:`nominal_locations` from ``start``; None if they do not converge."""
+    k = p.shape[0] - 1
+    target = np.log(p[1:])
 
     def residual(x: np.ndarray) -> np.ndarray:
         with np.errstate(all="ignore"):
             r = _log_probabilities(x, with_jacobian=False)[0] - target
         return r if np.all(np.isfinite(r)) else np.full(k, np.inf)
 
+    m = np.array(start, dtype=np.float64)
     for _ in range(max_iter):
-        log_p, jac = _log_probabilities(m, with_jacobian=True)
+        with np.errstate(all="ignore"):
+            log_p, jac = _log_probabilities(m, with_jacobian=True)
         assert jac is not None
         r = log_p - target
-        norm = float(np.abs(r).max())
-        if norm < tol:
-            return np.asarray(m)
-        step = np.linalg.solve(jac, -r)
+        if not (np.all(np.isfinite(r)) and np.all(np.isfinite(jac))):
+            return None
+        if float(np.abs(r).max()) < tol:
+            return m
+        try:
+            step = np.linalg.solve(jac, -r)
+        except np.linalg.LinAlgError:
+            return None
+        if not np.all(np.isfinite(step)):
+            return None
         biggest = float(np.abs(step).max())
         if biggest > 1.0:
             step /= biggest  # trust region: at most 1 per coordinate
         alpha = 1.0
-        while alpha > 1e-8:
-            trial = m + alpha * step
-            if float(np.abs(residual(trial)).max()) < norm:
-                break
+        while alpha > 1e-8 and not np.all(np.isfinite(residual(m + alpha * step))):
             alpha *= 0.5
-        m = trial
-    if float(np.abs(residual(m)).max()) < 1e-8:
-        return np.asarray(m)
-    raise ValidationError(
-        f"could not fit nominal locations to proportions {p.tolist()} (Newton did not converge)")
+        m = m + alpha * step
+    return m if float(np.abs(residual(m)).max()) < 1e-8 else None
 
 
 # --------------------------------------------------------------------------- links

@@ -216,6 +216,23 @@ def test_nominal_locations_reproduce_the_proportions(pi: list[float]) -> None:
     np.testing.assert_allclose(lk.nominal_probabilities(m), p, rtol=1e-8, atol=1e-12)
 
 
+def test_nominal_locations_converge_on_extreme_valid_proportions() -> None:
+    # Search: DP proportions as the links see them -- one category near 1, others at the
+    # floor -- for 3 to 12 categories (a case that once stalled the line search).
+    rng = np.random.default_rng(11)
+    cases = [np.array([0.00930119642237009, 0.9720954107332482, 9.999996415473108e-07,
+                       0.01860239284474018])]
+    for _ in range(150):
+        q = int(rng.integers(3, 13))
+        raw = rng.dirichlet(np.full(q, float(rng.choice([0.05, 0.3, 1.0]))))
+        floor = float(rng.choice([1e-7, 1e-6, 1e-4]))
+        p = np.maximum(raw, floor)
+        cases.append(p / p.sum())
+    for p in cases:
+        m = lk.nominal_locations(p)
+        np.testing.assert_allclose(lk.nominal_probabilities(m), p, rtol=1e-6, atol=1e-12)
+
+
 def test_nominal_zero_locations_are_the_seed_model() -> None:
     # m = 0 gives 2^-(Q-1) for category 0 and equal shares for the rest.
     q = 4
