@@ -203,7 +203,8 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     for t in tables:  # site: link round
         acc = LinkHistogramAccumulator(schema, n_bins)
         acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, epsilon=el, delta=dl, rng=rng))
+        rels.append(release_link_histograms(acc.counts, schema, n_bins, epsilon=el, delta=dl,
+                                            rng=rng))
     n_total = sum(t.n_rows for t in tables)
     props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
                                          n_rows=n_total)
@@ -296,8 +297,8 @@ def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float
     for t in tables:
         acc = LinkHistogramAccumulator(schema, n_bins)
         acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, epsilon=eps, delta=delta,
-                                            rng=rng))
+        rels.append(release_link_histograms(acc.counts, schema, n_bins, epsilon=eps,
+                                            delta=delta, rng=rng))
     props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
                                          n_rows=sum(t.n_rows for t in tables))
     # Independent standard normal latent: every column from its own DP marginal, no joint.

@@ -820,7 +820,7 @@ class FactorModelSynthesizer:
             assert epsilon is not None and delta is not None
             acc = LinkHistogramAccumulator(self.schema, self.n_bins)
             acc.add(table)
-            noisy = release_link_histograms(acc.counts, self.schema, epsilon=epsilon,
+            noisy = release_link_histograms(acc.counts, self.schema, self.n_bins, epsilon=epsilon,
                                             delta=delta, rng=rng)
             costs["marginals"] = link_round_cost(self.schema, epsilon, delta)
             proportions, links = links_from_histograms(

@@ -317,7 +317,7 @@ class SynthHandler(SiteBoundHandler):
             cost = link_round_cost(schema, task.epsilon, task.delta)
 
             def release(rng: np.random.Generator) -> TaskResult:
-                noisy = release_link_histograms(stat, schema, epsilon=task.epsilon,
+                noisy = release_link_histograms(stat, schema, params.n_bins, epsilon=task.epsilon,
                                                 delta=task.delta, rng=rng)
                 return TaskResult(task.task_id, cost, {"histograms": noisy}, meta)
 

@@ -24,6 +24,8 @@ from dpfed.common.synth.generative import (
 from dpfed.common.synth.link_release import (
     LinkHistogramAccumulator,
     link_histogram_mechanism,
+    link_noise_sd,
+    link_noise_weights,
     links_digest,
     links_from_proportions,
     proportions_from_histograms,
@@ -86,20 +88,51 @@ def test_histogram_noise_has_the_stated_scale_and_a_broken_copy_is_caught() -> N
     counts = np.arange(sum(link_release.histogram_sizes(SCHEMA, BINS)), dtype=float)
     mech = link_histogram_mechanism(SCHEMA, 0.7, 1e-6)
     assert mech.sensitivity == pytest.approx(math.sqrt(2 * len(SCHEMA.columns)))
+    sd = np.repeat(link_noise_sd(SCHEMA, BINS, 0.7, 1e-6),
+                   link_release.histogram_sizes(SCHEMA, BINS))
     rng = np.random.default_rng(1)
-    draws = np.stack([release_link_histograms(counts, SCHEMA, epsilon=0.7, delta=1e-6, rng=rng)
-                      for _ in range(400)]) - counts
-    # Noise sd must match the calibrated sigma (chi-square test on the pooled variance).
-    def consistent(noise: np.ndarray, sigma: float) -> bool:
-        dof = noise.size
-        stat = float((noise ** 2).sum()) / sigma ** 2
-        return bool(stats.chi2.sf(stat, dof) > 1e-4 and stats.chi2.cdf(stat, dof) > 1e-4)
+    draws = np.stack([release_link_histograms(counts, SCHEMA, BINS, epsilon=0.7, delta=1e-6,
+                                              rng=rng) for _ in range(400)]) - counts
 
-    assert consistent(draws, mech.sigma)
+    # Each cell's noise must have its column's stated sd (chi-square on the pooled variance).
+    def consistent(noise: np.ndarray) -> bool:
+        stat = float(((noise / sd) ** 2).sum())
+        return bool(stats.chi2.sf(stat, noise.size) > 1e-4
+                    and stats.chi2.cdf(stat, noise.size) > 1e-4)
+
+    assert consistent(draws)
+    # ... and the weighted vector's noise is the calibrated sigma in every cell.
+    weights = np.repeat(link_noise_weights(SCHEMA, BINS),
+                        link_release.histogram_sizes(SCHEMA, BINS))
+    assert np.allclose(sd * weights, mech.sigma)
     # Broken copy: calibrated for add/remove-one (sensitivity sqrt(n_cols)): sigma too small.
     broken = GaussianMechanism(0.7, 1e-6, math.sqrt(len(SCHEMA.columns)))
-    broken_draws = np.stack([broken.release(counts, rng) for _ in range(400)]) - counts
-    assert not consistent(broken_draws, mech.sigma)
+    broken_draws = np.stack([broken.release(counts * weights, rng) / weights
+                             for _ in range(400)]) - counts
+    assert not consistent(broken_draws)
+    # Broken copy: every column with the same noise (the weights forgotten at the site).
+    flat = np.stack([mech.release(counts, rng) for _ in range(400)]) - counts
+    assert not consistent(flat)
+
+
+def test_noise_weights_favour_columns_with_more_cells_at_a_fixed_sensitivity() -> None:
+    sizes = np.asarray(link_release.histogram_sizes(SCHEMA, BINS), dtype=float)
+    w = link_noise_weights(SCHEMA, BINS)
+    assert float((w ** 2).sum()) == pytest.approx(len(SCHEMA.columns))
+    order = np.argsort(sizes, kind="stable")
+    assert np.all(np.diff(w[order]) >= -1e-12)  # more cells, more weight (less noise)
+    # The weights minimise the expected total L1 error sum_j M_j sigma / w_j at the fixed
+    # sensitivity: equal weights (the unweighted release) and random weights normalised the
+    # same way do worse.
+    def total_l1(weights: np.ndarray) -> float:
+        return float((sizes / weights).sum())
+
+    assert total_l1(w) < total_l1(np.ones_like(w))
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        other = rng.uniform(0.2, 3.0, w.shape)
+        other /= math.sqrt(float((other ** 2).mean()))
+        assert total_l1(w) <= total_l1(other) + 1e-9
 
 
 def test_quantile_link_keeps_skewed_and_bimodal_shapes_where_identity_cannot() -> None:
