@@ -427,8 +427,8 @@ def aim(data: Dataset, rho: float, rel: Relation, rng: np.random.Generator, *, d
 
 
 DPFED_BINS = DEFAULT_BINS  # the job's default bins per continuous column
-DPFED_METHODS = ("central", "fed-iid", "central+pairs", "fed-iid+pairs", "secure-iid",
-                 "secure-iid+pairs")
+DPFED_METHODS = ("central", "fed-iid", "central+pairs", "fed-iid+pairs", "central+pairs zcdp",
+                 "fed-iid+pairs zcdp", "secure-iid", "secure-iid+pairs")
 SITE_IDS = [f"site-{i}" for i in range(4)]
 HEADER = ("method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s")
 METRICS = HEADER[1:]

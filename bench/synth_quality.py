@@ -38,6 +38,9 @@ fed/central, auc/dcr/nndr central/fed; goal <= 1.2; ``+pairs`` rows against
 is met or missed.
 
 Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
+``--composition zcdp`` composes the central and site-level rows' rounds in zCDP (each round its
+share of rho, as ``dpfed synth --composition zcdp``) and skips the secure rows, which the job
+does not run under zcdp composition; ``indep`` is one release either way.
 
 Usage: ``python bench/synth_quality.py --table flchain [--eps 0.5 1 2 5] [--split 0.8]``
 """
@@ -428,6 +431,7 @@ class PairOptions:
     pairs: int | None = None
     groups: int = DEFAULT_GROUPS
     secure: bool = True
+    composition: str = "basic"  # of the central and site-level rows ("zcdp": rho split)
 
 
 def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_bins: int,
@@ -448,7 +452,7 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
     print(f"\n{table}: {n} training rows ({N_SITES} sites), {len(holdout)} holdout rows, "
           f"{len(schema.columns)} columns, target {target!r}, delta {DELTA:g}, links share "
           f"{links_share[0]:g} of epsilon / {links_share[1]:g} of delta, {n_bins} bins, mean of "
-          f"{reps} noise draws")
+          f"{reps} noise draws, {opts.composition} composition")
     print(f"  dpfed from {Path(dpfed.__file__).resolve().parent}")
     if paired:
         print(f"  +pairs rows: split {dict(opts.split)}, pairs "
@@ -497,21 +501,25 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
             add("indep-fed", syn, t, props)
             if plain:
                 t = time.perf_counter()
-                fm = fit_central(schema, train, eps, DELTA, links_share, n_bins, rng)
+                fm = fit_central(schema, train, eps, DELTA, links_share, n_bins, rng,
+                                 composition=opts.composition)
                 add("central", fm.sample(n), t, fm.proportions_)
                 for name, parts in (("fed-iid", enc_iid), ("fed-noniid", enc_non)):
                     t = time.perf_counter()
-                    model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng)
+                    model = fit_federated(schema, parts, eps, DELTA, links_share, n_bins, rng,
+                                          composition=opts.composition)
                     add(name, model.sample(n, rng=rng), t, model.proportions)
             if paired:
                 t = time.perf_counter()
                 fm = fit_central(schema, train, eps, DELTA, opts.split, n_bins, rng,
-                                 pairs=opts.pairs, pair_groups=opts.groups)
+                                 pairs=opts.pairs, pair_groups=opts.groups,
+                                 composition=opts.composition)
                 add("central+pairs", fm.sample(n), t, fm.proportions_)
                 for name, parts in (("fed-iid+pairs", enc_iid), ("fed-noniid+pairs", enc_non)):
                     t = time.perf_counter()
                     model = fit_federated(schema, parts, eps, DELTA, opts.split, n_bins, rng,
-                                          pairs=opts.pairs, pair_groups=opts.groups)
+                                          pairs=opts.pairs, pair_groups=opts.groups,
+                                          composition=opts.composition)
                     add(name, model.sample(n, rng=rng), t, model.proportions)
             if fed is not None:
                 variants = ([("", links_share, 0)] if plain else []) + (
@@ -634,9 +642,14 @@ def main() -> None:
                     help="rows without the pair rounds (off), with them (on, the job's default "
                          "split with pairs), or both side by side")
     add_pair_arguments(ap, secure_rows="they run without pairs")
+    ap.add_argument("--composition", choices=("basic", "zcdp"), default="basic",
+                    help="composition of the central and site-level rows' rounds (zcdp: each "
+                         "round its share of rho, as dpfed synth --composition zcdp); the "
+                         "secure rows, which the job does not run under zcdp, are skipped")
     args = ap.parse_args()
     opts = PairOptions(rows=args.pairs_rows, pairs=args.pairs, groups=args.pair_groups,
-                       secure=not args.no_secure)
+                       secure=not args.no_secure and args.composition == "basic",
+                       composition=args.composition)
     tables = (["flchain", "health_insurance", "generated"] if args.table == "all"
               else [args.table])
     for table in tables:
