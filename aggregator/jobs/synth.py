@@ -114,8 +114,8 @@ def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, 
                            row_counts: list[int]) -> None:
     """Refuse budgets whose histograms would be mostly noise (before anything is charged)."""
     eps, dlt = params.plan(epsilon, delta)[0][1:]
-    pooled = (pooled_counts_sigma(schema, eps, dlt) if params.aggregation == "secure"
-              else None)
+    pooled = (pooled_counts_sigma(schema, params.n_bins, eps, dlt)
+              if params.aggregation == "secure" else None)
     name, err = expected_proportion_error(schema, params.n_bins, epsilon=eps, delta=dlt,
                                           row_counts=row_counts, pooled_sigma=pooled)
     if err > MAX_PROPORTION_ERROR:

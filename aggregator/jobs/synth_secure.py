@@ -52,7 +52,12 @@ from dpfed.common.errors import ValidationError
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.skellam import skellam_calibrate
-from dpfed.common.synth.link_release import histogram_sizes
+from dpfed.common.synth.link_release import (
+    histogram_sizes,
+    secure_cell_weights,
+    secure_link_row_norm,
+    secure_link_weights,
+)
 from dpfed.common.synth.links import latent_dim
 from dpfed.common.synth.pair_marginals import SCORE_SENSITIVITY, Pair, PairGrid, check_pairs
 
@@ -81,14 +86,22 @@ def counts_sigma(groups: int, epsilon: float, delta: float) -> float:
                                        2.0 * groups).mu)
 
 
-def pooled_counts_sigma(schema: Schema, epsilon: float, delta: float) -> float:
-    """Return the Skellam noise's standard deviation on every pooled count (budget check)."""
-    return counts_sigma(len(schema.columns), epsilon, delta)
+def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
+                        delta: float) -> np.ndarray:
+    """Return the Skellam noise's standard deviation on each column's pooled counts.
+
+    The secure link round sums weighted counts (``m_j`` per row in column ``j``, L2
+    sensitivity ``sqrt(2) row_norm``, L1 bounded by ``2 row_norm^2``) and divides column
+    ``j`` by ``m_j``: ``sqrt(mu) / m_j`` (budget checks before anything runs).
+    """
+    b = secure_link_row_norm(schema, n_bins)
+    mu = skellam_calibrate(epsilon, delta, math.sqrt(2.0) * b, 2.0 * b * b).mu
+    return np.asarray(math.sqrt(mu) / secure_link_weights(schema, n_bins))
 
 
 @dataclass(frozen=True)
 class SecureLinks:
-    """The decoded noisy pooled counts and the secure sum they came from."""
+    """The decoded noisy pooled counts (divided by the column weights) and the secure sum."""
 
     counts: np.ndarray
     outcome: SecureSumOutcome
@@ -99,12 +112,12 @@ async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
     """Round ``links``: the secure sum of every site's exact per-column count vector."""
     size = sum(histogram_sizes(schema, params.n_bins))
     out = await secure_sum(
-        ctx, name="links", statistic="counts", dim=size,
+        ctx, name="links", statistic="weighted_counts", dim=size,
         site_params={"source": "synth_counts", "job": base["job"],
                      "schema_digest": base["schema_digest"]},
-        epsilon=epsilon, delta=delta, row_norm=math.sqrt(len(schema.columns)),
+        epsilon=epsilon, delta=delta, row_norm=secure_link_row_norm(schema, params.n_bins),
         progress=(0.05, 0.3), require_kind="synth")
-    return SecureLinks(out.value, out)
+    return SecureLinks(out.value / secure_cell_weights(schema, params.n_bins), out)
 
 
 async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, Any],

@@ -34,6 +34,17 @@ down and another up (or nothing): L2 ``sqrt(2 C) = sqrt(2) B`` and L1 ``2 C = 2 
 wrap: every pooled cell lies in ``[0, N]`` (``N`` the public pooled row count), so the sum
 cannot wrap while ``N`` plus the noise's tail bound stays below ``2^62``.
 
+*Weighted counts* (``statistic="weighted_counts"``, :func:`plan_weighted_counts`): as counts,
+but every row adds a public integer weight ``m_j >= 1`` (instead of one) to one cell of group
+``j`` (the ``synth`` job's link histograms, weighted by their cells so that dividing the pooled
+sum by ``m_j`` leaves less noise on columns with more cells). One row's contribution has the
+exact norm ``B = sqrt(sum_j m_j^2)`` (``row_norm``; ``B^2`` an integer). Replacing one row moves,
+in every group, ``m_j`` down in one cell and up in another: L2 ``sqrt(2) B``; L1 ``2 sum_j m_j``,
+which the plan bounds by ``2 B^2`` (``m_j <= m_j^2`` for integers ``m_j >= 1``: a conservative
+L1, slightly more noise than needed). No wrap: every pooled cell lies in ``[0, N max_j m_j]``
+with ``max_j m_j <= B``, and the plan is refused unless ``N B`` plus the noise's tail bound
+stays below ``2^62``.
+
 *Scores* (``statistic="scores"``, :func:`plan_scores`): an integer vector whose every entry
 moves by at most a public ``b`` when one row is replaced and lies in ``[0, b N_s]`` at a site
 of ``N_s`` rows (the floored dependence scores of the ``synth`` job's column pairs, ``b = 2``:
@@ -79,6 +90,7 @@ __all__ = [
     "integer_gram_upper",
     "integer_row_sum",
     "plan_counts",
+    "plan_weighted_counts",
     "plan_for",
     "plan_from_scale",
     "plan_gram",
@@ -104,7 +116,7 @@ class SecureSumPlan:
 
     Attributes
     ----------
-    statistic : {"gram", "row_sum", "counts", "scores", "linear"}
+    statistic : {"gram", "row_sum", "counts", "weighted_counts", "scores", "linear"}
         What each site contributes (see :data:`STATISTICS`; ``linear``: the answers ``Ã x_s``
         of a public integer strategy, :mod:`dpfed.common.secagg.linear_sum`).
     dim : int
@@ -157,7 +169,8 @@ class SecureSumPlan:
 
 #: The statistics a secure sum can carry and their degree in the fixed-point scale (``linear``
 #: plans come from :mod:`dpfed.common.secagg.linear_sum`, the others from :data:`PLANNERS`).
-STATISTICS: dict[str, int] = {"gram": 2, "row_sum": 1, "counts": 1, "scores": 1, "linear": 1}
+STATISTICS: dict[str, int] = {"gram": 2, "row_sum": 1, "counts": 1, "weighted_counts": 1,
+                              "scores": 1, "linear": 1}
 
 
 def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float]:
@@ -167,10 +180,12 @@ def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float
         return 2.0 * bound, 2.0 * bound * math.sqrt(dim)
     if statistic == "counts":  # C = bound^2 groups: one count down and one up in each
         return math.sqrt(2.0) * bound, 2.0 * bound * bound
+    if statistic == "weighted_counts":  # bound^2 = sum m_j^2; L1 2 sum m_j <= 2 bound^2
+        return math.sqrt(2.0) * bound, 2.0 * bound * bound
     if statistic == "scores":  # every one of the d entries moves by at most b = bound
         return bound * math.sqrt(dim), bound * dim
-    raise ValidationError(f"statistic must be 'gram', 'row_sum', 'counts' or 'scores', got "
-                          f"{statistic!r}")
+    raise ValidationError(f"statistic must be 'gram', 'row_sum', 'counts', 'weighted_counts' "
+                          f"or 'scores', got {statistic!r}")
 
 
 def count_groups(row_norm: float) -> int:
@@ -226,13 +241,17 @@ def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
     if statistic == "counts" and (s != 1.0 or count_groups(row_norm) > d):
         raise ValidationError(f"a counts sum has scale 1 and at most one group per cell, got "
                               f"scale {s:g}, row_norm {row_norm!r} for {d} cells")
+    if statistic == "weighted_counts" and s != 1.0:
+        raise ValidationError(f"a weighted counts sum has scale 1, got scale {s:g}")
+    if statistic == "weighted_counts":
+        count_groups(row_norm)  # row_norm^2 = sum of the squared integer weights: an integer
     if statistic == "scores" and s != 1.0:
         raise ValidationError(f"a scores sum has scale 1 (its entries are integers), got "
                               f"scale {s:g}")
     ids, t = check_participants(participants, tolerated)
     # counts and scores are integers already: no rounding; the bound is the exact norm
     # sqrt(C) of one row's counts, or the per-entry bound b of the scores
-    if statistic == "counts":
+    if statistic in ("counts", "weighted_counts"):
         bound = float(row_norm)
     elif statistic == "scores":
         bound = float(score_bound(row_norm))
@@ -320,6 +339,35 @@ def plan_counts(*, dim: int, total_rows: int, epsilon: float, delta: float,
     return plan
 
 
+def plan_weighted_counts(*, dim: int, total_rows: int, epsilon: float, delta: float,
+                         participants: Sequence[str], tolerated: int = 0,
+                         row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a secure sum of count vectors whose groups carry public integer weights.
+
+    ``dim`` is the number of cells; every row adds ``m_j >= 1`` to one cell of each group
+    ``j``, and ``row_norm = sqrt(sum_j m_j^2)`` (the exact norm of one row's contribution;
+    its square must be an integer).
+
+    Privacy
+    -------
+    Replace-one at one site; L2 sensitivity ``sqrt(2) row_norm`` (``m_j`` down in one cell and
+    up in another, in every group), L1 ``2 sum_j m_j``, bounded by ``2 row_norm^2``; scale 1,
+    no rounding. No wrap: every pooled cell lies in ``[0, total_rows max_j m_j]``, within
+    ``[0, total_rows row_norm]``, and the plan is refused unless that plus the Skellam tail
+    bound (failure probability ``2^-60`` over all cells) stays below ``2^62``.
+    """
+    d = check_int(dim, "dim", minimum=1)
+    n = check_int(total_rows, "total_rows", minimum=1)
+    plan = plan_from_scale("weighted_counts", dim=d, scale=1.0, row_norm=row_norm,
+                           epsilon=epsilon, delta=delta, participants=participants,
+                           tolerated=tolerated)
+    if n * plan.bound + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
+        raise ValidationError(f"{n} pooled rows with weights up to {plan.bound:g} and noise "
+                              f"variance {plan.mu_total:.3g} do not fit a secure weighted counts "
+                              "sum in the 64-bit ring")
+    return plan
+
+
 def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
                 participants: Sequence[str], tolerated: int = 0,
                 row_norm: float = 1.0) -> SecureSumPlan:
@@ -356,7 +404,7 @@ def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
 
 #: statistic -> its planning function (all take the same keyword arguments).
 PLANNERS = {"gram": plan_gram, "row_sum": plan_row_sum, "counts": plan_counts,
-            "scores": plan_scores}
+            "weighted_counts": plan_weighted_counts, "scores": plan_scores}
 
 
 def plan_for(statistic: str, *, dim: int, total_rows: int, epsilon: float, delta: float,

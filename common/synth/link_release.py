@@ -78,6 +78,33 @@ def link_noise_weights(schema: Schema, n_bins: int) -> np.ndarray:
     return np.asarray(w / math.sqrt(float((w * w).mean())))
 
 
+#: Integer weights of the secure link round: ``round(SECURE_WEIGHT_SCALE w_j)`` (at least 1).
+SECURE_WEIGHT_SCALE = 8.0
+
+
+def secure_link_weights(schema: Schema, n_bins: int) -> np.ndarray:
+    """Integer per-column weights ``m_j`` of the secure link round (public, >= 1).
+
+    :func:`link_noise_weights` times :data:`SECURE_WEIGHT_SCALE`, rounded: the secure sum adds
+    integers, so every row adds ``m_j`` (not ``w_j``) to its cell of column ``j``, and the
+    decoded pooled counts are divided by ``m_j`` (noise ``sqrt(mu) / m_j`` on column ``j``).
+    The plan's ``row_norm`` is ``sqrt(sum_j m_j^2)`` (:func:`secure_link_row_norm`).
+    """
+    w = link_noise_weights(schema, n_bins)
+    return np.maximum(np.rint(SECURE_WEIGHT_SCALE * w), 1.0).astype(np.int64)
+
+
+def secure_link_row_norm(schema: Schema, n_bins: int) -> float:
+    """``sqrt(sum_j m_j^2)``: the exact norm of one row's weighted counts (secure link round)."""
+    m = secure_link_weights(schema, n_bins).astype(np.float64)
+    return math.sqrt(float((m * m).sum()))
+
+
+def secure_cell_weights(schema: Schema, n_bins: int) -> np.ndarray:
+    """:func:`secure_link_weights` repeated over every column's cells (int64)."""
+    return np.repeat(secure_link_weights(schema, n_bins), histogram_sizes(schema, n_bins))
+
+
 def _cell_weights(schema: Schema, n_bins: int) -> np.ndarray:
     """:func:`link_noise_weights` repeated over every column's cells."""
     return np.repeat(link_noise_weights(schema, n_bins), histogram_sizes(schema, n_bins))
@@ -283,14 +310,15 @@ def link_round_cost(schema: Schema, epsilon: float, delta: float) -> PrivacyCost
 
 def expected_proportion_error(schema: Schema, n_bins: int, *, epsilon: float, delta: float,
                               row_counts: list[int],
-                              pooled_sigma: float | None = None) -> tuple[str, float]:
+                              pooled_sigma: np.ndarray | float | None = None
+                              ) -> tuple[str, float]:
     """Return the worst column's expected L1 error of its pooled DP proportions.
 
     With per-site noise ``sigma_j`` per cell of column ``j`` (:func:`link_noise_sd`), ``S``
     sites and ``N`` pooled rows, a column of ``M`` cells has an expected L1 error of its
     counts of ``M sigma_j sqrt(S) sqrt(2/pi)``, i.e. about that divided by ``N`` on its
-    proportions. ``pooled_sigma`` (secure aggregation, whose counts are not weighted) is
-    the standard deviation of the one noise draw the pooled sum carries instead. Returns
+    proportions. ``pooled_sigma`` (secure aggregation) is the standard deviation, per column
+    or for all, of the one noise draw the pooled sum carries instead. Returns
     (column name, error); used to refuse budgets too small for the schema's cells before
     anything is charged.
     """
@@ -300,7 +328,7 @@ def expected_proportion_error(schema: Schema, n_bins: int, *, epsilon: float, de
     if pooled_sigma is None:
         spreads = link_noise_sd(schema, n_bins, epsilon, delta) * math.sqrt(len(row_counts))
     else:
-        spreads = np.full(len(sizes), float(pooled_sigma))
+        spreads = np.broadcast_to(np.asarray(pooled_sigma, dtype=np.float64), (len(sizes),))
     n = float(sum(row_counts))
     worst = ("", 0.0)
     for col, size, spread in zip(schema.columns, sizes, spreads, strict=True):

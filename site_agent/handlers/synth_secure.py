@@ -4,7 +4,10 @@
     The site's exact count vector: the histogram of every column (codes; public equal-width
     bins for continuous columns), concatenated in schema order as
     :func:`dpfed.common.synth.link_release.histogram_sizes` lays them out — the same
-    accumulator the site-level round noises with Gaussian noise.
+    accumulator the site-level round noises with Gaussian noise — with column ``j``'s counts
+    multiplied by its public integer weight ``m_j``
+    (:func:`dpfed.common.synth.link_release.secure_link_weights`; more for columns with more
+    cells, so the pooled counts divided by ``m_j`` carry less noise there).
 ``synth_latent`` (round ``pca`` under ``--aggregation secure``)
     The site's latent rows: the links the task carries are rebuilt and their digest checked
     exactly as in the site-level round (:func:`dpfed.site_agent.handlers.synth.check_links`),
@@ -28,10 +31,12 @@ both are validated exactly as the site-level rounds validate them.
 
 Privacy
 -------
-Replace-one at this site (``N_s`` public). ``synth_counts``: one replaced row moves one count
-down and another up in each of the ``C`` columns' histograms: L2 sensitivity ``sqrt(2 C)``,
-L1 ``2 C``, integer already (plan scale 1, no rounding) — the ``counts`` statistic of
-:mod:`dpfed.common.secagg.secure_sum`, whose ``row_norm`` is ``sqrt(C)`` from this site's schema.
+Replace-one at this site (``N_s`` public). ``synth_counts``: one replaced row moves ``m_j``
+down in one cell and up in another of each column ``j``'s weighted histogram: L2 sensitivity
+``sqrt(2 sum m_j^2)``, L1 ``2 sum m_j`` (bounded by ``2 sum m_j^2``), integer already (plan
+scale 1, no rounding) — the ``weighted_counts`` statistic of
+:mod:`dpfed.common.secagg.secure_sum`, whose ``row_norm`` is ``sqrt(sum m_j^2)`` from this
+site's schema and bin count.
 ``synth_latent``: rows in the unit ball (``row_norm`` 1), the ``gram`` statistic (fixed-point
 rounding bounded by the plan's ``B``; L2 ``sqrt(2) B^2``). ``synth_pair_scores``: each score
 ``sum |n_ab - N_s p_a p_b|`` moves by at most 2 (one count down and one up in the pair's table;
@@ -57,7 +62,12 @@ import numpy as np
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_params import SynthParams
 from dpfed.common.secagg.secure_sum import SecureSumPlan
-from dpfed.common.synth.link_release import LinkHistogramAccumulator, histogram_sizes
+from dpfed.common.synth.link_release import (
+    LinkHistogramAccumulator,
+    histogram_sizes,
+    secure_cell_weights,
+    secure_link_row_norm,
+)
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm, latent_dim
 from dpfed.common.synth.pair_marginals import (
     MAX_GROUPS,
@@ -120,11 +130,11 @@ def synth_counts_contribution(task: Task, data: DataAccess, participants: list[s
         acc = LinkHistogramAccumulator(schema, params.n_bins)
         for table, _report in data.iter_chunks():
             acc.add(table)
-        return acc.counts, acc.n_rows
+        return acc.counts * secure_cell_weights(schema, params.n_bins), acc.n_rows
 
-    return planned_contribution(task, participants, tolerated, statistics=("counts",),
+    return planned_contribution(task, participants, tolerated, statistics=("weighted_counts",),
                                 dim=sum(histogram_sizes(schema, params.n_bins)),
-                                row_norm=count_vector_norm(len(schema.columns)),
+                                row_norm=secure_link_row_norm(schema, params.n_bins),
                                 compute=compute)
 
 

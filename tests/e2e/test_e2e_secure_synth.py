@@ -79,7 +79,7 @@ def test_secure_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> No
     secure = meta["secure"]
     assert secure["participants"] == fed.site_ids and secure["tolerated_colluders"] == 1
     assert set(secure["rounds"]) == {"links", "pca", "pair_scores", "pairs"}
-    assert secure["rounds"]["links"]["statistic"] == "counts"
+    assert secure["rounds"]["links"]["statistic"] == "weighted_counts"
     assert secure["rounds"]["links"]["scale"] == 1.0
     assert secure["rounds"]["pca"]["statistic"] == "gram"
     assert secure["rounds"]["pair_scores"]["statistic"] == "scores"

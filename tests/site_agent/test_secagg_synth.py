@@ -34,7 +34,7 @@ from dpfed.common.synth.links import latent_dim
 from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers import HANDLERS
+from dpfed.site_agent.handlers import HANDLERS, synth_secure
 from dpfed.site_agent.handlers.secagg import (
     CONTRIBUTION_SOURCES,
     SecureAggregationHandler,
@@ -102,12 +102,12 @@ def planned(task: Task, statistic: str, scale: float) -> Task:
 
 
 def search_counts() -> tuple[float, float, SecureSumPlan]:
-    """Largest L2 / L1 change of the exact count vector over pairs of extreme neighbours."""
+    """Largest L2 / L1 change of the exact weighted count vector over extreme neighbours."""
     base = base_frame()
     stats = []
     plan = None
     for record in search_records():
-        given = synth_counts_contribution(planned(counts_task(), "counts", 1.0),
+        given = synth_counts_contribution(planned(counts_task(), "weighted_counts", 1.0),
                                           TableAccess(neighbour(base, record)),
                                           list(SITES[:2]), 0)
         plan = given.plan
@@ -122,12 +122,17 @@ def search_counts() -> tuple[float, float, SecureSumPlan]:
 
 def test_counts_sensitivity_search_attains_the_plans_bound() -> None:
     worst2, worst1, plan = search_counts()
-    assert plan.scale == 1.0 and plan.bound == pytest.approx(math.sqrt(C))
-    assert plan.calibration.l2_sensitivity == pytest.approx(math.sqrt(2 * C))
-    assert plan.calibration.l1_sensitivity == pytest.approx(2 * C)
-    # tight: the extreme records change the cell of every column
+    m = link_release.secure_link_weights(SCHEMA, N_BINS)
+    assert m.dtype == np.int64 and int(m.min()) >= 1 and len(set(m.tolist())) > 1
+    assert plan.statistic == "weighted_counts" and plan.scale == 1.0
+    assert plan.bound == pytest.approx(math.sqrt(float((m * m).sum())))
+    assert plan.calibration.l2_sensitivity == pytest.approx(math.sqrt(2.0) * plan.bound)
+    # the plan's L1 is the conservative 2 sum m^2 >= the true 2 sum m
+    assert plan.calibration.l1_sensitivity == pytest.approx(2.0 * plan.bound ** 2)
+    # tight in L2, and the true L1: the extreme records change the cell of every column
     assert worst2 == pytest.approx(plan.calibration.l2_sensitivity)
-    assert worst1 == pytest.approx(plan.calibration.l1_sensitivity)
+    assert worst1 == pytest.approx(2.0 * float(m.sum()))
+    assert worst1 <= plan.calibration.l1_sensitivity
 
 
 def plant_double_counting(monkeypatch: pytest.MonkeyPatch, accumulator: type) -> None:
@@ -147,7 +152,17 @@ def test_counts_search_catches_a_broken_accumulator(monkeypatch: pytest.MonkeyPa
     plant_double_counting(monkeypatch, LinkHistogramAccumulator)
     worst2, worst1, plan = search_counts()
     assert worst2 > plan.calibration.l2_sensitivity * 1.4
-    assert worst1 > plan.calibration.l1_sensitivity * 1.4
+    assert worst1 > 2.0 * float(link_release.secure_link_weights(SCHEMA, N_BINS).sum()) * 1.4
+
+
+def test_counts_search_catches_weights_the_plan_does_not_know(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Planted bug: the site multiplies by twice the weights its row_norm states.
+    real = link_release.secure_cell_weights
+    monkeypatch.setattr(synth_secure, "secure_cell_weights",
+                        lambda schema, n_bins: 2 * real(schema, n_bins))
+    worst2, _, plan = search_counts()
+    assert worst2 > plan.calibration.l2_sensitivity * 1.9
 
 
 def test_counts_search_catches_a_plan_with_one_histograms_sensitivity(
@@ -155,7 +170,7 @@ def test_counts_search_catches_a_plan_with_one_histograms_sensitivity(
     real = secure_sum._sensitivities
 
     def per_histogram(statistic: str, dim: int, bound: float) -> tuple[float, float]:
-        if statistic == "counts":  # planted bug: the sensitivity of ONE histogram
+        if statistic == "weighted_counts":  # planted bug: the sensitivity of ONE histogram
             return math.sqrt(2.0), 2.0
         return real(statistic, dim, bound)
 
@@ -249,7 +264,8 @@ def _secure_round(runners: dict[str, TaskRunner], task: Task, statistic: str, di
 def test_secure_synth_rounds_decode_to_the_pooled_statistics(
         runners: dict[str, TaskRunner]) -> None:
     size = sum(link_release.histogram_sizes(SCHEMA, N_BINS))
-    answers, plan = _secure_round(runners, counts_task(), "counts", size, math.sqrt(C), 200.0)
+    answers, plan = _secure_round(runners, counts_task(), "weighted_counts", size,
+                                  link_release.secure_link_row_norm(SCHEMA, N_BINS), 200.0)
     masked = []
     for s, answer in answers.items():
         assert isinstance(answer, bytes), answer
@@ -264,7 +280,8 @@ def test_secure_synth_rounds_decode_to_the_pooled_statistics(
         for table, _ in TableAccess(base_frame(80, seed=i)).iter_chunks():
             acc.add(table)
         pooled += acc.counts
-    decoded = from_ring(sum_masked(masked)).astype(np.float64) / plan.scale
+    weights = link_release.secure_cell_weights(SCHEMA, N_BINS)
+    decoded = from_ring(sum_masked(masked)).astype(np.float64) / plan.scale / weights
     assert np.max(np.abs(decoded - pooled)) <= 3.0  # epsilon 200: noise sd ~ 0.1 count
 
     # the latent Gram: every site clips its latent rows into the unit ball
@@ -325,12 +342,14 @@ def test_secure_synth_sources_leave_the_evaluation_holdout_out(tmp_path: Path) -
     task = Task("j/links-sum-1", "j", "secagg", 1.0, 1e-6,
                 {"stage": "contribute", "source": "synth_counts",
                  "job": job_params(evaluate_rows=100), "schema_digest": SCHEMA.digest(),
-                 "statistic": "counts", "scale": 1.0})
+                 "statistic": "weighted_counts", "scale": 1.0})
     given = synth_counts_contribution(task, TableAccess(frame), list(SITES[:2]), 0,
                                       site_dir=tmp_path)
     stat, n_rows = given.compute(np.random.default_rng(0))
     assert n_rows == training_count(len(frame)) < len(frame)
-    assert int(stat.sum()) == n_rows * len(SCHEMA.columns)  # one count per column per row
+    # every row adds its column's weight once per column
+    m = link_release.secure_link_weights(SCHEMA, N_BINS)
+    assert int(stat.sum()) == n_rows * int(m.sum())
     # the same task twice reads the same training rows (the split is keyed, not random)
     again, _ = synth_counts_contribution(task, TableAccess(frame), list(SITES[:2]), 0,
                                          site_dir=tmp_path).compute(np.random.default_rng(1))

@@ -19,6 +19,7 @@ from dpfed.common.secagg.secure_sum import (
     plan_counts,
     plan_for,
     plan_from_scale,
+    plan_weighted_counts,
 )
 from tests.common.secagg.conftest import SITES
 from tests.common.secagg.test_secure_sum import _run
@@ -101,3 +102,61 @@ def test_no_wrap_bound_from_the_public_row_count() -> None:
     with pytest.raises(ValidationError, match="64-bit ring"):
         _plan(epsilon=0.1, total_rows=SAFE_ABS - int(tail) + 1)
     assert _plan(epsilon=0.1, total_rows=SAFE_ABS - int(2 * tail))  # just inside still plans
+
+
+# --------------------------------------------------------------------------- weighted counts
+
+#: Integer weights of the three groups (more cells, more weight, as the synth link round's).
+WEIGHTS = np.array([3, 2, 4], dtype=np.int64)
+
+
+def _weighted_plan(epsilon: float = 1.0, total_rows: int = 4000) -> SecureSumPlan:
+    return plan_weighted_counts(dim=sum(SIZES), total_rows=total_rows, epsilon=epsilon,
+                                delta=1e-6, participants=SITES,
+                                row_norm=math.sqrt(float((WEIGHTS ** 2).sum())))
+
+
+def test_weighted_plan_bounds_the_weighted_histograms_change() -> None:
+    plan = _weighted_plan()
+    assert plan.statistic == "weighted_counts" and plan.scale == 1.0
+    # search: every pair of single rows (one cell per group each) -> the change one replaced
+    # row makes to the weighted count vector
+    rows = [np.concatenate([np.eye(k, dtype=np.int64)[c] * w for k, c, w in
+                            zip(SIZES, cells, WEIGHTS, strict=True)])
+            for cells in np.ndindex(*SIZES)]
+    worst2 = max(float(np.linalg.norm(a - b)) for a in rows[:20] for b in rows)
+    worst1 = max(float(np.abs(a - b).sum()) for a in rows[:20] for b in rows)
+    assert worst2 == pytest.approx(plan.calibration.l2_sensitivity)  # tight
+    assert worst1 == pytest.approx(2.0 * float(WEIGHTS.sum()))
+    assert worst1 <= plan.calibration.l1_sensitivity  # the plan's L1 is conservative
+    # the same weights as plain counts would under-state the sensitivity: the search catches it
+    unweighted = _plan()
+    assert worst2 > unweighted.calibration.l2_sensitivity * 1.5
+    with pytest.raises(ValidationError, match="scale 1"):
+        plan_from_scale("weighted_counts", dim=12, scale=2.0, row_norm=math.sqrt(29.0),
+                        epsilon=1.0, delta=1e-6, participants=list(SITES), tolerated=0)
+    with pytest.raises(ValidationError, match="sqrt"):
+        plan_from_scale("weighted_counts", dim=12, scale=1.0, row_norm=1.5, epsilon=1.0,
+                        delta=1e-6, participants=list(SITES), tolerated=0)
+
+
+def test_decoded_weighted_counts_divided_by_the_weights_are_the_pooled_histograms(
+        fed: Path) -> None:
+    rng = np.random.default_rng(23)
+    cell_weights = np.repeat(WEIGHTS, SIZES)
+    counts = {s: _histograms(rng, 1000) for s in SITES}
+    plan = _weighted_plan(epsilon=50.0)
+    decoded = decode_sum(_run(fed, plan, {s: c * cell_weights for s, c in counts.items()},
+                              rng), plan) / cell_weights
+    assert np.max(np.abs(decoded - sum(counts.values()))) <= 3.0
+
+
+def test_weighted_no_wrap_bound_uses_the_largest_weight() -> None:
+    plan = _weighted_plan(epsilon=0.1, total_rows=10 ** 12)
+    tail = skellam_tail(plan.mu_total, plan.n_values)
+    limit = (SAFE_ABS - tail) / plan.bound  # pooled rows times the largest weight bound
+    with pytest.raises(ValidationError, match="64-bit ring"):
+        _weighted_plan(epsilon=0.1, total_rows=int(limit * (1 + 1e-9)))
+    assert _weighted_plan(epsilon=0.1, total_rows=int(limit * (1 - 1e-9)))
+    # plain counts of the same rows would still plan: the weights shrink the room
+    assert _plan(epsilon=0.1, total_rows=int(limit * 2))
