@@ -55,8 +55,15 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
     the job with ``--aggregation secure`` over the 4 IID sites, without and with the pair
     rounds (the sites' real secure sources, Skellam shares and masks, in-process;
     ``fit_secure`` of ``bench/secure_synth_round.py``); ``--no-secure`` skips them.
+``central+pairs zcdp`` / ``fed-iid+pairs zcdp``
+    ``central+pairs`` and ``fed-iid+pairs`` with the job's rounds composed in zCDP (``dpfed
+    synth --composition zcdp``: every round its share of the rho the (epsilon, delta) converts
+    to, as MST and AIM spend theirs).
 
 dpfed's rows of an epsilon run before MST and AIM (they are there when AIM is cut short).
+``--methods`` with no name runs dpfed's rows and ``indep`` only. private-pgm's JAX programs
+can run out of memory in a long process: run one process per table (and epsilon) when MST and
+AIM are repeated.
 
 Neighbouring relation. dpfed uses replace-one (bounded DP): a neighbouring table has the same
 number of rows and one row changed. The published MST and AIM are analysed under add/remove
