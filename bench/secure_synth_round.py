@@ -46,8 +46,8 @@ from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
     histogram_sizes,
     links_digest,
-    secure_cell_weights,
     secure_link_row_norm,
+    secure_pooled_counts,
 )
 from dpfed.common.synth.links import default_clip_norm, latent_dim  # noqa: E402
 from dpfed.common.synth.pair_marginals import (  # noqa: E402
@@ -143,7 +143,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
         synth_counts_contribution, "weighted_counts", base, {}, sites, ids, fed,
         *budget["links"], dim=sum(histogram_sizes(schema, n_bins)),
         row_norm=secure_link_row_norm(schema, n_bins), rng=rng)
-    counts = weighted / secure_cell_weights(schema, n_bins)  # as the job's secure_links
+    counts = secure_pooled_counts(weighted, schema, n_bins)  # as the job's secure_links
     props, links = links_from_histograms(counts, schema, n_bins, n_rows=n,
                                          continuous_link=params.continuous_link)
     digest = links_digest(schema, props, n_bins, params.continuous_link)

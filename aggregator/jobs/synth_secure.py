@@ -54,9 +54,9 @@ from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.privacy.skellam import skellam_calibrate
 from dpfed.common.synth.link_release import (
     histogram_sizes,
-    secure_cell_weights,
     secure_link_row_norm,
     secure_link_weights,
+    secure_pooled_counts,
 )
 from dpfed.common.synth.links import latent_dim
 from dpfed.common.synth.pair_marginals import SCORE_SENSITIVITY, Pair, PairGrid, check_pairs
@@ -94,9 +94,9 @@ def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
     sensitivity ``sqrt(2) row_norm``, L1 bounded by ``2 row_norm^2``) and divides column
     ``j`` by ``m_j``: ``sqrt(mu) / m_j`` (budget checks before anything runs).
     """
-    b = secure_link_row_norm(schema, n_bins)
-    mu = skellam_calibrate(epsilon, delta, math.sqrt(2.0) * b, 2.0 * b * b).mu
-    return np.asarray(math.sqrt(mu) / secure_link_weights(schema, n_bins))
+    # the weighted_counts plan's sensitivities are those of counts with C = row_norm^2 groups
+    groups = round(secure_link_row_norm(schema, n_bins) ** 2)
+    return np.asarray(counts_sigma(groups, epsilon, delta) / secure_link_weights(schema, n_bins))
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
                      "schema_digest": base["schema_digest"]},
         epsilon=epsilon, delta=delta, row_norm=secure_link_row_norm(schema, params.n_bins),
         progress=(0.05, 0.3), require_kind="synth")
-    return SecureLinks(out.value / secure_cell_weights(schema, params.n_bins), out)
+    return SecureLinks(secure_pooled_counts(out.value, schema, params.n_bins), out)
 
 
 async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, Any],

@@ -102,12 +102,23 @@ def secure_link_row_norm(schema: Schema, n_bins: int) -> float:
 
 def secure_cell_weights(schema: Schema, n_bins: int) -> np.ndarray:
     """:func:`secure_link_weights` repeated over every column's cells (int64)."""
-    return np.repeat(secure_link_weights(schema, n_bins), histogram_sizes(schema, n_bins))
+    return _per_cell(secure_link_weights(schema, n_bins), schema, n_bins)
+
+
+def secure_pooled_counts(weighted_total: np.ndarray, schema: Schema, n_bins: int) -> np.ndarray:
+    """Return the decoded secure link sum divided by the weights (post-processing)."""
+    return np.asarray(np.asarray(weighted_total, dtype=np.float64)
+                      / secure_cell_weights(schema, n_bins))
 
 
 def _cell_weights(schema: Schema, n_bins: int) -> np.ndarray:
     """:func:`link_noise_weights` repeated over every column's cells."""
-    return np.repeat(link_noise_weights(schema, n_bins), histogram_sizes(schema, n_bins))
+    return _per_cell(link_noise_weights(schema, n_bins), schema, n_bins)
+
+
+def _per_cell(per_column: np.ndarray, schema: Schema, n_bins: int) -> np.ndarray:
+    """One value per column repeated over that column's cells (the histograms' layout)."""
+    return np.repeat(per_column, histogram_sizes(schema, n_bins))
 
 
 def link_histogram_sensitivity(schema: Schema) -> float:
@@ -172,12 +183,15 @@ def weighted_histograms(counts: np.ndarray, schema: Schema, n_bins: int) -> np.n
 
     :func:`link_histogram_sensitivity` bounds how far it moves when one row is replaced.
     """
+    return _weighted(counts, _cell_weights(schema, n_bins))
+
+
+def _weighted(counts: np.ndarray, cell_weights: np.ndarray) -> np.ndarray:
     c = np.asarray(counts, dtype=np.float64)
-    w = _cell_weights(schema, n_bins)
-    if c.ndim != 1 or c.shape[0] != w.shape[0]:
-        raise ValidationError(f"counts must be a 1-d vector of {w.shape[0]} cells, got shape "
-                              f"{c.shape}")
-    return np.asarray(c * w)
+    if c.ndim != 1 or c.shape[0] != cell_weights.shape[0]:
+        raise ValidationError(f"counts must be a 1-d vector of {cell_weights.shape[0]} cells, "
+                              f"got shape {c.shape}")
+    return np.asarray(c * cell_weights)
 
 
 def release_link_histograms(counts: np.ndarray, schema: Schema, n_bins: int, *,
@@ -191,9 +205,9 @@ def release_link_histograms(counts: np.ndarray, schema: Schema, n_bins: int, *,
     :func:`weighted_histograms`, analytic Gaussian, (epsilon, delta)-DP; the division by the
     public weights (:func:`link_noise_weights`) is post-processing.
     """
-    weighted = weighted_histograms(counts, schema, n_bins)
-    noisy = link_histogram_mechanism(schema, epsilon, delta).release(weighted, rng)
-    return np.asarray(noisy / _cell_weights(schema, n_bins))
+    w = _cell_weights(schema, n_bins)
+    noisy = link_histogram_mechanism(schema, epsilon, delta).release(_weighted(counts, w), rng)
+    return np.asarray(noisy / w)
 
 
 def sum_histograms(releases: list[np.ndarray], schema: Schema, n_bins: int) -> np.ndarray:
