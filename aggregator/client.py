@@ -475,8 +475,8 @@ class Coordinator:
 
         ``composition="zcdp"`` gives every round its share of the job's zCDP rho instead of
         its share of (epsilon, delta): much less noise per round, for sites whose ledger uses
-        the ``zcdp`` accountant (others are left out, charged nothing); site-level
-        aggregation only.
+        the ``zcdp`` accountant (others are left out, charged nothing). With secure
+        aggregation every round's Skellam noise is calibrated to at most its rho share too.
 
         ``aggregation="secure"`` (generative mode only) sums the sites' histograms and latent
         Gram matrices under secure aggregation (noise of one row of the pooled data; the

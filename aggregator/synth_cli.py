@@ -66,6 +66,9 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         print("  every round is a secure sum (Skellam noise shared among the sites, sized "
               "for the largest tolerated-colluders t among them); the coordinator sees only "
               "the noisy pooled totals")
+        if params.composition == "zcdp":
+            print("  under --composition zcdp each secure round's Skellam noise is calibrated "
+                  "to the round's epsilon below AND to at most its share of rho")
     if params.pair_rounds:
         most = ("the number of columns - 1" if params.pairs is None else str(params.pairs))
         print(f"  pair_scores and pairs measure at most {most} DP 2-way marginal(s) of column "
@@ -223,7 +226,7 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p.add_argument("--composition", choices=["basic", "zcdp"], default="basic",
                    help="basic (default): every round gets its share of epsilon and delta; "
                    "zcdp: its share of the job's zCDP rho (less noise per round; only sites "
-                   "whose ledger uses the zcdp accountant take part; --aggregation site)")
+                   "whose ledger uses the zcdp accountant take part)")
     p.add_argument("--evaluate", action="store_true",
                    help="send a synthetic sample to every site, which compares it with its own "
                    "rows and writes an HTML report in its own directory (nothing comes back); "

@@ -29,6 +29,7 @@ from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn  # noqa: E402
 from dpfed.common.privacy.composition import round_rho  # noqa: E402
 from dpfed.common.privacy.rng import production_rng  # noqa: E402
+from dpfed.common.privacy.skellam import skellam_rho  # noqa: E402
 from dpfed.common.synth.link_release import split_proportions  # noqa: E402
 from dpfed.common.synth.quantile_link import bin_codes  # noqa: E402
 
@@ -190,6 +191,15 @@ def add_pairs_section(report: Report, model: SynthModel, table: EncodedTable) ->
                      "DP 2-way tables vs synthetic (heat maps)")
 
 
+def _skellam_rho_of(secure_round: dict[str, Any] | None) -> float | str:
+    """Return the rho a secure round's sites were charged (its Skellam noise's), or "-"."""
+    if not secure_round:
+        return "-"
+    return skellam_rho(secure_round["noise_variance_integer"],
+                       secure_round["l2_sensitivity_integer"],
+                       secure_round["l1_sensitivity_integer"])
+
+
 def secure_paragraph(meta: dict[str, Any]) -> str | None:
     """Return what secure aggregation adds to the guarantee (None for a site-level job)."""
     s = meta.get("secure")
@@ -246,8 +256,17 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
             f"job's (epsilon {meta.get('epsilon')}, delta {meta.get('delta')}); the sites' zCDP "
             "ledgers add the rounds' rho. Each round's epsilon below is that round's own "
             "guarantee (they are not added).")
-        report.table(("round", "epsilon", "delta", "rho"),
-                     [(p["round"], p["epsilon"], p["delta"], r)
+        secure_rounds = (meta.get("secure") or {}).get("rounds", {})
+        if secure_rounds:
+            report.paragraph(
+                "Secure aggregation: each round's Skellam noise is calibrated to the round's "
+                "epsilon and to at most its rho share; the sites' ledgers record the Skellam "
+                "noise's own rho (last column).")
+        report.table(("round", "epsilon", "delta", "rho share",
+                      *(("rho charged",) if secure_rounds else ())),
+                     [(p["round"], p["epsilon"], p["delta"], r,
+                       *((_skellam_rho_of(secure_rounds.get(p["round"])),)
+                         if secure_rounds else ()))
                       for p, r in zip(plan, rhos, strict=True)])
     else:
         report.table(("round", "epsilon", "delta"),

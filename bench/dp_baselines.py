@@ -59,6 +59,10 @@ Methods, all at the same nominal (epsilon, delta) (delta 1e-6 by default):
     ``central+pairs`` and ``fed-iid+pairs`` with the job's rounds composed in zCDP (``dpfed
     synth --composition zcdp``: every round its share of the rho the (epsilon, delta) converts
     to, as MST and AIM spend theirs).
+``secure-iid+pairs zcdp``
+    ``secure-iid+pairs`` composed in zCDP (``dpfed synth --aggregation secure --composition
+    zcdp``: every secure round's Skellam noise calibrated to its epsilon and to at most its
+    share of rho).
 
 dpfed's rows of an epsilon run before MST and AIM (they are there when AIM is cut short).
 ``--methods`` with no name runs dpfed's rows and ``indep`` only. private-pgm's JAX programs
@@ -435,7 +439,8 @@ def aim(data: Dataset, rho: float, rel: Relation, rng: np.random.Generator, *, d
 
 DPFED_BINS = DEFAULT_BINS  # the job's default bins per continuous column
 DPFED_METHODS = ("central", "fed-iid", "central+pairs", "fed-iid+pairs", "central+pairs zcdp",
-                 "fed-iid+pairs zcdp", "secure-iid", "secure-iid+pairs")
+                 "fed-iid+pairs zcdp", "secure-iid", "secure-iid+pairs",
+                 "secure-iid+pairs zcdp")
 SITE_IDS = [f"site-{i}" for i in range(4)]
 HEADER = ("method", "tvd1", "tvd2", "tvd2max", "corr", "auc", "dcr", "nndr", "s")
 METRICS = HEADER[1:]
@@ -559,13 +564,21 @@ def run_table(name: str, epsilons: list[float], delta: float, relations: list[Re
                                pair_groups=args.pair_groups)
             return model.sample(n, rng=rng), "secure-iid+pairs"
 
+        def secure_zcdp(rng: np.random.Generator, _eps: float = eps
+                        ) -> tuple[pd.DataFrame, str]:
+            model = fit_secure(schema, site_tables, SITE_IDS, fed_dir, _eps, delta, rng,
+                               n_bins=DPFED_BINS, split=args.pair_split, pairs=args.pairs,
+                               pair_groups=args.pair_groups, composition="zcdp")
+            return model.sample(n, rng=rng), "secure-iid+pairs zcdp"
+
         # dpfed's methods first: their rows are there even when AIM is cut short.
         ours: list[tuple[str, Method, bool]] = [
             ("central", central, True), ("fed-iid", fed, True),
             ("central+pairs", central_pairs, True), ("fed-iid+pairs", fed_pairs, True),
             ("central+pairs zcdp", central_zcdp, True), ("fed-iid+pairs zcdp", fed_zcdp, True)]
         if not args.no_secure:
-            ours += [("secure-iid", secure, True), ("secure-iid+pairs", secure_pairs, True)]
+            ours += [("secure-iid", secure, True), ("secure-iid+pairs", secure_pairs, True),
+                     ("secure-iid+pairs zcdp", secure_zcdp, True)]
         methods = methods[:1] + ours + methods[1:]
         here = []
         for index, (_name, run, cheap) in enumerate(methods):
@@ -619,7 +632,7 @@ def main() -> None:
     ap.add_argument("--aim-iters", type=int, default=1000)
     ap.add_argument("--aim-time-limit", type=float, default=900.0, help="seconds per AIM run")
     ap.add_argument("--seed", type=int, default=7)
-    add_pair_arguments(ap, secure_rows="secure-iid, secure-iid+pairs")
+    add_pair_arguments(ap, secure_rows="secure-iid, secure-iid+pairs, secure-iid+pairs zcdp")
     ap.add_argument("--pairs-share", type=float, default=None,
                     help="epsilon share of the pairs round (+pairs rows); the links round gives "
                          "or takes the difference to the job's default split")

@@ -114,7 +114,8 @@ def secure_round(source: ContributionBuilder, statistic: str, params: dict[str, 
 def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: Path,
                eps: float, delta: float, rng: np.random.Generator, *, n_bins: int,
                split: Mapping[str, tuple[float, float]] | tuple[float, float] | None = None,
-               pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS) -> SynthModel:
+               pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS,
+               composition: str = "basic") -> SynthModel:
     """The job's secure rounds (sites' real sources), then the job's post-processing.
 
     ``split`` maps round names to (epsilon share, delta share) as the job's ``split``
@@ -124,10 +125,11 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     pair rounds, ``pair_scores`` and ``pairs`` are secure sums too (the sites'
     ``synth_pair_scores`` and ``synth_pairs`` sources) and the model is fitted to the decoded
     tables with their public Skellam noise, as :mod:`dpfed.aggregator.jobs.synth_pairs` does.
+    ``composition`` is the job's (``zcdp``: every round its share of rho).
     """
     dim = latent_dim(schema)
     raw: dict[str, object] = {"n_bins": n_bins, "aggregation": "secure",
-                              "pair_groups": pair_groups}
+                              "pair_groups": pair_groups, "composition": composition}
     if isinstance(split, Mapping):
         raw["split"] = {k: [float(v[0]), float(v[1])] for k, v in split.items()}
     elif split is not None:

@@ -38,9 +38,9 @@ fed/central, auc/dcr/nndr central/fed; goal <= 1.2; ``+pairs`` rows against
 is met or missed.
 
 Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
-``--composition zcdp`` composes the central and site-level rows' rounds in zCDP (each round its
-share of rho, as ``dpfed synth --composition zcdp``) and skips the secure rows, which the job
-does not run under zcdp composition; ``indep`` is one release either way.
+``--composition zcdp`` composes every dpfed row's rounds in zCDP (each round its share of rho,
+as ``dpfed synth --composition zcdp``; the secure rows' Skellam rounds at most their share);
+``indep`` is one release either way.
 
 Usage: ``python bench/synth_quality.py --table flchain [--eps 0.5 1 2 5] [--split 0.8]``
 """
@@ -530,7 +530,8 @@ def run(table: str, epsilons: list[float], links_share: tuple[float, float], n_b
                         t = time.perf_counter()
                         model = fit_secure(schema, parts, SITE_IDS, fed, eps, DELTA, rng,
                                            n_bins=n_bins, split=split, pairs=most,
-                                           pair_groups=opts.groups)
+                                           pair_groups=opts.groups,
+                                           composition=opts.composition)
                         add(name + suffix, model.sample(n, rng=rng), t, model.proportions)
         mean = {name: {"method": name, **{k: float(np.mean([r[k] for r in rs]))
                                           for k in rs[0] if k != "method"}}
@@ -643,12 +644,11 @@ def main() -> None:
                          "split with pairs), or both side by side")
     add_pair_arguments(ap, secure_rows="they run without pairs")
     ap.add_argument("--composition", choices=("basic", "zcdp"), default="basic",
-                    help="composition of the central and site-level rows' rounds (zcdp: each "
-                         "round its share of rho, as dpfed synth --composition zcdp); the "
-                         "secure rows, which the job does not run under zcdp, are skipped")
+                    help="composition of every dpfed row's rounds (zcdp: each round its share "
+                         "of rho, as dpfed synth --composition zcdp)")
     args = ap.parse_args()
     opts = PairOptions(rows=args.pairs_rows, pairs=args.pairs, groups=args.pair_groups,
-                       secure=not args.no_secure and args.composition == "basic",
+                       secure=not args.no_secure,
                        composition=args.composition)
     tables = (["flchain", "health_insurance", "generated"] if args.table == "all"
               else [args.table])

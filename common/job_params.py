@@ -253,8 +253,9 @@ class SynthParams:
         How the split turns into each round's calibration
         (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
         share of (epsilon, delta); ``zcdp`` its share of the job's rho, for sites whose
-        accountant is ``zcdp`` (generative mode, site-level aggregation, analytic
-        calibration).
+        accountant is ``zcdp`` (generative mode, analytic calibration; with
+        ``aggregation="secure"`` every secure round's Skellam noise is calibrated so that its
+        rho is at most the round's share, :func:`dpfed.common.privacy.skellam.skellam_calibrate`).
     """
 
     mode: str = "generative"
@@ -317,7 +318,7 @@ class SynthParams:
                       and not (pairs is None and isinstance(raw_split, Mapping)
                                and not any(r in raw_split for r in PAIR_ROUNDS)))
         split = cls._split(mode, raw_split, with_pairs)
-        composition = _composition(params.get("composition", "basic"), mode, aggregation,
+        composition = _composition(params.get("composition", "basic"), mode,
                                    calibration)
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
                    evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups,
@@ -424,16 +425,13 @@ class SynthParams:
         return out
 
 
-def _composition(raw: Any, mode: str, aggregation: str, calibration: str) -> str:
+def _composition(raw: Any, mode: str, calibration: str) -> str:
     """Validate ``composition`` (``--composition``) against the job's other settings."""
     composition = check_choice(raw, "--composition", COMPOSITIONS)
     if composition == "zcdp":
         if mode != "generative":
             raise ValidationError("--composition zcdp needs --mode generative (row-aligned "
                                   "mode's factors round is a pure-epsilon release)")
-        if aggregation != "site":
-            raise ValidationError("--composition zcdp runs with --aggregation site only: the "
-                                  "secure rounds' Skellam noise is calibrated per round")
         if calibration != "analytic":
             raise ValidationError("--composition zcdp needs --calibration analytic")
     return composition

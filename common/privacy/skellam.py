@@ -27,6 +27,15 @@ For the zCDP accountant the same bound gives a valid rho: for every ``alpha >= 1
 surcharge is at most ``alpha`` times ``min((l2^2 + 3 l1) / (2 mu^2), 3 l1 / (2 mu))``, so the
 release is ``rho``-zCDP with ``rho = l2^2/(2 mu) + min((l2^2 + 3 l1)/(2 mu^2), 3 l1/(2 mu))``.
 
+Calibration (:func:`skellam_calibrate`) asks for both: the (epsilon, delta) target by the RDP
+conversion, and a rho no larger than that of the analytic Gaussian calibrated to the same
+(epsilon, delta) (:func:`dpfed.common.privacy.composition.round_rho`). The second makes a
+Skellam round interchangeable with the Gaussian round it stands for on a ``zcdp`` ledger: a job
+composed in zCDP hands every round the (epsilon_i, delta_i) whose Gaussian costs its share
+rho_i, so its secure rounds never charge more than the job's rho. It binds only when the
+integer surcharge is large against the Gaussian term: large per-round epsilon (about 2 and
+above) on small sensitivities (a few counts).
+
 Sampling uses numpy's Poisson sampler from a per-release generator: floating-point grade, like
 every other matrix release in dpfed (exact samplers are used for scalar counts only).
 """
@@ -34,12 +43,14 @@ every other matrix release in dpfed (exact samplers are used for scalar counts o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.composition import round_rho
 from dpfed.common.validation import check_delta, check_int, check_positive
 
 __all__ = [
@@ -56,6 +67,7 @@ __all__ = [
 #: Integer Renyi orders the (epsilon, delta) conversion minimises over.
 ORDERS: tuple[int, ...] = (tuple(range(2, 65)) + tuple(range(72, 257, 8))
                            + (384, 512, 768, 1024, 1536, 2048, 4096))
+_ORDERS = np.asarray(ORDERS, dtype=np.float64)
 
 
 def _check_sensitivities(l2: float, l1: float) -> tuple[float, float]:
@@ -79,12 +91,14 @@ def skellam_rdp(alpha: int, mu: float, l2: float, l1: float) -> float:
 def skellam_epsilon(mu: float, delta: float, l2: float, l1: float) -> float:
     """Return the epsilon at which ``Sk(mu)`` noise on a query of these sensitivities is DP."""
     dl = check_delta(delta)
-    best = math.inf
-    for a in ORDERS:
-        rdp = skellam_rdp(a, mu, l2, l1)
-        eps = rdp + math.log1p(-1.0 / a) - (math.log(dl) + math.log(a)) / (a - 1)
-        best = min(best, eps)
-    return max(0.0, best)
+    m = check_positive(mu, "mu")
+    l2, l1 = _check_sensitivities(l2, l1)
+    a = _ORDERS
+    # skellam_rdp at every order at once, then the conversion of the module docstring
+    surcharge = np.minimum(((2 * a - 1) * l2 * l2 + 6 * l1) / (4 * m * m), 3 * l1 / (2 * m))
+    rdp = a * l2 * l2 / (2 * m) + surcharge
+    eps = rdp + np.log1p(-1.0 / a) - (math.log(dl) + np.log(a)) / (a - 1)
+    return max(0.0, float(eps.min()))
 
 
 def skellam_rho(mu: float, l2: float, l1: float) -> float:
@@ -125,27 +139,43 @@ class SkellamCalibration:
 
 
 def skellam_calibrate(epsilon: float, delta: float, l2: float, l1: float) -> SkellamCalibration:
-    """Return the smallest variance ``mu`` (to 1e-9 relative) with epsilon(mu) <= ``epsilon``."""
+    """Return the smallest variance ``mu`` (to 1e-9 relative) meeting both targets.
+
+    ``epsilon(mu) <= epsilon`` at ``delta`` (:func:`skellam_epsilon`) and
+    ``skellam_rho(mu) <= round_rho(epsilon, delta)``, the rho of the analytic Gaussian
+    calibrated to the same pair (module docstring). Both decrease in ``mu``: the answer is the
+    larger of the two smallest variances.
+    """
     eps = check_positive(epsilon, "epsilon")
     dl = check_delta(delta)
     l2, l1 = _check_sensitivities(l2, l1)
+    rho_cap = round_rho(eps, dl)
+    mu = max(_smallest_variance(lambda m: skellam_epsilon(m, dl, l2, l1) <= eps, l2,
+                                f"epsilon={eps:g} at delta={dl:g}"),
+             _smallest_variance(lambda m: skellam_rho(m, l2, l1) <= rho_cap, l2,
+                                f"rho={rho_cap:g}"))
+    return SkellamCalibration(mu, eps, dl, l2, l1, skellam_epsilon(mu, dl, l2, l1))
+
+
+def _smallest_variance(meets: Callable[[float], bool], l2: float, target: str) -> float:
+    """Return the smallest ``mu`` (1e-10 relative, from above) with ``meets(mu)`` (monotone)."""
     lo = l2 * l2 * 1e-6
     hi = max(l2 * l2, 1.0)
-    while skellam_epsilon(hi, dl, l2, l1) > eps:
+    while not meets(hi):
         hi *= 2.0
         if hi > 1e300:
-            raise ValidationError(f"no Skellam variance reaches epsilon={eps:g} at delta={dl:g}")
-    while skellam_epsilon(lo, dl, l2, l1) <= eps and lo > 1e-300:
+            raise ValidationError(f"no Skellam variance reaches {target}")
+    while meets(lo) and lo > 1e-300:
         lo /= 2.0
-    for _ in range(200):  # bisection in log space; epsilon(mu) decreases in mu
+    for _ in range(200):  # bisection in log space
         mid = math.sqrt(lo * hi)
-        if skellam_epsilon(mid, dl, l2, l1) <= eps:
+        if meets(mid):
             hi = mid
         else:
             lo = mid
         if hi / lo < 1 + 1e-10:
             break
-    return SkellamCalibration(hi, eps, dl, l2, l1, skellam_epsilon(hi, dl, l2, l1))
+    return hi
 
 
 def skellam_share(mu_total: float, n_parties: int, tolerated: int) -> float:

@@ -24,8 +24,8 @@ CASES = [
      "--budget-epsilon 0.5 is smaller than --epsilon 1"),
     (["--sites", "2", "--min-sites", "3"], exit_codes.CONFIG_ERROR, "--min-sites 3 is more than"),
     (["--sites", "0"], exit_codes.CONFIG_ERROR, "--sites must be >= 1"),
-    (["--job", "synth", "--composition", "zcdp", "--aggregation", "secure"], exit_codes.USAGE,
-     "--composition zcdp runs with --aggregation site only"),
+    (["--job", "synth", "--composition", "zcdp", "--synth-mode", "row-aligned"], exit_codes.USAGE,
+     "--composition zcdp needs --synth-mode generative"),
 ]
 
 

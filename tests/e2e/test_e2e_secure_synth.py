@@ -2,7 +2,8 @@
 processes over mTLS with SQLite ledgers. The secure job produces a model whose metadata states
 the mode; every site is charged once per round with the secure mechanism; the row-aligned mode
 with secure aggregation is refused before anything is charged; a site whose policy requires
-secure aggregation refuses the site-level job's rounds but takes part in the secure one."""
+secure aggregation refuses the site-level job's rounds but takes part in the secure one; under
+zCDP composition the secure rounds fit a zcdp ledger holding exactly the job's budget."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.synth_report import synth_report
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
+from dpfed.common.privacy.accounting import rho_for_epsilon, zcdp_to_epsilon
+from dpfed.common.privacy.composition import round_rho
+from dpfed.common.privacy.skellam import skellam_rho
 from dpfed.common.transport.protocol import JobSpec
 from tests.e2e.federations import charged_events, roomy_settings, running
 
@@ -152,3 +156,49 @@ def test_secure_synthesis_resumes_after_a_coordinator_kill_with_one_charge_per_r
             "links", "pca", "pair_scores", "pairs")], events
         assert all(m.startswith("secure-skellam[n=3,") for _r, m in events)
     assert len(model.sample(500)) == 500
+
+
+def test_secure_synthesis_under_zcdp_fits_a_budget_of_exactly_the_jobs_rho(
+        tmp_path: Path) -> None:
+    """``--aggregation secure --composition zcdp`` at sites whose zcdp ledgers hold exactly the
+    job's (epsilon, delta): all four secure rounds are charged (each Skellam round's rho is at
+    most its share, so the last one still fits), the rhos add up to at most the job's, and a
+    second job is refused by every site as over budget."""
+    eps, delta = 2.0, 1e-5
+    federation = LocalFederation.create(
+        tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=3,
+        task_deadline_s=60, mixed=True,
+        settings=roomy_settings(allowed_jobs=("synth",), accountant="zcdp",
+                                budget_epsilon=eps, budget_delta=delta))
+    for fed in running(federation):
+        with fed.analyst() as coord:
+            frame, model = coord.synthesize(epsilon=eps, delta=delta, rows=1000,
+                                            aggregation="secure", composition="zcdp")
+            with pytest.raises(Exception, match="budget"):
+                coord.synthesize(epsilon=eps, delta=delta, rows=100, aggregation="secure",
+                                 composition="zcdp")
+        assert len(frame) == 1000 and model.metadata["params"]["composition"] == "zcdp"
+        rounds = model.metadata["secure"]["rounds"]
+        for s in fed.site_ids:
+            events = [e for e in charged_events(fed, s) if e.task_id.split("/")[-1].startswith(
+                ("links-", "pca-", "pair_scores-", "pairs-"))]
+            names = [e.task_id.split("/")[-1] for e in events]
+            assert names[:4] == [f"{r}-sum-1" for r in ("links", "pca", "pair_scores",
+                                                         "pairs")], names
+            first_job = events[:4]
+            assert all(e.mechanism.startswith("secure-skellam[n=3,") for e in first_job)
+            total = sum(e.rho for e in first_job)
+            assert total <= rho_for_epsilon(eps, delta)
+            assert zcdp_to_epsilon(total, delta) <= eps
+            for e, (name, share) in zip(first_job, _rho_shares(model.metadata), strict=True):
+                assert e.rho <= share * (1 + 1e-9), name
+                r = rounds[name]
+                assert e.rho == pytest.approx(skellam_rho(r["noise_variance_integer"],
+                                                          r["l2_sensitivity_integer"],
+                                                          r["l1_sensitivity_integer"]))
+
+
+def _rho_shares(meta: dict[str, object]) -> list[tuple[str, float]]:
+    plan = meta["plan"]
+    assert isinstance(plan, list)
+    return [(p["round"], round_rho(p["epsilon"], p["delta"])) for p in plan]

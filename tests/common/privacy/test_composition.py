@@ -99,7 +99,6 @@ def test_zcdp_split_validation() -> None:
 
 
 @pytest.mark.parametrize("params, match", [
-    ({"composition": "zcdp", "aggregation": "secure"}, "--aggregation site only"),
     ({"composition": "zcdp", "mode": "row_aligned"}, "--mode generative"),
     ({"composition": "zcdp", "calibration": "classic"}, "--calibration analytic"),
     ({"composition": "rdp"}, "--composition"),

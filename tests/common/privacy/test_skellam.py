@@ -1,18 +1,25 @@
 """The Skellam accountant is an upper bound on the true Renyi divergence (checked numerically
-against the exact pmf), converges to the Gaussian's, calibrates tightly, and the noise a sum of
-site shares carries has the accountant's variance (a half-noise copy is caught)."""
+against the exact pmf), converges to the Gaussian's, calibrates tightly to both of its targets
+(the (epsilon, delta) and the Gaussian's rho -- a search over the secure sums' sensitivities and
+the zCDP rounds' budgets; a copy without the rho target is caught), and the noise a sum of site
+shares carries has the accountant's variance (a half-noise copy is caught)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from scipy import special, stats
 
 from dpfed.common.errors import ValidationError
-from dpfed.common.privacy.accounting import zcdp_to_epsilon
+from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT
+from dpfed.common.privacy.accounting import rho_for_epsilon, zcdp_to_epsilon
+from dpfed.common.privacy.composition import round_rho, split_budget
 from dpfed.common.privacy.skellam import (
+    SkellamCalibration,
+    _smallest_variance,
     skellam_calibrate,
     skellam_epsilon,
     skellam_noise,
@@ -70,6 +77,63 @@ def test_calibration_is_tight_and_monotone() -> None:
     # rho is valid: every order's RDP is at most alpha * rho
     for a in (2, 10, 100):
         assert skellam_rdp(a, cal.mu, 40.0, 300.0) <= a * cost.rho * (1 + 1e-12)
+
+
+def _budgets() -> list[tuple[float, float]]:
+    """Plain (epsilon, delta) targets and every round of the synth job composed in zCDP."""
+    out = [(e, d) for e in (0.05, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0) for d in (1e-10, 1e-6, 1e-3)]
+    shares = [(n, e, d) for n, (e, d) in SYNTH_PAIRS_DEFAULT_SPLIT.items()]
+    for eps in (0.5, 1.0, 2.0, 5.0, 10.0):
+        out += [(e, d) for _, e, d in split_budget(eps, 1e-6, shares, "zcdp")]
+    return out
+
+
+#: (L2, L1) of the secure sums: counts of C groups (sqrt(2C), 2C), scores of P pairs moving by
+#: 2 (2 sqrt(P), 2P), a Gram at a fixed-point scale (sqrt(2) B^2, (d + 1) B^2).
+_SENSITIVITIES = ([(math.sqrt(2 * c), 2.0 * c) for c in (1, 3, 12, 200, 5000)]
+                  + [(2 * math.sqrt(p), 2.0 * p) for p in (1, 10, 190)]
+                  + [(math.sqrt(2) * b * b, 21.0 * b * b) for b in (3.0, 1e3)])
+
+
+def _violations(calibrate: Callable[[float, float, float, float], SkellamCalibration]
+                ) -> list[tuple[float, ...]]:
+    bad = []
+    for eps, delta in _budgets():
+        for l2, l1 in _SENSITIVITIES:
+            mu = calibrate(eps, delta, l2, l1).mu
+            rho, cap = skellam_rho(mu, l2, l1), round_rho(eps, delta)
+            if skellam_epsilon(mu, delta, l2, l1) > eps * (1 + 1e-12) or rho > cap * (1 + 1e-9):
+                bad.append((eps, delta, l2, l1, rho / cap))
+    return bad
+
+
+def test_calibration_meets_both_targets_and_is_tight_over_a_search() -> None:
+    assert _violations(skellam_calibrate) == []
+    for eps, delta in _budgets()[::4]:
+        for l2, l1 in _SENSITIVITIES[::2]:
+            mu = skellam_calibrate(eps, delta, l2, l1).mu * (1 - 1e-6)
+            # tight: a hair less noise misses one of the targets
+            assert (skellam_epsilon(mu, delta, l2, l1) > eps
+                    or skellam_rho(mu, l2, l1) > round_rho(eps, delta)), (eps, delta, l2, l1)
+
+
+def test_a_calibration_without_the_rho_target_is_caught() -> None:
+    def epsilon_only(eps: float, delta: float, l2: float, l1: float) -> SkellamCalibration:
+        mu = _smallest_variance(lambda m: skellam_epsilon(m, delta, l2, l1) <= eps, l2, "")
+        return SkellamCalibration(mu, eps, delta, l2, l1, skellam_epsilon(mu, delta, l2, l1))
+
+    bad = _violations(epsilon_only)
+    assert bad and max(v[-1] for v in bad) > 1.5  # small sensitivities at epsilon >= 2
+
+
+def test_secure_rounds_of_a_zcdp_job_add_up_to_at_most_its_rho() -> None:
+    shares = [(n, e, d) for n, (e, d) in SYNTH_PAIRS_DEFAULT_SPLIT.items()]
+    for eps in (0.5, 1.0, 5.0, 20.0):
+        rounds = split_budget(eps, 1e-6, shares, "zcdp")
+        for l2, l1 in _SENSITIVITIES:
+            total = sum(skellam_calibrate(e, d, l2, l1).cost().rho for _, e, d in rounds)
+            assert total <= rho_for_epsilon(eps, 1e-6)
+            assert zcdp_to_epsilon(total, 1e-6) <= eps * (1 + 1e-9)
 
 
 def test_shares_and_their_errors() -> None:
