@@ -156,7 +156,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     est = decompose_second_moment(symmetric_from_upper(upper, dim) / n, dim)
     clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, rank=params.rank,
-                                info_threshold=params.info_threshold)
+                                info_threshold=params.info_threshold, n_rows=n)
     model = SynthModel.build(schema, mode="generative",
                              continuous_link=params.continuous_link, n_bins=n_bins,
                              proportions=props, factor_model=fm,

@@ -103,7 +103,7 @@ def build_model(seed: int = 3, pairs: bool = False) -> SynthModel:
     g.add(unit)
     est = dppca.combine([dppca.site_release(g.gram(), table.n_rows, epsilon=1.0, delta=1e-6,
                                             rank=dim, rng=rng).factor], dim)
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
+    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, n_rows=table.n_rows)
     model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
                              n_bins=BINS, proportions=props, factor_model=fm,
                              dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)

@@ -223,7 +223,7 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     rows = [t.n_rows for t in tables]
     est = (combine_factors(factors, rows, dim) if weighting == "size"
            else dppca.combine(factors, dim))
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng)
+    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, n_rows=n_total)
     dpc = dp_second_moment(est, dim)
     d = np.sqrt(np.diag(dpc))
     model = SynthModel.build(schema, mode="generative", continuous_link="quantile",

@@ -275,7 +275,7 @@ class SynthJob(JobType):
         if params.mode == "generative":
             fm, corr = await asyncio.to_thread(
                 fit_factor_model, estimate, links, clip_norm=clip, rng=rng, rank=params.rank,
-                info_threshold=params.info_threshold)
+                info_threshold=params.info_threshold, n_rows=pooled_rows)
             last_sites = (list(secure_outcomes["pca"].plan.participants) if secure
                           else sorted(r2))
             if params.pair_rounds:

@@ -19,7 +19,14 @@ the cost where it goes:
 * a two-category nominal column is a threshold on its single coordinate, so its round trip
   is the same slice re-draw as an ordinal column's;
 * the simulation size adapts to p (``max(min_rows, budget_values / p)`` rows) so the
-  work per step stays bounded.
+  work per step stays bounded, and to the public row count N of the data (at most ``2 N``
+  rows, at least :data:`MIN_ROWS_FOR_DATA`): the simulation's Monte-Carlo error per
+  correlation entry, about ``1 / sqrt(rows)``, then stays below the sampling error the
+  released correlation already carries from its N real rows (about ``1 / sqrt(N)``, before any
+  DP noise) -- at most half of that variance. Measured on two real tables of 6 300 and 7 000
+  rows (8 noise draws at each of epsilon 0.5, 1, 2, 5): 10 000 and 20 000 rows gave the same
+  1-way, 2-way, correlation and AUC figures as 50 000 within the draws' spread, in 50-60 % of
+  the fit time.
 
 Privacy: post-processing of DP releases only (the DP second moment and the DP link
 proportions); the simulation touches no data.
@@ -43,6 +50,8 @@ from dpfed.common.synth.quantile_link import QuantileLink
 from dpfed.common.validation import check_finite_array, check_int, check_positive
 
 _U_MIN = 2.0 ** -53
+#: Fewest simulated rows when the row count is known (small tables).
+MIN_ROWS_FOR_DATA = 10_000
 #: Alternating-projection steps of the final Higham projection (the iterate is already a
 #: correlation matrix after the quick projections; a final eigenvalue clip guarantees PSD).
 FINAL_PROJECTION_STEPS = 15
@@ -101,15 +110,31 @@ def _quick_projection(r: np.ndarray, within: np.ndarray, floor: float = 1e-6) ->
     return np.asarray(out)
 
 
+def simulation_rows(dim: int, n_rows: int | None = None, *, min_rows: int = 20_000,
+                    max_rows: int = 50_000, budget_values: int = 6_000_000) -> int:
+    """Return the simulated rows per step of :func:`fast_latent_correlation`.
+
+    ``clip(budget_values // dim, min_rows, max_rows)``; with the data's public row count
+    ``n_rows``, at most ``max(2 n_rows, MIN_ROWS_FOR_DATA)`` of those (module docstring).
+    """
+    p = check_int(dim, "dim", minimum=1)
+    rows = int(np.clip(budget_values // p, min_rows, max_rows))
+    if n_rows is not None:
+        n = check_int(n_rows, "n_rows", minimum=1)
+        rows = min(rows, max(2 * n, MIN_ROWS_FOR_DATA))
+    return rows
+
+
 def fast_latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, clip_norm: float,
                             rng: np.random.Generator, iterations: int = 6,
                             min_rows: int = 20_000, max_rows: int = 50_000,
-                            budget_values: int = 6_000_000) -> np.ndarray:
+                            budget_values: int = 6_000_000,
+                            n_rows: int | None = None) -> np.ndarray:
     """Correct the latent correlation for the links' independent draws (post-processing).
 
     Same contract as :func:`dpfed.common.synth.factor_model.latent_correlation` (see there and
-    the module docstring for what changed). The simulation uses
-    ``clip(budget_values // p, min_rows, max_rows)`` rows.
+    the module docstring for what changed). The simulation uses :func:`simulation_rows` rows
+    (``n_rows``: the public row count the second moment was released from).
 
     Privacy
     -------
@@ -124,7 +149,8 @@ def fast_latent_correlation(second_moment: np.ndarray, links: LatentLinks, *, cl
                               "standard normal under the link model")
     c = check_positive(clip_norm, "clip_norm")
     steps = check_int(iterations, "iterations", minimum=1)
-    n_sim = int(np.clip(budget_values // p, min_rows, max_rows))
+    n_sim = simulation_rows(p, n_rows, min_rows=min_rows, max_rows=max_rows,
+                            budget_values=budget_values)
     free = ~np.eye(p, dtype=bool)
     for link, start, stop in zip(links.links, links.offsets[:-1], links.offsets[1:],
                                  strict=True):

@@ -565,8 +565,9 @@ class FactorModelSynthesizer:
         the links' independent draws (the job's
         :func:`dpfed.common.synth.correlation.fast_latent_correlation`; default True). False
         gives the plain DP-PCA eigenpairs.
-    n_simulations : int
-        Most simulated rows per step of that correction (default 50 000).
+    n_simulations : int, optional
+        Most simulated rows per step of that correction (default: twice the rows fitted,
+        between 10 000 and 50 000, :func:`dpfed.common.synth.correlation.simulation_rows`).
     subspace : PCAEstimate, optional
         A DP subspace computed elsewhere on the unit-ball latent rows of ``links`` (with the
         same ``clip_norm``); then no PCA budget is spent here. Needs ``links``. A ``pca`` job
@@ -669,7 +670,7 @@ class FactorModelSynthesizer:
                  n_bins: int = DEFAULT_BINS, clip_norm: float | None = None,
                  min_proportion: float = 1e-4, rescale_latent: bool = True,
                  residual: bool = True, correct_correlation: bool = True,
-                 n_simulations: int = 50_000, subspace: PCAEstimate | None = None,
+                 n_simulations: int | None = None, subspace: PCAEstimate | None = None,
                  loading_noise_epsilon: float | None = None,
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
                  rng: np.random.Generator | None = None,
@@ -701,7 +702,8 @@ class FactorModelSynthesizer:
         self.rescale_latent = bool(rescale_latent)
         self.residual = bool(residual)
         self.correct_correlation = bool(correct_correlation)
-        self.n_simulations = check_int(n_simulations, "n_simulations", minimum=100)
+        self.n_simulations = (None if n_simulations is None
+                              else check_int(n_simulations, "n_simulations", minimum=100))
         self.loading_noise_epsilon = (None if loading_noise_epsilon is None
                                       else check_epsilon(loading_noise_epsilon,
                                                          "loading_noise_epsilon"))
@@ -879,7 +881,7 @@ class FactorModelSynthesizer:
             info_threshold=self.info_threshold, max_rank=self.max_rank,
             correct_correlation=generative and self.correct_correlation,
             residual=self.residual and generative, rescale=self.rescale_latent,
-            n_simulations=self.n_simulations)
+            n_simulations=self.n_simulations, n_rows=table.n_rows)
         loadings = model.loadings
         if self.loading_noise_epsilon is not None:
             # Alg. 1 step 2 on DP loadings: post-processing, no budget (see perturb_loadings).

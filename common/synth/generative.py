@@ -152,8 +152,8 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
                      rng: np.random.Generator, rank: int | None = None,
                      info_threshold: float = 0.8, max_rank: int | None = None,
                      correct_correlation: bool = True, residual: bool = True,
-                     rescale: bool = True, n_simulations: int | None = None
-                     ) -> tuple[FactorModel, np.ndarray | None]:
+                     rescale: bool = True, n_simulations: int | None = None,
+                     n_rows: int | None = None) -> tuple[FactorModel, np.ndarray | None]:
     """Build the generative factor model from a DP-PCA estimate of the unit-ball latent rows.
 
     Returns the model and the corrected latent correlation (None when not corrected).
@@ -161,7 +161,9 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
     it should carry all p components (otherwise the complement is filled isotropically).
     ``residual=False`` drops the PPCA residual, ``rescale=False`` the per-coordinate
     rescaling; ``n_simulations`` caps the rows of the correlation correction's simulation
-    (default: its own adaptive size).
+    (default: its own adaptive size, which ``n_rows``, the public row count the estimate was
+    released from, bounds by ``2 n_rows``:
+    :func:`dpfed.common.synth.correlation.simulation_rows`).
 
     Privacy
     -------
@@ -185,7 +187,7 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
                  {"max_rows": check_int(n_simulations, "n_simulations", minimum=100),
                   "min_rows": min(20_000, int(n_simulations))})
         corr = fast_latent_correlation(dp_second_moment(estimate, p), links,
-                                       clip_norm=clip_norm, rng=rng, **sizes)
+                                       clip_norm=clip_norm, rng=rng, n_rows=n_rows, **sizes)
         values, vectors = np.linalg.eigh(corr)
         values, vectors = values[::-1], vectors[:, ::-1]
         idx = np.argmax(np.abs(vectors[:, :r]), axis=0)

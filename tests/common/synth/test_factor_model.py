@@ -22,6 +22,11 @@ from dpfed.common.pca.dppca import PCAEstimate, top_components
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.synth import factor_model as fm
 from dpfed.common.synth import links as lk
+from dpfed.common.synth.correlation import (
+    MIN_ROWS_FOR_DATA,
+    fast_latent_correlation,
+    simulation_rows,
+)
 
 
 def make_schema() -> Schema:
@@ -502,6 +507,31 @@ def test_latent_correlation_undoes_the_attenuation() -> None:
     tolerance = np.full((5, 5), 0.04)
     tolerance[1:3, 3:] = tolerance[3:, 1:3] = 0.08
     assert np.all(np.abs(fixed - r) <= tolerance), np.round(fixed - r, 3)
+
+
+def test_simulation_rows_follow_the_data_and_the_dimension() -> None:
+    assert simulation_rows(10) == 50_000 and simulation_rows(400) == 20_000
+    assert simulation_rows(10, 6_300) == 12_600
+    assert simulation_rows(10, 1_000) == MIN_ROWS_FOR_DATA
+    assert simulation_rows(10, 10**7) == 50_000 and simulation_rows(400, 10**7) == 20_000
+
+
+def test_the_data_sized_simulation_error_is_below_the_datas_own_sampling_error() -> None:
+    """With ``n_rows`` the correction simulates 2 N rows (here 10 000 for N = 5 000): its
+    Monte-Carlo error (against a 50 000-row simulation) stays below the sampling error the
+    corrected correlation carries from the N rows (against the true correlation)."""
+    monte_carlo, sampling = [], []
+    for seed in range(4):
+        links, r, moment = correlated_setup(5_000, 20 + seed)
+        sized = fast_latent_correlation(moment, links, clip_norm=3.0, n_rows=5_000,
+                                        rng=np.random.default_rng(seed))
+        large = fast_latent_correlation(moment, links, clip_norm=3.0,
+                                        rng=np.random.default_rng(100 + seed))
+        free = ~np.eye(5, dtype=bool)
+        free[3:, 3:] = False  # the nominal block's zeros are pinned
+        monte_carlo.append(float(np.sqrt(np.mean((sized - large)[free] ** 2))))
+        sampling.append(float(np.sqrt(np.mean((large - r)[free] ** 2))))
+    assert np.mean(monte_carlo) < np.mean(sampling), (monte_carlo, sampling)
 
 
 def test_latent_correlation_validation() -> None:

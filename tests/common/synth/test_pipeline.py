@@ -158,7 +158,7 @@ def test_central_synthesizer_runs_the_job_pipeline() -> None:
     rng = np.random.default_rng(11)
     links.to_latent(table, rng)  # type: ignore[attr-defined]
     model, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng,  # type: ignore[arg-type]
-                                   n_simulations=synth.n_simulations)
+                                   n_simulations=synth.n_simulations, n_rows=table.n_rows)
     decode, _ = calibrated_links(links, model, rng)  # type: ignore[arg-type]
     assert corr is not None and synth.latent_correlation_ is not None
     np.testing.assert_allclose(synth.latent_correlation_, corr)
