@@ -1,7 +1,8 @@
 """End to end with real processes: the federated ``synth`` job over mTLS gRPC.
 
 Coordinator and sites run as separate processes with SQLite ledgers; the coordinator is
-SIGKILLed between rounds and restarted; a site drops between rounds.
+SIGKILLed between rounds (after the links round) and during the pairs round, and restarted; a
+site drops between rounds.
 """
 
 from __future__ import annotations
@@ -152,6 +153,45 @@ def test_coordinator_killed_between_rounds_resumes_with_one_charge_per_round(
         tasks = ledger_tasks(fed, s)
         assert sorted(tasks) == [f"{job_id}/{r}" for r in ROUNDS], tasks
     assert len(model.sample(100)) == 100
+
+
+def test_coordinator_killed_during_the_pairs_round_resumes_with_the_same_pairs_task(
+        fed: LocalFederation) -> None:
+    """SIGKILL the coordinator as soon as a site has paid for the ``pairs`` round.
+
+    The resumed job re-sends ``pair_scores`` (every site answers from its ledger) and must
+    derive the same forest of pairs from those answers, so that its ``pairs`` task is identical
+    to the one that site already answered: a site refuses a changed task under a task id it
+    has charged, which would fail the job. One charge per site per round, and a model with
+    pair tables.
+    """
+    port = fed.port
+    outcome: dict[str, object] = {}
+
+    def submit() -> None:
+        try:
+            with fed.analyst() as coord:
+                outcome["job"] = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
+        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
+            outcome["error"] = exc
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    _wait_until(lambda: any(task.endswith("/pairs") for task in
+                            ledger_tasks(fed, "hospital-1")), 90, "the pairs charge")
+    fed.signal("coordinator", signal.SIGKILL)
+    fed.wait("coordinator")
+    t.join(30)
+    fed.start_coordinator(port=port)
+    with fed.analyst() as coord:
+        job_id = coord.jobs(1)[0].job_id
+        final = coord.watch(job_id)
+        model = coord.synth_result(final)
+    assert final.state == "succeeded", final.error
+    for s in fed.site_ids:
+        assert sorted(ledger_tasks(fed, s)) == [f"{job_id}/{r}" for r in ROUNDS], s
+    assert model.pair_correction is not None and model.metadata["pair_edges"]
+    assert model.metadata["rounds"]["pairs"] == fed.site_ids
 
 
 def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None:
