@@ -50,7 +50,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
     from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
-    from dpfed.common.privacy.composition import round_rho
+    from dpfed.common.privacy.composition import rounds_rho
 
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
                                   aggregation=args.aggregation,
@@ -76,7 +76,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
               "(--pair-groups)")
     if params.composition == "zcdp":
         print(f"  --composition zcdp: every round gets its share of rho = "
-              f"{sum(round_rho(e, d) for _, e, d in plan):.4g} (the job's epsilon "
+              f"{rounds_rho(plan):.4g} (the job's epsilon "
               f"{args.epsilon:g} at delta {args.delta:g}); the epsilons below are each round's "
               "own guarantee. Only sites whose ledger uses the zcdp accountant take part; it "
               "adds the rounds' rho")
@@ -98,7 +98,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     if params.composition == "zcdp":
-        print(f"total per site: rho {sum(round_rho(e, d) for _, e, d in plan):.4g}, i.e. "
+        print(f"total per site: rho {rounds_rho(plan):.4g}, i.e. "
               f"({args.epsilon:g}, {args.delta:g})-DP by zCDP composition")
     else:
         print(f"total per site: epsilon {total_eps:.4g}, delta {total_delta:.3g}")

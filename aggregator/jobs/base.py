@@ -23,6 +23,7 @@ import numpy as np
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.registry import SiteDisconnected, SiteRegistry, SiteSession
 from dpfed.common.errors import ProtocolError, QuorumError
+from dpfed.common.privacy.accounting import zcdp_to_epsilon
 from dpfed.common.transport.protocol import JobSpec, Refusal, SiteOutcome, Task, TaskResult
 from dpfed.common.transport.wire import task_to_bytes
 
@@ -79,28 +80,42 @@ class JobContext:
         """Per-task deadline in seconds."""
         return self.spec.deadline_seconds or self.federation.task_deadline_s
 
-    def refuse_over_budget(self) -> None:
+    def refuse_over_budget(self, rho: float | None = None) -> None:
         """Before a multi-round job's first round, leave out sites that cannot pay for all of it.
 
-        A site whose last reported budget (basic accountant) has less than the job's whole
-        (epsilon, delta) left would refuse a later round after paying for the earlier ones; it
-        is recorded as refused now and sent no round. Not applied to a resumed job (its sites
-        already paid for the rounds they replay). The site's ledger stays the authority.
+        A site whose last reported budget has too little left for the whole job would refuse
+        a later round after paying for the earlier ones (under secure aggregation, after its
+        peers paid for the aborted sum too); it is recorded as refused now and sent no round.
+        A ``basic`` site needs the job's (epsilon, delta) left. A ``zcdp`` site is checked when
+        the job states ``rho``, an upper bound on the rho all its rounds charge together: its
+        spent rho plus ``rho``, converted at its delta cap, must stay within its epsilon cap.
+        Not applied to a resumed job (its sites already paid for the rounds they replay). The
+        site's ledger stays the authority.
         """
         if self.resumed:
             return
         eps, delta = self.spec.epsilon, self.spec.delta
         for s in self.registry.connected():
             b = s.hello.budget
-            if b is None or b.accountant != "basic":
+            reason = None
+            if b is None:
                 continue
-            if eps > b.epsilon_remaining * (1 + 1e-9) or delta > b.delta_remaining * (1 + 1e-9):
+            if b.accountant == "basic" and (eps > b.epsilon_remaining * (1 + 1e-9)
+                                            or delta > b.delta_remaining * (1 + 1e-9)):
+                reason = (f"budget_exceeded: the job needs epsilon={eps:g}, delta={delta:g} "
+                          f"over all its rounds; the site reports {b.epsilon_remaining:g}, "
+                          f"{b.delta_remaining:g} left")
+            elif b.accountant == "zcdp" and rho is not None:
+                after = zcdp_to_epsilon(b.rho_spent + rho, b.delta_cap)
+                if after > b.epsilon_cap * (1 + 1e-9):
+                    reason = (f"budget_exceeded: the job needs rho={rho:.4g} over all its "
+                              f"rounds; with the site's rho {b.rho_spent:.4g} already spent "
+                              f"that is epsilon {after:.4g} at delta {b.delta_cap:g}, above its "
+                              f"cap {b.epsilon_cap:g}")
+            if reason is not None:
                 self._left_out.add(s.site_id)
-                self.outcomes[s.site_id] = SiteOutcome(
-                    s.site_id, "refused",
-                    f"budget_exceeded: the job needs epsilon={eps:g}, delta={delta:g} over all "
-                    f"its rounds; the site reports {b.epsilon_remaining:g}, "
-                    f"{b.delta_remaining:g} left", row_count=s.hello.row_count)
+                self.outcomes[s.site_id] = SiteOutcome(s.site_id, "refused", reason,
+                                                       row_count=s.hello.row_count)
 
     def require_accountant(self, accountant: str, why: str) -> None:
         """Send this job's rounds only to sites whose ledger uses ``accountant``.

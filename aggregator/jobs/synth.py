@@ -70,6 +70,7 @@ from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate
+from dpfed.common.privacy.composition import rounds_rho
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.synth.factor_model import dp_second_moment
 from dpfed.common.synth.generative import FactorModel, fit_factor_model
@@ -199,7 +200,7 @@ class SynthJob(JobType):
         secure_base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
         size = sum(histogram_sizes(schema, params.n_bins))
         if secure:
-            ctx.refuse_over_budget()
+            ctx.refuse_over_budget(rho=rounds_rho(plan))
         if params.composition == "zcdp":
             ctx.require_accountant(
                 "zcdp", "--composition zcdp; a 'basic' ledger would be charged "

@@ -107,3 +107,14 @@ def split_budget(epsilon: float, delta: float, shares: Sequence[tuple[str, float
 def round_rho(epsilon: float, delta: float) -> float:
     """Return the rho charged for a Gaussian round calibrated (analytically) to the pair."""
     return 1.0 / (2.0 * gaussian_sigma(epsilon, delta, 1.0) ** 2)
+
+
+def rounds_rho(rounds: Sequence[tuple[str, float, float]]) -> float:
+    """Return an upper bound on the rho a ``zcdp`` ledger is charged for these rounds.
+
+    A round with ``delta > 0`` is Gaussian with at least the analytic calibration's noise
+    (:func:`round_rho`) or Skellam, calibrated to at most that rho
+    (:func:`dpfed.common.privacy.skellam.skellam_calibrate`); a pure round costs
+    ``epsilon^2 / 2``.
+    """
+    return float(sum(round_rho(e, d) if d > 0.0 else 0.5 * e * e for _, e, d in rounds))

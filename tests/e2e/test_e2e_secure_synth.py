@@ -20,7 +20,7 @@ import pytest
 from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.synth_report import synth_report
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ValidationError
+from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.privacy.accounting import rho_for_epsilon, zcdp_to_epsilon
 from dpfed.common.privacy.composition import round_rho
 from dpfed.common.privacy.skellam import skellam_rho
@@ -162,31 +162,43 @@ def test_secure_synthesis_under_zcdp_fits_a_budget_of_exactly_the_jobs_rho(
         tmp_path: Path) -> None:
     """``--aggregation secure --composition zcdp`` at sites whose zcdp ledgers hold exactly the
     job's (epsilon, delta): all four secure rounds are charged (each Skellam round's rho is at
-    most its share, so the last one still fits), the rhos add up to at most the job's, and a
-    second job is refused by every site as over budget."""
+    most its share, so the last one still fits) and the rhos add up to at most the job's. A
+    zcdp site with half that budget is left out before the first round (it would have paid
+    for some sums and refused a later one), charged nothing; and a second job is refused up
+    front by every site, charging nothing."""
     eps, delta = 2.0, 1e-5
     federation = LocalFederation.create(
-        tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=3,
+        tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=2,
         task_deadline_s=60, mixed=True,
         settings=roomy_settings(allowed_jobs=("synth",), accountant="zcdp",
                                 budget_epsilon=eps, budget_delta=delta))
+    federation.write_site_config("hospital-3", roomy_settings(
+        allowed_jobs=("synth",), accountant="zcdp", budget_epsilon=eps / 2,
+        budget_delta=delta))
+    full = ["hospital-1", "hospital-2"]
     for fed in running(federation):
         with fed.analyst() as coord:
             frame, model = coord.synthesize(epsilon=eps, delta=delta, rows=1000,
                                             aggregation="secure", composition="zcdp")
-            with pytest.raises(Exception, match="budget"):
+            job = coord.jobs(1)[0]
+            with pytest.raises(JobFailedError, match="budget_exceeded"):
                 coord.synthesize(epsilon=eps, delta=delta, rows=100, aggregation="secure",
                                  composition="zcdp")
+        outcome = {s.site_id: s for s in job.sites}
+        assert outcome["hospital-3"].status == "refused"
+        assert "budget_exceeded: the job needs rho=" in outcome["hospital-3"].reason
+        assert charged_events(fed, "hospital-3") == []
         assert len(frame) == 1000 and model.metadata["params"]["composition"] == "zcdp"
+        assert model.metadata["secure"]["participants"] == full
         rounds = model.metadata["secure"]["rounds"]
-        for s in fed.site_ids:
+        for s in full:
             events = [e for e in charged_events(fed, s) if e.task_id.split("/")[-1].startswith(
                 ("links-", "pca-", "pair_scores-", "pairs-"))]
             names = [e.task_id.split("/")[-1] for e in events]
-            assert names[:4] == [f"{r}-sum-1" for r in ("links", "pca", "pair_scores",
-                                                         "pairs")], names
+            assert names == [f"{r}-sum-1" for r in ("links", "pca", "pair_scores",
+                                                     "pairs")], names  # nothing for job 2
             first_job = events[:4]
-            assert all(e.mechanism.startswith("secure-skellam[n=3,") for e in first_job)
+            assert all(e.mechanism.startswith("secure-skellam[n=2,") for e in first_job)
             total = sum(e.rho for e in first_job)
             assert total <= rho_for_epsilon(eps, delta)
             assert zcdp_to_epsilon(total, delta) <= eps
