@@ -22,6 +22,7 @@ from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common.job_params import PCAParams
 from dpfed.common.pca.dppca import PCAEstimate
 from dpfed.common.pca.features import max_feature_norm
+from dpfed.common.privacy.composition import rounds_rho
 
 
 def decompose_second_moment(a: np.ndarray, k: int) -> PCAEstimate:
@@ -56,10 +57,10 @@ async def run_secure_pca(ctx: JobContext, params: PCAParams, kind: str) -> JobOu
     clip = params.clip_norm if isinstance(params.clip_norm, float) else None
     c = clip if clip is not None else max_feature_norm(schema)
     site_params: dict[str, Any] = {} if clip is None else {"clip_norm": clip}
-    budget = {name: (eps, dl) for name, eps, dl in params.rounds(ctx.spec.epsilon,
-                                                                  ctx.spec.delta)}
-    if len(budget) > 1:
-        ctx.refuse_over_budget()
+    shares = params.rounds(ctx.spec.epsilon, ctx.spec.delta)
+    budget = {name: (eps, dl) for name, eps, dl in shares}
+    if len(budget) > 1:  # every round a Skellam sum: at most its Gaussian-equivalent rho
+        ctx.refuse_over_budget(rho=rounds_rho(shares))
     centred = params.centering == "mean"
     mu = np.zeros(p)
     rounds: list[dict[str, Any]] = []
