@@ -1,13 +1,18 @@
-"""What the end-to-end tests share: a running local federation and a look at a site's ledger."""
+"""What the end-to-end tests share: a running local federation, a look at a site's ledger,
+and a coordinator SIGKILLed in the middle of a job and restarted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.transport.protocol import JobInfo, JobSpec
 from dpfed.site_agent.ledger import Ledger, LedgerEvent
 
 
@@ -35,3 +40,43 @@ def charged_events(fed: LocalFederation, site_id: str) -> list[LedgerEvent]:
     """Every event in a site's ledger, in the order it was charged (read-only look)."""
     with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
         return list(ledger.events())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` every 0.1 s; fail the test naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def killed_and_resumed(fed: LocalFederation, spec: JobSpec, reached: Callable[[], None], *,
+                       before_restart: Callable[[], None] | None = None) -> JobInfo:
+    """Submit ``spec``, SIGKILL the coordinator mid-job, restart it and follow the resumed job.
+
+    ``reached`` blocks until the moment to kill (e.g. :func:`wait_until` on the ledgers);
+    ``before_restart`` runs while the coordinator is down (e.g. SIGCONT a frozen site). The
+    coordinator restarts on its port; returns the resumed job's final state.
+    """
+    port = fed.port
+
+    def submit() -> None:
+        try:
+            with fed.analyst() as coord:
+                coord.submit(spec)
+        except Exception:  # noqa: BLE001 -- the stream dies with the coordinator
+            pass
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    reached()
+    fed.signal("coordinator", signal.SIGKILL)
+    fed.wait("coordinator")
+    t.join(30)
+    if before_restart is not None:
+        before_restart()
+    fed.start_coordinator(port=port)
+    with fed.analyst() as coord:
+        return coord.watch(coord.jobs(1)[0].job_id)

@@ -29,7 +29,13 @@ from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.pca.features import feature_affine, max_feature_norm
 from dpfed.common.privacy.mechanisms import gaussian_sigma
 from dpfed.common.transport.protocol import JobSpec
-from tests.e2e.federations import charged_events, roomy_settings, running
+from tests.e2e.federations import (
+    charged_events,
+    killed_and_resumed,
+    roomy_settings,
+    running,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -47,14 +53,6 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     yield from running(federation)
 
 
-def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederation,
                                                              tmp_path: Path) -> None:
@@ -63,7 +61,7 @@ def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederatio
         assert [s.site_id for s in sites] == fed.site_ids
         assert all(s.connected for s in sites)
         # Sites connect before counting their rows and send the count right after.
-        _wait_until(lambda: all(s.row_count == 1500 for s in coord.sites()), 60, "row counts")
+        wait_until(lambda: all(s.row_count == 1500 for s in coord.sites()), 60, "row counts")
         # Today's one-round DPdisPCA (uncentred, worst-case bound); the centred default with
         # its three rounds: test_centred_auto_job_survives_a_coordinator_restart_between_rounds.
         result = coord.pca(3, epsilon=1000.0, delta=1e-5, centering="none", clip_norm="schema")
@@ -130,7 +128,7 @@ def test_killed_site_and_quorum(fed: LocalFederation) -> None:
     fed.signal("hospital-3", signal.SIGKILL)
     fed.wait("hospital-3")
     with fed.analyst() as coord:
-        _wait_until(lambda: len(coord.sites()) == 2, 30, "the coordinator to drop hospital-3")
+        wait_until(lambda: len(coord.sites()) == 2, 30, "the coordinator to drop hospital-3")
         with pytest.raises(JobFailedError, match=r"2 eligible site\(s\).*min_sites=3"):
             coord.pca(2, epsilon=1.0, delta=1e-5, min_sites=3)
         result = coord.pca(2, epsilon=1.0, delta=1e-5, min_sites=2)
@@ -190,7 +188,7 @@ def test_coordinator_crash_mid_job_resumes_without_double_charge(fed: LocalFeder
 
     t = threading.Thread(target=submit, daemon=True)
     t.start()
-    _wait_until(lambda: ledger_events(fed, "hospital-1") == 1 and
+    wait_until(lambda: ledger_events(fed, "hospital-1") == 1 and
                 ledger_events(fed, "hospital-2") == 1, 60, "two sites to charge")
     fed.signal("coordinator", signal.SIGKILL)
     fed.wait("coordinator")
@@ -219,30 +217,17 @@ def test_centred_auto_job_survives_a_coordinator_restart_between_rounds(
     tasks (a different payload under the same task id would be refused as a conflict).
     """
     fed.signal("hospital-3", signal.SIGSTOP)  # holds the job in round 1 (min_sites=3)
-    port = fed.port
-    outcome: dict[str, object] = {}
 
-    def submit() -> None:
-        try:
-            with fed.analyst() as coord:
-                outcome["job"] = coord.submit(JobSpec("pca", 2.0, 1e-5, {"n_components": 2},
-                                                      min_sites=3))
-        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
-            outcome["error"] = exc
+    def round_one_done() -> None:  # the kill comes between round 1 and the end of round 2
+        wait_until(lambda: ledger_events(fed, "hospital-1") == 1 and
+                   ledger_events(fed, "hospital-2") == 1, 60, "two sites to pay for round 1")
+        fed.signal("hospital-3", signal.SIGCONT)
+        wait_until(lambda: ledger_events(fed, "hospital-3") >= 1, 60, "round 1 to complete")
 
-    t = threading.Thread(target=submit, daemon=True)
-    t.start()
-    _wait_until(lambda: ledger_events(fed, "hospital-1") == 1 and
-                ledger_events(fed, "hospital-2") == 1, 60, "two sites to pay for round 1")
-    fed.signal("hospital-3", signal.SIGCONT)
-    _wait_until(lambda: ledger_events(fed, "hospital-3") >= 1, 60, "round 1 to complete")
-    fed.signal("coordinator", signal.SIGKILL)  # between round 1 and the end of round 2
-    fed.wait("coordinator")
-    t.join(30)
-    fed.start_coordinator(port=port)
+    final = killed_and_resumed(
+        fed, JobSpec("pca", 2.0, 1e-5, {"n_components": 2}, min_sites=3), round_one_done)
+    job_id = final.job_id
     with fed.analyst() as coord:
-        job_id = coord.jobs(1)[0].job_id
-        final = coord.watch(job_id)
         result = coord.pca_result(final)
     assert final.state == "succeeded", final.error
     assert [s.status for s in final.sites] == ["ok"] * 3

@@ -11,8 +11,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,13 @@ from dpfed.common.errors import ValidationError
 from dpfed.common.queries.query_language import compile_query_set
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.site_agent.svt_sessions import sessions_path
-from tests.e2e.federations import charged_events, roomy_settings, running
+from tests.e2e.federations import (
+    charged_events,
+    killed_and_resumed,
+    roomy_settings,
+    running,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -69,14 +73,6 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         settings=roomy_settings())
     yield from running(federation)
 
-
-def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_svt_session_api_survives_site_restart(fed: LocalFederation) -> None:
@@ -177,31 +173,13 @@ def test_query_api_and_cli(fed: LocalFederation, tmp_path: Path) -> None:
 
 def test_coordinator_killed_mid_query_resumes_with_one_charge(fed: LocalFederation) -> None:
     fed.signal("hospital-3", signal.SIGSTOP)
-    port = fed.port
     params = {"domain": {"columns": ["age"], "bins": {"age": 16}}, "workload": {
         "kind": "all_range"}, "strategy": "h2", "noise": "laplace"}
-    outcome: dict[str, object] = {}
-
-    def submit() -> None:
-        try:
-            with fed.analyst() as coord:
-                outcome["job"] = coord.submit(JobSpec("query", 1.0, 0.0, params, min_sites=3))
-        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
-            outcome["error"] = exc
-
-    t = threading.Thread(target=submit, daemon=True)
-    t.start()
-    _wait_until(lambda: len(ledger_events(fed, "hospital-1")) == 1 and
-                len(ledger_events(fed, "hospital-2")) == 1, 60, "two sites to charge")
-    fed.signal("coordinator", signal.SIGKILL)
-    fed.wait("coordinator")
-    t.join(30)
-    fed.signal("hospital-3", signal.SIGCONT)
-    fed.start_coordinator(port=port)
+    final = killed_and_resumed(fed, JobSpec("query", 1.0, 0.0, params, min_sites=3),
+                               lambda: _two_sites_charged(fed),
+                               before_restart=lambda: fed.signal("hospital-3", signal.SIGCONT))
     with fed.analyst() as coord:
-        job_id = coord.jobs(1)[0].job_id
-        final = coord.watch(job_id)
-        result = QueryJobResult.from_bytes(coord.fetch_result(job_id))
+        result = QueryJobResult.from_bytes(coord.fetch_result(final.job_id))
     assert final.state == "succeeded", final.error
     assert [len(ledger_events(fed, s)) for s in fed.site_ids] == [1, 1, 1]
     assert result.strategy == "h2" and len(result.answers) == 16 * 17 // 2
@@ -209,33 +187,21 @@ def test_coordinator_killed_mid_query_resumes_with_one_charge(fed: LocalFederati
 
 def test_coordinator_killed_mid_svt_resumes_with_one_charge(fed: LocalFederation) -> None:
     fed.signal("hospital-3", signal.SIGSTOP)
-    port = fed.port
-    outcome: dict[str, object] = {}
-
-    def submit() -> None:
-        try:
-            with fed.analyst() as coord:
-                outcome["job"] = coord.submit(JobSpec("svt", 1.0, 0.0, {
-                    "queries": QUERIES, "threshold": 200.0, "cutoff": 2}, min_sites=3))
-        except Exception as exc:  # noqa: BLE001
-            outcome["error"] = exc
-
-    t = threading.Thread(target=submit, daemon=True)
-    t.start()
-    _wait_until(lambda: len(ledger_events(fed, "hospital-1")) == 1 and
-                len(ledger_events(fed, "hospital-2")) == 1, 60, "two sites to charge")
-    fed.signal("coordinator", signal.SIGKILL)
-    fed.wait("coordinator")
-    t.join(30)
-    fed.signal("hospital-3", signal.SIGCONT)
-    fed.start_coordinator(port=port)
+    final = killed_and_resumed(
+        fed, JobSpec("svt", 1.0, 0.0, {"queries": QUERIES, "threshold": 200.0, "cutoff": 2},
+                     min_sites=3),
+        lambda: _two_sites_charged(fed),
+        before_restart=lambda: fed.signal("hospital-3", signal.SIGCONT))
     with fed.analyst() as coord:
-        job_id = coord.jobs(1)[0].job_id
-        final = coord.watch(job_id)
-        result = SVTJobResult.from_bytes(coord.fetch_result(job_id))
+        result = SVTJobResult.from_bytes(coord.fetch_result(final.job_id))
     assert final.state == "succeeded", final.error
     assert [len(ledger_events(fed, s)) for s in fed.site_ids] == [1, 1, 1]
-    assert result.session == job_id and len(result.table) == 7
+    assert result.session == final.job_id and len(result.table) == 7
+
+
+def _two_sites_charged(fed: LocalFederation) -> None:
+    wait_until(lambda: len(ledger_events(fed, "hospital-1")) == 1 and
+               len(ledger_events(fed, "hospital-2")) == 1, 60, "two sites to charge")
 
 
 @pytest.mark.parametrize("job", ["svt", "query"])

@@ -7,11 +7,8 @@ zCDP composition the secure rounds fit a zcdp ledger holding exactly the job's b
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +22,13 @@ from dpfed.common.privacy.accounting import rho_for_epsilon, zcdp_to_epsilon
 from dpfed.common.privacy.composition import round_rho
 from dpfed.common.privacy.skellam import skellam_rho
 from dpfed.common.transport.protocol import JobSpec
-from tests.e2e.federations import charged_events, roomy_settings, running
+from tests.e2e.federations import (
+    charged_events,
+    killed_and_resumed,
+    roomy_settings,
+    running,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -122,31 +125,11 @@ def test_secure_synthesis_resumes_after_a_coordinator_kill_with_one_charge_per_r
     sum task and signs nothing new), then the identical contribute task, which every site
     answers from its ledger: one secure charge per site per round, and a model.
     """
-    port = fed.port
-    outcome: dict[str, object] = {}
-
-    def submit() -> None:
-        try:
-            with fed.analyst() as coord:
-                outcome["job"] = coord.submit(JobSpec("synth", 3.0, 1e-5,
-                                                      {"aggregation": "secure"}, min_sites=3))
-        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
-            outcome["error"] = exc
-
-    t = threading.Thread(target=submit, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 90
-    while not all([r for r, _m in ledger_events(fed, s)][:1] == ["links-sum-1"]
-                  for s in fed.site_ids):
-        assert time.monotonic() < deadline, "the sites never paid for the secure links sum"
-        time.sleep(0.05)
-    fed.signal("coordinator", signal.SIGKILL)
-    fed.wait("coordinator")
-    t.join(30)
-    fed.start_coordinator(port=port)
+    final = killed_and_resumed(
+        fed, JobSpec("synth", 3.0, 1e-5, {"aggregation": "secure"}, min_sites=3),
+        lambda: wait_until(lambda: all([r for r, _m in ledger_events(fed, s)][:1] == [
+            "links-sum-1"] for s in fed.site_ids), 90, "the sites to pay for the links sum"))
     with fed.analyst() as coord:
-        job_id = coord.jobs(1)[0].job_id
-        final = coord.watch(job_id)
         model = coord.synth_result(final)
     assert final.state == "succeeded", final.error
     assert model.metadata["aggregation"] == "secure"

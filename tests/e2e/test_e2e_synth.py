@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,13 @@ from dpfed.aggregator.synth_model import SynthModel
 from dpfed.common.data.schema import ContinuousColumn, Schema
 from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.transport.protocol import JobSpec
-from tests.e2e.federations import charged_events, roomy_settings, running
+from tests.e2e.federations import (
+    charged_events,
+    killed_and_resumed,
+    roomy_settings,
+    running,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -44,14 +49,6 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         settings=roomy_settings(allowed_jobs=("pca", "synth", "synth_rows", "synth_eval")))
     yield from running(federation)
 
-
-def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_generative_synthesis_end_to_end(fed: LocalFederation, tmp_path: Path) -> None:
@@ -125,33 +122,18 @@ def test_coordinator_killed_between_rounds_resumes_with_one_charge_per_round(
         fed: LocalFederation) -> None:
     # hospital-3 is frozen: round 1 completes at two sites, then the coordinator dies.
     fed.signal("hospital-3", signal.SIGSTOP)
-    port = fed.port
-    outcome: dict[str, object] = {}
-
-    def submit() -> None:
-        try:
-            with fed.analyst() as coord:
-                outcome["job"] = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
-        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
-            outcome["error"] = exc
-
-    t = threading.Thread(target=submit, daemon=True)
-    t.start()
-    _wait_until(lambda: len(ledger_tasks(fed, "hospital-1")) == 1 and
-                len(ledger_tasks(fed, "hospital-2")) == 1, 60, "two sites to charge round 1")
-    fed.signal("coordinator", signal.SIGKILL)
-    fed.wait("coordinator")
-    t.join(30)
-    fed.signal("hospital-3", signal.SIGCONT)
-    fed.start_coordinator(port=port)
+    final = killed_and_resumed(
+        fed, JobSpec("synth", 2.0, 1e-5, {}, min_sites=3),
+        lambda: wait_until(lambda: len(ledger_tasks(fed, "hospital-1")) == 1 and
+                           len(ledger_tasks(fed, "hospital-2")) == 1, 60,
+                           "two sites to charge round 1"),
+        before_restart=lambda: fed.signal("hospital-3", signal.SIGCONT))
     with fed.analyst() as coord:
-        job_id = coord.jobs(1)[0].job_id
-        final = coord.watch(job_id)
         model = coord.synth_result(final)
     assert final.state == "succeeded", final.error
     for s in fed.site_ids:
         tasks = ledger_tasks(fed, s)
-        assert sorted(tasks) == [f"{job_id}/{r}" for r in ROUNDS], tasks
+        assert sorted(tasks) == [f"{final.job_id}/{r}" for r in ROUNDS], tasks
     assert len(model.sample(100)) == 100
 
 
@@ -165,31 +147,15 @@ def test_coordinator_killed_during_the_pairs_round_resumes_with_the_same_pairs_t
     has charged, which would fail the job. One charge per site per round, and a model with
     pair tables.
     """
-    port = fed.port
-    outcome: dict[str, object] = {}
-
-    def submit() -> None:
-        try:
-            with fed.analyst() as coord:
-                outcome["job"] = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
-        except Exception as exc:  # noqa: BLE001 -- the stream dies with the coordinator
-            outcome["error"] = exc
-
-    t = threading.Thread(target=submit, daemon=True)
-    t.start()
-    _wait_until(lambda: any(task.endswith("/pairs") for task in
-                            ledger_tasks(fed, "hospital-1")), 90, "the pairs charge")
-    fed.signal("coordinator", signal.SIGKILL)
-    fed.wait("coordinator")
-    t.join(30)
-    fed.start_coordinator(port=port)
+    final = killed_and_resumed(
+        fed, JobSpec("synth", 2.0, 1e-5, {}, min_sites=3),
+        lambda: wait_until(lambda: any(task.endswith("/pairs") for task in
+                                       ledger_tasks(fed, "hospital-1")), 90, "the pairs charge"))
     with fed.analyst() as coord:
-        job_id = coord.jobs(1)[0].job_id
-        final = coord.watch(job_id)
         model = coord.synth_result(final)
     assert final.state == "succeeded", final.error
     for s in fed.site_ids:
-        assert sorted(ledger_tasks(fed, s)) == [f"{job_id}/{r}" for r in ROUNDS], s
+        assert sorted(ledger_tasks(fed, s)) == [f"{final.job_id}/{r}" for r in ROUNDS], s
     assert model.pair_correction is not None and model.metadata["pair_edges"]
     assert model.metadata["rounds"]["pairs"] == fed.site_ids
 
@@ -266,7 +232,7 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
 
         t = threading.Thread(target=submit, daemon=True)
         t.start()
-        _wait_until(lambda: len(ledger_tasks(fed, "hospital-1")) == 1, 60,
+        wait_until(lambda: len(ledger_tasks(fed, "hospital-1")) == 1, 60,
                     "hospital-1 to charge round 1")
         fed.start_site("hospital-3")
 
@@ -275,7 +241,7 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
                 return any(s.site_id == "hospital-3" and s.connected and s.row_count > 0
                            for s in coord.sites())
 
-        _wait_until(third_connected, 60, "hospital-3 to connect")
+        wait_until(third_connected, 60, "hospital-3 to connect")
         fed.signal("hospital-2", signal.SIGCONT)
         t.join(180)
         assert "error" not in outcome, outcome.get("error")
@@ -485,7 +451,7 @@ def test_zcdp_composition_charges_the_jobs_rho_and_leaves_basic_ledgers_out(
         fed.wait_for_sites()
         t = threading.Thread(target=submit, daemon=True)
         t.start()
-        _wait_until(lambda: all(len(ledger_tasks(fed, s)) >= 1
+        wait_until(lambda: all(len(ledger_tasks(fed, s)) >= 1
                                 for s in ("hospital-1", "hospital-2")), 60,
                     "the zcdp sites to pay for round 1")
         fed.signal("coordinator", signal.SIGKILL)
