@@ -67,8 +67,9 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
               "for the largest tolerated-colluders t among them); the coordinator sees only "
               "the noisy pooled totals")
         if params.composition == "zcdp":
-            print("  under --composition zcdp each secure round's Skellam noise is calibrated "
-                  "to the round's epsilon below AND to at most its share of rho")
+            print("  under --composition zcdp each secure sum is planned to spend at most its "
+                  "share of rho: its sites calibrate to and record the Skellam noise's own "
+                  "epsilon, a few per cent above the round's epsilon below")
     if params.pair_rounds:
         most = ("the number of columns - 1" if params.pairs is None else str(params.pairs))
         print(f"  pair_scores and pairs measure at most {most} DP 2-way marginal(s) of column "

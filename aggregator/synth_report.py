@@ -191,13 +191,13 @@ def add_pairs_section(report: Report, model: SynthModel, table: EncodedTable) ->
                      "DP 2-way tables vs synthetic (heat maps)")
 
 
-def _skellam_rho_of(secure_round: dict[str, Any] | None) -> float | str:
-    """Return the rho a secure round's sites were charged (its Skellam noise's), or "-"."""
+def _secure_charge(secure_round: dict[str, Any] | None) -> tuple[Any, Any]:
+    """Return the (epsilon, rho) a secure round's sites were charged, or dashes."""
     if not secure_round:
-        return "-"
-    return skellam_rho(secure_round["noise_variance_integer"],
-                       secure_round["l2_sensitivity_integer"],
-                       secure_round["l1_sensitivity_integer"])
+        return "-", "-"
+    return secure_round["epsilon"], skellam_rho(secure_round["noise_variance_integer"],
+                                                secure_round["l2_sensitivity_integer"],
+                                                secure_round["l1_sensitivity_integer"])
 
 
 def secure_paragraph(meta: dict[str, Any]) -> str | None:
@@ -259,14 +259,15 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
         secure_rounds = (meta.get("secure") or {}).get("rounds", {})
         if secure_rounds:
             report.paragraph(
-                "Secure aggregation: each round's Skellam noise is calibrated to the round's "
-                "epsilon and to at most its rho share; the sites' ledgers record the Skellam "
-                "noise's own rho (last column).")
+                "Secure aggregation: each round's Skellam noise is planned to spend at most its "
+                "rho share; the sites' ledgers record the Skellam noise's own epsilon (the "
+                "round's guarantee, a little above the Gaussian's epsilon for the same rho) and "
+                "rho (last two columns).")
         report.table(("round", "epsilon", "delta", "rho share",
-                      *(("rho charged",) if secure_rounds else ())),
+                      *(("epsilon charged", "rho charged") if secure_rounds else ())),
                      [(p["round"], p["epsilon"], p["delta"], r,
-                       *((_skellam_rho_of(secure_rounds.get(p["round"])),)
-                         if secure_rounds else ()))
+                       *(_secure_charge(secure_rounds.get(p["round"])) if secure_rounds
+                         else ()))
                       for p, r in zip(plan, rhos, strict=True)])
     else:
         report.table(("round", "epsilon", "delta"),

@@ -30,6 +30,7 @@ from dpfed.aggregator.jobs.pca_secure import decompose_second_moment  # noqa: E4
 from dpfed.aggregator.jobs.secure_rounds import symmetric_from_upper  # noqa: E402
 from dpfed.aggregator.jobs.synth import _correlation  # noqa: E402
 from dpfed.aggregator.jobs.synth_pairs import plan_pairs  # noqa: E402
+from dpfed.aggregator.jobs.synth_secure import rho_share  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, EncodingReport  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
@@ -40,6 +41,7 @@ from dpfed.common.secagg.secure_sum import (  # noqa: E402
     SecureSumPlan,
     decode_sum,
     plan_for,
+    plan_within_rho,
 )
 from dpfed.common.synth.factor_model import dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
@@ -91,17 +93,23 @@ def federation(directory: Path, ids: list[str]) -> Path:
 def secure_round(source: ContributionBuilder, statistic: str, params: dict[str, object],
                  arrays: dict[str, np.ndarray], sites: list[SiteRows], ids: list[str],
                  fed: Path, eps: float, delta: float, *, dim: int, row_norm: float,
-                 rng: np.random.Generator) -> tuple[np.ndarray, int, SecureSumPlan]:
+                 rng: np.random.Generator,
+                 rho: float | None = None) -> tuple[np.ndarray, int, SecureSumPlan]:
     """One secure sum through the sites' real source code; return (decoded sum, N, plan).
 
     ``dim`` and ``row_norm`` are what the job's coordinator plans the sum with
     (:mod:`dpfed.aggregator.jobs.synth_secure`); every site recomputes the plan from its own
-    rows and the task and must agree.
+    rows and the task and must agree. ``rho`` (zCDP composition) plans it as the job does:
+    the least noise charged at most ``rho``, at that plan's epsilon.
     """
     n = sum(s.table.n_rows for s in sites)
-    plan = plan_for(statistic, dim=dim, total_rows=n, epsilon=eps, delta=delta,
-                    participants=ids, row_norm=row_norm)
-    task = Task("bench/sum", "bench", "secagg", eps, delta,
+    if rho is None:
+        plan = plan_for(statistic, dim=dim, total_rows=n, epsilon=eps, delta=delta,
+                        participants=ids, row_norm=row_norm)
+    else:
+        plan = plan_within_rho(statistic, dim=dim, total_rows=n, epsilon=eps, delta=delta,
+                               rho=rho, participants=ids, row_norm=row_norm)
+    task = Task("bench/sum", "bench", "secagg", plan.calibration.epsilon, delta,
                 {**params, **plan_params(plan, row_norm=row_norm)}, arrays)
     given = [source(task, s, ids, 0) for s in sites]
     assert all(g.plan == plan for g in given)  # each site recomputed the coordinator's plan
@@ -144,7 +152,8 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     weighted, n, _ = secure_round(
         synth_counts_contribution, "weighted_counts", base, {}, sites, ids, fed,
         *budget["links"], dim=sum(histogram_sizes(schema, n_bins)),
-        row_norm=secure_link_row_norm(schema, n_bins), rng=rng)
+        row_norm=secure_link_row_norm(schema, n_bins), rng=rng,
+        rho=rho_share(params, *budget["links"]))
     counts = secure_pooled_counts(weighted, schema, n_bins)  # as the job's secure_links
     props, links = links_from_histograms(counts, schema, n_bins, n_rows=n,
                                          continuous_link=params.continuous_link)
@@ -152,7 +161,8 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     arrays = {"link_proportions": props}
     upper, n, _ = secure_round(synth_latent_contribution, "gram",
                                {**base, "links_digest": digest}, arrays, sites, ids, fed,
-                               *budget["pca"], dim=dim, row_norm=1.0, rng=rng)
+                               *budget["pca"], dim=dim, row_norm=1.0, rng=rng,
+                               rho=rho_share(params, *budget["pca"]))
     est = decompose_second_moment(symmetric_from_upper(upper, dim) / n, dim)
     clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, rank=params.rank,
@@ -169,7 +179,8 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     pair_base = {**base, "links_digest": digest, "pair_groups": params.pair_groups}
     scores, _, _ = secure_round(synth_pair_scores_contribution, "scores", pair_base, arrays,
                                 sites, ids, fed, *budget["pair_scores"], dim=len(cands),
-                                row_norm=SCORE_SENSITIVITY, rng=rng)
+                                row_norm=SCORE_SENSITIVITY, rng=rng,
+                                rho=rho_share(params, *budget["pair_scores"]))
     edges = pair_forest(np.asarray(scores, dtype=np.float64), grid, most)
     if not edges:
         return model
@@ -177,7 +188,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
         synth_pairs_contribution, "counts",
         {**pair_base, "pair_edges": [[a, b] for a, b in edges]}, arrays, sites, ids, fed,
         *budget["pairs"], dim=sum(grid.cells(e) for e in edges),
-        row_norm=math.sqrt(len(edges)), rng=rng)
+        row_norm=math.sqrt(len(edges)), rng=rng, rho=rho_share(params, *budget["pairs"]))
     joint = fit_pair_tables(np.asarray(tables_sum, dtype=np.float64), grid, edges, props,
                             float(n))
     noise_sd = math.sqrt(plan.pooled_variance)  # counts (scale 1), as the job

@@ -11,6 +11,7 @@ The coordinator sees nothing but uniform-looking vectors and their noisy sum.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,7 +24,7 @@ from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.validators import RESULT_ENVELOPE_BYTES
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum
+from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_sum, plan_within_rho
 from dpfed.common.secagg.secure_sum import plan_for as plan_statistic
 from dpfed.common.transport.protocol import TaskResult
 
@@ -72,13 +73,18 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
                      progress: tuple[float, float] = (0.05, 0.9),
                      plan_for: Planner | None = None,
                      require_kind: str | None = None,
-                     among: list[str] | None = None) -> SecureSumOutcome:
+                     among: list[str] | None = None,
+                     rho: float | None = None) -> SecureSumOutcome:
     """Run one secure sum over the eligible sites; return the decoded noisy pooled statistic.
 
     ``plan_for`` replaces the planner of ``statistic`` (``statistic`` and ``dim`` are then only
     descriptive); ``require_kind`` leaves out sites whose advertised allowed jobs lack that
     kind (the site would refuse the contribution anyway, after the others paid); ``among``
     limits the sum to those sites (e.g. the ones whose earlier round this sum builds on).
+    ``rho`` (a round of a job composed in zCDP: its rho share, ``(epsilon, delta)`` the
+    analytic Gaussian's for it) plans the least noise charged at most ``rho``
+    (:func:`dpfed.common.secagg.secure_sum.plan_within_rho`); the task then carries that
+    plan's epsilon, which the sites calibrate to and record.
 
     Raises
     ------
@@ -121,10 +127,16 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
         if plan_for is not None:
             planned = plan_for(participants, tolerated, max(1, sum(rows.values())))
             plan = await planned if inspect.isawaitable(planned) else planned
+        elif rho is not None:
+            plan = await asyncio.to_thread(
+                plan_within_rho, statistic, dim=dim, total_rows=max(1, sum(rows.values())),
+                epsilon=epsilon, delta=delta, rho=rho, participants=participants,
+                tolerated=tolerated, row_norm=row_norm)
         else:
             plan = plan_statistic(statistic, dim=dim, total_rows=max(1, sum(rows.values())),
                                   epsilon=epsilon, delta=delta, participants=participants,
                                   tolerated=tolerated, row_norm=row_norm)
+        sum_epsilon = epsilon if rho is None else plan.calibration.epsilon
         relayed: dict[str, np.ndarray] = dict(arrays or {})
         for s in participants:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
@@ -143,7 +155,7 @@ async def secure_sum(ctx: JobContext, *, name: str, statistic: str, dim: int,
                  f"participants, tolerating {tolerated} colluding parties", lo + (hi - lo) * 0.25)
         try:
             results = await ctx.dispatch("secagg", params, round_name=sum_round,
-                                         arrays=relayed, epsilon=epsilon, delta=delta,
+                                         arrays=relayed, epsilon=sum_epsilon, delta=delta,
                                          check_result=check, only=participants,
                                          max_result_bytes=8 * plan.n_values
                                          + RESULT_ENVELOPE_BYTES,

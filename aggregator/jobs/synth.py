@@ -60,6 +60,7 @@ from dpfed.aggregator.jobs.synth_pairs import PairRounds, run_pair_rounds
 from dpfed.aggregator.jobs.synth_secure import (
     counts_sigma,
     pooled_counts_sigma,
+    rho_share,
     secure_latent_pca,
     secure_links,
     secure_metadata,
@@ -219,7 +220,8 @@ class SynthJob(JobType):
         secure_outcomes: dict[str, SecureSumOutcome] = {}
         if secure:
             pooled = await secure_links(ctx, schema=schema, params=params, base=secure_base,
-                                        epsilon=links_eps, delta=links_delta)
+                                        epsilon=links_eps, delta=links_delta,
+                                        rho=rho_share(params, links_eps, links_delta))
             secure_outcomes["links"] = pooled.outcome
             r1 = {}
             order = list(pooled.outcome.plan.participants)
@@ -255,7 +257,8 @@ class SynthJob(JobType):
         if secure:
             estimate, secure_outcomes["pca"] = await secure_latent_pca(
                 ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
-                epsilon=pca_eps, delta=pca_delta, among=order)
+                epsilon=pca_eps, delta=pca_delta, among=order,
+                rho=rho_share(params, pca_eps, pca_delta))
             r2 = {}
         else:
             r2 = await ctx.dispatch(self.kind, {**base, "round": "pca", "links_digest": digest},

@@ -39,7 +39,11 @@ import numpy as np
 
 from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
-from dpfed.aggregator.jobs.synth_secure import secure_pair_scores, secure_pair_tables
+from dpfed.aggregator.jobs.synth_secure import (
+    rho_share,
+    secure_pair_scores,
+    secure_pair_tables,
+)
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ProtocolError
 from dpfed.common.job_params import SynthParams
@@ -178,7 +182,8 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
     if secure:
         raw, outcomes["pair_scores"] = await secure_pair_scores(
             ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
-            pair_groups=params.pair_groups, epsilon=eps_s, delta=delta_s, among=among)
+            pair_groups=params.pair_groups, epsilon=eps_s, delta=delta_s, among=among,
+            rho=rho_share(params, eps_s, delta_s))
         total_scores = check_vector(np.asarray(raw, dtype=np.float64), len(candidates),
                                     "pooled pair scores")
         scored = list(outcomes["pair_scores"].plan.participants)
@@ -200,7 +205,7 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
         raw, outcomes["pairs"] = await secure_pair_tables(
             ctx, schema=schema, base=secure_base, digest=digest, proportions=proportions,
             pair_groups=params.pair_groups, edges=edges, epsilon=eps_t, delta=delta_t,
-            among=scored)
+            among=scored, rho=rho_share(params, eps_t, delta_t))
         total_tables = check_vector(np.asarray(raw, dtype=np.float64), cells,
                                     "pooled pair tables")
         sites = list(outcomes["pairs"].plan.participants)

@@ -51,6 +51,7 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_params import SynthParams
 from dpfed.common.pca.dppca import PCAEstimate
+from dpfed.common.privacy.composition import round_rho
 from dpfed.common.privacy.skellam import skellam_calibrate
 from dpfed.common.synth.link_release import (
     histogram_sizes,
@@ -99,6 +100,17 @@ def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
     return np.asarray(counts_sigma(groups, epsilon, delta) / secure_link_weights(schema, n_bins))
 
 
+def rho_share(params: SynthParams, epsilon: float, delta: float) -> float | None:
+    """Return the rho a secure round may be charged: its share under zCDP, else None.
+
+    Under ``--composition zcdp`` the round's ``(epsilon, delta)`` is the analytic Gaussian's for
+    its rho share, and the sum is planned to spend that rho
+    (:func:`dpfed.common.secagg.secure_sum.plan_within_rho`); under basic composition it is
+    calibrated to ``(epsilon, delta)`` itself.
+    """
+    return round_rho(epsilon, delta) if params.composition == "zcdp" else None
+
+
 @dataclass(frozen=True)
 class SecureLinks:
     """The decoded noisy pooled counts (divided by the column weights) and the secure sum."""
@@ -108,7 +120,8 @@ class SecureLinks:
 
 
 async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
-                       base: dict[str, Any], epsilon: float, delta: float) -> SecureLinks:
+                       base: dict[str, Any], epsilon: float, delta: float,
+                       rho: float | None = None) -> SecureLinks:
     """Round ``links``: the secure sum of every site's exact per-column count vector."""
     size = sum(histogram_sizes(schema, params.n_bins))
     out = await secure_sum(
@@ -116,14 +129,14 @@ async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
         site_params={"source": "synth_counts", "job": base["job"],
                      "schema_digest": base["schema_digest"]},
         epsilon=epsilon, delta=delta, row_norm=secure_link_row_norm(schema, params.n_bins),
-        progress=(0.05, 0.3), require_kind="synth")
+        progress=(0.05, 0.3), require_kind="synth", rho=rho)
     return SecureLinks(secure_pooled_counts(out.value, schema, params.n_bins), out)
 
 
 async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
                             digest: str, proportions: np.ndarray, epsilon: float,
-                            delta: float, among: list[str]) -> tuple[PCAEstimate,
-                                                                     SecureSumOutcome]:
+                            delta: float, among: list[str], rho: float | None = None
+                            ) -> tuple[PCAEstimate, SecureSumOutcome]:
     """Round ``pca``: the secure Gram sum of the unit-ball latent rows; all p eigenpairs.
 
     Only the sites in ``among`` (those whose counts built the links) take part.
@@ -135,7 +148,7 @@ async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, 
                      "schema_digest": base["schema_digest"], "links_digest": digest},
         epsilon=epsilon, delta=delta, row_norm=1.0,
         arrays={"link_proportions": proportions}, progress=(0.35, 0.7), require_kind="synth",
-        among=among)
+        among=among, rho=rho)
     a = symmetric_from_upper(out.value, dim) / out.n_rows_total
     estimate = await asyncio.to_thread(decompose_second_moment, a, dim)
     return estimate, out
@@ -156,8 +169,8 @@ def _pair_site_params(source: str, base: dict[str, Any], digest: str,
 
 async def secure_pair_scores(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
                              digest: str, proportions: np.ndarray, pair_groups: int,
-                             epsilon: float, delta: float,
-                             among: list[str]) -> tuple[np.ndarray, SecureSumOutcome]:
+                             epsilon: float, delta: float, among: list[str],
+                             rho: float | None = None) -> tuple[np.ndarray, SecureSumOutcome]:
     """Round ``pair_scores``: the secure sum of every site's floored dependence scores.
 
     Returns the decoded noisy pooled scores (float64, one per pair of
@@ -177,14 +190,15 @@ async def secure_pair_scores(ctx: JobContext, *, schema: Schema, base: dict[str,
         site_params=_pair_site_params("synth_pair_scores", base, digest, pair_groups),
         epsilon=epsilon, delta=delta, row_norm=SCORE_SENSITIVITY,
         arrays={"link_proportions": proportions}, progress=(0.74, 0.8), require_kind="synth",
-        among=among)
+        among=among, rho=rho)
     return np.asarray(out.value, dtype=np.float64), out
 
 
 async def secure_pair_tables(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
                              digest: str, proportions: np.ndarray, pair_groups: int,
                              edges: list[Pair], epsilon: float, delta: float,
-                             among: list[str]) -> tuple[np.ndarray, SecureSumOutcome]:
+                             among: list[str], rho: float | None = None
+                             ) -> tuple[np.ndarray, SecureSumOutcome]:
     """Round ``pairs``: the secure sum of every site's exact tables of the chosen ``edges``.
 
     Returns the decoded noisy pooled tables (float64, each edge's ``(parent, child)`` table
@@ -200,7 +214,7 @@ async def secure_pair_tables(ctx: JobContext, *, schema: Schema, base: dict[str,
                      "pair_edges": [[int(a), int(b)] for a, b in checked]},
         epsilon=epsilon, delta=delta, row_norm=math.sqrt(len(checked)),
         arrays={"link_proportions": proportions}, progress=(0.8, 0.88), require_kind="synth",
-        among=among)
+        among=among, rho=rho)
     return np.asarray(out.value, dtype=np.float64), out
 
 

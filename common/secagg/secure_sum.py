@@ -96,6 +96,7 @@ __all__ = [
     "plan_gram",
     "plan_row_sum",
     "plan_scores",
+    "plan_within_rho",
     "score_bound",
     "site_contribution",
 ]
@@ -416,6 +417,50 @@ def plan_for(statistic: str, *, dim: int, total_rows: int, epsilon: float, delta
         raise ValidationError(f"statistic must be one of {sorted(PLANNERS)}, got {statistic!r}")
     return planner(dim=dim, total_rows=total_rows, epsilon=epsilon, delta=delta,
                    participants=participants, tolerated=tolerated, row_norm=row_norm)
+
+
+#: How far above the given epsilon :func:`plan_within_rho` searches, and how finely.
+_RHO_SEARCH_GROWTH = 64.0
+_RHO_SEARCH_STEPS = 40
+
+
+def plan_within_rho(statistic: str, *, dim: int, total_rows: int, epsilon: float,
+                    delta: float, rho: float, participants: Sequence[str], tolerated: int = 0,
+                    row_norm: float = 1.0) -> SecureSumPlan:
+    """Plan a sum of a zCDP-composed job: the least noise whose charge stays within ``rho``.
+
+    A round of a job composed in zCDP gets its share ``rho`` as the analytic Gaussian's
+    ``(epsilon, delta)``. A Skellam sum calibrated to that pair is charged only about 85 % of
+    ``rho`` (its RDP conversion to ``(epsilon, delta)`` is the binding target, see
+    :func:`dpfed.common.privacy.skellam.skellam_calibrate`). This returns the plan at the
+    largest ``epsilon' >= epsilon`` (bisection in log space; every candidate's charge, the
+    zCDP rho of its noise, checked) whose charge is at most ``rho``; the plan at ``epsilon``
+    when no larger one qualifies. Every site recomputes it from the task's ``epsilon'`` and
+    records that ``(epsilon', delta)`` -- the round's own guarantee -- and its rho.
+    """
+    r = check_positive(rho, "rho")
+
+    def at(eps: float) -> SecureSumPlan:
+        return plan_for(statistic, dim=dim, total_rows=total_rows, epsilon=eps, delta=delta,
+                        participants=participants, tolerated=tolerated, row_norm=row_norm)
+
+    best = at(epsilon)
+    lo, hi = float(epsilon), float(epsilon) * 2.0
+    while hi <= epsilon * _RHO_SEARCH_GROWTH:
+        plan = at(hi)
+        if plan.calibration.cost().rho > r:
+            break
+        best, lo, hi = plan, hi, hi * 2.0
+    for _ in range(_RHO_SEARCH_STEPS):
+        if hi / lo < 1.0 + 1e-6:
+            break
+        mid = math.sqrt(lo * hi)
+        plan = at(mid)
+        if plan.calibration.cost().rho <= r:
+            best, lo = plan, mid
+        else:
+            hi = mid
+    return best
 
 
 def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,

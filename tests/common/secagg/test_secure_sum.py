@@ -15,6 +15,8 @@ from cryptography.hazmat.primitives import serialization
 from scipy import stats
 
 from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT
+from dpfed.common.privacy.composition import round_rho, split_budget
 from dpfed.common.secagg.keys import generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.secure_sum import (
@@ -22,8 +24,11 @@ from dpfed.common.secagg.secure_sum import (
     decode_sum,
     integer_gram_upper,
     integer_row_sum,
+    plan_for,
+    plan_from_scale,
     plan_gram,
     plan_row_sum,
+    plan_within_rho,
     site_contribution,
 )
 from tests.common.secagg.conftest import SITES
@@ -158,3 +163,33 @@ def test_tolerating_colluders_raises_each_share() -> None:
                      tolerated=2)
     assert b.share == pytest.approx(a.share * 2)
     assert b.share * (4 - 2) == pytest.approx(b.mu_total)
+
+
+@pytest.mark.parametrize(("statistic", "dim", "row_norm"), [
+    ("weighted_counts", 300, math.sqrt(600.0)), ("gram", 27, 1.0), ("scores", 45, 2.0),
+    ("counts", 200, math.sqrt(10.0))])
+def test_a_zcdp_round_is_planned_to_spend_its_rho_share_and_no_more(
+        statistic: str, dim: int, row_norm: float) -> None:
+    """``plan_within_rho``: the charge (the zCDP rho of the planned noise) is within 0.1 % below
+    the round's share; the sites, given only the plan's epsilon, recompute the same noise. Where
+    the plan at the Gaussian's epsilon for the share is charged ~85 % of it (its RDP target
+    binds) the epsilon is raised; where its rho cap binds already (large epsilon, few counts)
+    it is kept."""
+    shares = [(n, e, d) for n, (e, d) in SYNTH_PAIRS_DEFAULT_SPLIT.items()]
+    for eps in (0.5, 2.0, 8.0):
+        for _name, e, d in split_budget(eps, 1e-6, shares, "zcdp"):
+            rho = round_rho(e, d)
+            kw = {"dim": dim, "total_rows": 6000, "delta": d, "participants": SITES,
+                  "tolerated": 1, "row_norm": row_norm}
+            plan = plan_within_rho(statistic, epsilon=e, rho=rho, **kw)
+            charged = plan.calibration.cost().rho
+            assert 0.999 * rho <= charged <= rho
+            at_e = plan_for(statistic, epsilon=e, **kw).calibration.cost().rho
+            if at_e < 0.95 * rho:
+                assert plan.calibration.epsilon > e
+            else:  # the rho cap of the calibration binds at e already
+                assert plan.calibration.epsilon == e and at_e >= 0.999 * rho
+            again = plan_from_scale(statistic, dim=dim, scale=plan.scale, row_norm=row_norm,
+                                    epsilon=plan.calibration.epsilon, delta=d,
+                                    participants=SITES, tolerated=1)
+            assert again == plan
