@@ -26,9 +26,10 @@ columns at scale 1; the Gram of unit-ball rows with L2 ``sqrt(2) B^2`` at the pl
 the ``P`` floored dependence scores, each moving by at most 2, with L2 ``2 sqrt(P)`` and L1
 ``2 P`` at scale 1 (``row_norm`` 2, the per-entry bound); the ``K`` edges' tables as counts
 with ``C = K`` (L2 ``sqrt(2 K)``, L1 ``2 K``).
-Every site is charged the round's ``(epsilon, delta)``; the coordinator learns the noisy pooled
-totals, the participants and their public row counts. Everything after the decode is
-post-processing.
+Every site is charged the round's ``(epsilon, delta)`` -- under ``--composition zcdp`` the
+epsilon of the sum's plan, which spends at most the round's rho share (:func:`rho_share`) --
+and the coordinator learns the noisy pooled totals, the participants and their public row
+counts. Everything after the decode is post-processing.
 """
 
 from __future__ import annotations
