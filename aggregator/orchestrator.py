@@ -173,7 +173,9 @@ class JobManager:
                          emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
                          wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
                          resumed=resumed,
-                         analyst_id=analyst_id_of(job.submitted_by))
+                         analyst_id=analyst_id_of(job.submitted_by),
+                         earlier_outcomes=job.sites if resumed else (),
+                         save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
         try:
             output = await self._job_type(job.spec.kind).run(ctx)
             problem = _non_finite(output)

@@ -45,6 +45,11 @@ class JobOutput:
     summary: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: How the reason of a site left out before a job's first round begins (see
+#: :meth:`JobContext.refuse_over_budget`).
+_LEFT_OUT_FOR_BUDGET = "budget_exceeded: the job needs"
+
+
 class JobContext:
     """Everything a running job may use; created by the job manager."""
 
@@ -52,7 +57,10 @@ class JobContext:
                  federation: Federation, registry: SiteRegistry,
                  emit: Callable[[str, str, float], None], wait_for_quorum_s: float = 0.0,
                  resumed: bool = False,
-                 analyst_id: str = "") -> None:
+                 analyst_id: str = "",
+                 earlier_outcomes: Collection[SiteOutcome] = (),
+                 save_outcomes: Callable[[tuple[SiteOutcome, ...]], object] | None = None
+                 ) -> None:
         self.job_id = job_id
         self.spec = spec
         self.params = params
@@ -69,6 +77,10 @@ class JobContext:
         #: Targets of the current round that are disconnected and awaited back.
         self._absent: set[str] = set()
         self._changed = asyncio.Event()
+        #: The site outcomes the store held for a resumed job (what its first run decided).
+        self._earlier = tuple(earlier_outcomes)
+        #: Writes the outcomes to the job store at once (decisions a resumed job must keep).
+        self._save_outcomes = save_outcomes
 
     @property
     def min_sites(self) -> int:
@@ -89,10 +101,16 @@ class JobContext:
         A ``basic`` site needs the job's (epsilon, delta) left. A ``zcdp`` site is checked when
         the job states ``rho``, an upper bound on the rho all its rounds charge together: its
         spent rho plus ``rho``, converted at its delta cap, must stay within its epsilon cap.
-        Not applied to a resumed job (its sites already paid for the rounds they replay). The
-        site's ledger stays the authority.
+        The decision is written to the job store before the first round, and a resumed job
+        re-applies it instead of deciding again (its other sites already paid for the rounds it
+        replays, and a secure sum re-sent with a different set of participants would be refused
+        as a changed task). The site's ledger stays the authority.
         """
         if self.resumed:
+            for o in self._earlier:
+                if o.status == "refused" and o.reason.startswith(_LEFT_OUT_FOR_BUDGET):
+                    self._left_out.add(o.site_id)
+                    self.outcomes[o.site_id] = o
             return
         eps, delta = self.spec.epsilon, self.spec.delta
         for s in self.registry.connected():
@@ -102,13 +120,13 @@ class JobContext:
                 continue
             if b.accountant == "basic" and (eps > b.epsilon_remaining * (1 + 1e-9)
                                             or delta > b.delta_remaining * (1 + 1e-9)):
-                reason = (f"budget_exceeded: the job needs epsilon={eps:g}, delta={delta:g} "
+                reason = (f"{_LEFT_OUT_FOR_BUDGET} epsilon={eps:g}, delta={delta:g} "
                           f"over all its rounds; the site reports {b.epsilon_remaining:g}, "
                           f"{b.delta_remaining:g} left")
             elif b.accountant == "zcdp" and rho is not None:
                 after = zcdp_to_epsilon(b.rho_spent + rho, b.delta_cap)
                 if after > b.epsilon_cap * (1 + 1e-9):
-                    reason = (f"budget_exceeded: the job needs rho={rho:.4g} over all its "
+                    reason = (f"{_LEFT_OUT_FOR_BUDGET} rho={rho:.4g} over all its "
                               f"rounds; with the site's rho {b.rho_spent:.4g} already spent "
                               f"that is epsilon {after:.4g} at delta {b.delta_cap:g}, above its "
                               f"cap {b.epsilon_cap:g}")
@@ -116,6 +134,8 @@ class JobContext:
                 self._left_out.add(s.site_id)
                 self.outcomes[s.site_id] = SiteOutcome(s.site_id, "refused", reason,
                                                        row_count=s.hello.row_count)
+        if self._left_out and self._save_outcomes is not None:
+            self._save_outcomes(tuple(self.outcomes[s] for s in sorted(self.outcomes)))
 
     def require_accountant(self, accountant: str, why: str) -> None:
         """Send this job's rounds only to sites whose ledger uses ``accountant``.

@@ -147,8 +147,10 @@ def test_secure_synthesis_under_zcdp_fits_a_budget_of_exactly_the_jobs_rho(
     job's (epsilon, delta): all four secure rounds are charged (each Skellam round's rho is at
     most its share, so the last one still fits) and the rhos add up to at most the job's. A
     zcdp site with half that budget is left out before the first round (it would have paid
-    for some sums and refused a later one), charged nothing; and a second job is refused up
-    front by every site, charging nothing."""
+    for some sums and refused a later one), charged nothing -- and stays out when the
+    coordinator is SIGKILLed mid-job and resumes it (the decision is kept in the job store;
+    deciding again would add it to the re-sent sums, whose changed tasks the other sites
+    refuse); a second job is refused up front by every site, charging nothing."""
     eps, delta = 2.0, 1e-5
     federation = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=2,
@@ -160,10 +162,19 @@ def test_secure_synthesis_under_zcdp_fits_a_budget_of_exactly_the_jobs_rho(
         budget_delta=delta))
     full = ["hospital-1", "hospital-2"]
     for fed in running(federation):
+        # the coordinator is SIGKILLed once the first sites paid for the pca sum; the resumed
+        # job replays the paid sums from the ledgers (nothing is charged twice: the budgets
+        # hold exactly one job) and finishes
+        job = killed_and_resumed(
+            fed, JobSpec("synth", eps, delta, {"aggregation": "secure", "composition": "zcdp"},
+                         min_sites=2),
+            lambda f=fed: wait_until(lambda: any(e.task_id.endswith("/pca-sum-1") for e in
+                                                 charged_events(f, "hospital-1")), 90,
+                                     "the pca sum's charge"))
+        assert job.state == "succeeded", job.error
         with fed.analyst() as coord:
-            frame, model = coord.synthesize(epsilon=eps, delta=delta, rows=1000,
-                                            aggregation="secure", composition="zcdp")
-            job = coord.jobs(1)[0]
+            model = coord.synth_result(job)
+            frame = model.sample(1000)
             with pytest.raises(JobFailedError, match="budget_exceeded"):
                 coord.synthesize(epsilon=eps, delta=delta, rows=100, aggregation="secure",
                                  composition="zcdp")
