@@ -179,9 +179,9 @@ def _sensitivities(statistic: str, dim: int, bound: float) -> tuple[float, float
         return math.sqrt(2.0) * bound * bound, (dim + 1) * bound * bound
     if statistic == "row_sum":
         return 2.0 * bound, 2.0 * bound * math.sqrt(dim)
-    if statistic == "counts":  # C = bound^2 groups: one count down and one up in each
-        return math.sqrt(2.0) * bound, 2.0 * bound * bound
-    if statistic == "weighted_counts":  # bound^2 = sum m_j^2; L1 2 sum m_j <= 2 bound^2
+    if statistic in ("counts", "weighted_counts"):
+        # counts: C = bound^2 groups, one count down and one up in each; weighted counts:
+        # bound^2 = sum m_j^2, m_j down and up in group j, L1 2 sum m_j <= 2 bound^2
         return math.sqrt(2.0) * bound, 2.0 * bound * bound
     if statistic == "scores":  # every one of the d entries moves by at most b = bound
         return bound * math.sqrt(dim), bound * dim
@@ -242,9 +242,9 @@ def plan_from_scale(statistic: str, *, dim: int, scale: float, row_norm: float,
     if statistic == "counts" and (s != 1.0 or count_groups(row_norm) > d):
         raise ValidationError(f"a counts sum has scale 1 and at most one group per cell, got "
                               f"scale {s:g}, row_norm {row_norm!r} for {d} cells")
-    if statistic == "weighted_counts" and s != 1.0:
-        raise ValidationError(f"a weighted counts sum has scale 1, got scale {s:g}")
     if statistic == "weighted_counts":
+        if s != 1.0:
+            raise ValidationError(f"a weighted counts sum has scale 1, got scale {s:g}")
         count_groups(row_norm)  # row_norm^2 = sum of the squared integer weights: an integer
     if statistic == "scores" and s != 1.0:
         raise ValidationError(f"a scores sum has scale 1 (its entries are integers), got "
@@ -330,14 +330,9 @@ def plan_counts(*, dim: int, total_rows: int, epsilon: float, delta: float,
     refused unless ``total_rows`` plus the Skellam tail bound (failure probability
     ``2^-60`` over all cells) stays below ``2^62``.
     """
-    d = check_int(dim, "dim", minimum=1)
-    n = check_int(total_rows, "total_rows", minimum=1)
-    plan = plan_from_scale("counts", dim=d, scale=1.0, row_norm=row_norm, epsilon=epsilon,
-                           delta=delta, participants=participants, tolerated=tolerated)
-    if n + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
-        raise ValidationError(f"{n} pooled rows with noise variance {plan.mu_total:.3g} do not "
-                              "fit a secure counts sum in the 64-bit ring")
-    return plan
+    return _plan_integers("counts", dim=dim, total_rows=total_rows, row_norm=row_norm,
+                          epsilon=epsilon, delta=delta, participants=participants,
+                          tolerated=tolerated)
 
 
 def plan_weighted_counts(*, dim: int, total_rows: int, epsilon: float, delta: float,
@@ -357,16 +352,9 @@ def plan_weighted_counts(*, dim: int, total_rows: int, epsilon: float, delta: fl
     ``[0, total_rows row_norm]``, and the plan is refused unless that plus the Skellam tail
     bound (failure probability ``2^-60`` over all cells) stays below ``2^62``.
     """
-    d = check_int(dim, "dim", minimum=1)
-    n = check_int(total_rows, "total_rows", minimum=1)
-    plan = plan_from_scale("weighted_counts", dim=d, scale=1.0, row_norm=row_norm,
-                           epsilon=epsilon, delta=delta, participants=participants,
-                           tolerated=tolerated)
-    if n * plan.bound + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
-        raise ValidationError(f"{n} pooled rows with weights up to {plan.bound:g} and noise "
-                              f"variance {plan.mu_total:.3g} do not fit a secure weighted counts "
-                              "sum in the 64-bit ring")
-    return plan
+    return _plan_integers("weighted_counts", dim=dim, total_rows=total_rows, row_norm=row_norm,
+                          epsilon=epsilon, delta=delta, participants=participants,
+                          tolerated=tolerated)
 
 
 def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
@@ -391,15 +379,30 @@ def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
     the plan is refused unless ``b N`` plus the Skellam tail bound (failure probability
     ``2^-60`` over all entries) stays below ``2^62``.
     """
+    return _plan_integers("scores", dim=dim, total_rows=total_rows, row_norm=row_norm,
+                          epsilon=epsilon, delta=delta, participants=participants,
+                          tolerated=tolerated)
+
+
+def _plan_integers(statistic: str, *, dim: int, total_rows: int, row_norm: float,
+                   epsilon: float, delta: float, participants: Sequence[str],
+                   tolerated: int) -> SecureSumPlan:
+    """Plan a sum of integer vectors (scale 1); refuse it when the pooled sum could wrap.
+
+    Every pooled entry lies in ``[0, N m]`` before noise, ``m`` the most one row adds to an
+    entry: 1 for counts, the plan's bound for weighted counts (``max_j m_j <= row_norm``) and
+    for scores (``b``). Refused unless ``N m`` plus the Skellam tail bound (failure
+    probability ``2^-60`` over all entries) stays below ``2^62``.
+    """
     d = check_int(dim, "dim", minimum=1)
     n = check_int(total_rows, "total_rows", minimum=1)
-    b = score_bound(row_norm)
-    plan = plan_from_scale("scores", dim=d, scale=1.0, row_norm=b, epsilon=epsilon,
+    plan = plan_from_scale(statistic, dim=d, scale=1.0, row_norm=row_norm, epsilon=epsilon,
                            delta=delta, participants=participants, tolerated=tolerated)
-    if b * n + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
-        raise ValidationError(f"{n} pooled rows with entries up to {b} per row and noise "
-                              f"variance {plan.mu_total:.3g} do not fit a secure scores sum in "
-                              "the 64-bit ring")
+    per_row = 1.0 if statistic == "counts" else plan.bound
+    if n * per_row + skellam_tail(plan.mu_total, d) >= SAFE_ABS:
+        raise ValidationError(f"{n} pooled rows with entries up to {per_row:g} per row and "
+                              f"noise variance {plan.mu_total:.3g} do not fit a secure "
+                              f"{statistic} sum in the 64-bit ring")
     return plan
 
 
