@@ -15,14 +15,15 @@ from typing import Any
 import numpy as np
 
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
-from dpfed.aggregator.jobs.base import JobOutput
-from dpfed.aggregator.jobs.validators import check_finite_values
+from dpfed.aggregator.jobs.job import Job, JobOutput
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
 from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec
+from dpfed.common.jobs.contract import resolve
+from dpfed.common.jobs.registry import job_kind
+from dpfed.common.jobs.results import check_finite_values
+from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, JobState
 from dpfed.common.validation import check_delta, check_epsilon, check_int, check_nonnegative
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,15 @@ def analyst_id_of(submitted_by: str) -> str:
     role, sep, name = submitted_by.partition("/")
     return name if sep and role == "analyst" else ""
 
-TERMINAL_STATES = ("succeeded", "failed")
 #: Bounds of an analyst's request (docs/hardening.md).
 MIN_DELTA = 1e-300
 MAX_DEADLINE_S = 30 * 86400.0
 MAX_SITES = 10_000
 MAX_REQUEST_ID = 200
+
+
+def _sorted(outcomes: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(outcomes[s] for s in sorted(outcomes))
 
 
 def _non_finite(output: JobOutput) -> str:
@@ -71,22 +75,15 @@ class JobManager:
         self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
 
     # ------------------------------------------------------------------ submission
-    def _job_type(self, kind: str) -> JobType:
-        try:
-            return JOB_TYPES[kind]
-        except KeyError:
-            known = sorted(JOB_TYPES)
-            raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
-
     def validate(self, spec: JobSpec) -> JobSpec:
         """Return the spec with canonical parameters (raises ValidationError).
 
         Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
         its name, never an internal error later (docs/hardening.md).
         """
-        job_type = self._job_type(spec.kind)
+        kind = job_kind(spec.kind)
         check_epsilon(spec.epsilon)
-        if not (spec.delta == 0.0 and job_type.pure_epsilon):
+        if not (spec.delta == 0.0 and kind.pure_epsilon):
             check_delta(spec.delta)
             if spec.delta < MIN_DELTA:
                 raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
@@ -106,14 +103,16 @@ class JobManager:
                 raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
                                       "finite JSON numbers, strings, booleans or lists") from None
         try:
-            params = job_type.validate(spec, self.federation)
+            params = kind.parse(spec.params, self.federation.schema)
+            params.check_privacy(spec.epsilon, spec.delta)
+            kind.plan(params, spec.epsilon, spec.delta)
         except DpfedError:
             raise
         except (ArithmeticError, ValueError) as exc:
             raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
                                   f"delta={spec.delta!r}: the noise cannot be calibrated "
                                   f"({type(exc).__name__}: {exc})") from None
-        return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
+        return JobSpec(spec.kind, spec.epsilon, spec.delta, params.to_mapping(), spec.min_sites,
                        spec.deadline_seconds, spec.sites)
 
     def submit(self, spec: JobSpec, *, submitted_by: str, request_id: str = "") -> JobInfo:
@@ -133,10 +132,10 @@ class JobManager:
         job, created = self.store.create_job(canonical, submitted_by=submitted_by,
                                              request_id=request_id)
         if created:
-            log.info("[JobManager.submit] job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
+            log.info("job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
                      spec.kind, submitted_by, spec.epsilon, spec.delta)
             self._emit(job.job_id, "submitted", f"{spec.kind} job submitted by {submitted_by}",
-                       0.0, "pending")
+                       0.0, JobState.PENDING)
             self._start(job, resumed=False)
         return job
 
@@ -149,10 +148,10 @@ class JobManager:
         """Restart jobs a previous coordinator process left unfinished; return how many."""
         jobs = self.store.unfinished_jobs()
         for job in jobs:
-            log.info("[JobManager.resume] resuming job=%s (same task ids: sites replay)",
+            log.info("resuming job=%s (same task ids: sites replay)",
                      job.job_id)
             self._emit(job.job_id, "resumed", "coordinator restarted; resuming the job", 0.0,
-                       "pending")
+                       JobState.PENDING)
             self._start(job, resumed=True)
         return len(jobs)
 
@@ -166,53 +165,55 @@ class JobManager:
     # ------------------------------------------------------------------ execution
     async def _run(self, job: JobInfo, resumed: bool) -> None:
         job_id = job.job_id
-        self.store.update_job(job_id, state="running")
-        self._emit(job_id, "running", "job started", 0.01, "running")
-        ctx = JobContext(job_id=job_id, spec=job.spec, params=job.spec.params,
-                         federation=self.federation, registry=self.registry,
-                         emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
-                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
-                         resumed=resumed,
-                         analyst_id=analyst_id_of(job.submitted_by),
-                         earlier_outcomes=job.sites if resumed else (),
-                         save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
+        self.store.update_job(job_id, state=JobState.RUNNING)
+        self._emit(job_id, "running", "job started", 0.01, JobState.RUNNING)
+        outcomes: dict[str, Any] = {}
         try:
-            output = await self._job_type(job.spec.kind).run(ctx)
+            kind = job_kind(job.spec.kind)
+            ctx = Job(job_id=job_id, spec=job.spec, kind=kind,
+                      params=kind.parse(job.spec.params, self.federation.schema),
+                      federation=self.federation, registry=self.registry,
+                      emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p,
+                                                            JobState.RUNNING),
+                      wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
+                      resumed=resumed, analyst_id=analyst_id_of(job.submitted_by),
+                      earlier_outcomes=job.sites if resumed else (),
+                      save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
+            outcomes = ctx.outcomes
+            output = await resolve(kind.run)(ctx)
             problem = _non_finite(output)
             if problem:
-                self._fail(job_id, ctx, f"the job's output is not finite ({problem}); nothing "
-                           "was stored")
+                self._fail(job_id, outcomes, f"the job's output is not finite ({problem}); "
+                           "nothing was stored")
                 return
             data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)
             await asyncio.to_thread(self.store.save_result, job_id, data)
-            self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),
-                                  summary=dict(output.summary))
-            log.info("[JobManager._run] job=%s outcome=succeeded result=%d bytes", job_id,
-                     len(data))
+            self.store.update_job(job_id, state=JobState.SUCCEEDED,
+                                  sites=_sorted(outcomes), summary=dict(output.summary))
+            log.info("job=%s outcome=succeeded result=%d bytes", job_id, len(data))
             self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
-                       "succeeded")
+                       JobState.SUCCEEDED)
         except asyncio.CancelledError:
-            self.store.update_job(job_id, sites=self._outcomes(ctx))
+            self.store.update_job(job_id, sites=_sorted(outcomes))
             raise
         except (QuorumError, ValidationError, ProtocolError, DpfedError) as exc:
-            self._fail(job_id, ctx, str(exc))
+            self._fail(job_id, outcomes, str(exc))
         except Exception:
-            log.exception("[JobManager._run] job=%s crashed", job_id)
-            self._fail(job_id, ctx, "internal error in the coordinator (see its log)")
+            log.exception("job=%s crashed", job_id)
+            self._fail(job_id, outcomes, "internal error in the coordinator (see its log)")
 
-    def _outcomes(self, ctx: JobContext) -> tuple[Any, ...]:
-        return tuple(ctx.outcomes[s] for s in sorted(ctx.outcomes))
-
-    def _fail(self, job_id: str, ctx: JobContext, reason: str) -> None:
-        log.warning("[JobManager] job=%s outcome=failed: %s", job_id, reason)
-        self.store.update_job(job_id, state="failed", error=reason, sites=self._outcomes(ctx))
-        self._emit(job_id, "failed", reason, 1.0, "failed")
+    def _fail(self, job_id: str, outcomes: dict[str, Any], reason: str) -> None:
+        log.warning("job=%s outcome=failed: %s", job_id, reason)
+        self.store.update_job(job_id, state=JobState.FAILED, error=reason,
+                              sites=_sorted(outcomes))
+        self._emit(job_id, "failed", reason, 1.0, JobState.FAILED)
 
     # ------------------------------------------------------------------ events
-    def _emit(self, job_id: str, stage: str, message: str, progress: float, state: str) -> None:
+    def _emit(self, job_id: str, stage: str, message: str, progress: float,
+              state: JobState) -> None:
         event = JobEvent(job_id, utc_now(), stage, message, max(0.0, min(1.0, progress)), state)
         self.store.add_event(event)
-        if state in TERMINAL_STATES:
+        if state.finished:
             event = JobEvent(event.job_id, event.time, event.stage, event.message,
                              event.progress, event.state, self.store.get_job(job_id))
         for q in self._subscribers.get(job_id, ()):
@@ -230,17 +231,17 @@ class JobManager:
         past = self.store.events(job_id)
         try:
             for event in past:
-                if event.state in TERMINAL_STATES:
+                if JobState(event.state).finished:
                     yield JobEvent(event.job_id, event.time, event.stage, event.message,
                                    event.progress, event.state, self.store.get_job(job_id))
                     return
                 yield event
-            if job.state in TERMINAL_STATES:
+            if JobState(job.state).finished:
                 return
             while True:
                 event = await queue.get()
                 yield event
-                if event.state in TERMINAL_STATES:
+                if JobState(event.state).finished:
                     return
         finally:
             subs = self._subscribers.get(job_id)

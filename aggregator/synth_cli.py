@@ -47,8 +47,9 @@ def write_progress(out: str, every: float = PROGRESS_SECONDS) -> Callable[[int, 
 
 
 def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
-    from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
+
+    from dpfed.aggregator.client import Coordinator
     from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
     from dpfed.common.privacy.composition import rounds_rho
 

@@ -37,7 +37,7 @@ from dpfed.common.evaluation.holdout import holdout_positions, job_key
 from dpfed.common.synth.link_release import LinkHistogramAccumulator
 from dpfed.common.transport.protocol import Task
 from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
-from dpfed.site_agent.synth_holdout import KEY_FILE, TrainingRows, site_secret
+from dpfed.common.evaluation.site_holdout import KEY_FILE, TrainingRows, site_secret
 
 CHUNK = 65_536
 N_BINS = 32

@@ -42,7 +42,7 @@ from dpfed.common.transport.grpc_options import (
     MAX_TRANSFER_BYTES,
     channel_options,
 )
-from dpfed.common.transport.protocol import Refusal, SiteHello
+from dpfed.common.transport.protocol import Refusal, RefusalCode, SiteHello
 from dpfed.common.transport.wire import (
     Reassembler,
     budget_to_proto,
@@ -350,4 +350,4 @@ class SiteAgent:
 
 def _refusal(task_id: str, reason: str) -> site_link_pb2.SiteMessage:
     return site_link_pb2.SiteMessage(
-        refusal=refusal_to_proto(Refusal(task_id, "invalid", reason)))
+        refusal=refusal_to_proto(Refusal(task_id, RefusalCode.INVALID, reason)))

@@ -153,6 +153,7 @@ def _run(config: SiteConfig) -> int:
     import logging
     import signal
 
+    from dpfed.common.jobs.registry import sum_kinds
     from dpfed.common.logs import add_log_context
     from dpfed.common.transport.access import WatchedAccessList
     from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
@@ -161,7 +162,6 @@ def _run(config: SiteConfig) -> int:
     from dpfed.site_agent.coordinator_check import CoordinatorCheck
     from dpfed.site_agent.ledger import Ledger
     from dpfed.site_agent.runner import TaskRunner
-    from dpfed.site_agent.secure_policy import SUM_KINDS
 
     log = logging.getLogger("dpfed.site")
     if config.deterministic_noise_seed is not None:
@@ -181,7 +181,7 @@ def _run(config: SiteConfig) -> int:
     handlers, allowed_kinds = _handlers(config)
     runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
-                        secure_required_kinds=(SUM_KINDS if config.secure.mode == "required"
+                        secure_required_kinds=(sum_kinds() if config.secure.mode == "required"
                                                else ()))
 
     def hello() -> SiteHello:

@@ -69,6 +69,7 @@ from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -76,7 +77,6 @@ from dpfed.common.transport.grpc_options import (
     MIN_KEEPALIVE_S,
 )
 from dpfed.common.transport.identity import check_principal_id
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 

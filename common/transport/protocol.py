@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,45 @@ from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
 #: Bumped when a change to the messages is not backwards compatible.
 PROTOCOL_VERSION = 1
 
-JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed")
+
+
+class JobState(StrEnum):
+    """Where a job is: submitted, running, or finished one way or the other."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job has reached its final state."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+class SiteStatus(StrEnum):
+    """How a site took part in a job (its outcome's status)."""
+
+    OK = "ok"
+    REFUSED = "refused"
+    TIMEOUT = "timeout"
+    DISCONNECTED = "disconnected"
+    ERROR = "error"
+
+
+class RefusalCode(StrEnum):
+    """Why a site refused a task, or why the coordinator left a site out of a job.
+
+    The site sends the code with its refusal; the coordinator records it with the site's
+    outcome, so nothing downstream parses a reason string.
+    """
+
+    BUDGET_EXCEEDED = "budget_exceeded"
+    NOT_ALLOWED = "not_allowed"
+    INVALID = "invalid"
+    CONFLICT = "conflict"
+    DEADLINE = "deadline"
+    INTERNAL = "internal"
 
 
 def _canonical(value: Any) -> Any:
@@ -81,7 +120,7 @@ class Refusal:
     """A site declined a task; nothing was charged."""
 
     task_id: str
-    code: str
+    code: RefusalCode
     reason: str
 
 
@@ -135,13 +174,20 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class SiteOutcome:
-    """How one site took part in a job."""
+    """How one site took part in a job.
+
+    ``code`` says why a site that is not "ok" was refused (None for the other statuses);
+    ``left_out`` marks a site the coordinator left out before the job's first round (a
+    decision a resumed job re-applies instead of taking it again).
+    """
 
     site_id: str
-    status: str
+    status: SiteStatus
     reason: str = ""
     spend: PrivacyCost | None = None
     row_count: int = 0
+    code: RefusalCode | None = None
+    left_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +196,7 @@ class JobInfo:
 
     job_id: str
     spec: JobSpec
-    state: str
+    state: JobState
     created: str
     updated: str
     error: str = ""
@@ -169,5 +215,5 @@ class JobEvent:
     stage: str
     message: str
     progress: float
-    state: str
+    state: JobState
     job: JobInfo | None = None

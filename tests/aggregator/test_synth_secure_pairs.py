@@ -38,7 +38,7 @@ from dpfed.common.synth.pair_marginals import (
 )
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from tests.aggregator.hardening_harness import Harness, harness, start_agent
 
 pytestmark = pytest.mark.timeout(180)

@@ -206,7 +206,7 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
     # for it): it must not be sent round 2, computed from sums it took no part in. hospital-1's
     # policy allows DP evaluation summaries; hospital-2's does not.
     from dpfed.aggregator.synth_report import synth_report
-    from dpfed.site_agent.synth_holdout import KEY_FILE
+    from dpfed.common.evaluation.site_holdout import KEY_FILE
 
     settings = roomy_settings(allowed_jobs=("pca", "synth", "synth_eval"))
     fed = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=7,

@@ -24,7 +24,7 @@ from dpfed.site_agent.handlers import HANDLERS
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 
 SCHEMA = Schema.from_toml("""
 [[columns]]

@@ -35,7 +35,8 @@ from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdent
 from dpfed.site_agent.handlers.secagg_query import query_contribution
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.secure_policy import SUM_KINDS, SecureAggregationPolicy
+from dpfed.common.jobs.registry import sum_kinds
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
@@ -213,10 +214,10 @@ def test_a_tampered_strategy_or_a_site_without_query_jobs_is_refused_before_any_
 
 def test_a_site_that_requires_secure_aggregation_refuses_site_level_query_answers(
         tmp_path: Path, fed: Path) -> None:
-    assert "query" in SUM_KINDS and "svt" not in SUM_KINDS  # SVT stays per site
+    assert "query" in sum_kinds() and "svt" not in sum_kinds()  # SVT stays per site
     r = _runner(tmp_path, "hospital-a", fed, ("query", "svt"))
     strict = TaskRunner(r.data, r.ledger, r.allowed_kinds, handlers=r.handlers,
-                        secure_required_kinds=SUM_KINDS)
+                        secure_required_kinds=sum_kinds())
     answer = strict.run(Task("job-1/query", "job-1", "query", 1.0, 0.0,
                              {"domain": DOMAIN, "noise": "laplace",
                               "strategy": {"name": "identity", "n": 8}}))

@@ -46,7 +46,8 @@ from dpfed.site_agent.handlers.synth_secure import (
 )
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.secure_policy import SUM_KINDS, SecureAggregationPolicy
+from dpfed.common.jobs.registry import sum_kinds
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,
@@ -314,12 +315,12 @@ def test_a_tampered_links_digest_is_refused_before_any_charge(
 
 def test_required_sites_refuse_site_level_synth_and_no_site_runs_a_secure_jobs_round(
         runners: dict[str, TaskRunner]) -> None:
-    assert "synth" in SUM_KINDS and "synth_eval" not in SUM_KINDS
+    assert "synth" in sum_kinds() and "synth_eval" not in sum_kinds()
     assert {"pca", "query", "synth_counts", "synth_latent"} <= set(CONTRIBUTION_SOURCES)
     assert CONTRIBUTION_SOURCES["synth_counts"].job_kind == "synth"
     r = runners["hospital-a"]
     strict = TaskRunner(r.data, r.ledger, r.allowed_kinds, handlers=r.handlers,
-                        secure_required_kinds=SUM_KINDS)
+                        secure_required_kinds=sum_kinds())
     links = Task("j/links", "j", "synth", 1.0, 1e-6, {**params(), "round": "links"})
     answer = strict.run(links)
     assert isinstance(answer, Refusal) and answer.code == "not_allowed"

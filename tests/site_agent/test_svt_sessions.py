@@ -24,7 +24,7 @@ from dpfed.common.transport.wire import result_from_bytes, result_to_bytes
 from dpfed.site_agent.handlers.svt import SVTHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.svt_sessions import StoredSession, SVTSessionStore, sessions_path
+from dpfed.common.queries.svt_sessions import StoredSession, SVTSessionStore, sessions_path
 
 SCHEMA = Schema.from_toml("""
 [[columns]]

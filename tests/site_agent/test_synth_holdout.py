@@ -39,7 +39,7 @@ from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.handlers.synth import SynthEvaluationHandler, SynthHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.synth_holdout import KEY_FILE, TrainingRows, site_secret, split_rows
+from dpfed.common.evaluation.site_holdout import KEY_FILE, TrainingRows, site_secret, split_rows
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,

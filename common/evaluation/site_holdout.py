@@ -32,8 +32,8 @@ from dpfed.common.evaluation.holdout import (
     position_mask,
 )
 
-if TYPE_CHECKING:  # the handlers import this module; the protocol is only a type here
-    from dpfed.site_agent.handlers.base import DataAccess
+if TYPE_CHECKING:  # the rounds import this module; the protocol is only a type here
+    from dpfed.common.jobs.contract import DataAccess
 
 log = logging.getLogger(__name__)
 
