@@ -232,17 +232,11 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
                        "Skellam noise; only the pooled total is decoded -> the DP marginals "
                        "and the links")
 
-    def _counts(self, task: Task, site: Site, params: SynthParams) -> LinkHistogramAccumulator:
-        acc = LinkHistogramAccumulator(site.data.schema, params.n_bins)
-        for table, _report in training_rows(task, site, params).iter_chunks():
-            acc.add(table)
-        return acc
-
     def prepare(self, task: Task, site: Site) -> Release:
         """Count every column, price the noise."""
         _extra, params = site_params(task, site)
         schema = site.data.schema
-        acc = self._counts(task, site, params)
+        acc = link_counts(task, site, params)
         require_rows(acc.n_rows)
         return noisy_release(
             task, link_round_cost(schema, task.epsilon, task.delta),
@@ -257,7 +251,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
         schema = site.data.schema
 
         def compute(_plan: Any, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
-            acc = self._counts(task, site, params)
+            acc = link_counts(task, site, params)
             return acc.counts * secure_cell_weights(schema, params.n_bins), acc.n_rows
 
         return planned_contribution(task, participants, tolerated, statistic=self.statistic,
@@ -297,6 +291,14 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
         """The pooled counts, each column divided by its weight."""
         return PooledCounts(secure_pooled_counts(summed.value, ask.schema, ask.params.n_bins),
                             summed.n_rows_total)
+
+
+def link_counts(task: Task, site: Site, params: SynthParams) -> LinkHistogramAccumulator:
+    """Every column's exact histogram over the training rows (site-internal)."""
+    acc = LinkHistogramAccumulator(site.data.schema, params.n_bins)
+    for table, _report in training_rows(task, site, params).iter_chunks():
+        acc.add(table)
+    return acc
 
 
 def proportions(pooled: PooledCounts, schema: Schema, params: SynthParams) -> np.ndarray:

@@ -19,14 +19,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from dpfed.site_agent.handlers.synth_secure import (
+    synth_counts_contribution,
+    synth_latent_contribution,
+)
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.jobs.registry import sum_kinds
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg import secure_sum
 from dpfed.common.secagg.fixed_point import from_ring
 from dpfed.common.secagg.masking import sum_masked
 from dpfed.common.secagg.messages import plan_params
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import SecureSumPlan, plan_for
 from dpfed.common.synth import link_release
 from dpfed.common.synth.link_release import LinkHistogramAccumulator, links_digest
@@ -40,14 +46,8 @@ from dpfed.site_agent.handlers.secagg import (
     SecureAggregationHandler,
     SiteIdentity,
 )
-from dpfed.site_agent.handlers.synth_secure import (
-    synth_counts_contribution,
-    synth_latent_contribution,
-)
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.common.jobs.registry import sum_kinds
-from dpfed.common.secagg.policy import SecureAggregationPolicy
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,

@@ -22,6 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dpfed.site_agent.handlers.synth_secure import (
+    SCORE_BOUND,
+    floored_scores,
+    synth_pair_scores_contribution,
+    synth_pairs_contribution,
+)
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
 from dpfed.common.data.schema import Schema
@@ -41,12 +47,6 @@ from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.handlers import synth_secure
 from dpfed.site_agent.handlers.secagg import CONTRIBUTION_SOURCES
-from dpfed.site_agent.handlers.synth_secure import (
-    SCORE_BOUND,
-    floored_scores,
-    synth_pair_scores_contribution,
-    synth_pairs_contribution,
-)
 from dpfed.site_agent.runner import TaskRunner
 from tests.site_agent.test_secagg_synth import (
     SITES,

@@ -13,18 +13,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from dpfed.site_agent.handlers.svt import SVTHandler
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
 from dpfed.common.data.schema import Schema
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.privacy.audit import audit, threshold_events
+from dpfed.common.queries.svt_sessions import StoredSession, SVTSessionStore, sessions_path
 from dpfed.common.queries.svt_stream import SessionState, SVTSessionParams, open_session
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes, result_to_bytes
-from dpfed.site_agent.handlers.svt import SVTHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.common.queries.svt_sessions import StoredSession, SVTSessionStore, sessions_path
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
