@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 P = TypeVar("P", bound="Params")
 I = TypeVar("I")  # noqa: E741 -- the round's inputs (what earlier releases decided)
 V = TypeVar("V")
+T = TypeVar("T")
 
 #: Default cap on one site's answer to one task when the round does not give a tighter one.
 DEFAULT_MAX_RESULT_BYTES = 64 << 20
@@ -57,16 +58,25 @@ class Site:
     """What a round may use at a site: its table, and where its ledger lives (None: unbound).
 
     Rounds that keep site state (SVT sessions, the evaluation holdout's secret) keep it
-    beside the ledger.
+    beside the ledger; an object they keep open (a store) lives in ``kept`` for as long as
+    the site's handler does.
     """
 
     data: DataAccess
     ledger_path: Path | None = None
+    kept: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def state_dir(self) -> Path | None:
         """The site's state directory (the ledger's), None when unbound."""
         return None if self.ledger_path is None else self.ledger_path.parent
+
+    def keep(self, name: str, make: Callable[[], T]) -> T:
+        """The object kept under ``name``, made by ``make()`` the first time."""
+        if name not in self.kept:
+            self.kept[name] = make()
+        found: T = self.kept[name]
+        return found
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,11 @@ def planned_contribution(task: Task, participants: list[str], tolerated: int, *,
 
 
 def rows_statistic(rows: Callable[[np.random.Generator], Iterator[np.ndarray]],
-                   row_norm: float) -> PlannedCompute:
-    """Return a compute that streams ``rows(rng)``, each scaled onto the ball of radius
-    ``row_norm`` where longer, into the plan's exact Gram or row sum.
+                   clip_to: float | None = None) -> PlannedCompute:
+    """Return a compute that streams ``rows(rng)`` into the plan's exact Gram or row sum.
+
+    With ``clip_to``, rows longer than that are scaled onto its sphere first; without, a row
+    outside the plan's public bound is refused by the rounding (never summed).
     """
 
     def compute(plan: SecureSumPlan, rng: np.random.Generator) -> tuple[np.ndarray, int]:
@@ -101,10 +103,11 @@ def rows_statistic(rows: Callable[[np.random.Generator], Iterator[np.ndarray]],
         def counted() -> Iterator[np.ndarray]:
             nonlocal n_rows
             for x in rows(rng):
-                norms = np.linalg.norm(x, axis=1)
-                over = norms > row_norm
-                if np.any(over):
-                    x[over] *= (row_norm / norms[over])[:, None]
+                if clip_to is not None:
+                    norms = np.linalg.norm(x, axis=1)
+                    over = norms > clip_to
+                    if np.any(over):
+                        x[over] *= (clip_to / norms[over])[:, None]
                 n_rows += x.shape[0]
                 yield x
 

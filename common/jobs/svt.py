@@ -51,10 +51,12 @@ def _session_id(params: Mapping[str, Any]) -> str:
     return sid
 
 
-def _store(site: Site) -> SVTSessionStore:
-    if site.ledger_path is None:
+def session_store(site: Site) -> SVTSessionStore:
+    """The site's SVT session store, beside its ledger (opened once per site)."""
+    path = site.ledger_path
+    if path is None:
         raise ValidationError("the svt round is not bound to a site (no session store)")
-    return SVTSessionStore(sessions_path(site.ledger_path))
+    return site.keep("svt-sessions", lambda: SVTSessionStore(sessions_path(path)))
 
 
 def _counts(queries: CompiledQuerySet, site: Site) -> tuple[np.ndarray, int]:
@@ -107,13 +109,16 @@ class Batch(BaseRound[SVTParams, SessionBatch, Transcripts]):
     # ------------------------------------------------------------------ site
     def prepare(self, task: Task, site: Site) -> Release:
         """Open the session (a new charge) or continue it (covered by the opening charge)."""
+        return self.prepare_with(task, site, session_store(site))
+
+    def prepare_with(self, task: Task, site: Site, store: SVTSessionStore) -> Release:
+        """:meth:`prepare` with the session store given (a test restarts a store at will)."""
         params = dict(task.params)
         action = params.get("action")
         if action not in ("open", "batch", "close"):
             raise ValidationError(f"svt action must be one of ['open', 'batch', 'close'], "
                                   f"got {action!r}")
         sid = _session_id(params)
-        store = _store(site)
         if action == "open":
             return self._open(task, params, sid, site, store)
         session = store.get(sid)

@@ -236,7 +236,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
         """Count every column, price the noise."""
         _extra, params = site_params(task, site)
         schema = site.data.schema
-        acc = link_counts(task, site, params)
+        acc = link_counts(training_rows(task, site, params), params)
         require_rows(acc.n_rows)
         return noisy_release(
             task, link_round_cost(schema, task.epsilon, task.delta),
@@ -249,9 +249,10 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
         """The exact weighted counts."""
         params = secure_params(task, site)
         schema = site.data.schema
+        data = training_rows(task, site, params)  # the evaluation holdout trains nothing
 
         def compute(_plan: Any, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
-            acc = link_counts(task, site, params)
+            acc = link_counts(data, params)
             return acc.counts * secure_cell_weights(schema, params.n_bins), acc.n_rows
 
         return planned_contribution(task, participants, tolerated, statistic=self.statistic,
@@ -293,10 +294,10 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
                             summed.n_rows_total)
 
 
-def link_counts(task: Task, site: Site, params: SynthParams) -> LinkHistogramAccumulator:
-    """Every column's exact histogram over the training rows (site-internal)."""
-    acc = LinkHistogramAccumulator(site.data.schema, params.n_bins)
-    for table, _report in training_rows(task, site, params).iter_chunks():
+def link_counts(data: DataAccess, params: SynthParams) -> LinkHistogramAccumulator:
+    """Every column's exact histogram over ``data`` (site-internal)."""
+    acc = LinkHistogramAccumulator(data.schema, params.n_bins)
+    for table, _report in data.iter_chunks():
         acc.add(table)
     return acc
 
@@ -371,7 +372,7 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
 
         return planned_contribution(task, participants, tolerated, statistic=self.statistic,
                                     dim=latent_dim(site.data.schema), row_norm=1.0,
-                                    compute=rows_statistic(rows, 1.0))
+                                    compute=rows_statistic(rows))
 
     def request(self, ask: Ask[SynthParams, LinksInput]) -> Request:
         """The job's parameters, round ``pca``, the links and their digest."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from dpfed.common.jobs.contract import DataAccess, Release, Site
 from dpfed.common.jobs.registry import site_round
@@ -39,6 +40,7 @@ class RoundsHandler(TaskHandler):
 
     def __init__(self, ledger_path: Path | None = None) -> None:
         self.ledger_path = ledger_path
+        self._kept: dict[str, Any] = {}  # what rounds keep open at this site (a store)
 
     def for_site(self, ledger_path: Path) -> TaskHandler:
         """Return a copy bound to the site whose ledger is ``ledger_path``."""
@@ -46,7 +48,7 @@ class RoundsHandler(TaskHandler):
 
     def prepare(self, task: Task, data: DataAccess) -> Release:
         """Let the task's round validate it, compute its statistic and price it."""
-        return site_round(task).prepare(task, Site(data, self.ledger_path))
+        return site_round(task).prepare(task, Site(data, self.ledger_path, self._kept))
 
 
 def site_release(task: Task, data: DataAccess, ledger_path: Path | None = None) -> Release:

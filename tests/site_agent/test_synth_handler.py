@@ -72,7 +72,7 @@ class SiteRounds:
         extra, p = site_params(task, site)
         rnd = str(extra["round"])
         if rnd == "links":
-            acc = link_counts(task, site, p)
+            acc = link_counts(synth_rounds.training_rows(task, site, p), p)
             return rnd, p, acc.n_rows, acc.counts
         if rnd == "pca":
             n, gram = latent_gram(task, site, p, extra.get("links_digest"), latent_rng)
