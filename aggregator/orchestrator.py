@@ -103,16 +103,14 @@ class JobManager:
                 raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
                                       "finite JSON numbers, strings, booleans or lists") from None
         try:
-            params = kind.parse(spec.params, self.federation.schema)
-            params.check_privacy(spec.epsilon, spec.delta)
-            kind.plan(params, spec.epsilon, spec.delta)
+            params = kind.canonical(spec.params, spec.epsilon, spec.delta, self.federation.schema)
         except DpfedError:
             raise
         except (ArithmeticError, ValueError) as exc:
             raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
                                   f"delta={spec.delta!r}: the noise cannot be calibrated "
                                   f"({type(exc).__name__}: {exc})") from None
-        return JobSpec(spec.kind, spec.epsilon, spec.delta, params.to_mapping(), spec.min_sites,
+        return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
                        spec.deadline_seconds, spec.sites)
 
     def submit(self, spec: JobSpec, *, submitted_by: str, request_id: str = "") -> JobInfo:

@@ -50,7 +50,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
 
     from dpfed.aggregator.client import Coordinator
-    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+    from dpfed.common.job_params import SynthParams
     from dpfed.common.privacy.composition import rounds_rho
 
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
@@ -58,7 +58,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
                                   evaluate_rows=args.evaluate_rows if args.evaluate else 0,
                                   evaluate_summary=_summary_budget(args), pairs=args.pairs,
                                   pair_groups=args.pair_groups, composition=args.composition)
-    params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
+    params = SynthParams.parse(spec.params, None)
     plan = params.plan(args.epsilon, args.delta)
     sites = coord.sites()
     print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site is "
@@ -133,14 +133,13 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
     from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.synth_model import check_rows, output_format
     from dpfed.aggregator.synth_report import write_synth_report
-    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+    from dpfed.common.job_params import SynthParams
 
     mode = args.mode.replace("-", "_")
     # --mode / --aggregation combinations are refused here, before anything connects or runs
-    SynthParams.from_mapping(Coordinator.synth_spec(
+    SynthParams.parse(Coordinator.synth_spec(
         epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation,
-        pairs=args.pairs, pair_groups=args.pair_groups, composition=args.composition).params,
-        latent_dim=SYNTH_MAX_LATENT_DIM)
+        pairs=args.pairs, pair_groups=args.pair_groups, composition=args.composition).params, None)
     if mode == "row_aligned":
         if args.rows is not None:
             raise ValidationError("--rows: row-aligned mode releases exactly one noisy row per "

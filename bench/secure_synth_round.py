@@ -145,7 +145,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
         pairs = 0
     if pairs is not None:
         raw["pairs"] = pairs
-    params = SynthParams.from_mapping(raw, latent_dim=dim)
+    params = SynthParams.parse(raw, None)
     budget = {name: (e, d) for name, e, d in params.plan(eps, delta)}
     base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
     sites = [SiteRows(schema, t) for t in tables]

@@ -621,9 +621,9 @@ SVT_ACTIONS: tuple[str, ...] = ("open", "batch", "close")
 _SVT_OPEN_KEYS = {"queries", "threshold", "cutoff", "numeric_epsilon", "monotonic"}
 
 
-def _analyst_svt(raw: Mapping[str, Any]) -> dict[str, Any]:
+def _analyst_svt(raw: Mapping[str, Any], schema: Schema | None) -> dict[str, Any]:
     """An analyst's svt parameters (``session``, ``close``, the session's settings) in the
-    canonical form (``action``).
+    canonical form (``action``; queries compiled to their canonical form).
     """
     params = dict(raw)
     session = params.get("session") or ""
@@ -645,14 +645,24 @@ def _analyst_svt(raw: Mapping[str, Any]) -> dict[str, Any]:
             raise ValidationError(
                 f"parameter(s) {extra} are fixed when a session opens; a continuation takes "
                 "only session and queries")
-        return {"action": "batch", "session": session, "queries": params.get("queries")}
+        return {"action": "batch", "session": session,
+                "queries": _canonical_queries(params.get("queries"), schema)}
     extra = sorted(set(params) - _SVT_OPEN_KEYS - {"session", "close"})
     if extra:
         raise ValidationError(f"unknown svt parameter(s) {extra}; known: "
                               f"{sorted(_SVT_OPEN_KEYS)}")
+    queries = _canonical_queries(params.get("queries"), schema)
     if "threshold" not in params:
         raise ValidationError("svt needs a threshold T")
-    return {"action": "open", **{k: params[k] for k in _SVT_OPEN_KEYS if k in params}}
+    return {"action": "open", **{k: params[k] for k in _SVT_OPEN_KEYS if k in params},
+            "queries": queries}
+
+
+def _canonical_queries(raw: Any, schema: Schema | None) -> Any:
+    """An analyst's query set, compiled to its canonical form (as given without a schema)."""
+    from dpfed.common.queries.query_language import compile_query_set
+
+    return raw if schema is None else list(compile_query_set(schema, raw).canonical)
 
 
 def _queries(value: Any, ctx: ParseContext) -> list[Any]:
@@ -662,8 +672,7 @@ def _queries(value: Any, ctx: ParseContext) -> list[Any]:
         return []
     if ctx.schema is None:
         return list(value) if isinstance(value, list | tuple) else []
-    canonical = "action" in ctx.raw
-    return list(compile_query_set(ctx.schema, value, canonical=canonical).canonical)
+    return list(compile_query_set(ctx.schema, value, canonical=True).canonical)
 
 
 def _flag(name: str) -> Parser:
@@ -709,7 +718,7 @@ class SVTParams(Params):
     @classmethod
     def parse(cls, raw: Mapping[str, Any], schema: Schema | None) -> SVTParams:
         """Accept the analyst's form and the canonical one (see the class docstring)."""
-        canonical = raw if "action" in raw else _analyst_svt(raw)
+        canonical = raw if "action" in raw else _analyst_svt(raw, schema)
         return super().parse(canonical, schema)
 
     def validate(self, schema: Schema | None) -> None:

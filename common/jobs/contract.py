@@ -413,6 +413,18 @@ class JobKind(Generic[P]):
         """Validate raw parameters (``schema`` None: the checks that need it are skipped)."""
         return self.params.parse(raw, schema)
 
+    def canonical(self, raw: Mapping[str, Any], epsilon: float, delta: float,
+                  schema: Schema) -> dict[str, Any]:
+        """Validate an analyst's parameters and budget; return the canonical parameters.
+
+        Everything is checked before anything is sent or charged: the parameters, that every
+        round can be calibrated at its share of (epsilon, delta), and the plan.
+        """
+        params = self.parse(raw, schema)
+        params.check_privacy(epsilon, delta)
+        self.plan(params, epsilon, delta)
+        return params.to_mapping()
+
     def plan(self, params: P, epsilon: float, delta: float) -> tuple[PlannedRound, ...]:
         """Return the job's rounds in order with what each task asks (module docstring)."""
         secure = params.secure

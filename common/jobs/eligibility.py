@@ -58,12 +58,19 @@ def _excluded(code: RefusalCode, text: str) -> Exclusion:
 
 
 def secure_policy(site: SiteView) -> SecureAggregationPolicy:
-    """The site's secure-aggregation policy (``off`` when it reports none or an unreadable one)."""
-    try:
-        policy = SecureAggregationPolicy.from_summary(site.secure_policy)
-    except ValidationError:
+    """The site's secure-aggregation policy: ``off`` unless it runs ``secagg`` tasks.
+
+    A site that runs them without saying more (an older site's hello) is taken as
+    ``allowed`` with the least strict limits: its key exchange states its real ones.
+    """
+    if SECURE_TASK_KIND not in site.allowed_kinds:
         return SecureAggregationPolicy("off")
-    return policy if SECURE_TASK_KIND in site.allowed_kinds else SecureAggregationPolicy("off")
+    try:
+        if site.secure_policy:
+            return SecureAggregationPolicy.from_summary(site.secure_policy)
+    except ValidationError:
+        pass
+    return SecureAggregationPolicy("allowed", 2, 0)
 
 
 def exclusion(site: SiteView, kind: str, plan: Sequence[PlannedRound], *, sums: bool,

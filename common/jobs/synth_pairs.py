@@ -260,6 +260,9 @@ class PairScores(SynthRound, SumRound[SynthParams, PairInput, np.ndarray]):
 
     def encoding(self, ask: Ask[SynthParams, PairInput]) -> SumEncoding:
         """Integer scores with the per-entry bound ``b``."""
+        if not ask.inputs.candidates:
+            raise ValidationError("no candidate column pair: the pair rounds have nothing to "
+                                  "score")
         return SumEncoding(dim=len(ask.inputs.candidates), row_norm=SCORE_SENSITIVITY,
                            params=_secure_pair_params(self.source, ask), arrays=ask.inputs.links
                            .arrays)
