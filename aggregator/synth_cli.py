@@ -47,10 +47,9 @@ def write_progress(out: str, every: float = PROGRESS_SECONDS) -> Callable[[int, 
 
 
 def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
-    from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
-
     from dpfed.aggregator.client import Coordinator
     from dpfed.common.job_params import SynthParams
+    from dpfed.common.jobs.synth_evaluation import EVALUATE_SUMMARY
     from dpfed.common.privacy.composition import rounds_rho
 
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
@@ -88,7 +87,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         for name, eps, dlt in plan:
             print(f"{site.site_id:<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
         if params.summary_epsilon:
-            if SUMMARY_KIND in site.allowed_kinds:
+            if EVALUATE_SUMMARY.task_kind in site.allowed_kinds:
                 print(f"{site.site_id:<16} {'evaluate_summary':<11} "
                       f"{params.summary_epsilon:>10.4g} {params.summary_delta:>10.3g} {left:>13}")
             else:

@@ -737,6 +737,8 @@ class SVTParams(Params):
         """The session's :class:`~dpfed.common.queries.svt_stream.SVTSessionParams`."""
         from dpfed.common.queries.svt_stream import SVTSessionParams
 
+        if self.threshold is None:
+            raise ValidationError("svt needs a threshold T")
         return SVTSessionParams(self.threshold, self.cutoff, epsilon, self.numeric_epsilon,
                                 self.monotonic)
 

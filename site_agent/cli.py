@@ -132,10 +132,10 @@ def _prepare(config: SiteConfig) -> _Prepared:
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
     """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
-    from dpfed.site_agent.handlers import HANDLERS
+    from dpfed.site_agent.handlers import default_handlers
     from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 
-    handlers: dict[str, TaskHandler] = dict(HANDLERS)
+    handlers: dict[str, TaskHandler] = default_handlers()
     kinds = config.advertised_kinds
     if config.secure.mode != "off" and config.tls is not None:
         identity = SiteIdentity.load(config.tls.ca, config.tls.cert, config.tls.key)

@@ -22,10 +22,11 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.jobs.outgoing import OutgoingTask
+from dpfed.aggregator.jobs.secure_rounds import secure_release
 from dpfed.aggregator.registry import SiteDisconnected, SiteRegistry, SiteSession
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.jobs.contract import (
-    DEFAULT_MAX_RESULT_BYTES,
     Ask,
     Budget,
     JobKind,
@@ -67,19 +68,6 @@ class JobOutput:
     arrays: Mapping[str, np.ndarray]
     metadata: Mapping[str, Any]
     summary: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Wire:
-    """One task to send to a round's sites: what the dispatcher needs beside the task."""
-
-    round_name: str
-    kind: str
-    budget: Budget
-    params: Mapping[str, Any]
-    arrays: Mapping[str, np.ndarray]
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
-    check: Callable[[TaskResult], None] | None = None
 
 
 class Job(Generic[P]):
@@ -182,8 +170,6 @@ class Job(Generic[P]):
         span = (_ROUNDS_END - _ROUNDS_START) / len(self.plan)
         progress = (_ROUNDS_START + span * index, _ROUNDS_START + span * (index + 1))
         if planned.secure and isinstance(rnd, SumRound):
-            from dpfed.aggregator.jobs.secure_rounds import secure_release
-
             pooled = await secure_release(self, rnd, ask, among=among, progress=progress)
         elif planned.optional:
             pooled = await self._optional(rnd, ask, among, progress)
@@ -196,9 +182,9 @@ class Job(Generic[P]):
                           among: Collection[str] | None, progress: tuple[float, float],
                           quorum: int) -> Pooled[V]:
         request = rnd.request(ask)
-        wire = Wire(rnd.name, rnd.task_kind, ask.budget, request.params, request.arrays,
+        outgoing = OutgoingTask(rnd.name, rnd.task_kind, ask.budget, request.params, request.arrays,
                     request.max_result_bytes, lambda result: rnd.check(result, ask))
-        results = await self.dispatch(wire, only=among, progress=progress, quorum=quorum)
+        results = await self.dispatch(outgoing, only=among, progress=progress, quorum=quorum)
         value = rnd.pool(results, ask)
         return Pooled(rnd.name, value, ask.budget, _rows(results),
                       {s: r.spend for s, r in results.items()}, results)
@@ -288,26 +274,26 @@ class Job(Generic[P]):
         base = round_name.split("-keys-")[0].split("-sum-")[0]
         return self.plan[names.index(base):] if base in names else self.plan
 
-    def _eligible(self, s: SiteSession, wire: Wire) -> bool:
-        """Whether the site can be sent ``wire``; a site seen for the first time is admitted
+    def _eligible(self, s: SiteSession, outgoing: OutgoingTask) -> bool:
+        """Whether the site can be sent ``outgoing``; a site seen for the first time is admitted
         against the rest of the plan (recorded as refused when it cannot take part).
         """
         if s.site_id not in self._admitted:
-            self._admit(s, self._remaining_plan(wire.round_name))
+            self._admit(s, self._remaining_plan(outgoing.round_name))
             if s.site_id in self._left_out:
                 return False
-        return wire.kind in s.hello.allowed_kinds
+        return outgoing.kind in s.hello.allowed_kinds
 
-    def _targets(self, wire: Wire, only: Collection[str] | None) -> list[str]:
+    def _targets(self, outgoing: OutgoingTask, only: Collection[str] | None) -> list[str]:
         targets = []
         for s in self.registry.connected():
             if self._skipped(s, only):
                 continue
-            if not self._eligible(s, wire):
+            if not self._eligible(s, outgoing):
                 if s.site_id not in self._left_out:
                     self.outcomes[s.site_id] = SiteOutcome(
                         s.site_id, SiteStatus.REFUSED,
-                        f"not_allowed: the site's policy does not allow {wire.kind!r} jobs",
+                        f"not_allowed: the site's policy does not allow {outgoing.kind!r} jobs",
                         row_count=s.hello.row_count, code=RefusalCode.NOT_ALLOWED)
                 continue
             targets.append(s.site_id)
@@ -326,7 +312,7 @@ class Job(Generic[P]):
                 eligible=lambda s: not self._skipped(s, only))
 
     # ------------------------------------------------------------------ one task at every site
-    async def dispatch(self, wire: Wire, *, only: Collection[str] | None = None,
+    async def dispatch(self, outgoing: OutgoingTask, *, only: Collection[str] | None = None,
                        progress: tuple[float, float] = (0.0, 0.9),
                        quorum: int | None = None) -> dict[str, TaskResult]:
         """Send one task to every eligible site; return the answers that passed the check.
@@ -349,20 +335,20 @@ class Job(Generic[P]):
         min_sites = self.min_sites if quorum is None else quorum
         if quorum is None:
             await self.wait_for_sites(only)
-        targets = self._targets(wire, only)
+        targets = self._targets(outgoing, only)
         if len(targets) < min_sites:
             refused = "; ".join(f"{o.site_id}: {o.reason}" for o in self.outcomes.values()
                                 if o.status == SiteStatus.REFUSED)
             raise QuorumError(
                 f"{len(targets)} eligible site(s) connected ({', '.join(targets) or 'none'}); "
                 f"this job needs min_sites={min_sites}" + (f". {refused}" if refused else ""))
-        task = Task(f"{self.job_id}/{wire.round_name}", self.job_id, wire.kind,
-                    wire.budget.epsilon, wire.budget.delta, dict(wire.params),
-                    dict(wire.arrays), self.analyst_id)
+        task = Task(f"{self.job_id}/{outgoing.round_name}", self.job_id, outgoing.kind,
+                    outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
+                    dict(outgoing.arrays), self.analyst_id)
         payload = task_to_bytes(task)
         deadline = time.time() + self.deadline_s
         lo, hi = progress
-        self.emit("dispatch", f"round {wire.round_name!r}: task sent to {len(targets)} "
+        self.emit("dispatch", f"round {outgoing.round_name!r}: task sent to {len(targets)} "
                   f"site(s) ({', '.join(targets)}); deadline {self.deadline_s:g}s", lo)
         done = 0
         results: dict[str, TaskResult] = {}
@@ -382,7 +368,7 @@ class Job(Generic[P]):
                       lo + (hi - lo) * done / len(targets))
 
         async def one(site_id: str) -> None:
-            record(*await self._run_at_site(site_id, task, payload, deadline, wire))
+            record(*await self._run_at_site(site_id, task, payload, deadline, outgoing))
 
         running = {asyncio.ensure_future(one(s)): s for s in targets}
         pending = set(running)
@@ -418,7 +404,7 @@ class Job(Generic[P]):
             failed = "; ".join(f"{o.site_id}: {o.status} ({o.reason})"
                                for o in self.outcomes.values() if o.status != SiteStatus.OK)
             raise QuorumError(f"only {len(results)} site(s) answered round "
-                              f"{wire.round_name!r}; this job needs min_sites={min_sites}. "
+                              f"{outgoing.round_name!r}; this job needs min_sites={min_sites}. "
                               f"{failed}")
         return results
 
@@ -432,7 +418,7 @@ class Job(Generic[P]):
             self._absent.discard(site_id)
 
     async def _run_at_site(self, site_id: str, task: Task, payload: bytes, deadline: float,
-                           wire: Wire) -> tuple[SiteOutcome, TaskResult | None]:
+                           outgoing: OutgoingTask) -> tuple[SiteOutcome, TaskResult | None]:
         task_id = task.task_id
         rows = 0
         while True:
@@ -451,7 +437,7 @@ class Job(Generic[P]):
             try:
                 answer = await asyncio.wait_for(
                     session.submit(task_id, payload, deadline,
-                                   max_result_bytes=wire.max_result_bytes), remaining)
+                                   max_result_bytes=outgoing.max_result_bytes), remaining)
             except TimeoutError:
                 return SiteOutcome(site_id, SiteStatus.TIMEOUT, "no answer before the deadline",
                                    row_count=rows), None
@@ -472,8 +458,8 @@ class Job(Generic[P]):
                 if answer.spend.epsilon > task.epsilon * (1 + 1e-9) or (
                         answer.spend.delta > task.delta * (1 + 1e-9)):
                     raise ProtocolError("the site reports spending more than the task asked for")
-                if wire.check is not None:
-                    wire.check(answer)
+                if outgoing.check is not None:
+                    outgoing.check(answer)
             except ProtocolError as exc:
                 log.warning("site=%s sent an invalid result: %s", site_id, exc)
                 return SiteOutcome(site_id, SiteStatus.ERROR, f"invalid result: {exc}",

@@ -12,12 +12,14 @@ against the bounds the statistic and the public row counts imply before anything
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from dpfed.aggregator.jobs.outgoing import OutgoingTask
 from dpfed.common.errors import ProtocolError, QuorumError
 from dpfed.common.jobs.contract import (
     Ask,
@@ -103,8 +105,6 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
     ImpossibleSumError
         The decoded sum is one no honest run produces (a participant shifted its integers).
     """
-    from dpfed.aggregator.jobs.job import Wire
-
     name = rnd.name
     enc = rnd.encoding(ask)
     lo, hi = progress
@@ -116,7 +116,7 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
                     and job.kind.name in s.hello.allowed_kinds
                     and (among is None or s.site_id in among)]
         keys = await job.dispatch(
-            Wire(f"{name}-keys-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
+            OutgoingTask(f"{name}-keys-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
                  {"stage": "keys", "job_id": job.job_id, "sum_round": sum_round,
                   "sum_task_id": f"{job.job_id}/{sum_round}"}, {}, KEYS_RESULT_BYTES),
             only=eligible, progress=(lo, lo + (hi - lo) * 0.2))
@@ -153,9 +153,9 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
                  lo + (hi - lo) * 0.25)
         try:
             results = await job.dispatch(
-                Wire(sum_round, SECURE_TASK_KIND, budget, params, relayed,
-                     8 * plan.n_values + RESULT_ENVELOPE_BYTES,
-                     lambda result, n=plan.n_values: _check_masked(result, n)),
+                OutgoingTask(sum_round, SECURE_TASK_KIND, budget, params, relayed,
+                             8 * plan.n_values + RESULT_ENVELOPE_BYTES,
+                             functools.partial(_check_masked, n_values=plan.n_values)),
                 only=participants, progress=(lo + (hi - lo) * 0.3, hi))
         except QuorumError:
             results = {}

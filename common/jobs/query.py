@@ -157,7 +157,7 @@ class Answers:
     noise: str
     noise_variance: float
     draws: int
-    sensitivity: Mapping[str, float]
+    sensitivity: Mapping[str, float | None]
     noise_scale: Mapping[str, float]
     sensitivity_exact: bool
 

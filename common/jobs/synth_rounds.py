@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -161,7 +161,7 @@ def latent_rows(site: Site, data: DataAccess, links: LatentLinks, params: SynthP
 class SynthRound:
     """What every site-level synth round shares: it answers the task naming it."""
 
-    name: str
+    name: ClassVar[str]
 
     def answers(self, task: Task) -> bool:
         """The task names this round."""
