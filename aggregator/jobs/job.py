@@ -174,13 +174,13 @@ class Job(Generic[P]):
         elif planned.optional:
             pooled = await self._optional(rnd, ask, among, progress)
         else:
-            pooled = await self._site_level(rnd, ask, among, progress, self.min_sites)
+            pooled = await self._site_level(rnd, ask, among, progress)
         self._progress = progress[1]
         return pooled
 
     async def _site_level(self, rnd: Round[P, I, V], ask: Ask[P, I],
                           among: Collection[str] | None, progress: tuple[float, float],
-                          quorum: int) -> Pooled[V]:
+                          quorum: int | None = None) -> Pooled[V]:
         request = rnd.request(ask)
         outgoing = OutgoingTask(rnd.name, rnd.task_kind, ask.budget, request.params, request.arrays,
                     request.max_result_bytes, lambda result: rnd.check(result, ask))
