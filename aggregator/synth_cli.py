@@ -48,7 +48,9 @@ def write_progress(out: str, every: float = PROGRESS_SECONDS) -> Callable[[int, 
 
 def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
     from dpfed.aggregator.client import Coordinator
+    from dpfed.aggregator.plan_cli import print_left_out, who_takes_part
     from dpfed.common.job_params import SynthParams
+    from dpfed.common.jobs.registry import job_kind
     from dpfed.common.jobs.synth_evaluation import EVALUATE_SUMMARY
     from dpfed.common.privacy.composition import rounds_rho
 
@@ -59,9 +61,11 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
                                   pair_groups=args.pair_groups, composition=args.composition)
     params = SynthParams.parse(spec.params, None)
     plan = params.plan(args.epsilon, args.delta)
-    sites = coord.sites()
-    print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site is "
-          "charged, per round:")
+    kind = job_kind("synth")
+    sites, left_out = who_takes_part(kind, params, kind.plan(params, args.epsilon, args.delta),
+                                     coord.sites(), args.epsilon, args.delta)
+    print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site taking "
+          "part is charged, per round:")
     if params.aggregation == "secure":
         print("  every round is a secure sum (Skellam noise shared among the sites, sized "
               "for the largest tolerated-colluders t among them); the coordinator sees only "
@@ -96,6 +100,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     if not sites:
         for name, eps, dlt in plan:
             print(f"{'(every site)':<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
+    print_left_out(left_out)
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     if params.composition == "zcdp":
