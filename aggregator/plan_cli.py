@@ -65,7 +65,7 @@ def print_rounds(plan: Sequence[PlannedRound], sites: Sequence[SiteInfo]) -> Non
 
 
 def print_left_out(left_out: Sequence[tuple[SiteInfo, Exclusion]]) -> None:
-    """The connected sites that would not take part, each with its reason."""
+    """Return the connected sites that would not take part, each with its reason."""
     for site, why in left_out:
         print(f"not taking part: {site.site_id} -- {why.reason} (nothing would be charged "
               "there)")

@@ -114,7 +114,7 @@ def _outcomes_from_json(text: str) -> tuple[SiteOutcome, ...]:
 
 
 def _legacy_code(status: str, reason: str) -> tuple[str | None, bool]:
-    """The code and left-out mark of an outcome stored before outcomes carried them.
+    """Return the code and left-out mark of an outcome stored before outcomes carried them.
 
     Such a refusal's reason was ``"<code>: <text>"``, and a site left out before the first
     round for its budget said ``"budget_exceeded: the job needs ..."``.

@@ -24,13 +24,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from secure_aggregation import masked_shares  # noqa: E402
-
 from dpfed.aggregator.jobs.pca_secure import decompose_second_moment  # noqa: E402
-from dpfed.aggregator.jobs.secure_rounds import symmetric_from_upper  # noqa: E402
-from dpfed.aggregator.jobs.synth import _correlation  # noqa: E402
 from dpfed.aggregator.jobs.synth_pairs import plan_pairs  # noqa: E402
 from dpfed.aggregator.jobs.synth_secure import rho_share  # noqa: E402
+from dpfed.site_agent.handlers.secagg_sources import ContributionBuilder  # noqa: E402
+from dpfed.site_agent.handlers.synth_secure import (  # noqa: E402
+    synth_counts_contribution,
+    synth_latent_contribution,
+    synth_pair_scores_contribution,
+    synth_pairs_contribution,
+)
+from secure_aggregation import masked_shares  # noqa: E402
+
+from dpfed.aggregator.jobs.secure_rounds import symmetric_from_upper  # noqa: E402
+from dpfed.aggregator.jobs.synth import _correlation  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, EncodingReport  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
@@ -60,13 +67,6 @@ from dpfed.common.synth.pair_marginals import (  # noqa: E402
 from dpfed.common.synth.pipeline import links_from_histograms, pair_forest  # noqa: E402
 from dpfed.common.transport.certs import init_federation  # noqa: E402
 from dpfed.common.transport.protocol import Task  # noqa: E402
-from dpfed.site_agent.handlers.secagg_sources import ContributionBuilder  # noqa: E402
-from dpfed.site_agent.handlers.synth_secure import (  # noqa: E402
-    synth_counts_contribution,
-    synth_latent_contribution,
-    synth_pair_scores_contribution,
-    synth_pairs_contribution,
-)
 
 
 class SiteRows:

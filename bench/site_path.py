@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.csv as pcsv  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from dpfed.site_agent.handlers.pca import PCAHandler  # noqa: E402
 from scipy import linalg  # noqa: E402
 from scipy.linalg import blas  # noqa: E402
 
@@ -40,7 +41,6 @@ from dpfed.common.data.data_sources import open_data_source, spec_from_path  # n
 from dpfed.common.data.demo_data import write_demo  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
 from dpfed.common.transport.protocol import Task  # noqa: E402
-from dpfed.site_agent.handlers.pca import PCAHandler  # noqa: E402
 
 SEED = 20260101
 CHUNK_ROWS = 65536

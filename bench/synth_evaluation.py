@@ -28,16 +28,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
 
 from dpfed.common.data.demo_data import generate_demo
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
 from dpfed.common.data.schema import Schema
 from dpfed.common.evaluation.dp_summary import excess_near_copies, release_summary
 from dpfed.common.evaluation.holdout import holdout_positions, job_key
+from dpfed.common.evaluation.site_holdout import KEY_FILE, TrainingRows, site_secret
 from dpfed.common.synth.link_release import LinkHistogramAccumulator
 from dpfed.common.transport.protocol import Task
-from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
-from dpfed.common.evaluation.site_holdout import KEY_FILE, TrainingRows, site_secret
 
 CHUNK = 65_536
 N_BINS = 32

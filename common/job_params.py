@@ -354,7 +354,7 @@ class SynthParams(Params):
         omit=lambda p: p.composition == "basic")
 
     def validate(self, schema: Schema | None) -> None:
-        """A joint model of one column is its marginal: synth needs at least two."""
+        """Refuse unless A joint model of one column is its marginal: synth needs at least two."""
         if schema is not None and len(schema.columns) < 2:
             raise ValidationError(
                 f"the federation schema has {len(schema.columns)} column(s); synth needs at "
@@ -370,7 +370,7 @@ class SynthParams(Params):
         return self.composition == "zcdp"
 
     def required_accountant(self, epsilon: float, delta: float) -> tuple[str, str] | None:
-        """A ``zcdp`` composed job runs only at sites whose ledger adds rho."""
+        """Return A ``zcdp`` composed job runs only at sites whose ledger adds rho."""
         if not self.zcdp:
             return None
         charged = sum(e for _, e, _ in self.plan(epsilon, delta))
@@ -407,7 +407,7 @@ class SynthParams(Params):
         return split_budget(epsilon, delta, self.split, self.composition)
 
     def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
-        """The split's rounds, then the evaluation rounds (optional: only where allowed)."""
+        """Return the split's rounds, then the evaluation rounds (optional: only where allowed)."""
         out = [RoundShare(n, e, d) for n, e, d in self.plan(epsilon, delta)]
         if self.evaluate_rows:
             out.append(RoundShare("evaluate", 0.0, 0.0, charged=False, optional=True))
@@ -583,13 +583,13 @@ class QueryParams(Params):
                                   "'auto' or 'gaussian', not 'laplace'")
 
     def domain_in(self, schema: Schema) -> Any:
-        """The :class:`~dpfed.common.queries.query_language.Domain` over ``schema``."""
+        """Return the :class:`~dpfed.common.queries.query_language.Domain` over ``schema``."""
         from dpfed.common.queries.query_language import parse_domain
 
         return parse_domain(schema, self.domain.get("columns"), self.domain.get("bins"))
 
     def workload_in(self, schema: Schema) -> Any:
-        """The :class:`~dpfed.common.queries.workloads.Workload` over the domain."""
+        """Return the :class:`~dpfed.common.queries.workloads.Workload` over the domain."""
         from dpfed.common.queries.workload_spec import build_workload
 
         return build_workload(self.domain_in(schema), self.workload)
@@ -622,8 +622,10 @@ _SVT_OPEN_KEYS = {"queries", "threshold", "cutoff", "numeric_epsilon", "monotoni
 
 
 def _analyst_svt(raw: Mapping[str, Any], schema: Schema | None) -> dict[str, Any]:
-    """An analyst's svt parameters (``session``, ``close``, the session's settings) in the
-    canonical form (``action``; queries compiled to their canonical form).
+    """Return an analyst's svt parameters in the canonical form.
+
+    The analyst gives ``session``, ``close`` and the session's settings; the canonical form
+    names the ``action``, with the queries compiled to their canonical form.
     """
     params = dict(raw)
     session = params.get("session") or ""
@@ -659,7 +661,7 @@ def _analyst_svt(raw: Mapping[str, Any], schema: Schema | None) -> dict[str, Any
 
 
 def _canonical_queries(raw: Any, schema: Schema | None) -> Any:
-    """An analyst's query set, compiled to its canonical form (as given without a schema)."""
+    """Return an analyst's query set, compiled to its canonical form (as given without a schema)."""
     from dpfed.common.queries.query_language import compile_query_set
 
     return raw if schema is None else list(compile_query_set(schema, raw).canonical)
@@ -722,7 +724,7 @@ class SVTParams(Params):
         return super().parse(canonical, schema)
 
     def validate(self, schema: Schema | None) -> None:
-        """A monotonic session needs queries that provably move in one direction."""
+        """Refuse unless A monotonic session needs queries that provably move in one direction."""
         if schema is None or self.action != "open" or not self.monotonic:
             return
         from dpfed.common.queries.query_language import compile_query_set
@@ -734,7 +736,7 @@ class SVTParams(Params):
                                   "default noise")
 
     def session_params(self, epsilon: float) -> Any:
-        """The session's :class:`~dpfed.common.queries.svt_stream.SVTSessionParams`."""
+        """Return the session's :class:`~dpfed.common.queries.svt_stream.SVTSessionParams`."""
         from dpfed.common.queries.svt_stream import SVTSessionParams
 
         if self.threshold is None:

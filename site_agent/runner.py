@@ -107,7 +107,7 @@ class TaskRunner:
         tag = (f"task={_loggable(task.task_id, 80)} job={_loggable(task.job_id, 80)} "
                f"kind={_loggable(task.kind, 40)}")
         try:
-            answer = self._run(task, deadline_unix)
+            answer = self._run(task, deadline_unix, tag)
         except TaskExpiredError as exc:
             log.warning("%s refused: %s", tag, exc)
             return Refusal(task.task_id, RefusalCode.DEADLINE, "the task's deadline passed "
@@ -137,7 +137,7 @@ class TaskRunner:
             log.warning("%s outcome=refused: %s", tag, answer.reason)
         return answer
 
-    def _run(self, task: Task, deadline_unix: float | None) -> bytes | Refusal:
+    def _run(self, task: Task, deadline_unix: float | None, tag: str) -> bytes | Refusal:
         if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
             return Refusal(task.task_id, RefusalCode.NOT_ALLOWED,
                            f"this site does not run {task.kind!r} jobs "
@@ -154,27 +154,25 @@ class TaskRunner:
                                                                       task.kind):
                 return Refusal(task.task_id, RefusalCode.CONFLICT,
                                "this task id was already used for a different request")
-            log.info("task=%s replayed from the ledger (no new charge)",
-                     _loggable(task.task_id, 80))
+            log.info("%s outcome=replayed from the ledger (no new charge)", tag)
             return self.ledger.stored_result(task.task_id)
         if deadline_unix is not None and time.time() > deadline_unix:
             return Refusal(task.task_id, RefusalCode.DEADLINE,
                            "the task's deadline passed before it started")
         release = self.handlers[task.kind].prepare(task, self.data)
-        return self._release(task, release, digest, deadline_unix)
+        return self._release(task, release, digest, deadline_unix, tag)
 
     def _release(self, task: Task, release: Release, digest: str,
-                 deadline_unix: float | None) -> bytes | Refusal:
+                 deadline_unix: float | None, tag: str) -> bytes | Refusal:
         """Charge what the release's charge says, then let it draw its noise."""
         charge = release.charge
-        tag = _loggable(task.task_id, 80)
         if isinstance(charge, NewCharge):
             rng = self._rng(task.kind)
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
                 cost=charge.cost, release=lambda: _as_bytes(release.produce(rng)),
                 analyst=task.analyst_id, deadline_unix=deadline_unix)
-            log.info("task=%s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
+            log.info("%s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
                      "replayed" if outcome.replayed else "charged", charge.cost.epsilon,
                      charge.cost.delta, len(outcome.result))
             return outcome.result
@@ -184,7 +182,7 @@ class TaskRunner:
                                "this site never charged the release this task continues")
             salt = json.dumps(dict(task.params), sort_keys=True, default=str)
             answer = _as_bytes(release.produce(self._rng(task.kind, salt)))
-            log.info("task=%s continued %s (no new charge), %d bytes released", tag,
+            log.info("%s outcome=continued %s (no new charge), %d bytes released", tag,
                      _loggable(charge.task_id, 80), len(answer))
             return answer
         where = charge.local_output(self.local_dir) if charge.local_output else "nothing"
@@ -193,8 +191,8 @@ class TaskRunner:
                 not isinstance(result, TaskResult) or result.arrays
                 or result.spend.epsilon or result.spend.delta or result.spend.rho):
             raise ValidationError("a local-only task must not release arrays or spend budget")
-        log.info("task=%s free: %s written (nothing computed from rows released, nothing "
-                 "charged)", tag, where)
+        log.info("%s outcome=free: %s written (nothing computed from rows released, "
+                 "nothing charged)", tag, where)
         return _as_bytes(result)
 
 

@@ -122,14 +122,14 @@ class Job(Generic[P]):
         return self.spec.deadline_seconds or self.federation.task_deadline_s
 
     def planned(self, name: str) -> PlannedRound:
-        """The plan's entry for round ``name``."""
+        """Return the plan's entry for round ``name``."""
         for r in self.plan:
             if r.name == name:
                 return r
         raise KeyError(f"round {name!r} is not in this job's plan")
 
     def budget(self, name: str) -> Budget:
-        """What round ``name``'s task carries."""
+        """Return what round ``name``'s task carries."""
         r = self.planned(name)
         return Budget(r.epsilon, r.delta, r.rho if r.secure and self.params.zcdp else None)
 
@@ -138,13 +138,14 @@ class Job(Generic[P]):
         self._emit(stage, message, self._progress if progress is None else progress)
 
     def pooled_draws(self, rnd: Round[P, Any, Any]) -> int:
-        """How many independent noise draws round ``rnd``'s pooled value will carry: one
-        for a secure sum, one per connected site otherwise.
+        """Return how many independent noise draws round ``rnd``'s pooled value carries.
+
+        One for a secure sum, one per connected site otherwise.
         """
         return 1 if self.planned(rnd.name).secure else max(1, len(self.registry.connected()))
 
     def sites_allowing(self, kind: str) -> list[str]:
-        """Connected sites whose policy allows task kind ``kind``."""
+        """Return connected sites whose policy allows task kind ``kind``."""
         return [s.site_id for s in self.registry.connected() if kind in s.hello.allowed_kinds]
 
     # ------------------------------------------------------------------ releases
@@ -275,8 +276,10 @@ class Job(Generic[P]):
         return self.plan[names.index(base):] if base in names else self.plan
 
     def _eligible(self, s: SiteSession, outgoing: OutgoingTask) -> bool:
-        """Whether the site can be sent ``outgoing``; a site seen for the first time is admitted
-        against the rest of the plan (recorded as refused when it cannot take part).
+        """Return whether the site can be sent ``outgoing``.
+
+        A site seen for the first time is admitted against the rest of the plan (recorded as
+        refused when it cannot take part).
         """
         if s.site_id not in self._admitted:
             self._admit(s, self._remaining_plan(outgoing.round_name))
@@ -470,7 +473,7 @@ class Job(Generic[P]):
 
 
 def _rows(results: Mapping[str, TaskResult]) -> dict[str, int]:
-    """The public row counts the sites reported with their releases."""
+    """Return the public row counts the sites reported with their releases."""
     return {s: int(r.metadata["n_rows"]) for s, r in results.items()
             if isinstance(r.metadata.get("n_rows"), int)}
 

@@ -14,8 +14,10 @@ from dpfed.common.transport.protocol import TaskResult
 
 @dataclass(frozen=True)
 class OutgoingTask:
-    """A task for every site of a round: its name (the task id's tail), kind, budget, payload,
-    the largest answer accepted and the check every answer must pass.
+    """A task for every site of a round.
+
+    Its name (the task id's tail), kind, budget, payload, the largest answer accepted and the
+    check every answer must pass.
     """
 
     round_name: str

@@ -16,13 +16,13 @@ def round_log(released: Sequence[Pooled[Any]]) -> list[dict[str, Any]]:
 
 
 def site_spend(released: Sequence[Pooled[Any]], site_id: str) -> dict[str, float]:
-    """What ``site_id`` was charged over the rounds whose releases the result used."""
+    """Return what ``site_id`` was charged over the rounds whose releases the result used."""
     return {"epsilon": sum(p.budget.epsilon for p in released if site_id in p.rows),
             "delta": sum(p.budget.delta for p in released if site_id in p.rows)}
 
 
 def sum_record(summed: SecureSum) -> dict[str, Any]:
-    """The public facts of one secure sum: its plan, its participants, its noise."""
+    """Return the public facts of one secure sum: its plan, its participants, its noise."""
     plan = summed.plan
     cal = plan.calibration
     return {"statistic": plan.statistic, "participants": list(plan.participants),

@@ -127,8 +127,9 @@ async def run(job: Job[SynthParams]) -> JobOutput:
 
 
 def _check_budget(job: Job[SynthParams]) -> None:
-    """Refuse a budget whose histograms would be mostly noise; warn when the pair tables
-    would be (public numbers only: the schema, the split, the sites' row counts).
+    """Refuse a budget whose histograms would be mostly noise; warn of noisy pair tables.
+
+    Public numbers only: the schema, the split, the sites' row counts.
     """
     params = job.params
     rows = [s.hello.row_count for s in job.registry.connected()
@@ -150,8 +151,10 @@ def _check_budget(job: Job[SynthParams]) -> None:
 
 @dataclass(frozen=True)
 class PairsFitted:
-    """What the pair rounds produced: the grid, the candidates and chosen edges, the fitted
-    joint proportions per edge, and the public numbers the correction shrinks by.
+    """What the pair rounds produced.
+
+    The grid, the candidates and chosen edges, the fitted joint proportions per edge, and the
+    public numbers the correction shrinks by.
     """
 
     grid: PairGrid
@@ -162,7 +165,7 @@ class PairsFitted:
     noise_sd: float
 
     def metadata(self, schema: Schema) -> dict[str, Any]:
-        """The model metadata of the pair rounds (edges by index and by column name)."""
+        """Return the model metadata of the pair rounds (edges by index and by column name)."""
         names = schema.names
         out: dict[str, Any] = {
             "pair_edges": [[a, b] for a, b in self.edges],
@@ -256,7 +259,7 @@ def _correlation(moment: np.ndarray) -> np.ndarray:
 
 async def _evaluate(job: Job[SynthParams], model: SynthModel,
                     model_sites: list[str]) -> dict[str, Any]:
-    """The evaluation rounds at the model's sites; what the model records of them."""
+    """Return the evaluation rounds at the model's sites; what the model records of them."""
     params = job.params
     schema = job.federation.schema
     sample = EncodedTable.concatenate(list(model.iter_encoded(

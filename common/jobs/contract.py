@@ -72,7 +72,7 @@ class Site:
         return None if self.ledger_path is None else self.ledger_path.parent
 
     def keep(self, name: str, make: Callable[[], T]) -> T:
-        """The object kept under ``name``, made by ``make()`` the first time."""
+        """Return the object kept under ``name``, made by ``make()`` the first time."""
         if name not in self.kept:
             self.kept[name] = make()
         found: T = self.kept[name]
@@ -153,8 +153,10 @@ class Budget:
 
 @dataclass(frozen=True)
 class Ask(Generic[P, I]):
-    """What the coordinator asks a round with: the job's params, the federation schema, the
-    inputs earlier releases decided, and the round's budget.
+    """What the coordinator asks a round with.
+
+    The job's params, the federation schema, the inputs earlier releases decided, and the
+    round's budget.
     """
 
     params: P
@@ -268,7 +270,7 @@ class Round(ABC, Generic[P, I, V]):
         return ValidationError(f"no round of a {task.kind!r} job answers this task")
 
     def task_budget(self, budget: Budget, inputs: I) -> Budget:
-        """What the round's task carries, within its planned budget (default: all of it)."""
+        """Return what the round's task carries, within its planned budget (default: all of it)."""
         del inputs
         return budget
 

@@ -58,7 +58,7 @@ def _excluded(code: RefusalCode, text: str) -> Exclusion:
 
 
 def secure_policy(site: SiteView) -> SecureAggregationPolicy:
-    """The site's secure-aggregation policy: ``off`` unless it runs ``secagg`` tasks.
+    """Return the site's secure-aggregation policy: ``off`` unless it runs ``secagg`` tasks.
 
     A site that runs them without saying more (an older site's hello) is taken as
     ``allowed`` with the least strict limits: its key exchange states its real ones.
@@ -152,6 +152,6 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
 
 
 def secure_quorum(policies: Sequence[SecureAggregationPolicy], min_sites: int) -> int:
-    """The fewest participants a secure sum among sites with these policies can have."""
+    """Return the fewest participants a secure sum among sites with these policies can have."""
     return max([min_sites, 2] + [p.min_participants for p in policies]
                + [p.tolerated + 1 for p in policies])

@@ -163,13 +163,15 @@ class Params:
 
     @property
     def zcdp(self) -> bool:
-        """Whether the job's rounds compose in zCDP (each gets a share of the job's rho; its
-        secure sums are planned to spend at most that share). Default: basic composition.
+        """Return whether the job's rounds compose in zCDP (default: basic composition).
+
+        Each round then gets a share of the job's rho; its secure sums are planned to spend
+        at most that share.
         """
         return False
 
     def required_accountant(self, epsilon: float, delta: float) -> tuple[str, str] | None:
-        """The accountant a site's ledger must use to take part, and why (default: any)."""
+        """Return the accountant a site's ledger must use to take part, and why (default: any)."""
         del epsilon, delta
         return None
 

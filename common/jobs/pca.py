@@ -143,13 +143,15 @@ def _secure_params(params: PCAParams) -> dict[str, Any]:
 
 
 def _secure_scale(params: PCAParams, schema: Any) -> float:
-    """The radius the secure sums' rows were divided by (the clip norm, or the schema's)."""
+    """Return the radius the secure sums' rows were divided by (the clip norm, or the schema's)."""
     return params.clip_norm if isinstance(params.clip_norm, float) else max_feature_norm(schema)
 
 
 def _vector_check(result: TaskResult, name: str, length: int, sigma: float) -> None:
-    """Both vector rounds release a sum of row vectors of norm at most 1 (rows scaled into the
-    unit ball; one-hot norm histograms): the exact part has norm at most ``N_s``.
+    """Require what an honest noisy sum of row vectors of norm at most 1 can be.
+
+    Both vector rounds release such a sum (rows scaled into the unit ball; one-hot norm
+    histograms): its exact part has norm at most ``N_s``.
     """
     v = require_array(result, name, (length,))
     n = require_positive_int(result.metadata, "n_rows")
@@ -174,7 +176,7 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
                        "is decoded -> the DP mean")
 
     def answers(self, task: Task) -> bool:
-        """A ``pca`` task of stage ``mean``."""
+        """Answer A ``pca`` task of stage ``mean``."""
         return _stage(task) == "mean"
 
     def prepare(self, task: Task, site: Site) -> Release:
@@ -191,28 +193,28 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
                              {"n_rows": n_rows, "noise_sigma": mech.sigma})
 
     def request(self, ask: Ask[PCAParams, None]) -> Request:
-        """The job's parameters, stage ``mean``."""
+        """Return the job's parameters, stage ``mean``."""
         return Request(_base(ask.params, "mean"))
 
     def check(self, result: TaskResult, ask: Ask[PCAParams, None]) -> None:
-        """A sum of unit vectors plus the round's noise."""
+        """Require A sum of unit vectors plus the round's noise."""
         b = ask.budget
         _vector_check(result, "sum", len(feature_names(ask.schema)),
                       mean_sum_mechanism(b.epsilon, b.delta, ask.params.calibration).sigma)
 
     def pool(self, results: Mapping[str, TaskResult], ask: Ask[PCAParams, None]) -> np.ndarray:
-        """The DP mean, projected into the box and the ball the true mean lies in."""
+        """Return the DP mean, projected into the box and the ball the true mean lies in."""
         sums = [results[s].arrays["sum"] for s in sorted(results)]
         n_total = sum(int(r.metadata["n_rows"]) for r in results.values())
         return dp_mean(sums, n_total, max_feature_norm(ask.schema))
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """The exact integer row sum of the clipped unit-ball rows."""
+        """Return the exact integer row sum of the clipped unit-ball rows."""
         return _contribution(task, site, participants, tolerated, self.statistic)
 
     def encoding(self, ask: Ask[PCAParams, None]) -> SumEncoding:
-        """A row sum of dimension p over rows of norm at most 1."""
+        """Return A row sum of dimension p over rows of norm at most 1."""
         return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
 
     def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, None]) -> np.ndarray:
@@ -236,7 +238,7 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
     task_kind = "pca"
 
     def answers(self, task: Task) -> bool:
-        """A ``pca`` task of stage ``norms``."""
+        """Answer A ``pca`` task of stage ``norms``."""
         return _stage(task) == "norms"
 
     def prepare(self, task: Task, site: Site) -> Release:
@@ -263,18 +265,18 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
         return norm_grid(norm_bound(ask.schema, ask.params.centering == "mean"))
 
     def request(self, ask: Ask[PCAParams, np.ndarray | None]) -> Request:
-        """The job's parameters, stage ``norms``, and the DP centre."""
+        """Return the job's parameters, stage ``norms``, and the DP centre."""
         return Request(_base(ask.params, "norms"), _center_arrays(ask.inputs))
 
     def check(self, result: TaskResult, ask: Ask[PCAParams, np.ndarray | None]) -> None:
-        """A histogram of unit counts plus the round's noise."""
+        """Require A histogram of unit counts plus the round's noise."""
         b = ask.budget
         _vector_check(result, "histogram", len(self._edges(ask)),
                       norm_histogram_mechanism(b.epsilon, b.delta, ask.params.calibration).sigma)
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[PCAParams, np.ndarray | None]) -> float:
-        """The DP quantile of the pooled histograms: the clip radius."""
+        """Return the DP quantile of the pooled histograms: the clip radius."""
         hists = [results[s].arrays["histogram"] for s in sorted(results)]
         n_total = sum(int(r.metadata["n_rows"]) for r in results.values())
         return dp_quantile(hists, self._edges(ask), ask.params.clip_quantile, n_total)
@@ -304,7 +306,7 @@ class SecondMoment:
     noise_sigma: Mapping[str, float] = field(default_factory=dict)
 
     def top(self, k: int) -> PCAEstimate:
-        """The top-``k`` eigenpairs (post-processing)."""
+        """Return the top-``k`` eigenpairs (post-processing)."""
         if self.matrix is not None:
             return decompose_second_moment(self.matrix, k)
         return combine(list(self.factors), k, [self.weights[s] for s in sorted(self.weights)])
@@ -351,7 +353,7 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
                        "total is decoded and centred at the coordinator -> the components")
 
     def answers(self, task: Task) -> bool:
-        """A ``pca`` task of stage ``pca`` (the default)."""
+        """Answer A ``pca`` task of stage ``pca`` (the default)."""
         return _stage(task) == "pca"
 
     def prepare(self, task: Task, site: Site) -> Release:
@@ -387,7 +389,7 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
                               "rank": params.rank, "n_features": n_features})
 
     def request(self, ask: Ask[PCAParams, MomentInputs]) -> Request:
-        """The job's parameters with the resolved clip norm, and the DP centre."""
+        """Return the job's parameters with the resolved clip norm, and the DP centre."""
         clip = ask.inputs.clip
         p = len(feature_names(ask.schema))
         return Request(_base(ask.params, "pca", clip_norm="schema" if clip is None else clip),
@@ -395,7 +397,7 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
                        max_result_bytes=p * ask.params.rank * 8 + RESULT_ENVELOPE_BYTES)
 
     def check(self, result: TaskResult, ask: Ask[PCAParams, MomentInputs]) -> None:
-        """What an honest P_s can be: ||z z^T|| <= 1 for every row, plus the public noise."""
+        """Require what an honest P_s can be: ||z z^T|| <= 1 per row, plus the public noise."""
         p = len(feature_names(ask.schema))
         factor = require_array(result, "factor", (p, ask.params.rank))
         n = require_positive_int(result.metadata, "n_rows")
@@ -406,7 +408,7 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[PCAParams, MomentInputs]) -> SecondMoment:
-        """The site factors, weighted by rows (or equally)."""
+        """Return the site factors, weighted by rows (or equally)."""
         sites = sorted(results)
         weights = site_weights([int(results[s].metadata["n_rows"]) for s in sites],
                                ask.params.site_weighting)
@@ -419,16 +421,16 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """The exact integer Gram matrix of the clipped unit-ball rows."""
+        """Return the exact integer Gram matrix of the clipped unit-ball rows."""
         return _contribution(task, site, participants, tolerated, self.statistic)
 
     def encoding(self, ask: Ask[PCAParams, MomentInputs]) -> SumEncoding:
-        """A Gram sum of dimension p over rows of norm at most 1."""
+        """Return A Gram sum of dimension p over rows of norm at most 1."""
         return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
 
     def pool_secure(self, summed: SecureSum,
                     ask: Ask[PCAParams, MomentInputs]) -> SecondMoment:
-        """``A = G / N - mu mu^T`` (centred at the DP mean: exact post-processing)."""
+        """Return ``A = G / N - mu mu^T`` (centred at the DP mean: exact post-processing)."""
         p = len(feature_names(ask.schema))
         n_total = summed.n_rows_total
         c = _secure_scale(ask.params, ask.schema)

@@ -97,7 +97,7 @@ def resolve_strategy(spec: Any, n: int, arrays: Mapping[str, np.ndarray]) -> np.
 
 
 def _domain_strategy(task: Task, site: Site) -> tuple[Any, np.ndarray]:
-    """The task's domain and its verified strategy matrix."""
+    """Return the task's domain and its verified strategy matrix."""
     d = task.params.get("domain")
     if not isinstance(d, dict):
         raise ValidationError("query needs a domain {columns, bins}")
@@ -106,7 +106,7 @@ def _domain_strategy(task: Task, site: Site) -> tuple[Any, np.ndarray]:
 
 
 def _histogram(site: Site, domain: Any) -> tuple[np.ndarray, int]:
-    """The site's exact histogram over the domain, and its number of rows."""
+    """Return the site's exact histogram over the domain, and its number of rows."""
     hist_set = compile_query_set(site.data.schema,
                                  [{"name": "hist", "domain": domain.to_json()}], canonical=True)
     x, n_rows = hist_set.counts(t for t, _ in site.data.iter_chunks())
@@ -227,12 +227,12 @@ class Query(SumRound[QueryParams, Chosen, Answers]):
 
     # ------------------------------------------------------------------ coordinator
     def request(self, ask: Ask[QueryParams, Chosen]) -> Request:
-        """The domain, the chosen noise and the strategy (named, or matrix + digest)."""
+        """Return the domain, the chosen noise and the strategy (named, or matrix + digest)."""
         return Request({"domain": ask.params.domain, "noise": ask.inputs.pick.noise,
                         "strategy": ask.inputs.spec}, ask.inputs.arrays)
 
     def check(self, result: TaskResult, ask: Ask[QueryParams, Chosen]) -> None:
-        """A finite answer vector, released with the announced strategy."""
+        """Require A finite answer vector, released with the announced strategy."""
         k = ask.inputs.pick.matrix.shape[0]
         y = result.arrays.get("y")
         if y is None or y.shape != (k,) or y.dtype != np.float64 or not np.all(np.isfinite(y)):
@@ -245,7 +245,7 @@ class Query(SumRound[QueryParams, Chosen, Answers]):
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[QueryParams, Chosen]) -> Answers:
-        """The sum of the sites' answers (one noise draw per site)."""
+        """Return the sum of the sites' answers (one noise draw per site)."""
         a = ask.inputs.pick.matrix
         b = ask.budget
         mech = SiteMatrixRelease(a, b.epsilon, b.delta, ask.inputs.pick.noise)

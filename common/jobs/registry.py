@@ -79,14 +79,15 @@ def task_kinds() -> tuple[str, ...]:
 
 
 def default_task_kinds() -> tuple[str, ...]:
-    """The task kinds a site runs when its policy names none: all but the opt-in ones."""
+    """Return the task kinds a site runs when its policy names none: all but the opt-in ones."""
     opt_in = {r.task_kind for kind in kinds() for r in kind.rounds if r.opt_in}
     return tuple(k for k in task_kinds() if k not in opt_in)
 
 
 def sum_kinds() -> tuple[str, ...]:
-    """Kinds with a secure mode (a site requiring secure aggregation refuses their
-    site-level releases).
+    """Return the kinds with a secure mode.
+
+    A site whose policy requires secure aggregation refuses their site-level releases.
     """
     return tuple(kind.name for kind in kinds() if kind.sums)
 

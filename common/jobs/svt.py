@@ -52,7 +52,7 @@ def _session_id(params: Mapping[str, Any]) -> str:
 
 
 def session_store(site: Site) -> SVTSessionStore:
-    """The site's SVT session store, beside its ledger (opened once per site)."""
+    """Return the site's SVT session store, beside its ledger (opened once per site)."""
     path = site.ledger_path
     if path is None:
         raise ValidationError("the svt round is not bound to a site (no session store)")
@@ -75,7 +75,7 @@ class SessionBatch:
 
 
 def batch_of(params: SVTParams, job_id: str, schema: Any) -> SessionBatch:
-    """The session a job opens (its own id) or continues, and its queries' names."""
+    """Return the session a job opens (its own id) or continues, and its queries' names."""
     session = job_id if params.action == "open" else params.session
     names = ([] if params.action == "close" else
              list(compile_query_set(schema, params.queries, canonical=True).names))
@@ -181,11 +181,11 @@ class Batch(BaseRound[SVTParams, SessionBatch, Transcripts]):
 
     # ------------------------------------------------------------------ coordinator
     def request(self, ask: Ask[SVTParams, SessionBatch]) -> Request:
-        """The canonical parameters, naming the session (the opening job's id)."""
+        """Return the canonical parameters, naming the session (the opening job's id)."""
         return Request({**ask.params.to_mapping(), "session": ask.inputs.session})
 
     def check(self, result: TaskResult, ask: Ask[SVTParams, SessionBatch]) -> None:
-        """Flags for at most the batch's queries; values only for "above"; charged once."""
+        """Require flags for at most the batch's queries; values only for "above"; charged once."""
         k = len(ask.inputs.names)
         above = result.arrays.get("above")
         if above is None or above.ndim != 1 or above.shape[0] > k or not np.all(

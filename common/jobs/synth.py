@@ -44,7 +44,7 @@ MAX_PROPORTION_ERROR = 0.5
 
 
 def counts_sigma(groups: int, epsilon: float, delta: float) -> float:
-    """The Skellam noise's standard deviation on every cell of a secure counts sum.
+    """Return the Skellam noise's standard deviation on every cell of a secure counts sum.
 
     ``groups`` is the number ``C`` of histograms (or tables) every row adds one count to
     (L2 sensitivity ``sqrt(2 C)``, L1 ``2 C``; budget checks before anything runs).
@@ -55,7 +55,7 @@ def counts_sigma(groups: int, epsilon: float, delta: float) -> float:
 
 def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
                         delta: float) -> np.ndarray:
-    """The Skellam noise's standard deviation on each column's pooled counts (secure links).
+    """Return the Skellam noise's standard deviation on each column's pooled counts (secure links).
 
     The weighted counts' sensitivities are those of counts with ``C = row_norm^2`` groups;
     column ``j``'s counts are divided by its weight ``m_j``.

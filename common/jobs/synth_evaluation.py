@@ -90,7 +90,7 @@ def _secret(site: Site) -> bytes:
 
 
 def _safe(name: str) -> str:
-    """A job id as a directory name: no path separators, never ``.`` or ``..``."""
+    """Return A job id as a directory name: no path separators, never ``.`` or ``..``."""
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:100]
     return "job" if safe.strip(".") == "" else safe
 
@@ -137,12 +137,12 @@ class Evaluate(BaseRound[SynthParams, Sample, list[str]]):
         return Release(Free(write), done)
 
     def request(self, ask: Ask[SynthParams, Sample]) -> Request:
-        """The sample, for the schema it was made for."""
+        """Return the sample, for the schema it was made for."""
         return Request({"schema_digest": ask.schema.digest()}, ask.inputs.arrays)
 
     def pool(self, results: Mapping[str, TaskResult], ask: Ask[SynthParams, Sample]
              ) -> list[str]:
-        """The sites that wrote their report."""
+        """Return the sites that wrote their report."""
         return sorted(results)
 
 
@@ -172,7 +172,7 @@ class EvaluateSummary(BaseRound[SynthParams, Sample, dict[str, dict[str, Any]]])
         return Release(NewCharge(cost), produce)
 
     def request(self, ask: Ask[SynthParams, Sample]) -> Request:
-        """The sample, the schema and the bins the summary compares on."""
+        """Return the sample, the schema and the bins the summary compares on."""
         return Request({"schema_digest": ask.schema.digest(), "n_bins": ask.params.n_bins},
                        ask.inputs.arrays)
 

@@ -68,8 +68,9 @@ MAX_SITE_ROWS = 10 ** 10
 
 @dataclass(frozen=True)
 class PairInput:
-    """What the pair rounds are asked with: the links, the grid, its candidate pairs, and
-    (round ``pairs``) the chosen edges.
+    """What the pair rounds are asked with.
+
+    The links, the grid, its candidate pairs, and (round ``pairs``) the chosen edges.
     """
 
     links: LinksInput
@@ -78,14 +79,16 @@ class PairInput:
     edges: list[Pair]
 
     def with_edges(self, edges: list[Pair]) -> PairInput:
-        """The same, with the chosen edges."""
+        """Return the same, with the chosen edges."""
         return PairInput(self.links, self.grid, self.candidates, edges)
 
 
 @dataclass(frozen=True)
 class PairTables:
-    """The pooled noisy tables of the edges (concatenated in edge order), the public pooled
-    row count, and the noise's standard deviation on every cell (in counts).
+    """The pooled noisy tables of the edges, concatenated in edge order.
+
+    With the public pooled row count, and the noise's standard deviation on every cell (in
+    counts).
     """
 
     total: np.ndarray
@@ -216,7 +219,7 @@ class PairScores(SynthRound, SumRound[SynthParams, PairInput, np.ndarray]):
                        "total is decoded -> the chosen pairs")
 
     def prepare(self, task: Task, site: Site) -> Release:
-        """The exact scores over the training rows, priced."""
+        """Prepare the exact scores over the training rows, priced."""
         extra, params = site_params(task, site)
         n_rows, scores = exact_scores(task, site, params, extra.get("links_digest"))
         require_rows(n_rows)
@@ -227,7 +230,7 @@ class PairScores(SynthRound, SumRound[SynthParams, PairInput, np.ndarray]):
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """The floored scores (links digest checked first)."""
+        """Return the floored scores (links digest checked first)."""
         params = secure_params(task, site)
         grid, proportions = _secure_grid(task, site, params)
         candidates = pair_candidates(grid)
@@ -243,7 +246,7 @@ class PairScores(SynthRound, SumRound[SynthParams, PairInput, np.ndarray]):
                                     compute=compute)
 
     def request(self, ask: Ask[SynthParams, PairInput]) -> Request:
-        """The job's parameters, the round, the links."""
+        """Return the job's parameters, the round, the links."""
         links = ask.inputs.links
         return Request({**base_params(ask.params, ask.schema), "round": self.name,
                         "links_digest": links.digest}, links.arrays)
@@ -254,7 +257,7 @@ class PairScores(SynthRound, SumRound[SynthParams, PairInput, np.ndarray]):
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[SynthParams, PairInput]) -> np.ndarray:
-        """The sum of the sites' scores."""
+        """Return the sum of the sites' scores."""
         return np.asarray(np.sum([results[s].arrays["pair_scores"] for s in sorted(results)],
                                  axis=0))
 
@@ -268,7 +271,7 @@ class PairScores(SynthRound, SumRound[SynthParams, PairInput, np.ndarray]):
                            .arrays)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, PairInput]) -> np.ndarray:
-        """The pooled scores."""
+        """Return the pooled scores."""
         return check_pooled(np.asarray(summed.value, dtype=np.float64),
                             len(ask.inputs.candidates), "pooled pair scores")
 
@@ -290,7 +293,7 @@ class PairTableRound(SynthRound, SumRound[SynthParams, PairInput, PairTables]):
                        "tables")
 
     def prepare(self, task: Task, site: Site) -> Release:
-        """The exact tables of the edges, priced."""
+        """Prepare the exact tables of the edges, priced."""
         extra, params = site_params(task, site)
         n_rows, tables, edges = exact_tables(task, site, params, extra)
         require_rows(n_rows)
@@ -302,7 +305,7 @@ class PairTableRound(SynthRound, SumRound[SynthParams, PairInput, PairTables]):
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """The exact tables (links digest and edges checked first)."""
+        """Return the exact tables (links digest and edges checked first)."""
         params = secure_params(task, site)
         grid, _proportions = _secure_grid(task, site, params)
         d = len(site.data.schema.columns)
@@ -319,7 +322,7 @@ class PairTableRound(SynthRound, SumRound[SynthParams, PairInput, PairTables]):
                                     row_norm=math.sqrt(len(edges)), compute=compute)
 
     def request(self, ask: Ask[SynthParams, PairInput]) -> Request:
-        """The job's parameters, the round, the links and the edges."""
+        """Return the job's parameters, the round, the links and the edges."""
         links = ask.inputs.links
         return Request({**base_params(ask.params, ask.schema), "round": self.name,
                         "links_digest": links.digest,
@@ -332,7 +335,7 @@ class PairTableRound(SynthRound, SumRound[SynthParams, PairInput, PairTables]):
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[SynthParams, PairInput]) -> PairTables:
-        """The sum of the sites' tables; the noise of S site draws."""
+        """Return the sum of the sites' tables; the noise of S site draws."""
         sites = sorted(results)
         b = ask.budget
         return PairTables(
@@ -342,7 +345,7 @@ class PairTableRound(SynthRound, SumRound[SynthParams, PairInput, PairTables]):
             * math.sqrt(len(sites)))
 
     def encoding(self, ask: Ask[SynthParams, PairInput]) -> SumEncoding:
-        """Counts with one group (table) per edge: every row adds one to a cell of each."""
+        """Return counts with one group (table) per edge: every row adds one to a cell of each."""
         edges = check_pairs(ask.inputs.edges, len(ask.schema.columns))
         if not edges:
             raise ValidationError("the pairs round needs at least one edge")
@@ -353,7 +356,7 @@ class PairTableRound(SynthRound, SumRound[SynthParams, PairInput, PairTables]):
                            arrays=ask.inputs.links.arrays, groups=cells)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, PairInput]) -> PairTables:
-        """The pooled tables; the sum's Skellam noise (counts: scale 1)."""
+        """Return the pooled tables; the sum's Skellam noise (counts: scale 1)."""
         cells = sum(ask.inputs.grid.cells(e) for e in ask.inputs.edges)
         total = check_pooled(np.asarray(summed.value, dtype=np.float64), cells,
                              "pooled pair tables")
@@ -368,7 +371,7 @@ def _secure_pair_params(source: str, ask: Ask[SynthParams, PairInput]) -> dict[s
 
 def exact_scores(task: Task, site: Site, params: SynthParams, digest: Any
                  ) -> tuple[int, np.ndarray]:
-    """The exact dependence scores of the candidate pairs over the training rows."""
+    """Return the exact dependence scores of the candidate pairs over the training rows."""
     grid, proportions = _grid(task, site, params, digest)
     candidates = pair_candidates(grid)
     acc = exact_pair_tables(grid, candidates, training_rows(task, site, params))
@@ -378,7 +381,7 @@ def exact_scores(task: Task, site: Site, params: SynthParams, digest: Any
 
 def exact_tables(task: Task, site: Site, params: SynthParams, extra: Mapping[str, Any]
                  ) -> tuple[int, np.ndarray, list[Pair]]:
-    """The exact tables of the task's edges over the training rows, and the edges."""
+    """Return the exact tables of the task's edges over the training rows, and the edges."""
     grid, _proportions = _grid(task, site, params, extra.get("links_digest"))
     d = len(site.data.schema.columns)
     edges = check_pair_edges(extra.get("pair_edges"), pair_candidates(grid), d,

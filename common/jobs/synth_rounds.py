@@ -78,7 +78,7 @@ _ORTHONORMAL_TOL = 1e-8
 
 
 def site_params(task: Task, site: Site) -> tuple[dict[str, Any], SynthParams]:
-    """A site-level synth task's round keys and the job's parameters, all validated.
+    """Return A site-level synth task's round keys and the job's parameters, all validated.
 
     The round must be one of the job's (the row-aligned ``factors`` round only as a
     ``synth_rows`` task) and the job planned for this site's schema.
@@ -100,7 +100,7 @@ def site_params(task: Task, site: Site) -> tuple[dict[str, Any], SynthParams]:
 
 
 def secure_params(task: Task, site: Site) -> SynthParams:
-    """The job's parameters a secure contribution carries under ``job`` (schema checked)."""
+    """Return the job's parameters a secure contribution carries under ``job`` (schema checked)."""
     job = task.params.get("job")
     if not isinstance(job, Mapping):
         raise ValidationError("a synth secure round carries the job's parameters under 'job'")
@@ -118,7 +118,7 @@ def check_schema(sent: Any, schema: Schema) -> None:
 
 
 def training_rows(task: Task, site: Site, params: SynthParams) -> DataAccess:
-    """What every round of a synth job reads: its training rows when it evaluates.
+    """Return what every round of a synth job reads: its training rows when it evaluates.
 
     A job with ``evaluate_rows > 0`` holds out ``holdout_size(N_s)`` rows, keyed by the site
     secret (kept beside the ledger) and the job id, from every round -- the site-level and
@@ -164,7 +164,7 @@ class SynthRound:
     name: ClassVar[str]
 
     def answers(self, task: Task) -> bool:
-        """The task names this round."""
+        """Answer the task names this round."""
         return task.params.get("round") == self.name
 
     def unanswered(self, task: Task) -> ValidationError:
@@ -180,17 +180,17 @@ class SynthRound:
 
 
 def base_params(params: SynthParams, schema: Schema) -> dict[str, Any]:
-    """A site-level task's parameters: the job's, and the schema they were planned for."""
+    """Return A site-level task's parameters: the job's, and the schema they were planned for."""
     return {**params.to_mapping(), "schema_digest": schema.digest()}
 
 
 def secure_base(params: SynthParams, schema: Schema, source: str) -> dict[str, Any]:
-    """A secure contribution's parameters: its source, the job's under ``job``, the schema."""
+    """Return a secure contribution's parameters: source, job (under ``job``), schema."""
     return {"source": source, "job": params.to_mapping(), "schema_digest": schema.digest()}
 
 
 def check_rows(result: TaskResult) -> int:
-    """A release's public row count: a positive integer of plausible size."""
+    """Return A release's public row count: a positive integer of plausible size."""
     n = result.metadata.get("n_rows")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or n > MAX_SITE_ROWS:
         raise ProtocolError("result lacks a valid positive n_rows")
@@ -198,7 +198,7 @@ def check_rows(result: TaskResult) -> int:
 
 
 def check_finite(a: Any, shape: tuple[int, ...], name: str, most: float) -> None:
-    """A finite float64 array of ``shape`` with entries at most ``most`` in size."""
+    """Return A finite float64 array of ``shape`` with entries at most ``most`` in size."""
     if (not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != np.float64
             or not np.all(np.isfinite(a)) or float(np.abs(a).max(initial=0.0)) > most):
         raise ProtocolError(f"expected finite float64 {name} of shape {shape}")
@@ -246,7 +246,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """The exact weighted counts."""
+        """Return the exact weighted counts."""
         params = secure_params(task, site)
         schema = site.data.schema
         data = training_rows(task, site, params)  # the evaluation holdout trains nothing
@@ -261,7 +261,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
                                     compute=compute)
 
     def request(self, ask: Ask[SynthParams, None]) -> Request:
-        """The job's parameters, round ``links``."""
+        """Return the job's parameters, round ``links``."""
         return Request({**base_params(ask.params, ask.schema), "round": self.name})
 
     def check(self, result: TaskResult, ask: Ask[SynthParams, None]) -> None:
@@ -272,14 +272,14 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[SynthParams, None]) -> PooledCounts:
-        """The sum of the sites' histograms, and their public row count."""
+        """Return the sum of the sites' histograms, and their public row count."""
         order = sorted(results)
         total = sum_histograms([results[s].arrays["histograms"] for s in order], ask.schema,
                                ask.params.n_bins)
         return PooledCounts(total, sum(int(results[s].metadata["n_rows"]) for s in order))
 
     def encoding(self, ask: Ask[SynthParams, None]) -> SumEncoding:
-        """The weighted counts: every row adds ``m_j`` to one cell of each column."""
+        """Return the weighted counts: every row adds ``m_j`` to one cell of each column."""
         n_bins = ask.params.n_bins
         return SumEncoding(
             dim=sum(histogram_sizes(ask.schema, n_bins)),
@@ -289,7 +289,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
             weights=tuple(int(w) for w in secure_link_weights(ask.schema, n_bins)))
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, None]) -> PooledCounts:
-        """The pooled counts, each column divided by its weight."""
+        """Return the pooled counts, each column divided by its weight."""
         return PooledCounts(secure_pooled_counts(summed.value, ask.schema, ask.params.n_bins),
                             summed.n_rows_total)
 
@@ -303,7 +303,7 @@ def link_counts(data: DataAccess, params: SynthParams) -> LinkHistogramAccumulat
 
 
 def proportions(pooled: PooledCounts, schema: Schema, params: SynthParams) -> np.ndarray:
-    """The DP proportions of every column's cells (post-processing of the pooled counts)."""
+    """Return the DP proportions of every column's cells (post-processing of the pooled counts)."""
     return proportions_from_histograms(pooled.counts, schema, params.n_bins,
                                        n_rows=pooled.n_rows)
 
@@ -357,7 +357,7 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """The exact integer Gram matrix of the latent rows (links digest checked first)."""
+        """Return the exact integer Gram matrix of the latent rows (links digest checked first)."""
         params = secure_params(task, site)
         links = check_links(site.data.schema, params, task.params.get("links_digest"),
                             task.arrays)
@@ -375,26 +375,26 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
                                     compute=rows_statistic(rows))
 
     def request(self, ask: Ask[SynthParams, LinksInput]) -> Request:
-        """The job's parameters, round ``pca``, the links and their digest."""
+        """Return the job's parameters, round ``pca``, the links and their digest."""
         return Request({**base_params(ask.params, ask.schema), "round": self.name,
                         "links_digest": ask.inputs.digest}, ask.inputs.arrays)
 
     def check(self, result: TaskResult, ask: Ask[SynthParams, LinksInput]) -> None:
-        """A finite p x p factor."""
+        """Require A finite p x p factor."""
         check_rows(result)
         dim = latent_dim(ask.schema)
         check_finite(result.arrays.get("factor"), (dim, dim), "factor", 1e6)
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[SynthParams, LinksInput]) -> PCAEstimate:
-        """The size-weighted combination of the sites' factors."""
+        """Return the size-weighted combination of the sites' factors."""
         sites = sorted(results)
         return combine_factors([results[s].arrays["factor"] for s in sites],
                                [int(results[s].metadata["n_rows"]) for s in sites],
                                latent_dim(ask.schema))
 
     def encoding(self, ask: Ask[SynthParams, LinksInput]) -> SumEncoding:
-        """A Gram sum of the latent dimension over unit-ball rows."""
+        """Return A Gram sum of the latent dimension over unit-ball rows."""
         return SumEncoding(dim=latent_dim(ask.schema), row_norm=1.0, params={
             **secure_base(ask.params, ask.schema, self.source),
             "links_digest": ask.inputs.digest}, arrays=ask.inputs.arrays)
@@ -408,7 +408,7 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
 
 def latent_gram(task: Task, site: Site, params: SynthParams, digest: Any,
                 latent_rng: np.random.Generator | None = None) -> tuple[int, np.ndarray]:
-    """The exact Gram matrix of the site's clipped latent rows (site-internal).
+    """Return the exact Gram matrix of the site's clipped latent rows (site-internal).
 
     ``latent_rng`` draws the links' latent values (tests couple neighbouring tables
     through it; by default a fresh production generator).
@@ -469,7 +469,7 @@ class FactorRows(SynthRound, BaseRound[SynthParams, LoadingsInput, Factors]):
             {"n_rows": unit.shape[0], "round": self.name, "noise_scale": cost.noise_scale})
 
     def request(self, ask: Ask[SynthParams, LoadingsInput]) -> Request:
-        """The job's parameters, round ``factors``, the links and the loadings."""
+        """Return the job's parameters, round ``factors``, the links and the loadings."""
         links = ask.inputs.links
         return Request({**base_params(ask.params, ask.schema), "round": self.name,
                         "links_digest": links.digest},
@@ -486,7 +486,7 @@ class FactorRows(SynthRound, BaseRound[SynthParams, LoadingsInput, Factors]):
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[SynthParams, LoadingsInput]) -> Factors:
-        """The factor rows in site order."""
+        """Return the factor rows in site order."""
         sites = sorted(results)
         rows = (np.concatenate([results[s].arrays["factors"] for s in sites]) if sites
                 else np.zeros((0, ask.inputs.loadings.shape[1])))
@@ -497,7 +497,7 @@ class FactorRows(SynthRound, BaseRound[SynthParams, LoadingsInput, Factors]):
 def factor_rows(task: Task, site: Site, params: SynthParams, digest: Any,
                 latent_rng: np.random.Generator | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The site's clipped latent rows and the task's checked loadings (site-internal)."""
+    """Return the site's clipped latent rows and the task's checked loadings (site-internal)."""
     links = check_links(site.data.schema, params, digest, task.arrays)
     dim = latent_dim(site.data.schema)
     loadings = task.arrays.get("loadings")

@@ -117,7 +117,7 @@ class SecureSumPlan:
         return STATISTICS[self.statistic]
 
     def cost(self) -> PrivacyCost:
-        """What every participant's ledger is charged for the sum: the pooled guarantee.
+        """Return what every participant's ledger is charged for the sum: the pooled guarantee.
 
         The mechanism name records the mode, the number of participants and ``t``.
         """
@@ -534,7 +534,7 @@ def decode_integer_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) ->
 
 
 def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndarray:
-    """The noisy pooled statistic in the units of the original rows (float64).
+    """Return the noisy pooled statistic in the units of the original rows (float64).
 
     The Gram's upper triangle divided by ``scale^2``, a row sum by ``scale``; counts and
     scores as they are.
@@ -588,8 +588,10 @@ def check_decoded(total: np.ndarray, plan: SecureSumPlan, n_rows: int, *,
 
 def _check_gram(t: np.ndarray, dim: int, most: float, tail: float, trace_tail: float,
                 refuse: Callable[[str], None]) -> None:
-    """The upper triangle of ``sum z z^T`` with ``||z|| <= B``: a PSD matrix of trace at most
-    ``N B^2`` (``most``), so every 2 x 2 minor is PSD too.
+    """Refuse an upper triangle of ``sum z z^T`` (``||z|| <= B``) that no PSD matrix gives.
+
+    The exact matrix is PSD with trace at most ``N B^2`` (``most``), so every 2 x 2 minor
+    is PSD too.
     """
     g = np.zeros((dim, dim))
     g[np.triu_indices(dim)] = t

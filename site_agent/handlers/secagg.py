@@ -103,7 +103,7 @@ class SecureAggregationHandler(TaskHandler):
         return bound
 
     def prepare(self, task: Task, data: DataAccess) -> Release:
-        """The ``keys`` stage (free) or the ``contribute`` stage (charged)."""
+        """Prepare the ``keys`` stage (free) or the ``contribute`` stage (charged)."""
         if self.policy.mode == "off":
             raise ValidationError("this site's policy does not take part in secure aggregation")
         stage = task.params.get("stage")
@@ -203,7 +203,7 @@ class SecureAggregationHandler(TaskHandler):
     def masked(self, statistic: np.ndarray, plan: SecureSumPlan, own_key: X25519PrivateKey,
                signed: Mapping[str, SignedKey], context: MaskContext,
                rng: np.random.Generator) -> np.ndarray:
-        """This site's noised and masked vector (see :func:`site_contribution`)."""
+        """Return this site's noised and masked vector (see :func:`site_contribution`)."""
         return site_contribution(statistic, plan=plan, own_id=self.identity.site_id,
                                  own_key=own_key, signed_keys=signed, context=context,
                                  ca=self.identity.ca,
