@@ -380,10 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     from dpfed.aggregator.query_cli import register as register_queries
+    from dpfed.aggregator.run_cli import register as register_run
     from dpfed.aggregator.synth_cli import register as register_synth
 
     register_queries(sub, _connection_args, connect, print_event)
     register_synth(sub, _connection_args, connect, print_event)
+    register_run(sub, _connection_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")

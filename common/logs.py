@@ -1,13 +1,14 @@
-"""Logging set-up shared by the binaries: one line per record, UTC timestamps, the logger and
-the function that logged (code never types its own name into a message).
+"""Logging set-up shared by the binaries: one line per record, UTC time, logger and function.
+
+The formatter names the function that logged, so code never types its own name into a message.
 
 Two formats (``--log-format`` of ``dpfed-aggregator`` and ``dpfed-site``, or ``[logging]
 format`` in their config files):
 
 - ``text`` (default): ``2026-01-02T03:04:05.678Z INFO    dpfed.site.start: message``;
 - ``json``: one JSON object per line with ``time``, ``level``, ``logger``, ``function``,
-  ``message`` and,
-  where the record knows them, ``job_id``, ``task_id``, ``site``, ``kind`` and ``outcome``
+  ``message`` and, where the record knows them, ``job_id``, ``task_id``, ``site``, ``kind``
+  and ``outcome``
   (docs/operations.md lists the fields). They come from the record's ``extra`` or, following
   the project's log convention, from ``job=``, ``task=``, ``site=``, ``kind=`` and
   ``outcome=`` tokens in the message, so every existing log line gains them without change.

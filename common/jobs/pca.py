@@ -450,5 +450,5 @@ MOMENT = Moment()
 
 KIND: JobKind[PCAParams] = JobKind(
     name="pca", params=PCAParams, rounds=(MEAN, NORMS, MOMENT),
-    run="dpfed.aggregator.jobs.pca:run", report="dpfed.aggregator.pca_report:report_bytes",
+    run="dpfed.aggregator.jobs.pca:run", report="dpfed.aggregator.result_reports:pca",
     summary="DP-PCA (DPdisPCA): a DP principal subspace")

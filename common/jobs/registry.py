@@ -3,11 +3,14 @@
 Adding a job kind is one line in :data:`JOB_KINDS`: its name, the module holding its
 :class:`~dpfed.common.jobs.contract.JobKind` descriptor (as ``KIND``), and the line
 ``dpfed --help`` shows. Modules load on first use, so naming the kinds imports nothing heavy.
+A kind kept outside the package is named in the environment variable ``DPFED_JOB_KINDS``
+(comma-separated modules, each with a ``KIND``), read by every program that starts.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +55,26 @@ def remove(name: str) -> None:
     _ADDED.pop(name, None)
 
 
+#: The environment variable naming modules of kinds kept outside the package.
+ENVIRONMENT = "DPFED_JOB_KINDS"
+
+
+def _from_environment() -> None:
+    for module in filter(None, (m.strip() for m in os.environ.get(ENVIRONMENT, "").split(","))):
+        kind: JobKind[Any] = importlib.import_module(module).KIND
+        if kind.name not in _ADDED:
+            add(kind)
+
+
 def names() -> tuple[str, ...]:
     """Every registered kind's name."""
+    _from_environment()
     return (*JOB_KINDS, *_ADDED)
 
 
 def job_kind(name: str) -> JobKind[Any]:
     """Return the descriptor of ``name`` (ValidationError naming the known kinds)."""
+    _from_environment()
     if name in _ADDED:
         return _ADDED[name]
     entry = JOB_KINDS.get(name)
