@@ -58,7 +58,7 @@ def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_NAME
     path.write_text(_html(site_id, report), encoding="utf-8")
-    log.info("[evaluate_at_site] site=%s wrote %s (local only)", site_id, path)
+    log.info("site=%s wrote %s (local only)", site_id, path)
     return path, report
 
 

@@ -60,6 +60,15 @@ class RefusalCode(StrEnum):
     DEADLINE = "deadline"
     INTERNAL = "internal"
 
+    @classmethod
+    def of_ledger(cls, reason: str) -> RefusalCode:
+        """Return the code of a refusal reason the site's ledger stored.
+
+        The ledger's stored reasons predate the codes: ``idempotency_conflict`` is
+        :attr:`CONFLICT`.
+        """
+        return cls.CONFLICT if reason == "idempotency_conflict" else cls(reason)
+
 
 def _canonical(value: Any) -> Any:
     """JSON-ready canonical form (floats by repr so the digest is exact)."""
