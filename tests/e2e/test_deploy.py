@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,173 @@ def free_port() -> int:
 def deploy_path(container_path: str) -> Path:
     assert container_path.startswith("/deploy/"), container_path
     return DEPLOY / container_path[len("/deploy/"):]
+
+
+# ---------------------------------------------------------------- the image: Dockerfile + context
+
+DOCKERFILE = DEPLOY / "Dockerfile"
+#: What the built wheel must hold (the package and its generated protobuf code).
+WHEEL_REQUIRED = ("dpfed/__init__.py", "dpfed/common/pca/dppca.py", "dpfed/site_agent/cli.py",
+                  "dpfed/aggregator/cli.py", "dpfed/aggregator/server_main.py",
+                  "dpfed/common/pb/v1/site_link_pb2.py", "dpfed/common/py.typed")
+
+
+def dockerignore_patterns(root: Path = ROOT) -> list[str]:
+    lines = (root / ".dockerignore").read_text().splitlines()
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def build_context(root: Path = ROOT) -> set[str]:
+    """Paths (files, folders, links) ``docker build -f deploy/Dockerfile ROOT`` would send.
+
+    docker-py's implementation of the .dockerignore rules (last match wins, ``!`` exceptions,
+    a folder's pattern covers its content) -- the same rules as the Docker CLI.
+    """
+    from docker.utils.build import exclude_paths
+
+    return set(exclude_paths(str(root), dockerignore_patterns(root),
+                             dockerfile="deploy/Dockerfile"))
+
+
+def dockerfile_copies() -> tuple[str, list[tuple[list[str], str]]]:
+    """The WORKDIR of the COPY lines and each COPY's (sources, destination)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    workdir, copies, workdirs = "/", [], []
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if words[0] == "WORKDIR":
+            workdir = words[1]
+        elif words[0] in ("COPY", "ADD"):
+            assert words[0] == "COPY", "ADD can fetch URLs and unpack archives: use COPY"
+            args = [w for w in words[1:] if not w.startswith("--chown") and
+                    not w.startswith("--chmod")]
+            assert not any(a.startswith("--") for a in args), f"unsupported COPY flag: {line}"
+            copies.append((args[:-1], args[-1]))
+            workdirs.append(workdir)
+    assert copies and len(set(workdirs)) == 1, "every COPY from one WORKDIR"
+    return workdirs[0], copies
+
+
+def reproduce_copies(context: set[str], image_root: Path) -> Path:
+    """Lay out in ``image_root`` what the COPY lines put in the image; return the WORKDIR.
+
+    A file goes to ``DEST`` (or ``DEST/name`` when DEST ends with ``/``); a folder's
+    content (only what the context holds) goes under ``DEST``; symbolic links stay links,
+    as COPY keeps them.
+    """
+    workdir, copies = dockerfile_copies()
+    base = image_root / workdir.lstrip("/")
+    for sources, dest in copies:
+        target = base / dest
+        for src in sources:
+            src = src.rstrip("/")
+            assert src in context, f"COPY {src}: left out of the build context by .dockerignore"
+            path = ROOT / src
+            if path.is_dir() and not path.is_symlink():
+                target.mkdir(parents=True, exist_ok=True)
+                for rel in sorted(p for p in context if p.startswith(src + "/")):
+                    _copy_entry(ROOT / rel, target / rel[len(src) + 1:])
+            else:
+                into = dest.endswith("/") or len(sources) > 1
+                _copy_entry(path, target / path.name if into else target)
+    return base
+
+
+def _copy_entry(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_symlink():
+        dst.symlink_to(os.readlink(src))
+    elif src.is_dir():
+        dst.mkdir(exist_ok=True)
+    else:
+        shutil.copy2(src, dst)
+
+
+def test_dockerignore_keeps_secrets_and_environments_out_of_the_build_context(
+        tmp_path: Path) -> None:
+    shutil.copy(ROOT / ".dockerignore", tmp_path / ".dockerignore")
+    planted = [".venv/bin/python", ".venv/lib/site.py", "runs/simulate-1/certs/ca.key",
+               "runs/simulate-1/sites/hospital-1/ledger.sqlite", "certs/sites/a/site.key",
+               "federation/ca.pem", "data/site_01.csv", "pca.npz", "dpfed.egg-info/PKG-INFO",
+               ".git/config", "common/__pycache__/x.cpython-311.pyc", "common/stray.key",
+               "site_agent/ledger.sqlite", "dpfed/common"]
+    kept = ["pyproject.toml", "README.md", "dpfed/__init__.py", "common/errors.py",
+            "site_agent/cli.py", "aggregator/cli.py", "deploy/Dockerfile"]
+    for rel in planted + kept:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    context = build_context(tmp_path)
+    assert not [p for p in planted if p in context]
+    assert [p for p in kept if p not in context] == []
+
+
+def test_the_build_context_is_what_the_dockerfile_copies() -> None:
+    context = build_context()
+    _, copies = dockerfile_copies()
+    sources = {s.rstrip("/") for srcs, _ in copies for s in srcs}
+    needed = {".dockerignore", "deploy/Dockerfile", "deploy"} | sources
+    extra = sorted(p for p in context if p not in needed and not any(
+        p.startswith(s + "/") for s in sources) and not any(
+        s.startswith(p + "/") for s in sources))
+    assert not extra, f"sent to the build but never copied: {extra[:10]} ({len(extra)})"
+    assert not [p for p in context if p.endswith((".key", ".sqlite", ".pyc"))]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_the_image_wheel_holds_the_package_and_its_console_scripts_run(tmp_path: Path) -> None:
+    """Build the wheel from exactly what the Dockerfile copies, install it, run it.
+
+    No Docker engine here: the COPY lines are replayed on the .dockerignore-filtered
+    context, ``pip wheel`` runs where ``RUN pip install .`` would, and the wheel goes into a
+    fresh virtualenv. Its third-party dependencies come from this test environment (a path
+    entry, not an install: PyPI is not needed); dpfed itself only from the wheel.
+    """
+    workdir = reproduce_copies(build_context(), tmp_path / "image")
+    wheels = tmp_path / "wheels"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "-q", "-w", str(wheels), str(workdir)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = wheels.glob("dpfed-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [n for n in WHEEL_REQUIRED if n not in names]
+    assert not missing, f"the image's wheel lacks {missing} ({len(names)} files)"
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" /
+                                "python"), "install", "--no-deps", "-q", str(wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    (site_packages,) = (venv / "lib").glob("python3*/site-packages")
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site_packages / "zz_test_dependencies.pth").write_text("\n".join(deps) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}:{env.get('PATH', '')}"
+    run_dir = tmp_path / "elsewhere"
+    run_dir.mkdir()
+
+    def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), capture_output=True, text=True, cwd=run_dir, env=env,
+                              timeout=timeout)
+
+    where = run(str(venv / "bin" / "python"), "-c", "import dpfed; print(dpfed.__file__)")
+    assert where.stdout.startswith(str(site_packages)), where.stdout + where.stderr
+    version = run("dpfed", "--version")
+    assert version.returncode == 0 and version.stdout.startswith("dpfed "), version.stderr
+    for script in ("dpfed-aggregator", "dpfed-site"):
+        helped = run(script, "--help")
+        assert helped.returncode == 0 and f"usage: {script}" in helped.stdout, helped.stderr
+    # A tiny federation from the installed wheel: coordinator and sites are `python -m` of
+    # the venv's interpreter, so every process runs the wheel's code.
+    sim = run("dpfed", "simulate", "--sites", "2", "--rows", "400", "--features", "4", "--k",
+              "1", "--seed", "1", "--out", str(tmp_path / "sim"), timeout=300)
+    assert sim.returncode == 0, sim.stdout + sim.stderr
+    assert "captured energy" in sim.stdout and (tmp_path / "sim" / "pca.npz").exists()
 
 
 def test_console_scripts_match_pyproject() -> None:
