@@ -77,6 +77,7 @@ def for_error(exc: BaseException) -> int:
         (errors.DataError, DATA_ERROR),
         (errors.ConfigError, CONFIG_ERROR),
         (errors.SitesNotConnectedError, SITES_NOT_CONNECTED),
+        (errors.SiteRejectedError, REJECTED_BY_COORDINATOR),
         (errors.CoordinatorUnavailableError, COORDINATOR_UNREACHABLE),
         (errors.BudgetExceededError, BUDGET_EXCEEDED),
         (errors.JobFailedError, JOB_FAILED),

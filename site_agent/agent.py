@@ -122,6 +122,8 @@ class SiteAgent:
         self._stop = asyncio.Event()
         self._random = random.Random()
         self.connected_once = False
+        #: Whether a session is open now (the agent's status file reports it).
+        self.connected = False
         self.site_id: str | None = None
 
     def stop(self) -> None:
@@ -211,7 +213,7 @@ class SiteAgent:
             if first.WhichOneof("body") != "welcome":
                 raise ProtocolError("the coordinator's first message was not Welcome")
             self.site_id = first.welcome.site_id
-            self.connected_once = True
+            self.connected_once = self.connected = True
             log.info("[SiteAgent.session] connected to %s as site %s (coordinator %s)",
                      self.address, self.site_id, first.welcome.coordinator_version)
             reassembler = Reassembler(MAX_TRANSFER_BYTES)
@@ -275,6 +277,7 @@ class SiteAgent:
                         log.info("[SiteAgent.session] coordinator cancelled task %s: %s",
                                  msg.cancel.task_id, msg.cancel.reason)
             finally:
+                self.connected = False
                 stop_wait.cancel()
                 revoked.cancel()
                 for unfinished in running:
