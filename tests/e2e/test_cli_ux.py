@@ -248,7 +248,7 @@ def test_site_check_reports_each_check_and_changes_nothing(fed: LocalFederation,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
-    for name in ("config", "certificate", "schema", "data", "ledger", "coordinator"):
+    for name in ("config", "certificate", "schema", "data", "ledger", "coordinator", "admission"):
         assert any(line.startswith(f"ok      {name}:") for line in lines), (name, run.stdout)
     assert "mutual TLS handshake ok" in run.stdout and "SERVING" in run.stdout
     assert lines[-1] == "all checks passed"
@@ -296,6 +296,62 @@ def test_site_check_failures_name_the_check_and_exit_with_its_code(
     assert run.returncode == exit_codes.CERTIFICATE_ERROR, run.stdout + run.stderr
     assert "FAILED  certificate:" in run.stdout and "skipped coordinator:" in run.stdout
     assert_clean(run)
+
+
+def _check(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SITE, "check", "--config", str(config)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_site_check_fails_when_no_row_survives_the_row_policy(fed: LocalFederation,
+                                                              tmp_path: Path) -> None:
+    data = tmp_path / "unusable.csv"
+    header, *rows = fed.data_paths["hospital-1"].read_text().splitlines()
+    # Every row has a value the schema cannot parse: on_invalid = "drop" drops them all.
+    data.write_text("\n".join([header, *(",".join(["oops"] * len(header.split(",")))
+                                          for _ in rows[:50])]) + "\n")
+    config = _site_config_copy(fed, tmp_path, **{
+        '"127.0.0.1:1"': f'"{fed.address}"',
+        json.dumps(str(fed.data_paths["hospital-1"].resolve())): json.dumps(str(data))})
+    run = _check(config)
+    assert run.returncode == exit_codes.DATA_ERROR, run.stdout + run.stderr
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and failed[0].startswith("FAILED  data:"), run.stdout
+    assert "no valid rows after the row policy" in failed[0] and "read 50 rows" in failed[0]
+    assert_clean(run)
+
+
+def test_site_check_fails_when_the_coordinator_would_refuse_the_schema(
+        fed: LocalFederation, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.toml"
+    text = fed.schema_path.read_text()
+    schema.write_text(text.replace("max = ", "max = 9", 1))  # one bound differs
+    config = _site_config_copy(fed, tmp_path, **{
+        '"127.0.0.1:1"': f'"{fed.address}"',
+        json.dumps(str(fed.schema_path.resolve())): json.dumps(str(schema))})
+    run = _check(config)
+    assert run.returncode == exit_codes.REJECTED_BY_COORDINATOR, run.stdout + run.stderr
+    assert "ok      coordinator:" in run.stdout and "ok      data:" in run.stdout
+    (failed,) = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert failed.startswith("FAILED  admission:") and "schema mismatch" in failed
+    # The running agent with that schema is refused at once, with the same code.
+    agent = subprocess.run([*SITE, "--config", str(config)], capture_output=True, text=True,
+                           timeout=120)
+    assert agent.returncode == exit_codes.REJECTED_BY_COORDINATOR
+    assert len(json.loads(dpfed("sites", "--json", *conn(fed)).stdout)) == 2
+
+
+def test_site_health_reads_the_running_agents_status(fed: LocalFederation) -> None:
+    config = str(fed.site_config("hospital-1"))
+    run = subprocess.run([*SITE, "health", "--config", config], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith(f"healthy: connected to {fed.address} as hospital-1")
+    elsewhere = subprocess.run([*SITE, "health", "--config", config, "--ledger",
+                                str(fed.root / "nowhere" / "ledger.sqlite")],
+                               capture_output=True, text=True, timeout=60)
+    assert elsewhere.returncode == exit_codes.COORDINATOR_UNREACHABLE
+    assert elsewhere.stdout.startswith("unhealthy: no status file")
 
 
 def test_wait_sites_retries_while_the_coordinator_starts(tmp_path: Path) -> None:
