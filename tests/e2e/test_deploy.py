@@ -21,11 +21,8 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ from dpfed.aggregator.server_main import build_parser as aggregator_parser
 from dpfed.common import exit_codes
 from dpfed.site_agent.cli import build_parser as site_parser
 from dpfed.site_agent.config import load_site_config
+from tests.e2e.federations import stop_processes, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -443,32 +441,6 @@ def _replace_atomically(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-@contextmanager
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def wait_for(check: Any, what: str, timeout: float = 90) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, what
-        time.sleep(0.5)
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(480)
 def test_compose_topology_runs_and_a_hospital_joins_with_its_own_compose_file(
@@ -510,7 +482,8 @@ def test_compose_topology_runs_and_a_hospital_joins_with_its_own_compose_file(
             return subprocess.Popen([*c.argv(c.service["command"], cfgs), *extra], stdout=fh,
                                     stderr=subprocess.STDOUT)
 
-    with processes() as procs:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
         procs.append(start(coordinator, configs, "--listen", address))
         # The analyst starts as early as compose could start it: while the coordinator is
         # still coming up. --wait-sites must retry instead of exiting 6.
@@ -519,8 +492,8 @@ def test_compose_topology_runs_and_a_hospital_joins_with_its_own_compose_file(
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)
         procs.append(analyst_run)  # type: ignore[arg-type]
-        wait_for(lambda: healthcheck(coordinator, configs).returncode == 0
-                 or procs[0].poll() is not None, "the coordinator never became healthy")
+        wait_until(lambda: healthcheck(coordinator, configs).returncode == 0
+                   or procs[0].poll() is not None, 90, "the coordinator to become healthy")
         assert procs[0].poll() is None, (logs / "coordinator.log").read_text()
         sites = {site: container(site) for site in SITES}
         site_configs = {}
@@ -565,8 +538,8 @@ def test_compose_topology_runs_and_a_hospital_joins_with_its_own_compose_file(
         assert "ok      admission:" in check.stdout and "site hospital-d" in check.stdout
         agent = start(hospital, d_configs)
         procs.append(agent)
-        wait_for(lambda: healthcheck(hospital, d_configs).returncode == 0,
-                 "hospital-d never became healthy")
+        wait_until(lambda: healthcheck(hospital, d_configs).returncode == 0, 90,
+                   "hospital-d to become healthy")
         listed = subprocess.run([*dpfed, "sites", "--json"], env=env, capture_output=True,
                                 text=True, timeout=60)
         assert "hospital-d" in {s["site_id"] for s in json.loads(listed.stdout)}
@@ -585,3 +558,5 @@ def test_compose_topology_runs_and_a_hospital_joins_with_its_own_compose_file(
         procs[0].wait(15)
         unhealthy = healthcheck(coordinator, configs)
         assert unhealthy.returncode == exit_codes.COORDINATOR_UNREACHABLE, unhealthy.stdout
+    finally:
+        stop_processes(procs)
