@@ -160,6 +160,7 @@ def _run(config: SiteConfig) -> int:
     from dpfed.site_agent.agent import SiteAgent
     from dpfed.site_agent.coordinator_check import CoordinatorCheck
     from dpfed.site_agent.ledger import Ledger
+    from dpfed.site_agent.metrics import SiteMetrics, serving_metrics
     from dpfed.site_agent.runner import TaskRunner
     from dpfed.site_agent.secure_policy import SUM_KINDS
 
@@ -204,13 +205,15 @@ def _run(config: SiteConfig) -> int:
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
                       server_name=config.server_name, coordinator_check=check,
                       keepalive_s=config.keepalive_s,
-                      after_connect=prepared.data.ensure_counted)
+                      after_connect=prepared.data.ensure_counted,
+                      metrics=SiteMetrics(ledger, allowed_kinds))
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, agent.stop)
-        return await agent.run()
+        async with serving_metrics(config.metrics, agent.metrics):
+            return await agent.run()
 
     try:
         return asyncio.run(main())
