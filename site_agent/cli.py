@@ -6,6 +6,7 @@
     dpfed-site check --config site.toml [--timeout S]  check config, certificates, schema,
                                                        data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
+    dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only) and
 only asks the coordinator's health service whether it is serving, over the same mutual TLS a
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="list the privacy ledger's events and totals")
     _add_common(ledger)
     ledger.add_argument("--json", action="store_true", help="print JSON")
+    from dpfed.site_agent.audit_export import add_export_arguments
+
+    add_export_arguments(ledger)
     return p
 
 
@@ -416,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             configure_logging("WARNING", None, config.log_format)
         if command == "check":
             return _check(config, args.timeout)
+        if command == "ledger" and args.action == "export":
+            from dpfed.site_agent.audit_export import export_command
+
+            return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
         return _run(config)
