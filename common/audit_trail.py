@@ -261,16 +261,21 @@ def _certificate(header: Mapping[str, Any], cas: list[x509.Certificate],
     try:
         cert = x509.load_pem_x509_certificate(
             _field(header, "certificate", str, "the header").encode("ascii"))
-    except (ValueError, UnicodeEncodeError):
-        raise VerificationError("the header's certificate is not a PEM certificate") from None
+        # cryptography parses lazily: read every part now, so damage shows here.
+        issuer = cert.issuer.rfc4514_string()
+        _ = (cert.subject, cert.extensions, cert.not_valid_before_utc, cert.not_valid_after_utc,
+             cert.public_key())
+    except Exception:  # noqa: BLE001 -- cryptography raises many kinds for a damaged one
+        raise VerificationError("the header's certificate is not a valid PEM certificate: "
+                                "the export was altered") from None
     if not any(is_signed_by(cert, ca) for ca in cas):
         raise VerificationError(
-            f"the certificate in the export (issuer {cert.issuer.rfc4514_string()}) is not "
+            f"the certificate in the export (issuer {issuer}) is not "
             "issued by the CA given with --ca: the export comes from another federation, or "
             "it was signed with a certificate the federation never issued")
     try:
         principal = principal_from_certificate(cert, source="the export's certificate")
-    except AuthenticationError as exc:
+    except (AuthenticationError, ValueError) as exc:
         raise VerificationError(str(exc)) from None
     if principal.role != "site" or principal.name != site:
         raise VerificationError(f"the export claims site {site!r} but its certificate "
@@ -383,11 +388,13 @@ def verify_export(path: str | Path, cas: list[x509.Certificate],
     _check_trailer(trailer, {**_trailer(policy, records), "count": len(records)})
     if signature.get("algorithm") != SIGNATURE_ALGORITHM:
         raise VerificationError(f"unknown signature algorithm {signature.get('algorithm')!r}")
+    text = _field(signature, "signature", str, "the signature")
     try:
-        raw = base64.b64decode(_field(signature, "signature", str, "the signature"),
-                               validate=True)
+        raw = base64.b64decode(text, validate=True)
     except ValueError:
         raise VerificationError("the signature is not base64") from None
+    if base64.b64encode(raw).decode("ascii") != text:  # unused low bits could be changed
+        raise VerificationError("the signature is not in canonical base64: it was altered")
     public = cert.public_key()
     if not isinstance(public, ec.EllipticCurvePublicKey):
         raise VerificationError("the site certificate has no EC key")
