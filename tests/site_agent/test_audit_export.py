@@ -33,7 +33,8 @@ def _site_config(root: Path, site: str, certs: Path) -> Path:
     config = root / f"{site}.toml"
     config.write_text(
         f'[coordinator]\naddress = "localhost:1"\n\n'
-        f'[tls]\nca = "{kit / "ca.pem"}"\ncert = "{kit / "site.pem"}"\nkey = "{kit / "site.key"}"\n\n'
+        f'[tls]\nca = "{kit / "ca.pem"}"\ncert = "{kit / "site.pem"}"\n'
+        f'key = "{kit / "site.key"}"\n\n'
         f'[data]\npath = "{root / "unused.csv"}"\nschema = "{root / "unused.toml"}"\n\n'
         f'[ledger]\npath = "{root / f"{site}.sqlite"}"\n\n'
         '[budget]\nepsilon = 10.0\ndelta = 1e-4\naccountant = "basic"\n')
