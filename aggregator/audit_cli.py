@@ -1,10 +1,11 @@
-"""``dpfed audit verify EXPORT --ca ca.pem [--revoked revoked.toml] [--json]``.
+"""``dpfed audit verify EXPORT --ca ca.pem [--extends EARLIER] [--revoked FILE] [--json]``.
 
 Checks a site's signed ledger export (``dpfed-site ledger export``) against the federation
 CA: the site certificate inside it, the hash chain, the record numbering, the totals and the
-signature (``dpfed.common.audit_trail.verify_export``). A verified export prints what it
-holds and exits 0; anything else names the problem and exits 11 (``VERIFICATION_FAILED``);
-an unreadable CA file exits 5.
+signature (``dpfed.common.audit_trail.verify_export``); with ``--extends``, also that it holds
+an earlier export's records unchanged. A verified export prints what it holds and exits 0;
+anything else names the problem and exits 11 (``VERIFICATION_FAILED``); an unreadable CA
+file exits 5.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def register(sub: Any) -> None:
                          "federation CA (exit 0: verified; 11: it does not verify)")
     p.add_argument("export", help="the export file (JSON lines)")
     p.add_argument("--ca", required=True, help="the federation CA certificate (ca.pem)")
+    p.add_argument("--extends", metavar="EARLIER",
+                   help="an earlier export of the same site: check that this one holds its "
+                   "records unchanged (no past event altered or removed since)")
     p.add_argument("--revoked", metavar="REVOKED_TOML",
                    help="also refuse a site certificate on this revocation list (the "
                    "federation's revoked.toml)")
@@ -41,7 +45,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                              "CA certificate")
     revoked = (frozenset() if args.revoked is None else
                frozenset(r.fingerprint for r in read_access_list(args.revoked).revoked))
-    s = verify_export(args.export, cas, revoked)
+    earlier = None if args.extends is None else verify_export(args.extends, cas, revoked)
+    s = verify_export(args.export, cas, revoked, extends=earlier)
     if args.json:
         print_json({"verified": True, "site": s.site,
                     "certificate_fingerprint": s.certificate_fingerprint,
@@ -54,7 +59,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                               "epsilon_spent": s.status.epsilon_spent,
                               "epsilon_cap": s.status.epsilon_cap,
                               "delta_spent": s.status.delta_spent,
-                              "delta_cap": s.status.delta_cap}})
+                              "delta_cap": s.status.delta_cap},
+                    "extends": None if earlier is None else {
+                        "export": args.extends, "records": earlier.records}})
         return exit_codes.OK
     period = f"{s.first_time} to {s.last_time}" if s.records else "no events"
     print(f"VERIFIED: {args.export}")
@@ -67,4 +74,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(f"  spent        epsilon {s.status.epsilon_spent:.6g} of {s.status.epsilon_cap:g}, "
           f"delta {s.status.delta_spent:.3g} of {s.status.delta_cap:g} ({s.status.accountant} "
           "accountant); the trailer's totals match the records")
+    if earlier is not None:
+        print(f"  extends      {args.extends}: its {earlier.records} record(s) unchanged, "
+              f"{s.records - earlier.records} added since")
     return exit_codes.OK

@@ -11,10 +11,14 @@ version 1):
 4. the **signature**: ECDSA P-256 / SHA-256 by the key of the site's certificate over the
    trailer line.
 
-Every line after the header holds ``prev``, the SHA-256 (hex) of the exact bytes of the line
-before it, so the signature over the trailer covers every line. :func:`verify_export` checks
-the certificate against the federation CA, the chain, the record numbering, the totals and the
-signature; docs/operations.md ("Audit export") says what each failure means.
+Every record and the trailer hold ``prev``, the SHA-256 (hex) of the exact bytes of the line
+before it (the first record: of the site's genesis string, :func:`genesis`); the trailer also
+holds the header's hash, so the signature over the trailer covers every line. The records do
+not depend on the header, so two exports of one ledger share their records byte for byte: a
+later export *extends* an earlier one exactly when its chain passes through the earlier one's
+last hash. :func:`verify_export` checks the certificate against the federation CA, the chain,
+the record numbering, the totals, the signature, and optionally that the export extends an
+earlier one; docs/operations.md ("Audit export") says what each failure means.
 """
 
 from __future__ import annotations
@@ -49,10 +53,12 @@ MAX_LINE_BYTES = 1 << 20
 #: Domain separation: this signature can never be mistaken for another dpfed signature.
 _TAG = b"dpfed-ledger-export-v1\n"
 _ABOUT = ("One JSON object per line: this header, one record per ledger event (oldest first), "
-          "a trailer with the totals, and the site's signature. Every line after this one holds "
-          "prev, the SHA-256 of the exact bytes of the line before it; the signature (ECDSA "
-          "P-256, SHA-256, by the key of the certificate below) covers the trailer and so every "
-          "line. Check it with: dpfed audit verify FILE --ca ca.pem")
+          "a trailer with the totals, and the site's signature. Every record and the trailer "
+          "hold prev, the SHA-256 of the exact bytes of the line before them (the first record: "
+          "of the text 'dpfed-ledger-export 1 <site>'); the trailer holds the SHA-256 of this "
+          "header too; the signature (ECDSA P-256, SHA-256, by the key of the certificate below) "
+          "covers the trailer and so every line. Check it with: "
+          "dpfed audit verify FILE --ca ca.pem")
 
 
 def encode_line(obj: Mapping[str, Any]) -> bytes:
@@ -64,6 +70,11 @@ def encode_line(obj: Mapping[str, Any]) -> bytes:
 def line_hash(line: bytes) -> str:
     """Return the SHA-256 (hex) of a line's bytes, as the next line's ``prev`` holds it."""
     return hashlib.sha256(line).hexdigest()
+
+
+def genesis(site: str) -> str:
+    """Return the ``prev`` of a site's first record: the hash of ``FORMAT VERSION site``."""
+    return line_hash(f"{FORMAT} {VERSION} {site}".encode())
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,9 @@ class ExportSummary:
     last_time: str
     analysts: tuple[str, ...]
     jobs: int
+    #: The chain's hash after the last record (the genesis when there is none): a later
+    #: export of the same ledger passes through it.
+    last_hash: str
 
 
 def _totals(policy: BudgetPolicy, records: list[ChargeRecord]) -> tuple[PrivacyCost,
@@ -139,12 +153,12 @@ def _trailer(policy: BudgetPolicy, records: list[ChargeRecord]) -> dict[str, Any
 
 
 def _summary(site: str, cert: x509.Certificate, exported_at: str, policy: BudgetPolicy,
-             records: list[ChargeRecord]) -> ExportSummary:
+             records: list[ChargeRecord], last_hash: str) -> ExportSummary:
     total, status = _totals(policy, records)
     return ExportSummary(site, fingerprint(cert), exported_at, len(records), total, status,
                          records[0].time if records else "", records[-1].time if records else "",
                          tuple(sorted({r.analyst for r in records if r.analyst})),
-                         len({r.job_id for r in records}))
+                         len({r.job_id for r in records}), last_hash)
 
 
 def write_export(out: IO[bytes], *, site: str, certificate_pem: bytes,
@@ -163,17 +177,19 @@ def write_export(out: IO[bytes], *, site: str, certificate_pem: bytes,
               "signature_algorithm": SIGNATURE_ALGORITHM,
               "certificate": certificate_pem.decode("ascii")}
     kept = list(records)
-    line = encode_line(header)
-    out.write(line + b"\n")
+    head = encode_line(header)
+    out.write(head + b"\n")
+    chain = genesis(site)
     for record in kept:
-        line = encode_line({**record.as_json(), "prev": line_hash(line)})
+        line = encode_line({**record.as_json(), "prev": chain})
         out.write(line + b"\n")
-    trailer = encode_line({**_trailer(policy, kept), "prev": line_hash(line)})
+        chain = line_hash(line)
+    trailer = encode_line({**_trailer(policy, kept), "header": line_hash(head), "prev": chain})
     signature = signing_key.sign(_TAG + trailer, ec.ECDSA(hashes.SHA256()))
     out.write(trailer + b"\n")
     out.write(encode_line({"type": "signature", "algorithm": SIGNATURE_ALGORITHM,
                            "signature": base64.b64encode(signature).decode("ascii")}) + b"\n")
-    return _summary(site, cert, when, policy, kept)
+    return _summary(site, cert, when, policy, kept, chain)
 
 
 # ---------------------------------------------------------------------- verification
@@ -327,15 +343,20 @@ def _check_trailer(trailer: Mapping[str, Any], expected: Mapping[str, Any]) -> N
 
 
 def verify_export(path: str | Path, cas: list[x509.Certificate],
-                  revoked: frozenset[str] = frozenset()) -> ExportSummary:
+                  revoked: frozenset[str] = frozenset(),
+                  extends: ExportSummary | None = None) -> ExportSummary:
     """Verify a ledger export against the federation CA; return what it holds.
+
+    ``extends``: the summary of an earlier verified export of the same site; the export must
+    then hold that export's records, unchanged, as its first records.
 
     Raises
     ------
     VerificationError
         Naming the line and what is wrong: an altered, removed, added, reordered or
         truncated line, totals that do not match, a certificate the CA did not issue (or
-        revoked, or naming another site), or a signature that does not verify.
+        revoked, or naming another site), a signature that does not verify, or history that
+        differs from the earlier export.
     """
     lines = _lines(Path(path))
     first = next(lines, None)
@@ -349,8 +370,13 @@ def verify_export(path: str | Path, cas: list[x509.Certificate],
                                 f"this dpfed reads version {VERSION}")
     cert = _certificate(header, cas, revoked)
     policy = _policy(header)
+    site = str(header["site"])
+    if extends is not None and extends.site != site:
+        raise VerificationError(f"the export is of site {site!r}, the earlier one of "
+                                f"{extends.site!r}")
     records: list[ChargeRecord] = []
-    previous = first[1]
+    chain = genesis(site)
+    mark = chain if extends is not None and extends.records == 0 else None
     trailer_line: bytes | None = None
     trailer: dict[str, Any] = {}
     signature: dict[str, Any] | None = None
@@ -366,25 +392,31 @@ def verify_export(path: str | Path, cas: list[x509.Certificate],
             continue
         if trailer_line is not None:
             raise VerificationError(f"line {number} follows the trailer: lines were added")
-        if obj.get("prev") != line_hash(previous):
+        if obj.get("prev") != chain:
+            before = "the site's genesis" if number == 2 else f"line {number - 1}"
             raise VerificationError(
-                f"line {number} does not chain to line {number - 1} (its prev is not the "
-                f"SHA-256 of line {number - 1}): a line was altered, removed or reordered")
+                f"line {number} does not chain to {before} (its prev is not the SHA-256 of "
+                f"{before}): a line was altered, removed or reordered")
         if kind == "trailer":
             trailer_line, trailer = line, obj
-        elif kind in RECORD_TYPES:
-            record = _record(number, obj)
-            if record.seq != len(records) + 1:
-                raise VerificationError(f"line {number} holds record {record.seq} where record "
-                                        f"{len(records) + 1} belongs: records were removed or "
-                                        "reordered")
-            records.append(record)
-        else:
+            continue
+        if kind not in RECORD_TYPES:
             raise VerificationError(f"line {number} has the unknown type {kind!r}")
-        previous = line
+        record = _record(number, obj)
+        if record.seq != len(records) + 1:
+            raise VerificationError(f"line {number} holds record {record.seq} where record "
+                                    f"{len(records) + 1} belongs: records were removed or "
+                                    "reordered")
+        records.append(record)
+        chain = line_hash(line)
+        if extends is not None and len(records) == extends.records:
+            mark = chain
     if trailer_line is None or signature is None:
         raise VerificationError("the export ends before its trailer and signature: it was "
                                 "truncated")
+    if trailer.get("header") != line_hash(first[1]):
+        raise VerificationError("the trailer does not hold the SHA-256 of line 1: the header "
+                                "was altered")
     _check_trailer(trailer, {**_trailer(policy, records), "count": len(records)})
     if signature.get("algorithm") != SIGNATURE_ALGORITHM:
         raise VerificationError(f"unknown signature algorithm {signature.get('algorithm')!r}")
@@ -404,4 +436,11 @@ def verify_export(path: str | Path, cas: list[x509.Certificate],
         raise VerificationError("the signature does not verify with the site certificate: the "
                                 "trailer was altered, or the export was signed with another "
                                 "key") from None
-    return _summary(header["site"], cert, header["exported_at"], policy, records)
+    if extends is not None and mark != extends.last_hash:
+        raise VerificationError(
+            f"the export does not extend the earlier one: its first {extends.records} "
+            "record(s) differ from the earlier export's (history was changed or removed)"
+            if len(records) >= extends.records else
+            f"the export holds {len(records)} record(s), fewer than the {extends.records} of "
+            "the earlier export: records were removed")
+    return _summary(site, cert, header["exported_at"], policy, records, chain)

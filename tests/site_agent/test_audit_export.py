@@ -15,7 +15,7 @@ from cryptography import x509
 
 from dpfed.aggregator.cli import main as dpfed_main
 from dpfed.common import exit_codes
-from dpfed.common.audit_trail import encode_line, line_hash, verify_export
+from dpfed.common.audit_trail import encode_line, genesis, line_hash, verify_export
 from dpfed.common.errors import ConfigError, VerificationError
 from dpfed.common.privacy.accounting import BudgetPolicy, PrivacyCost
 from dpfed.common.transport.certs import fingerprint, init_federation
@@ -147,10 +147,14 @@ def test_removed_reordered_truncated_or_added_events_fail(world: dict[str, Path]
 
 def _rechain(objs: list[dict[str, object]]) -> list[bytes]:
     """Encode lines again with a correct hash chain (what a forger without the key can do)."""
-    out = [encode_line(objs[0])]
+    head = encode_line(objs[0])
+    out, chain = [head], genesis(str(objs[0]["site"]))
     for obj in objs[1:-1]:
-        obj["prev"] = line_hash(out[-1])
+        obj["prev"] = chain
+        if obj["type"] == "trailer":
+            obj["header"] = line_hash(head)
         out.append(encode_line(obj))
+        chain = line_hash(out[-1])
     return [*out, encode_line(objs[-1])]
 
 
@@ -255,3 +259,48 @@ def test_a_certificate_not_valid_at_export_time_fails(world: dict[str, Path],
     objs[0]["exported_at"] = "1999-01-01T00:00:00+00:00"
     with pytest.raises(VerificationError, match="was not valid"):
         verify_export(_write(tmp_path / "old.jsonl", _rechain(objs)), _cas(world["ca"]))
+
+
+def test_a_later_export_extends_an_earlier_one_unless_history_changed(
+        world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cas = _cas(world["ca"])
+    root = tmp_path / "later"
+    root.mkdir()
+    config = _site_config(root, "hospital-1", world["root"] / "certs")
+    _charge_all(root / "hospital-1.sqlite")
+    first = export_ledger(load_site_config(config), root / "first.jsonl")
+    with Ledger(root / "hospital-1.sqlite", BudgetPolicy(10.0, 1e-4)) as ledger:
+        ledger.charge_and_release(task_id="t5", job_id="job-d", kind="svt",
+                                  payload_digest=hashlib.sha256(b"t5").hexdigest(),
+                                  cost=PrivacyCost(0.1, 0.0, 0.005, "laplace", 1.0, 10.0),
+                                  release=lambda: b"more", analyst="alice")
+    export_ledger(load_site_config(config), root / "second.jsonl")
+    earlier = verify_export(root / "first.jsonl", cas)
+    assert earlier.last_hash == first.last_hash
+    assert verify_export(root / "second.jsonl", cas, extends=earlier).records == 5
+    # The record lines themselves are the same bytes in both exports.
+    assert _lines(root / "first.jsonl")[1:5] == _lines(root / "second.jsonl")[1:5]
+    assert dpfed_main(["audit", "verify", str(root / "second.jsonl"), "--ca", str(world["ca"]),
+                       "--extends", str(root / "first.jsonl")]) == exit_codes.OK
+    assert "4 record(s) unchanged, 1 added since" in capsys.readouterr().out
+    # The earlier export does not extend the later one (it lacks an event) ...
+    with pytest.raises(VerificationError, match="fewer than the 5"):
+        verify_export(root / "first.jsonl", cas,
+                      extends=verify_export(root / "second.jsonl", cas))
+    # ... and a ledger whose past differs (one charge attributed to another analyst) does not
+    # extend the export of the original, though it is genuinely signed by the same site.
+    other = tmp_path / "rewritten"
+    other.mkdir()
+    config2 = _site_config(other, "hospital-1", world["root"] / "certs")
+    with Ledger(other / "hospital-1.sqlite", BudgetPolicy(10.0, 1e-4)) as ledger:
+        for task, job, eps, analyst in CHARGES:
+            ledger.charge_and_release(
+                task_id=task, job_id=job, kind="pca",
+                payload_digest=hashlib.sha256(task.encode()).hexdigest(),
+                cost=PrivacyCost(eps, 1e-6, eps * eps / 2, "gaussian", 1.0, 2.0),
+                release=lambda t=task: f"noisy {t}".encode(),
+                analyst="mallory" if task == "t2" else analyst)
+    export_ledger(load_site_config(config2), other / "rewritten.jsonl")
+    assert verify_export(other / "rewritten.jsonl", cas).records == 4
+    with pytest.raises(VerificationError, match="history was changed"):
+        verify_export(other / "rewritten.jsonl", cas, extends=earlier)
