@@ -18,7 +18,7 @@ not depend on the header, so two exports of one ledger share their records byte 
 later export *extends* an earlier one exactly when its chain passes through the earlier one's
 last hash. :func:`verify_export` checks the certificate against the federation CA, the chain,
 the record numbering, the totals, the signature, and optionally that the export extends an
-earlier one; docs/operations.md ("Audit export") says what each failure means.
+earlier one; docs/governance.md ("Audit export") says what each failure means.
 """
 
 from __future__ import annotations
