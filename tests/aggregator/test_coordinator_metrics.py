@@ -34,7 +34,7 @@ def _scrape(port: int) -> str:
         return str(r.read().decode())
 
 
-def _samples(text: str) -> Samples:
+def parse_samples(text: str) -> Samples:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -70,7 +70,7 @@ async def test_coordinator_series_over_http(tmp_path: Path) -> None:
             await hand.close()
             await server.close()
             await other.close()
-    s = _samples(text)
+    s = parse_samples(text)
     assert s[("dpfed_jobs", (("kind", "pca"), ("state", "succeeded")))] == 2
     assert s[("dpfed_sites_connected", ())] == 3
     assert s[("dpfed_round_seconds_count", (("kind", "pca"), ("outcome", "ok")))] == 2
@@ -89,7 +89,7 @@ async def test_coordinator_series_over_http(tmp_path: Path) -> None:
     assert s[("dpfed_site_refusals_total", (("code", "other"), ("site", "hospital-3")))] == 1
     assert "process_resident_memory_bytes" in _families(text)
     # Two coordinators in one process keep their own series, and the global registry none.
-    idle_samples = _samples(idle_text)
+    idle_samples = parse_samples(idle_text)
     assert not any(name == "dpfed_jobs" for name, _ in idle_samples)
     assert idle_samples[("dpfed_sites_connected", ())] == 1
     assert not any(m.name.startswith("dpfed") for m in REGISTRY.collect())
@@ -120,7 +120,7 @@ async def test_site_series_hold_only_what_the_coordinator_sees(tmp_path: Path) -
     # (a counter's _created time is when the site first answered such a task: seen there too)
     names = {f.removesuffix("_created") for f in _families(text)}
     assert names <= SITE_FAMILIES, names - SITE_FAMILIES
-    s = _samples(text)
+    s = parse_samples(text)
     assert s[("dpfed_site_connected", ())] == 1
     assert s[("dpfed_site_tasks_total", (("kind", "pca"), ("outcome", "answered")))] == 1
     assert s[("dpfed_site_tasks_total", (("kind", "pca"), ("outcome", "refused")))] == 1

@@ -19,17 +19,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.aggregator.test_coordinator_metrics import SITE_FAMILIES
+from tests.aggregator.test_coordinator_metrics import SITE_FAMILIES, parse_samples
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _samples(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
 
 def _scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
@@ -57,8 +49,8 @@ def test_simulate_serves_the_promised_series(tmp_path: Path) -> None:
             if line.startswith("[simulate] metrics") and "http://" in line:
                 name, _, url = line.split(None, 2)[2].partition(": ")
                 urls[name] = url.strip()
-        live = _samples(_scrape(urls["coordinator"]))
-        site_live = _samples(_scrape(urls["hospital-1"]))
+        live = parse_samples(_scrape(urls["coordinator"]))
+        site_live = parse_samples(_scrape(urls["hospital-1"]))
         assert proc.wait(240) == 0, "".join(seen)
     finally:
         if proc.poll() is None:
@@ -73,7 +65,7 @@ def test_simulate_serves_the_promised_series(tmp_path: Path) -> None:
 
     # The last scrape before the processes stopped: the finished job and what it cost.
     coordinator = (out / "metrics" / "coordinator.prom").read_text()
-    s = _samples(coordinator)
+    s = parse_samples(coordinator)
     assert s[("dpfed_jobs", (("kind", "pca"), ("state", "succeeded")))] == 1
     assert s[("dpfed_round_seconds_count", (("kind", "pca"), ("outcome", "ok")))] == 3
     assert "dpfed_site_refusals" in {f.name for f in text_string_to_metric_families(coordinator)}
@@ -88,7 +80,7 @@ def test_simulate_serves_the_promised_series(tmp_path: Path) -> None:
         names = {f.name.removesuffix("_created")
                  for f in text_string_to_metric_families(site_text)}
         assert names <= SITE_FAMILIES, names - SITE_FAMILIES
-        t = _samples(site_text)
+        t = parse_samples(site_text)
         assert t[("dpfed_site_tasks_total", (("kind", "pca"), ("outcome", "answered")))] == 3
         assert t[("dpfed_site_budget_epsilon_spent", ())] == pytest.approx(1.0)
         # What the site shows is what the coordinator holds for it.
