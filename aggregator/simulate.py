@@ -67,6 +67,7 @@ class SimulationOptions:
     synth_rows: int = 20_000
     synth_mode: str = "generative"
     composition: str = "basic"
+    metrics: bool = False
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,6 +118,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--composition", choices=["basic", "zcdp"], default="basic",
                    help="--job synth: how the rounds share the budget (zcdp: shares of rho; "
                    "the simulated sites then account in zcdp)")
+    p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics from the "
+                   "coordinator and every site on free loopback ports (addresses printed; the "
+                   "last scrape of each is saved in OUT/metrics/)")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
@@ -146,7 +150,8 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              deadline=args.deadline, job=getattr(args, "job", "pca"),
                              synth_rows=getattr(args, "synth_rows", 20_000),
                              synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"),
-                             composition=getattr(args, "composition", "basic"))
+                             composition=getattr(args, "composition", "basic"),
+                             metrics=getattr(args, "metrics", False))
     if opts.job == "synth":  # before anything is made
         from dpfed.aggregator.simulate_synth import check_synth_options
 
@@ -263,7 +268,8 @@ def run_simulation(opts: SimulationOptions) -> int:
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings)
+                                 task_deadline_s=opts.deadline, settings=settings,
+                                 metrics=opts.metrics)
     say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
          f"certificate(s) -> {fed.certs}")
     schema = Schema.load(fed.schema_path)

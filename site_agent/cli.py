@@ -6,6 +6,7 @@
     dpfed-site check --config site.toml [--timeout S]  check config, certificates, schema,
                                                        data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
+    dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only) and
 only asks the coordinator's health service whether it is serving, over the same mutual TLS a
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="list the privacy ledger's events and totals")
     _add_common(ledger)
     ledger.add_argument("--json", action="store_true", help="print JSON")
+    from dpfed.site_agent.audit_export import add_export_arguments
+
+    add_export_arguments(ledger)
     return p
 
 
@@ -160,6 +164,7 @@ def _run(config: SiteConfig) -> int:
     from dpfed.site_agent.agent import SiteAgent
     from dpfed.site_agent.coordinator_check import CoordinatorCheck
     from dpfed.site_agent.ledger import Ledger
+    from dpfed.site_agent.metrics import SiteMetrics, serving_metrics
     from dpfed.site_agent.runner import TaskRunner
     from dpfed.site_agent.secure_policy import SUM_KINDS
 
@@ -204,13 +209,15 @@ def _run(config: SiteConfig) -> int:
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
                       server_name=config.server_name, coordinator_check=check,
                       keepalive_s=config.keepalive_s,
-                      after_connect=prepared.data.ensure_counted)
+                      after_connect=prepared.data.ensure_counted,
+                      metrics=SiteMetrics(ledger, allowed_kinds))
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, agent.stop)
-        return await agent.run()
+        async with serving_metrics(config.metrics, agent.metrics):
+            return await agent.run()
 
     try:
         return asyncio.run(main())
@@ -413,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             configure_logging("WARNING", None, config.log_format)
         if command == "check":
             return _check(config, args.timeout)
+        if command == "ledger" and args.action == "export":
+            from dpfed.site_agent.audit_export import export_command
+
+            return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
         return _run(config)
