@@ -18,6 +18,7 @@
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
 Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
 the environment variables DPFED_COORDINATOR, DPFED_CA, DPFED_CERT, DPFED_KEY,
@@ -313,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpfed.aggregator.certs_cli import register as register_certs
 
     register_certs(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
+    from dpfed.aggregator.audit_cli import register as register_audit
+
+    register_audit(sub)
 
     p = sub.add_parser("demo-data", help="generate demo hospital tables with a latent factor "
                        "structure and their schema.toml")

@@ -69,6 +69,7 @@ class SimulationOptions:
     synth_rows: int = 20_000
     synth_mode: str = "generative"
     composition: str = "basic"
+    metrics: bool = False
 
 
 #: The defaults of the flags below that are left None by the parser, so that a flag the
@@ -155,6 +156,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="--job synth: how the rounds share the budget (default basic; zcdp: "
                    "shares of rho, the simulated sites then account in zcdp)")
 
+    p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics from the "
+                   "coordinator and every site on free loopback ports (addresses printed; the "
+                   "last scrape of each is saved in OUT/metrics/)")
 
 def refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
     """Raise ConfigError naming the first flag the chosen ``--job`` (or ``--data``) ignores."""
@@ -207,7 +211,7 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
                              deadline=args.deadline, job=args.job, synth_rows=args.synth_rows,
                              synth_mode=args.synth_mode.replace("-", "_"),
-                             composition=args.composition)
+                             composition=args.composition, metrics=args.metrics)
     if opts.job == "synth":  # before anything is made
         from dpfed.aggregator.simulate_synth import check_synth_options
 
@@ -347,7 +351,8 @@ def run_simulation(opts: SimulationOptions) -> int:
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings)
+                                 task_deadline_s=opts.deadline, settings=settings,
+                                 metrics=opts.metrics)
     say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
          f"certificate(s) -> {fed.certs}")
     schema = Schema.load(fed.schema_path)

@@ -71,7 +71,8 @@ def run_query_simulation(opts: Any) -> int:
                             noise_seed=opts.seed)
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows, features=features,
                                  seed=seed, fmt=opts.data_format, min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings, mixed=True)
+                                 task_deadline_s=opts.deadline, settings=settings, mixed=True,
+                                 metrics=opts.metrics)
     say("data", f"{opts.sites} x {opts.rows} rows, {features} columns incl. nominal/ordinal "
          f"(seed {seed})")
     rep = Report(f"dpfed simulation: {opts.job} job")

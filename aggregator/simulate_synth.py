@@ -58,7 +58,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings, mixed=True)
+                                 task_deadline_s=opts.deadline, settings=settings, mixed=True,
+                                 metrics=opts.metrics)
     try:
         fed.start_coordinator()
         say("coordinator", f"serving on {fed.address} (mTLS)")

@@ -86,6 +86,10 @@ class JobBudgetExceededError(JobFailedError, BudgetExceededError):
     """
 
 
+class VerificationError(DpfedError):
+    """A signed file (a ledger export) does not verify: altered, truncated or wrongly signed."""
+
+
 class SitesNotConnectedError(DpfedError):
     """The coordinator answered, but fewer sites than asked for connected in time."""
 

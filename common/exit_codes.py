@@ -32,6 +32,9 @@ JOB_FAILED = 8
 BUDGET_EXCEEDED = 9
 #: The coordinator answered but fewer sites than ``--wait-sites N`` connected in time.
 SITES_NOT_CONNECTED = 10
+#: A signed ledger export does not verify (altered, truncated, reordered, or not signed by a
+#: site certificate of the federation): ``dpfed audit verify``.
+VERIFICATION_FAILED = 11
 #: Interrupted by SIGINT.
 INTERRUPTED = 130
 #: The reader of standard output went away (``dpfed jobs | head``): stop quietly, as a
@@ -57,6 +60,8 @@ TABLE: tuple[tuple[int, str, str], ...] = (
      "privacy budget exhausted (also when every refusing site refused for budget)"),
     (SITES_NOT_CONNECTED, "SITES_NOT_CONNECTED",
      "the coordinator is up but fewer sites than --wait-sites N connected in time"),
+    (VERIFICATION_FAILED, "VERIFICATION_FAILED",
+     "a signed ledger export does not verify (altered, truncated, or wrongly signed)"),
     (INTERRUPTED, "INTERRUPTED", "interrupted (Ctrl-C)"),
     (PIPE_CLOSED, "PIPE_CLOSED", "standard output closed by its reader (output piped into head)"),
 )
@@ -80,6 +85,7 @@ def for_error(exc: BaseException) -> int:
         (errors.ConfigError, CONFIG_ERROR),
         (errors.SitesNotConnectedError, SITES_NOT_CONNECTED),
         (errors.SiteRejectedError, REJECTED_BY_COORDINATOR),
+        (errors.VerificationError, VERIFICATION_FAILED),
         (errors.CoordinatorUnavailableError, COORDINATOR_UNREACHABLE),
         (errors.BudgetExceededError, BUDGET_EXCEEDED),
         (errors.JobFailedError, JOB_FAILED),

@@ -7,6 +7,7 @@
                                                        data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
     dpfed-site health --config site.toml [--max-age S] is the running agent connected?
+    dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only), asks
 the coordinator's health service whether it is serving and asks the coordinator whether it
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="list the privacy ledger's events and totals")
     _add_common(ledger)
     ledger.add_argument("--json", action="store_true", help="print JSON")
+    from dpfed.site_agent.audit_export import add_export_arguments
+
+    add_export_arguments(ledger)
     health = sub.add_parser("health", help="is the running agent connected to the "
                             "coordinator? (reads its status file: a cheap container probe)")
     _add_common(health)
@@ -175,6 +179,7 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     from dpfed.site_agent.agent_status import CONNECTED, CONNECTING
     from dpfed.site_agent.coordinator_check import CoordinatorCheck
     from dpfed.site_agent.ledger import Ledger
+    from dpfed.site_agent.metrics import SiteMetrics, serving_metrics
     from dpfed.site_agent.runner import TaskRunner
     from dpfed.site_agent.secure_policy import SUM_KINDS
 
@@ -219,7 +224,8 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
                       server_name=config.server_name, coordinator_check=check,
                       keepalive_s=config.keepalive_s,
-                      after_connect=prepared.data.ensure_counted)
+                      after_connect=prepared.data.ensure_counted,
+                      metrics=SiteMetrics(ledger, allowed_kinds))
 
     async def heartbeat() -> None:
         while True:
@@ -233,7 +239,8 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
             loop.add_signal_handler(sig, agent.stop)
         beat = asyncio.create_task(heartbeat())
         try:
-            return await agent.run()
+            async with serving_metrics(config.metrics, agent.metrics):
+                return await agent.run()
         finally:
             beat.cancel()
 
@@ -535,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
             configure_logging("WARNING", None, config.log_format)
         if command == "check":
             return _check(config, args.timeout)
+        if command == "ledger" and args.action == "export":
+            from dpfed.site_agent.audit_export import export_command
+
+            return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
         if command == "health":
