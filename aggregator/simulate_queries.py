@@ -15,7 +15,6 @@ nominal and ordinal columns), then as an analyst:
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from dpfed.aggregator.report import Report
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import DpfedError, JobFailedError
+from dpfed.common.errors import JobFailedError
 from dpfed.common.queries.query_language import compile_query_set
 from dpfed.common.transport.protocol import JobEvent
 
@@ -97,10 +96,7 @@ def run_query_simulation(opts: Any) -> int:
             budgets = coord.budgets()
     except JobFailedError as exc:
         say(opts.job, f"FAILED: {exc}")
-        return exit_codes.JOB_FAILED
-    except DpfedError as exc:
-        print(f"[simulate] error: {exc}", file=sys.stderr)
-        return exit_codes.INTERNAL_ERROR
+        return exit_codes.for_error(exc)
     finally:
         fed.stop_all()
     rep.heading("Budgets")

@@ -70,6 +70,10 @@ class CoordinatorUnavailableError(DpfedError):
     """The coordinator could not be reached (down, wrong address, or TLS handshake failure)."""
 
 
+class SiteRejectedError(DpfedError):
+    """The coordinator refuses this site (not admitted, revoked, another schema or protocol)."""
+
+
 class JobFailedError(DpfedError):
     """A job ended in the failed state; the message carries the coordinator's reason."""
 

@@ -127,6 +127,8 @@ class SiteAgent:
         self._stop = asyncio.Event()
         self._random = random.Random()
         self.connected_once = False
+        #: Whether a session is open now (the agent's status file reports it).
+        self.connected = False
         self.site_id: str | None = None
 
     def stop(self) -> None:
@@ -216,7 +218,7 @@ class SiteAgent:
             if first.WhichOneof("body") != "welcome":
                 raise ProtocolError("the coordinator's first message was not Welcome")
             self.site_id = first.welcome.site_id
-            self.connected_once = True
+            self.connected_once = self.connected = True
             if self.metrics is not None:
                 self.metrics.connected(True)
             log.info("[SiteAgent.session] connected to %s as site %s (coordinator %s)",
@@ -282,6 +284,7 @@ class SiteAgent:
                         log.info("[SiteAgent.session] coordinator cancelled task %s: %s",
                                  msg.cancel.task_id, msg.cancel.reason)
             finally:
+                self.connected = False
                 if self.metrics is not None:
                     self.metrics.connected(False)
                 stop_wait.cancel()
