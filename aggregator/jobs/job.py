@@ -349,7 +349,7 @@ class Job(Generic[P]):
                     outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
                     dict(outgoing.arrays), self.analyst_id)
         payload = task_to_bytes(task)
-        deadline = time.time() + self.deadline_s
+        started, deadline = time.monotonic(), time.time() + self.deadline_s
         lo, hi = progress
         self.emit("dispatch", f"round {outgoing.round_name!r}: task sent to {len(targets)} "
                   f"site(s) ({', '.join(targets)}); deadline {self.deadline_s:g}s", lo)
@@ -403,6 +403,8 @@ class Job(Generic[P]):
         finally:
             for t in pending:
                 t.cancel()
+        self.registry.metrics.observe_round(outgoing.kind, time.monotonic() - started,
+                                            ok=len(results) >= min_sites)
         if len(results) < min_sites:
             failed = "; ".join(f"{o.site_id}: {o.status} ({o.reason})"
                                for o in self.outcomes.values() if o.status != SiteStatus.OK)

@@ -341,7 +341,7 @@ def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
     a site sums must satisfy (a) replacing one of its rows moves every entry by at most ``b``
     and (b) every entry lies in ``[0, b N_s]``, ``N_s`` the site's public row count — as a
     sum over rows of per-row terms in ``[0, b]`` does, and the ``synth`` job's floored
-    dependence scores do with ``b = 2`` (:mod:`dpfed.site_agent.handlers.synth_secure`, which
+    dependence scores do with ``b = 2`` (:mod:`dpfed.common.jobs.synth_pairs`, which
     clips into that range). The pooled entries then lie in ``[0, b N]``, ``N = total_rows``.
 
     Privacy
