@@ -59,6 +59,8 @@ class RefusalCode(StrEnum):
     CONFLICT = "conflict"
     DEADLINE = "deadline"
     INTERNAL = "internal"
+    #: A code this version does not know (a newer site's): still a refusal, counted apart.
+    OTHER = "other"
 
     @classmethod
     def of_ledger(cls, reason: str) -> RefusalCode:

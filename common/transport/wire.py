@@ -331,8 +331,8 @@ def refusal_from_proto(msg: site_link_pb2.Refusal) -> Refusal:
     """Decode a refusal."""
     try:
         code = RefusalCode(msg.code)
-    except ValueError:
-        raise ProtocolError(f"unknown refusal code {msg.code[:40]!r}") from None
+    except ValueError:  # a newer site's code: the task is refused all the same
+        code = RefusalCode.OTHER
     return Refusal(msg.task_id, code, msg.reason)
 
 
