@@ -24,7 +24,8 @@ Example (paths are relative to the file)::
     # password_env = "DPFED_PG_PASSWORD"   # or password_file = "pg_password" (or ~/.pgpass)
     # table = "cdm.dpfed_features"         # or query = "SELECT ..."
     chunk_rows = 65536
-    on_missing = "drop"         # drop | error
+    on_missing = "error"        # error | drop: a missing value in a column the schema
+                                # declares complete (no 'missing' key) stops / drops the row
     on_invalid = "drop"         # drop | error
     on_out_of_range = "clip"    # clip | drop | error
 
@@ -261,7 +262,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
                           "apply only to format = \"postgres\"")
     try:
         row_policy = RowPolicy(
-            missing=data.string("on_missing", "drop") or "drop",
+            missing=data.string("on_missing", "error") or "error",
             invalid=data.string("on_invalid", "drop") or "drop",
             out_of_range=data.string("on_out_of_range", "clip") or "clip",
         )

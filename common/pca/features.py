@@ -6,8 +6,11 @@ the largest row norm *in the data*, which leaks (docs/algorithms.md). Here the m
 public
 schema and a public ``clip_norm``:
 
-1. Each column to [-1, 1] with its declared bounds: continuous ``(x - mid) / half_range``;
-   ordinal code ``c`` of M levels ``2c/(M-1) - 1``; nominal one-hot (Q features in {0, 1}).
+1. Each column to [-1, 1] with its declared bounds: continuous (and date: days since the
+   epoch) ``(x - mid) / half_range``; ordinal code ``c`` of M levels ``2c/(M-1) - 1``; nominal
+   one-hot (Q features in {0, 1}). A ``missing = "category"`` column is 0 where missing (a
+   nominal one: no category set) and, unless nominal, gets one more feature, its *missing
+   indicator* ``name (missing)`` in {0, 1}; a column's features then still have norm <= 1.
 2. Rows whose norm exceeds ``clip_norm`` are scaled down to it (counted, not dropped).
 3. Divide by ``clip_norm``.
 
@@ -24,19 +27,39 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfed.common.data.encoding import EncodedTable
-from dpfed.common.data.schema import ContinuousColumn, NominalColumn, OrdinalColumn, Schema
+from dpfed.common.data.schema import (
+    Column,
+    ContinuousColumn,
+    NominalColumn,
+    OrdinalColumn,
+    Schema,
+)
 from dpfed.common.errors import ValidationError
 from dpfed.common.validation import check_positive
 
+#: Suffix of a missing indicator's feature name.
+MISSING_SUFFIX = " (missing)"
+
+
+def has_indicator(col: Column) -> bool:
+    """Whether a column gets a missing-indicator feature (``"category"``, not nominal)."""
+    return col.missing == "category" and not isinstance(col, NominalColumn)
+
 
 def feature_names(schema: Schema) -> tuple[str, ...]:
-    """Names of the numeric features: column names, and ``column=category`` for one-hots."""
+    """Names of the numeric features, in order.
+
+    Column names, ``column=category`` for one-hots, and ``column (missing)`` for missing
+    indicators (right after their column's feature).
+    """
     names: list[str] = []
     for col in schema.columns:
         if isinstance(col, NominalColumn):
             names.extend(f"{col.name}={c}" for c in col.categories)
         else:
             names.append(col.name)
+            if has_indicator(col):
+                names.append(col.name + MISSING_SUFFIX)
     return tuple(names)
 
 
@@ -48,8 +71,9 @@ def max_feature_norm(schema: Schema) -> float:
 def feature_affine(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
     """Return ``(offset, scale)`` with ``raw = offset + scale * u`` for step 1's ``u``, per feature.
 
-    Raw units: a continuous column's own unit, an ordinal column's level code (0 .. M-1), a
-    one-hot's indicator (so a mean is the category's share). The inverse of step 1.
+    Raw units: a continuous column's own unit (a date's: units since the epoch), an ordinal
+    column's level code (0 .. M-1), a one-hot's or missing indicator's 0/1 (so a mean is a
+    share). The inverse of step 1.
     """
     offset: list[float] = []
     scale: list[float] = []
@@ -63,6 +87,9 @@ def feature_affine(schema: Schema) -> tuple[np.ndarray, np.ndarray]:
         else:
             offset.extend([0.0] * col.n_categories)
             scale.extend([1.0] * col.n_categories)
+        if has_indicator(col):
+            offset.append(0.0)
+            scale.append(1.0)
     return np.asarray(offset), np.asarray(scale)
 
 
@@ -117,21 +144,32 @@ class UnitBallMap:
         j = 0
         for col in self.schema.columns:
             values = table.columns[col.name]
+            missing = table.missing.get(col.name) if col.missing == "category" else None
             if isinstance(col, ContinuousColumn):
                 # (v - center) / half_range * factor as one subtract and one multiply.
                 np.subtract(values, col.center, out=out[:, j])
                 out[:, j] *= factor / col.half_range
-                j += 1
+                width = 1
             elif isinstance(col, OrdinalColumn):
                 step = 2.0 / (col.n_levels - 1)
                 np.multiply(values, step * factor, out=out[:, j])
                 out[:, j] -= factor
-                j += 1
+                width = 1
             else:
-                block = out[:, j:j + col.n_categories]
+                width = col.n_categories
+                block = out[:, j:j + width]
                 block[:] = 0.0
-                block[np.arange(n), values] = factor
-                j += col.n_categories
+                rows = np.arange(n) if missing is None else np.flatnonzero(~missing)
+                block[rows, values[rows]] = factor
+            if missing is not None:
+                out[missing, j:j + width] = 0.0
+            j += width
+            if has_indicator(col):
+                if missing is None:
+                    out[:, j] = 0.0
+                else:
+                    np.multiply(missing, factor, out=out[:, j])
+                j += 1
         return out
 
     def transform(self, table: EncodedTable) -> tuple[np.ndarray, int]:
