@@ -48,7 +48,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
-from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.data.schema import Column, ContinuousColumn, DateColumn, Schema
 from dpfed.common.data.source_base import (
     _BLOCK_BYTES,
     _BLOCK_ROWS,
@@ -193,7 +193,7 @@ class CsvSource(DataSource):
 
     def _open(self, typed: bool, malformed: _MalformedRows) -> Any:
         column_types = {
-            col.name: pa.float64() if typed and isinstance(col, ContinuousColumn) else pa.string()
+            col.name: pa.float64() if typed and _plain_number(col) else pa.string()
             for col in self.schema.columns
         }
         encoding = self.spec.encoding
@@ -216,7 +216,7 @@ class CsvSource(DataSource):
     def _arrow_batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         """Yield Arrow batches in file order, switching to text reading if a block fails."""
         malformed = _MalformedRows(fail=self.spec.policy.invalid == "error")
-        typed = self.typed_fast_path and bool(self.schema.of_type("continuous"))
+        typed = self.typed_fast_path and any(_plain_number(c) for c in self.schema.columns)
         delivered = 0  # well-formed data rows handed out so far
         while True:
             to_discard = delivered  # after a switch, rows the typed reader already delivered
@@ -284,6 +284,11 @@ class CsvSource(DataSource):
 
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         return _split(self._arrow_batches(), self.chunk_rows)
+
+
+def _plain_number(col: Column) -> bool:
+    """Whether the CSV fast path reads the column as float64 (continuous, not a date)."""
+    return isinstance(col, ContinuousColumn) and not isinstance(col, DateColumn)
 
 
 class _MalformedRows:
