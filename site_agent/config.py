@@ -28,6 +28,7 @@ Example (paths are relative to the file)::
                                 # declares complete (no 'missing' key) stops / drops the row
     on_invalid = "drop"         # drop | error
     on_out_of_range = "clip"    # clip | drop | error
+    warn_dropped_fraction = 0.01  # dpfed-site check and the log warn above this share dropped
 
     [ledger]
     path = "ledger.sqlite"
@@ -94,6 +95,10 @@ EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
 EVALUATION_SUMMARY_KIND = "synth_eval_dp"
 
 
+#: Default of ``[data] warn_dropped_fraction``.
+DEFAULT_WARN_DROPPED_FRACTION = 0.01
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where the site's table lives and how problem rows are handled.
@@ -113,6 +118,8 @@ class DataConfig:
     conninfo: str | None = None
     password_env: str | None = None
     password_file: Path | None = None
+    #: Warn (log, ``dpfed-site check``) when more than this share of the rows read is dropped.
+    warn_dropped_fraction: float = DEFAULT_WARN_DROPPED_FRACTION
 
     def password(self) -> str | None:
         """Read the PostgreSQL password from its variable or file (None: libpq's own ways).
@@ -268,6 +275,10 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [data] {exc}") from None
+    warn_dropped = data.number("warn_dropped_fraction", DEFAULT_WARN_DROPPED_FRACTION)
+    if warn_dropped is None or not 0.0 <= warn_dropped <= 1.0:
+        raise ConfigError(f"{source}: data.warn_dropped_fraction must be a share between 0 and "
+                          f"1, got {warn_dropped!r}")
     delimiter = data.string("delimiter")
     if delimiter is not None and len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
@@ -277,6 +288,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         query=data.string("query") or None, delimiter=delimiter,
         chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
         conninfo=conninfo, password_env=password_env, password_file=password_file,
+        warn_dropped_fraction=warn_dropped,
     )
     data.check_unknown()
 
