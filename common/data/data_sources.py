@@ -40,6 +40,7 @@ import logging
 import re
 import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -518,6 +519,10 @@ def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
     if spec.kind == "csv":
         return CsvSource(spec, schema)
     if spec.kind == "parquet":
+        from dpfed.common.data.parquet_dataset import ParquetDatasetSource, is_dataset_path
+
+        if is_dataset_path(spec.path or Path()):
+            return ParquetDatasetSource(spec, schema)
         return ParquetSource(spec, schema)
     if spec.kind == "postgres":
         # Imported here: the driver is the optional extra ``dpfed[postgres]``.

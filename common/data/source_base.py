@@ -45,6 +45,9 @@ _MAX_BLOCK_BYTES = 8 << 20
 _BLOCK_ROWS = 1024
 #: Cap on one chunk's float64 feature matrix: wide tables get fewer rows per chunk.
 MAX_CHUNK_BYTES = 128 << 20
+#: Below :data:`MAX_CHUNK_BYTES`, a chunk's matrix is kept to the size of one p x p matrix
+#: (the unit of a site's memory budget), but never below this.
+MIN_CHUNK_BYTES = 16 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SQL_COMMENT = re.compile(r"\A\s*(?:--[^\n]*(?:\n|\Z)|/\*.*?\*/)", re.DOTALL)
 
@@ -157,7 +160,9 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
 
     ``.csv``/``.tsv``/``.txt`` (optionally followed by ``.gz``, ``.bz2``, ``.zst`` or
     ``.lz4``) are CSV (``.tsv`` defaults to a tab delimiter), ``.parquet``/``.pq`` Parquet,
-    and ``.sqlite``/``.sqlite3``/``.db`` SQLite, which also needs ``table`` or ``query``.
+    and ``.sqlite``/``.sqlite3``/``.db`` SQLite, which also needs ``table`` or ``query``. An
+    existing directory (without a CSV or SQLite extension) is a Parquet dataset: every
+    Parquet file under it.
 
     Raises
     ------
@@ -169,7 +174,9 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
     if suffixes and suffixes[-1] in COMPRESSION_EXTENSIONS:
         suffixes = suffixes[:-1]
     ext = suffixes[-1] if suffixes else ""
-    if ext in CSV_EXTENSIONS:
+    if p.is_dir() and ext not in CSV_EXTENSIONS + SQLITE_EXTENSIONS:
+        kind = "parquet"
+    elif ext in CSV_EXTENSIONS:
         kind = "csv"
         if delimiter is None:
             delimiter = "\t" if ext == ".tsv" else ","
@@ -272,11 +279,15 @@ class DataSource(abc.ABC):
     def chunk_rows(self) -> int:
         """Rows per chunk: ``spec.chunk_rows``, fewer for wide tables.
 
-        A chunk's float64 matrix is kept under :data:`MAX_CHUNK_BYTES` (128 MiB): at
-        p = 5000 a 65536-row chunk would be 2.4 GiB, more than the p x p matrices of a PCA.
+        A chunk's float64 matrix is kept to ``8 p^2`` bytes -- one p x p matrix -- within
+        [:data:`MIN_CHUNK_BYTES`, :data:`MAX_CHUNK_BYTES`] (16 MiB to 128 MiB): at p = 5000 a
+        65536-row chunk would be 2.4 GiB, more than the p x p matrices of a PCA, and at
+        p = 1000 the 128 MiB chunks (and the copies a pass holds of them) were most of the
+        site's memory, 40 times the p x p matrices.
         """
-        width = 8 * max(1, len(self.schema.columns))
-        return max(1, min(self.spec.chunk_rows, MAX_CHUNK_BYTES // width))
+        p = max(1, len(self.schema.columns))
+        budget = min(max(8 * p * p, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        return max(1, min(self.spec.chunk_rows, budget // (8 * p)))
 
     @abc.abstractmethod
     def describe(self) -> str:

@@ -540,7 +540,11 @@ def test_wide_tables_get_fewer_rows_per_chunk(tmp_path: Path) -> None:
         pq.write_table(pa.table({n: [0.5] for n in schema.names}), path)
         return open_data_source(spec_from_path(path, chunk_rows=chunk_rows), schema).chunk_rows
 
-    assert rows_per_chunk(50, 65536) == 65536
-    # A chunk's float64 matrix stays under 128 MiB: 3355 rows at p = 5000, not 65536 (2.4 GiB).
+    # A chunk's float64 matrix is one p x p matrix, within [16 MiB, 128 MiB].
+    assert rows_per_chunk(20, 65536) == 65536
+    assert rows_per_chunk(50, 65536) == (16 << 20) // (8 * 50)
+    assert rows_per_chunk(1000, 65536) == (16 << 20) // (8 * 1000)
+    assert rows_per_chunk(2000, 65536) == 2000
+    # 3355 rows at p = 5000, not 65536 (2.4 GiB).
     assert rows_per_chunk(5000, 65536) == (128 << 20) // (8 * 5000)
     assert rows_per_chunk(5000, 100) == 100
