@@ -529,6 +529,14 @@ def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
         from dpfed.common.data.postgres import PostgresSource
 
         return PostgresSource(spec, schema)
+    if spec.kind == "duckdb":
+        from dpfed.common.data.duckdb_source import DuckDBSource
+
+        return DuckDBSource(spec, schema)
+    if spec.kind == "omop":
+        from dpfed.common.data.omop import open_omop_source
+
+        return open_omop_source(spec, schema)
     return SqliteSource(spec, schema)
 
 

@@ -34,8 +34,9 @@ site stops and names the column, so no row is ever dropped silently). A nominal 
 ``other = true`` maps values that are not among its categories to the category ``"other"``
 instead of rejecting the row.
 
-Optional top-level keys: ``name`` (a label) and ``missing_values`` (the strings read as
-missing; default ``["", "NA", "NaN", "nan", "null", "NULL"]``).
+Optional top-level keys: ``name`` (a label), ``missing_values`` (the strings read as
+missing; default ``["", "NA", "NaN", "nan", "null", "NULL"]``) and ``[omop]`` (how every column
+is extracted from an OMOP CDM warehouse: :mod:`dpfed.common.data.omop_extraction`).
 
 Bounds, levels and categories are *public*: they come from this file, never from the data
 (docs/privacy.md, invariant 3). Every site and the coordinator check that they hold the same schema
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dpfed.common.data import dates
+from dpfed.common.data.omop_extraction import OmopExtraction, parse_extraction
 from dpfed.common.errors import SchemaError
 
 COLUMN_TYPES: tuple[str, ...] = ("continuous", "ordinal", "nominal", *dates.DATE_TYPES)
@@ -387,6 +389,7 @@ class Schema:
     columns: tuple[Column, ...]
     missing_values: tuple[str, ...] = DEFAULT_MISSING_VALUES
     name: str = ""
+    omop: OmopExtraction | None = None
 
     def __post_init__(self) -> None:
         if not self.columns:
@@ -402,11 +405,11 @@ class Schema:
         """Build a schema from a parsed TOML document (``source`` names it in errors)."""
         if not isinstance(data, dict):
             raise SchemaError(f"{source}: expected a table at top level")
-        unknown = set(data) - {"columns", "missing_values", "name"}
+        unknown = set(data) - {"columns", "missing_values", "name", "omop"}
         if unknown:
             raise SchemaError(
                 f"{source}: unknown top-level key(s) {sorted(unknown)}; "
-                "allowed: columns, missing_values, name"
+                "allowed: columns, missing_values, name, omop"
             )
         raw = data.get("columns")
         if not isinstance(raw, list) or not raw:
@@ -418,8 +421,11 @@ class Schema:
         name = data.get("name", "")
         if not isinstance(name, str):
             raise SchemaError(f"{source}: 'name' must be a string")
+        omop = None
+        if "omop" in data:
+            omop = parse_extraction(data["omop"], {c.name: c.type for c in columns}, source)
         try:
-            return cls(columns, tuple(missing), name)
+            return cls(columns, tuple(missing), name, omop)
         except SchemaError as exc:
             raise SchemaError(f"{source}: {exc}") from None
 
@@ -451,6 +457,8 @@ class Schema:
         out: dict[str, Any] = {"columns": cols, "missing_values": list(self.missing_values)}
         if self.name:
             out["name"] = self.name
+        if self.omop is not None:
+            out["omop"] = self.omop.to_dict()
         return out
 
     def to_toml(self) -> str:
@@ -464,6 +472,14 @@ class Schema:
             lines.append("[[columns]]")
             for key, value in col.items():
                 lines.append(f"{key} = {json.dumps(value)}")
+        if self.omop is not None:
+            omop = self.omop.to_dict()
+            lines.extend(["", "[omop]"])
+            if "cohort" in omop:
+                lines.append(f"cohort = {json.dumps(omop['cohort'])}")
+            for name, feature in omop["columns"].items():
+                lines.extend(["", f"[omop.columns.{json.dumps(name)}]"])
+                lines.extend(f"{key} = {json.dumps(value)}" for key, value in feature.items())
         return "\n".join(lines) + "\n"
 
     def digest(self) -> str:

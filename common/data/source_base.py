@@ -27,12 +27,15 @@ from dpfed.common.errors import ConfigError, DataError
 logger = logging.getLogger(__name__)
 
 
-DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: File extensions :func:`spec_from_path` understands (a compression suffix such as ``.gz``
 #: may follow a CSV extension; Arrow decompresses it while streaming).
 CSV_EXTENSIONS: tuple[str, ...] = (".csv", ".tsv", ".txt")
 PARQUET_EXTENSIONS: tuple[str, ...] = (".parquet", ".pq")
 SQLITE_EXTENSIONS: tuple[str, ...] = (".sqlite", ".sqlite3", ".db")
+DUCKDB_EXTENSIONS: tuple[str, ...] = (".duckdb", ".ddb")
+#: A file describing an OMOP CDM extraction (dpfed.common.data.omop): ``site-a.omop.toml``.
+OMOP_SUFFIX = ".omop.toml"
 COMPRESSION_EXTENSIONS: tuple[str, ...] = (".gz", ".bz2", ".zst", ".lz4")
 DEFAULT_CHUNK_ROWS = 65536
 #: Key in ``EncodingReport.problems_by_column`` under which CSV rows with a wrong number of
@@ -59,15 +62,17 @@ class DataSourceSpec:
 
     Attributes
     ----------
-    kind : {"csv", "parquet", "sqlite"}
+    kind : {"csv", "parquet", "sqlite", "postgres", "duckdb", "omop"}
         The format.
     path : pathlib.Path
-        The file (a str is converted).
+        The file (a str is converted): a Parquet file or dataset directory, a database file,
+        or for ``omop`` the extraction's ``.omop.toml`` (:mod:`dpfed.common.data.omop`).
     table : str, optional
-        SQLite only: a table or view name (a plain identifier ``[A-Za-z_][A-Za-z0-9_]*``).
+        SQLite, PostgreSQL and DuckDB: a table or view name (a plain identifier
+        ``[A-Za-z_][A-Za-z0-9_]*``; ``schema.table`` for PostgreSQL and DuckDB).
     query : str, optional
-        SQLite only, instead of ``table``: one read-only ``SELECT``/``WITH`` statement whose
-        result has the schema's columns (by name).
+        Instead of ``table``: one read-only ``SELECT``/``WITH`` statement whose result has the
+        schema's columns (by name).
     delimiter : str
         CSV only: the one-character field separator (``","``; a tab for ``.tsv``).
     chunk_rows : int
@@ -122,8 +127,8 @@ class DataSourceSpec:
             raise ConfigError(f"chunk_rows must be an integer >= 1, got {self.chunk_rows!r}")
         if not isinstance(self.policy, RowPolicy):
             raise ConfigError(f"policy must be a RowPolicy, got {type(self.policy).__name__}")
-        if self.kind in ("sqlite", "postgres"):
-            where = self.path if self.kind == "sqlite" else "postgres"
+        if self.kind in ("sqlite", "postgres", "duckdb"):
+            where = "postgres" if self.kind == "postgres" else self.path
             if (self.table is None) == (self.query is None):
                 raise ConfigError(
                     f"an {self.kind} data source ({where}) needs exactly one of 'table' or "
@@ -135,8 +140,8 @@ class DataSourceSpec:
                 _check_select(self.query, self.kind)
         elif self.table is not None or self.query is not None:
             raise ConfigError(
-                f"'table' and 'query' apply only to sqlite and postgres data sources, not "
-                f"{self.kind} ({self.path})"
+                f"'table' and 'query' apply only to sqlite, postgres and duckdb data sources, "
+                f"not {self.kind} ({self.path})"
             )
         if (not isinstance(self.delimiter, str) or len(self.delimiter) != 1
                 or self.delimiter in "\"\r\n"):
@@ -160,7 +165,8 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
 
     ``.csv``/``.tsv``/``.txt`` (optionally followed by ``.gz``, ``.bz2``, ``.zst`` or
     ``.lz4``) are CSV (``.tsv`` defaults to a tab delimiter), ``.parquet``/``.pq`` Parquet,
-    and ``.sqlite``/``.sqlite3``/``.db`` SQLite, which also needs ``table`` or ``query``. An
+    ``.sqlite``/``.sqlite3``/``.db`` SQLite and ``.duckdb``/``.ddb`` DuckDB, which also need
+    ``table`` or ``query``, and ``.omop.toml`` an OMOP CDM extraction (``omop``). An
     existing directory (without a CSV or SQLite extension) is a Parquet dataset: every
     Parquet file under it.
 
@@ -174,7 +180,9 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
     if suffixes and suffixes[-1] in COMPRESSION_EXTENSIONS:
         suffixes = suffixes[:-1]
     ext = suffixes[-1] if suffixes else ""
-    if p.is_dir() and ext not in CSV_EXTENSIONS + SQLITE_EXTENSIONS:
+    if p.name.lower().endswith(OMOP_SUFFIX):
+        kind = "omop"
+    elif p.is_dir() and ext not in CSV_EXTENSIONS + SQLITE_EXTENSIONS:
         kind = "parquet"
     elif ext in CSV_EXTENSIONS:
         kind = "csv"
@@ -184,8 +192,11 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
         kind = "parquet"
     elif ext in SQLITE_EXTENSIONS and len(p.suffixes) == len(suffixes):
         kind = "sqlite"
+    elif ext in DUCKDB_EXTENSIONS and len(p.suffixes) == len(suffixes):
+        kind = "duckdb"
     else:
-        known = CSV_EXTENSIONS + PARQUET_EXTENSIONS + SQLITE_EXTENSIONS
+        known = (CSV_EXTENSIONS + PARQUET_EXTENSIONS + SQLITE_EXTENSIONS + DUCKDB_EXTENSIONS
+                 + (OMOP_SUFFIX,))
         raise ConfigError(
             f"cannot tell the format of data file {p} from its extension; use one of "
             f"{', '.join(known)} (CSV may be compressed: .csv.gz) or give the kind explicitly"
@@ -197,10 +208,11 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
 
 def _check_identifier(name: Any, kind: str = "sqlite") -> str:
     """Check a plain identifier; PostgreSQL also takes ``schema.table`` (OMOP CDM views)."""
-    parts = name.split(".") if isinstance(name, str) and kind == "postgres" else [name]
+    qualifies = kind in ("postgres", "duckdb")
+    parts = name.split(".") if isinstance(name, str) and qualifies else [name]
     if not isinstance(name, str) or len(parts) > 2 or not all(
             isinstance(p, str) and _IDENTIFIER.match(p) for p in parts):
-        qualified = " or schema.table" if kind == "postgres" else ""
+        qualified = " or schema.table" if qualifies else ""
         raise ConfigError(
             f"{kind} table must be a plain identifier{qualified} (letters, digits, underscore; "
             f"not starting with a digit), got {name!r}; use 'query' for anything else"
