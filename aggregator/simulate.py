@@ -67,6 +67,7 @@ class SimulationOptions:
     synth_rows: int = 20_000
     synth_mode: str = "generative"
     composition: str = "basic"
+    omop: bool = False
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,6 +115,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="--job synth: synthetic rows to write (generative mode)")
     p.add_argument("--synth-mode", choices=["generative", "row-aligned"], default="generative",
                    help="--job synth: output mode")
+    p.add_argument("--omop", action="store_true",
+                   help="generate an OMOP CDM warehouse per site (PostgreSQL for the first, "
+                   "DuckDB for the others; --rows persons each, at most 5000) and run --job pca "
+                   "or synth on the schema's feature extraction (docs/data-sources.md)")
     p.add_argument("--composition", choices=["basic", "zcdp"], default="basic",
                    help="--job synth: how the rounds share the budget (zcdp: shares of rho; "
                    "the simulated sites then account in zcdp)")
@@ -146,7 +151,12 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              deadline=args.deadline, job=getattr(args, "job", "pca"),
                              synth_rows=getattr(args, "synth_rows", 20_000),
                              synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"),
-                             composition=getattr(args, "composition", "basic"))
+                             composition=getattr(args, "composition", "basic"),
+                             omop=getattr(args, "omop", False))
+    if opts.omop:  # before anything is made
+        from dpfed.aggregator.simulate_omop import check_omop_options
+
+        check_omop_options(opts)
     if opts.job == "synth":  # before anything is made
         from dpfed.aggregator.simulate_synth import check_synth_options
 
@@ -236,6 +246,10 @@ def check_options(opts: SimulationOptions) -> None:
 
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code (errors are raised, not printed)."""
+    if opts.omop:
+        from dpfed.aggregator.simulate_omop import run_omop_simulation
+
+        return run_omop_simulation(opts)
     if opts.job in ("svt", "query"):
         from dpfed.aggregator.simulate_queries import run_query_simulation
 
