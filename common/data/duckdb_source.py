@@ -1,7 +1,7 @@
 """Read a site's table from a DuckDB database file: a table, view or read-only query, streamed.
 
 DuckDB (the optional extra ``dpfed[duckdb]``) is a common local copy of an OMOP CDM
-warehouse. The database is opened ``read_only`` with external access disabled and the
+warehouse. The database is attached ``READ_ONLY``, then external access is disabled and the
 configuration locked, so a query can neither change the database nor read or write any other
 file (``read_csv('/etc/...')``, ``ATTACH``, ``COPY ... TO``). Rows stream as Arrow batches of
 ``chunk_rows`` (``to_arrow_reader``), so the site never holds the result.
@@ -22,6 +22,9 @@ from dpfed.common.data.source_base import (
     _quote_identifier,
 )
 from dpfed.common.errors import ConfigError, DataError
+
+
+_CATALOG = "dpfed_source"
 
 
 def _driver() -> Any:
@@ -66,12 +69,20 @@ class DuckDBSource(DataSource):
         return f"duckdb query on {self.path}"
 
     def _connect(self) -> Any:
+        # Attached under a fixed name rather than opened: DuckDB names an opened file's
+        # catalog after the file, and "cdm.person" is ambiguous in cdm.duckdb.
+        conn = self._duckdb.connect(":memory:")
         try:
-            return self._duckdb.connect(str(self.path), read_only=True, config={
-                "enable_external_access": False, "lock_configuration": True})
+            path = str(self.path.resolve()).replace("'", "''")
+            conn.execute(f"ATTACH '{path}' AS {_CATALOG} (READ_ONLY)")
+            conn.execute(f"USE {_CATALOG}")
+            conn.execute("SET enable_external_access = false")
+            conn.execute("SET lock_configuration = true")
         except self._duckdb.Error as exc:
+            conn.close()
             raise DataError(f"cannot open {self.describe()} as a DuckDB database: "
                             f"{_first_line(exc)}") from None
+        return conn
 
     def _relation(self, conn: Any, *, limit_zero: bool = False) -> Any:
         if self.spec.table is not None:

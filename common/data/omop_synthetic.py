@@ -415,7 +415,11 @@ def write_duckdb(tables: dict[str, pa.Table], path: Path, cdm_schema: str = "cdm
     cdm = check_cdm_schema(cdm_schema)
     path = Path(path)
     path.unlink(missing_ok=True)
-    with duckdb.connect(str(path)) as conn:
+    with duckdb.connect(":memory:") as conn:
+        # Attached under a fixed name: a file's own catalog name (its stem) may equal cdm.
+        quoted = str(path.resolve()).replace("'", "''")
+        conn.execute(f"ATTACH '{quoted}' AS target")
+        conn.execute("USE target")
         conn.execute(f"CREATE SCHEMA {cdm}")
         for name, table in tables.items():
             conn.register("incoming", table)
