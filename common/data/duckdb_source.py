@@ -23,7 +23,6 @@ from dpfed.common.data.source_base import (
 )
 from dpfed.common.errors import ConfigError, DataError
 
-
 _CATALOG = "dpfed_source"
 
 
