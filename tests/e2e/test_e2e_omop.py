@@ -1,4 +1,4 @@
-"""``dpfed simulate --omop``: three generated CDM warehouses (PostgreSQL + DuckDB), real processes."""
+"""``dpfed simulate --omop``: generated CDM warehouses in PostgreSQL and DuckDB."""
 
 from __future__ import annotations
 
