@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import os
 
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    # One BLAS thread: Arrow's scanner threads use the other cores, and a multi-threaded
-    # OpenBLAS on a loaded 2-core machine busy-waited (a 2M-row floor took 40 s instead of 6).
+for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    # One BLAS thread: Arrow's threads use the other cores, and a multi-threaded OpenBLAS on a
+    # loaded 2-core machine busy-waited (a 2M-row floor took 40 s instead of 6). Not
+    # OMP_NUM_THREADS: Arrow sizes its own thread pool from it.
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402

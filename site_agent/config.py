@@ -87,7 +87,7 @@ KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows"
 #: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
 #: synthesis, one noisy release per real row) must be listed explicitly.
 DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
-DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: Values of ``policy.evaluation_summary``: "dp" lets the site release a DP summary of its
 #: synthetic-data evaluation (task kind ``synth_eval_dp``, charged to its ledger).
 EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
