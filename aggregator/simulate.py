@@ -249,7 +249,7 @@ def run_simulation(opts: SimulationOptions) -> int:
     if opts.omop:
         from dpfed.aggregator.simulate_omop import run_omop_simulation
 
-        return run_omop_simulation(opts)
+        return run_omop_simulation(opts, run_simulation)
     if opts.job in ("svt", "query"):
         from dpfed.aggregator.simulate_queries import run_query_simulation
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,10 +74,13 @@ def _duckdb_site(folder: Path, name: str, persons: int, seed: int, site: int) ->
     return descriptor
 
 
-def run_omop_simulation(opts: SimulationOptions) -> int:
-    """Generate the warehouses, run ``opts.job`` on them, stop the server; return an exit code."""
-    from dpfed.aggregator.simulate import run_simulation
+def run_omop_simulation(opts: SimulationOptions,
+                        run_simulation: Callable[[SimulationOptions], int]) -> int:
+    """Generate the warehouses, run ``opts.job`` on them, stop the server; return an exit code.
 
+    ``run_simulation`` runs the job on the generated ``--data``/``--schema`` (the simulation's
+    own entry point, passed in: this module is imported by it).
+    """
     check_omop_options(opts)
     out = opts.out.resolve()
     prepare_output(out)

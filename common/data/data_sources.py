@@ -428,13 +428,7 @@ class SqliteSource(DataSource):
             cursor = self._execute(conn, limit_zero=True)
             names = [d[0] for d in cursor.description]
             cursor.close()
-        missing = [n for n in schema.names if n not in names]
-        if missing:
-            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
-                            f"needs; its columns are {names}")
-        dupes = sorted(n for n in schema.names if names.count(n) > 1)
-        if dupes:
-            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
+        self._check_result_columns(list(names))
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
@@ -534,9 +528,9 @@ def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
 
         return DuckDBSource(spec, schema)
     if spec.kind == "omop":
-        from dpfed.common.data.omop import open_omop_source
+        from dpfed.common.data.omop import OmopSource, inner_spec
 
-        return open_omop_source(spec, schema)
+        return OmopSource(spec, schema, open_data_source(inner_spec(spec, schema), schema))
     return SqliteSource(spec, schema)
 
 

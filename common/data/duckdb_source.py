@@ -53,13 +53,7 @@ class DuckDBSource(DataSource):
         _check_readable_file(self.path, "database file")
         with self._connect() as conn:
             names = self._relation(conn, limit_zero=True).columns
-        missing = [n for n in schema.names if n not in names]
-        if missing:
-            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
-                            f"needs; its columns are {names}")
-        dupes = sorted(n for n in schema.names if names.count(n) > 1)
-        if dupes:
-            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
+        self._check_result_columns(list(names))
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""

@@ -108,13 +108,15 @@ def inner_spec(spec: DataSourceSpec, schema: Schema) -> DataSourceSpec:
 
 
 class OmopSource(DataSource):
-    """The schema's extraction over one site's CDM (see the module docstring)."""
+    """The schema's extraction over one site's CDM (see the module docstring).
 
-    def __init__(self, spec: DataSourceSpec, schema: Schema) -> None:
+    ``inner`` is the opened PostgreSQL or DuckDB source of :func:`inner_spec` (opened by
+    :func:`dpfed.common.data.data_sources.open_data_source`).
+    """
+
+    def __init__(self, spec: DataSourceSpec, schema: Schema, inner: DataSource) -> None:
         super().__init__(spec, schema)
-        from dpfed.common.data.data_sources import open_data_source
-
-        self.inner = open_data_source(inner_spec(spec, schema), schema)
+        self.inner = inner
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
@@ -123,7 +125,3 @@ class OmopSource(DataSource):
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         return self.inner._batches()
 
-
-def open_omop_source(spec: DataSourceSpec, schema: Schema) -> OmopSource:
-    """Open (and check the columns of) ``schema``'s extraction for the site in ``spec``."""
-    return OmopSource(spec, schema)

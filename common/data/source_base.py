@@ -301,6 +301,22 @@ class DataSource(abc.ABC):
         budget = min(max(8 * p * p, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
         return max(1, min(self.spec.chunk_rows, budget // (8 * p)))
 
+    def _check_result_columns(self, names: list[str]) -> None:
+        """Check a table's or query's column names: every schema column, each once.
+
+        Raises
+        ------
+        DataError
+            Naming the missing or repeated columns and the ones there are.
+        """
+        missing = [n for n in self.schema.names if n not in names]
+        if missing:
+            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
+                            f"needs; its columns are {names}")
+        dupes = sorted(n for n in self.schema.names if names.count(n) > 1)
+        if dupes:
+            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
+
     @abc.abstractmethod
     def describe(self) -> str:
         """Kind and location of the data (never any data), for logs and error messages."""
