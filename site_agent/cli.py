@@ -145,7 +145,8 @@ def _prepare(config: SiteConfig) -> _Prepared:
     sample = source.check_sample()
     log.info("[Site.start] data %s: columns match the schema; first rows: %s",
              source.describe(), sample.summary())
-    return _Prepared(config, schema, source, CountedData(source))
+    return _Prepared(config, schema, source,
+                     CountedData(source, config.data.warn_dropped_fraction))
 
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
@@ -403,6 +404,7 @@ def _check(config: SiteConfig, timeout: float) -> int:
     import os
 
     from dpfed.common.data.data_sources import open_data_source, scan
+    from dpfed.common.data.policy_counts import dropped_fraction_warning
     from dpfed.common.data.schema import Schema
     from dpfed.common.transport.access import read_access_list
     from dpfed.common.transport.tls import check_tls_files
@@ -433,6 +435,9 @@ def _check(config: SiteConfig, timeout: float) -> int:
     def data() -> str:
         source = open_data_source(data_spec(config), state["schema"])
         report = scan(source)
+        warning = dropped_fraction_warning(report, config.data.warn_dropped_fraction)
+        if warning is not None:
+            print(f"warning data: {warning}", flush=True)
         if report.rows_kept == 0:
             raise DataError(f"{source.describe()}: no valid rows after the row policy "
                             f"({report.summary()}); the agent would refuse every task. Fix "

@@ -24,9 +24,11 @@ Example (paths are relative to the file)::
     # password_env = "DPFED_PG_PASSWORD"   # or password_file = "pg_password" (or ~/.pgpass)
     # table = "cdm.dpfed_features"         # or query = "SELECT ..."
     chunk_rows = 65536
-    on_missing = "drop"         # drop | error
+    on_missing = "error"        # error | drop: a missing value in a column the schema
+                                # declares complete (no 'missing' key) stops / drops the row
     on_invalid = "drop"         # drop | error
     on_out_of_range = "clip"    # clip | drop | error
+    warn_dropped_fraction = 0.01  # dpfed-site check and the log warn above this share dropped
 
     [ledger]
     path = "ledger.sqlite"
@@ -91,12 +93,16 @@ KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows"
 #: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
 #: synthesis, one noisy release per real row) must be listed explicitly.
 DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
-DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: Values of ``policy.evaluation_summary``: "dp" lets the site release a DP summary of its
 #: synthetic-data evaluation (task kind ``synth_eval_dp``, charged to its ledger).
 EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
 #: The task kind a site runs (and advertises) when ``evaluation_summary = "dp"``.
 EVALUATION_SUMMARY_KIND = "synth_eval_dp"
+
+
+#: Default of ``[data] warn_dropped_fraction``.
+DEFAULT_WARN_DROPPED_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ class DataConfig:
     conninfo: str | None = None
     password_env: str | None = None
     password_file: Path | None = None
+    #: Warn (log, ``dpfed-site check``) when more than this share of the rows read is dropped.
+    warn_dropped_fraction: float = DEFAULT_WARN_DROPPED_FRACTION
 
     def password(self) -> str | None:
         """Read the PostgreSQL password from its variable or file (None: libpq's own ways).
@@ -268,12 +276,16 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
                           "apply only to format = \"postgres\"")
     try:
         row_policy = RowPolicy(
-            missing=data.string("on_missing", "drop") or "drop",
+            missing=data.string("on_missing", "error") or "error",
             invalid=data.string("on_invalid", "drop") or "drop",
             out_of_range=data.string("on_out_of_range", "clip") or "clip",
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [data] {exc}") from None
+    warn_dropped = data.number("warn_dropped_fraction", DEFAULT_WARN_DROPPED_FRACTION)
+    if warn_dropped is None or not 0.0 <= warn_dropped <= 1.0:
+        raise ConfigError(f"{source}: data.warn_dropped_fraction must be a share between 0 and "
+                          f"1, got {warn_dropped!r}")
     delimiter = data.string("delimiter")
     if delimiter is not None and len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
@@ -283,6 +295,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         query=data.string("query") or None, delimiter=delimiter,
         chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
         conninfo=conninfo, password_env=password_env, password_file=password_file,
+        warn_dropped_fraction=warn_dropped,
     )
     data.check_unknown()
 
