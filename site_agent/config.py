@@ -12,7 +12,8 @@ Example (paths are relative to the file)::
     ca = "kit/ca.pem"
     cert = "kit/site.pem"
     key = "kit/site.key"
-    revocation_list = "kit/revoked.toml"  # from 'dpfed certs'; re-read when it changes
+    revocation_list = "kit/revoked.toml"  # from 'dpfed certs': revoked certificates and the
+                                          # federation's sites; re-read when it changes
 
     [data]
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
@@ -314,6 +315,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
             mode=policy.string("secure_aggregation", "allowed") or "allowed",
             min_participants=policy.integer("secure_min_participants", 2, minimum=2) or 2,
             tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0) or 0,
+            federation_list=revocation_list,
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [policy] {exc}") from None
