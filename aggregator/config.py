@@ -25,6 +25,14 @@ Example (paths relative to the file)::
 A site or analyst is admitted only if its id is on an allow-list (``access_list`` or the
 inline lists) and its certificate is not revoked; with no list at all nobody is admitted.
 
+    [access]                    # optional: who may see other analysts' jobs
+    admins = []                 # analyst ids that may read and cancel every job
+    [access.groups]             # members read (watch, list, fetch) each other's jobs
+    # cardiology = ["alice", "bob"]
+
+Without ``[access]`` every analyst sees, fetches, cancels and continues only its own jobs
+and SVT sessions (``dpfed.aggregator.access_control.JobAccess``).
+
     [jobs]
     min_sites = 2               # default quorum
     task_deadline_s = 600       # default per-task deadline
@@ -42,7 +50,7 @@ inline lists) and its certificate is not revoked; with no list at all nobody is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,7 @@ from dpfed.common.transport.grpc_options import (
     MAX_KEEPALIVE_S,
     MIN_KEEPALIVE_S,
 )
+from dpfed.common.transport.identity import check_principal_id
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ class AggregatorConfig:
     keepalive_s: float = DEFAULT_KEEPALIVE_S
     log_format: str = "text"
     health_listen: str | None = None
+    #: ``[access]``: analyst groups that read each other's jobs, and the admin analysts.
+    read_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    admins: tuple[str, ...] = ()
 
 
 def load_aggregator_config(path: str | Path,
@@ -135,6 +147,14 @@ def load_aggregator_config(path: str | Path,
     store_path = Path(overrides["store"]) if overrides.get("store") else file_store
     store.check_unknown()
 
+    access = root.section("access")
+    admins = _analyst_ids(access, "admins", access.str_list("admins", []))
+    groups_section = access.section("groups")
+    read_groups = {name: _analyst_ids(groups_section, name, groups_section.str_list(name, []))
+                   for name in list(groups_section.data)}
+    groups_section.check_unknown()
+    access.check_unknown()
+
     lg = root.section("logging")
     file_level = lg.string("level", "INFO") or "INFO"
     level = (overrides.get("log_level") or file_level).upper()
@@ -159,4 +179,13 @@ def load_aggregator_config(path: str | Path,
                             allow_any_analyst=bool(allow_any_analyst),
                             access_reload_s=access_reload_s,
                             keepalive_s=keepalive_s,
-                            log_format=log_format, health_listen=health_listen)
+                            log_format=log_format, health_listen=health_listen,
+                            read_groups=read_groups, admins=admins)
+
+
+def _analyst_ids(section: Section, key: str, ids: list[str]) -> tuple[str, ...]:
+    """Validate a list of analyst ids from ``[access]`` (ConfigError naming the key)."""
+    try:
+        return tuple(sorted({check_principal_id(i, "analyst") for i in ids}))
+    except ValueError as exc:
+        raise ConfigError(f"{section.source}: {section.name}.{key}: {exc}") from None

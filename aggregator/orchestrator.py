@@ -38,7 +38,9 @@ def analyst_id_of(submitted_by: str) -> str:
     role, sep, name = submitted_by.partition("/")
     return name if sep and role == "analyst" else ""
 
-TERMINAL_STATES = ("succeeded", "failed")
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+#: How long CancelJob waits for the job's coroutine to unwind before recording it anyway.
+CANCEL_WAIT_S = 10.0
 #: Bounds of an analyst's request (docs/hardening.md).
 MIN_DELTA = 1e-300
 MAX_DEADLINE_S = 30 * 86400.0
@@ -69,6 +71,8 @@ class JobManager:
         self.federation = federation
         self._running: dict[str, asyncio.Task[None]] = {}
         self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+        #: Jobs being cancelled by an analyst -> the reason (vs. cancelled by shutdown).
+        self._cancelling: dict[str, str] = {}
 
     # ------------------------------------------------------------------ submission
     def _job_type(self, kind: str) -> JobType:
@@ -156,6 +160,37 @@ class JobManager:
             self._start(job, resumed=True)
         return len(jobs)
 
+    async def cancel(self, job_id: str, reason: str) -> JobInfo:
+        """Cancel an unfinished job; return its final state (a finished job is returned as is).
+
+        The job's coroutine is cancelled: it dispatches nothing more, its outstanding tasks
+        are abandoned (the sites are told, and a site that has not started one refuses it;
+        whatever a site already charged stays charged), and it ends in state ``cancelled``
+        with ``reason`` as its error. It is not resumed after a restart.
+        """
+        job = self.store.get_job(job_id)
+        if job.state in TERMINAL_STATES:
+            return job
+        told = self.registry.cancel_tasks(f"{job_id}/", reason)
+        log.info("[JobManager.cancel] job=%s: %s (%d outstanding task(s) abandoned)", job_id,
+                 reason, told)
+        task = self._running.get(job_id)
+        if task is not None and not task.done():
+            self._cancelling[job_id] = reason
+            task.cancel()
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+            self._cancelling.pop(job_id, None)
+        job = self.store.get_job(job_id)
+        if job.state not in TERMINAL_STATES:  # not running here, or it did not unwind in time
+            self._record_cancelled(job_id, reason, None)
+        return self.store.get_job(job_id)
+
+    def _record_cancelled(self, job_id: str, reason: str,
+                          sites: tuple[Any, ...] | None) -> None:
+        log.warning("[JobManager] job=%s outcome=cancelled: %s", job_id, reason)
+        self.store.update_job(job_id, state="cancelled", error=reason, sites=sites)
+        self._emit(job_id, "cancelled", reason, 1.0, "cancelled")
+
     async def shutdown(self) -> None:
         """Cancel running jobs; they stay 'running' in the store and resume at next start."""
         tasks = list(self._running.values())
@@ -192,8 +227,11 @@ class JobManager:
             self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
                        "succeeded")
         except asyncio.CancelledError:
-            self.store.update_job(job_id, sites=self._outcomes(ctx))
-            raise
+            reason = self._cancelling.pop(job_id, None)
+            if reason is None:  # shutdown: the job stays unfinished and resumes at next start
+                self.store.update_job(job_id, sites=self._outcomes(ctx))
+                raise
+            self._record_cancelled(job_id, reason, self._outcomes(ctx))
         except (QuorumError, ValidationError, ProtocolError, DpfedError) as exc:
             self._fail(job_id, ctx, str(exc))
         except Exception:

@@ -266,6 +266,21 @@ class SiteRegistry:
                     break
             return count()
 
+    def cancel_tasks(self, prefix: str, reason: str) -> int:
+        """Tell every site to drop its pending tasks whose id starts with ``prefix``.
+
+        The waiters are left alone (the job that owns them is being cancelled); a site that
+        has not started such a task refuses it instead of charging it. Returns how many
+        task ids were named.
+        """
+        told = 0
+        for session in self.connected():
+            for task_id in [t for t in session.pending if t.startswith(prefix)]:
+                session.outbox.put_nowait(site_link_pb2.CoordinatorMessage(
+                    cancel=site_link_pb2.CancelTask(task_id=task_id, reason=reason[:500])))
+                told += 1
+        return told
+
     def close_all(self, reason: str) -> None:
         """Close every session (coordinator shutdown)."""
         for s in list(self._sessions.values()):

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dpfed.aggregator.access_control import AccessControl
+from dpfed.aggregator.access_control import AccessControl, JobAccess
 from dpfed.aggregator.config import AggregatorConfig
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.orchestrator import JobManager
@@ -81,7 +81,8 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
     site_link = SiteLinkServicer(registry, store, federation, auth)
     site_link_pb2_grpc.add_SiteLinkServicer_to_server(site_link, server)
     analyst_pb2_grpc.add_AnalystServicer_to_server(
-        AnalystServicer(registry, store, jobs, federation, auth), server)
+        AnalystServicer(registry, store, jobs, federation, auth,
+                        JobAccess(groups=config.read_groups, admins=config.admins)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = (

@@ -26,6 +26,7 @@ import logging
 import random
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,7 +43,7 @@ from dpfed.common.transport.grpc_options import (
     MAX_TRANSFER_BYTES,
     channel_options,
 )
-from dpfed.common.transport.protocol import Refusal, SiteHello
+from dpfed.common.transport.protocol import Refusal, SiteHello, Task
 from dpfed.common.transport.wire import (
     Reassembler,
     budget_to_proto,
@@ -57,6 +58,8 @@ from dpfed.site_agent.runner import TaskRunner
 log = logging.getLogger(__name__)
 
 WELCOME_TIMEOUT_S = 30.0
+#: Cancelled task ids remembered (the oldest are forgotten first).
+MAX_CANCELLED_IDS = 4096
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
 _FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -121,6 +124,8 @@ class SiteAgent:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
         self._random = random.Random()
+        #: Task ids the coordinator cancelled (its job was cancelled): refused if not started.
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.connected_once = False
         self.site_id: str | None = None
 
@@ -272,8 +277,11 @@ class SiteAgent:
                         running.add(t)
                         t.add_done_callback(running.discard)
                     elif which == "cancel":
-                        log.info("[SiteAgent.session] coordinator cancelled task %s: %s",
+                        log.info("[SiteAgent.session] coordinator cancelled task %.80r: %.200s",
                                  msg.cancel.task_id, msg.cancel.reason)
+                        self._cancelled[msg.cancel.task_id] = None
+                        while len(self._cancelled) > MAX_CANCELLED_IDS:
+                            self._cancelled.popitem(last=False)
             finally:
                 stop_wait.cancel()
                 revoked.cancel()
@@ -317,7 +325,8 @@ class SiteAgent:
                 transfer_id, f"the task cannot be decoded: {str(exc)[:500]}")])
             return
         loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self._executor, self.runner.run, task, deadline)
+        outcome = await loop.run_in_executor(self._executor, self._run_unless_cancelled, task,
+                                             deadline)
         # The budget report goes first, in the same locked write as the answer: the
         # coordinator reads the stream in order, so when a job's last answer arrives every
         # site's reported budget already counts it (`dpfed budgets` right after a job is exact).
@@ -333,6 +342,15 @@ class SiteAgent:
             # so the coordinator's resend of the same task id is answered by replay.
             log.warning("[SiteAgent.task] could not send the answer to %.80r (stored in the "
                         "ledger, will be replayed on resend)", task.task_id)
+
+    def _run_unless_cancelled(self, task: Task, deadline: float | None) -> bytes | Refusal:
+        """Run ``task`` on the task thread, unless its job was cancelled while it queued."""
+        if task.task_id in self._cancelled:
+            log.info("[SiteAgent.task] %.80r was cancelled before it started: not run, nothing "
+                     "charged", task.task_id)
+            return Refusal(task.task_id, "cancelled", "the coordinator cancelled this task's "
+                           "job before the task started; nothing was charged")
+        return self.runner.run(task, deadline)
 
     @staticmethod
     async def _send(call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,

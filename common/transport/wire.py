@@ -337,6 +337,7 @@ _STATE_TO_PROTO = {
     "running": analyst_pb2.JOB_STATE_RUNNING,
     "succeeded": analyst_pb2.JOB_STATE_SUCCEEDED,
     "failed": analyst_pb2.JOB_STATE_FAILED,
+    "cancelled": analyst_pb2.JOB_STATE_CANCELLED,
 }
 _STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
 

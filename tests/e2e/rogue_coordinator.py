@@ -139,6 +139,11 @@ class RogueCoordinator(site_link_pb2_grpc.SiteLinkServicer):
                 task=site_link_pb2.TaskChunk(deadline_unix_ms=deadline_ms, chunk=chunk)))
         return await asyncio.wait_for(fut, timeout)
 
+    def cancel(self, site_id: str, task_id: str, reason: str = "job cancelled") -> None:
+        """Tell a site that a task it was sent is cancelled."""
+        self.sessions[site_id].outbox.put_nowait(site_link_pb2.CoordinatorMessage(
+            cancel=site_link_pb2.CancelTask(task_id=task_id, reason=reason)))
+
 
 def sign_as(certs: Path, site_id: str, context: MaskContext) -> dict[str, np.ndarray]:
     """The relayed-key arrays of a key signed with ``site_id``'s kit (held by the coordinator)."""
