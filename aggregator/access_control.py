@@ -30,7 +30,7 @@ from dpfed.common.transport.identity import Principal
 
 if TYPE_CHECKING:
     from dpfed.aggregator.store import JobStore
-    from dpfed.common.transport.protocol import JobInfo, JobSpec
+    from dpfed.common.transport.protocol import JobInfo
 
 log = logging.getLogger(__name__)
 
@@ -153,15 +153,15 @@ class JobAccess:
             raise NotFoundError(f"no job with id {job.job_id!r}")
         return job
 
-    def check_continuation(self, principal: Principal, spec: JobSpec,
+    def check_continuation(self, principal: Principal, kind: str, session: str,
                            store: JobStore) -> None:
         """Refuse an SVT batch or close unless ``principal`` opened the session.
 
-        A session was paid for (at every site) by the analyst who opened it; continuing it
-        costs nothing more, so only the opener may (the sites check the same).
+        ``kind`` and ``session`` are the submitted job's kind and its ``session`` parameter
+        ("" when absent). A session was paid for (at every site) by the analyst who opened
+        it; continuing it costs nothing more, so only the opener may (the sites check too).
         """
-        session = spec.params.get("session") if spec.kind == "svt" else None
-        if not session or not isinstance(session, str):
+        if kind != "svt" or not session:
             return
         opened = self.readable(principal, store.get_job(session))
         if opened.submitted_by != str(principal):

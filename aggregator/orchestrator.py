@@ -18,6 +18,7 @@ from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
 from dpfed.aggregator.jobs.base import JobOutput
 from dpfed.aggregator.jobs.validators import check_finite_values
+from dpfed.aggregator.planning import Planner
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
@@ -62,66 +63,82 @@ def _non_finite(output: JobOutput) -> str:
     return ""
 
 
+def job_type_of(kind: str) -> JobType:
+    """Return the registered job type of ``kind`` (ValidationError naming the known ones)."""
+    try:
+        return JOB_TYPES[kind]
+    except KeyError:
+        known = sorted(JOB_TYPES)
+        raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
+
+
+def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
+    """Return the spec with canonical parameters (raises ValidationError).
+
+    Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
+    its name, never an internal error later (docs/hardening.md). The coordinator runs this
+    in a planning worker process (:mod:`dpfed.aggregator.planning`), never on its event loop.
+    """
+    job_type = job_type_of(spec.kind)
+    check_epsilon(spec.epsilon)
+    if not (spec.delta == 0.0 and job_type.pure_epsilon):
+        check_delta(spec.delta)
+        if spec.delta < MIN_DELTA:
+            raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
+                                  f"calibrated in double precision), got {spec.delta!r}")
+    check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
+    check_nonnegative(spec.deadline_seconds, "deadline_seconds")
+    if spec.deadline_seconds > MAX_DEADLINE_S:
+        raise ValidationError(f"deadline_seconds must be <= {MAX_DEADLINE_S:g} (30 days), "
+                              f"got {spec.deadline_seconds!r}")
+    if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
+        raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
+                              "characters")
+    for key, value in spec.params.items():
+        try:
+            check_finite_values(value, f"params.{key}")
+        except ValueError as exc:
+            raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
+                                  "finite JSON numbers, strings, booleans or lists") from None
+    try:
+        params = job_type.validate(spec, federation)
+    except DpfedError:
+        raise
+    except (ArithmeticError, ValueError) as exc:
+        raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
+                              f"delta={spec.delta!r}: the noise cannot be calibrated "
+                              f"({type(exc).__name__}: {exc})") from None
+    return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
+                   spec.deadline_seconds, spec.sites)
+
+
 class JobManager:
     """Owns running jobs and their subscribers."""
 
-    def __init__(self, store: JobStore, registry: SiteRegistry, federation: Federation) -> None:
+    def __init__(self, store: JobStore, registry: SiteRegistry, federation: Federation,
+                 planner: Planner | None = None) -> None:
         self.store = store
         self.registry = registry
         self.federation = federation
+        #: Decodes and validates submitted specs in worker processes (never on the loop).
+        self.planner = planner or Planner(federation)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
         #: Jobs being cancelled by an analyst -> the reason (vs. cancelled by shutdown).
         self._cancelling: dict[str, str] = {}
 
     # ------------------------------------------------------------------ submission
-    def _job_type(self, kind: str) -> JobType:
-        try:
-            return JOB_TYPES[kind]
-        except KeyError:
-            known = sorted(JOB_TYPES)
-            raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
-
     def validate(self, spec: JobSpec) -> JobSpec:
-        """Return the spec with canonical parameters (raises ValidationError).
+        """Return the spec with canonical parameters (raises ValidationError)."""
+        return validate_job_spec(spec, self.federation)
 
-        Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
-        its name, never an internal error later (docs/hardening.md).
-        """
-        job_type = self._job_type(spec.kind)
-        check_epsilon(spec.epsilon)
-        if not (spec.delta == 0.0 and job_type.pure_epsilon):
-            check_delta(spec.delta)
-            if spec.delta < MIN_DELTA:
-                raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
-                                      f"calibrated in double precision), got {spec.delta!r}")
-        check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
-        check_nonnegative(spec.deadline_seconds, "deadline_seconds")
-        if spec.deadline_seconds > MAX_DEADLINE_S:
-            raise ValidationError(f"deadline_seconds must be <= {MAX_DEADLINE_S:g} (30 days), "
-                                  f"got {spec.deadline_seconds!r}")
-        if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
-            raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
-                                  "characters")
-        for key, value in spec.params.items():
-            try:
-                check_finite_values(value, f"params.{key}")
-            except ValueError as exc:
-                raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
-                                      "finite JSON numbers, strings, booleans or lists") from None
-        try:
-            params = job_type.validate(spec, self.federation)
-        except DpfedError:
-            raise
-        except (ArithmeticError, ValueError) as exc:
-            raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
-                                  f"delta={spec.delta!r}: the noise cannot be calibrated "
-                                  f"({type(exc).__name__}: {exc})") from None
-        return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
-                       spec.deadline_seconds, spec.sites)
-
-    def submit(self, spec: JobSpec, *, submitted_by: str, request_id: str = "") -> JobInfo:
+    async def submit(self, spec_bytes: bytes, *, submitted_by: str,
+                     request_id: str = "") -> JobInfo:
         """Validate, persist and start a job (an already-seen request id returns its job).
+
+        ``spec_bytes`` is the analyst's serialized ``JobSpec`` message: the planner decodes
+        and validates it in a worker process, bounded in time and memory, so other callers
+        are answered while a large request is checked.
 
         Raises
         ------
@@ -133,14 +150,14 @@ class JobManager:
         if len(request_id) > MAX_REQUEST_ID:
             raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID} characters, "
                                   f"got {len(request_id)}")
-        canonical = self.validate(spec)
+        canonical = await self.planner.plan(spec_bytes)
         job, created = self.store.create_job(canonical, submitted_by=submitted_by,
                                              request_id=request_id)
         if created:
             log.info("[JobManager.submit] job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
-                     spec.kind, submitted_by, spec.epsilon, spec.delta)
-            self._emit(job.job_id, "submitted", f"{spec.kind} job submitted by {submitted_by}",
-                       0.0, "pending")
+                     canonical.kind, submitted_by, canonical.epsilon, canonical.delta)
+            self._emit(job.job_id, "submitted",
+                       f"{canonical.kind} job submitted by {submitted_by}", 0.0, "pending")
             self._start(job, resumed=False)
         return job
 
@@ -197,6 +214,7 @@ class JobManager:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.planner.close()
 
     # ------------------------------------------------------------------ execution
     async def _run(self, job: JobInfo, resumed: bool) -> None:
@@ -212,7 +230,7 @@ class JobManager:
                          earlier_outcomes=job.sites if resumed else (),
                          save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
         try:
-            output = await self._job_type(job.spec.kind).run(ctx)
+            output = await job_type_of(job.spec.kind).run(ctx)
             problem = _non_finite(output)
             if problem:
                 self._fail(job_id, ctx, f"the job's output is not finite ({problem}); nothing "

@@ -48,12 +48,16 @@ class RunningCoordinator:
     access_watch: asyncio.Task[None] | None = None
     health_server: grpc.aio.Server | None = None
     health_port: int | None = None
+    #: The planner's workers starting in the background (awaited at stop).
+    planner_warm_up: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful stop: NOT_SERVING, cancel jobs, close streams, stop the server."""
         if self.access_watch is not None:
             self.access_watch.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.planner_warm_up is not None:
+            await asyncio.gather(self.planner_warm_up, return_exceptions=True)
         await self.jobs.shutdown()
         self.registry.close_all("coordinator shutting down")
         await self.server.stop(grace)
@@ -112,6 +116,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
         await server.stop(0)
         store.close()
         raise
+    warming = asyncio.create_task(asyncio.to_thread(jobs.planner.warm_up))  # in the background
     resumed = await jobs.resume_unfinished()
     for name in ("", *service_names[:2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -120,7 +125,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
              resumed)
     watch = asyncio.create_task(_watch_access(access, site_link, config.access_reload_s))
     return RunningCoordinator(server, port, store, registry, jobs, health_servicer, watch,
-                              health_server, health_port)
+                              health_server, health_port, warming)
 
 
 async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,

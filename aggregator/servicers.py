@@ -51,7 +51,6 @@ from dpfed.common.transport.wire import (
     iter_chunks,
     job_event_to_proto,
     job_info_to_proto,
-    job_spec_from_proto,
     refusal_from_proto,
     result_from_bytes,
     site_info_to_proto,
@@ -336,17 +335,23 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
                 refusal = self.auth.access.check(principal, fingerprint)
                 if refusal is not None:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-            yield job_event_to_proto(event)
+            if event.job is None:
+                yield job_event_to_proto(event)
+            else:  # the final event carries the job's parameters: encoded off the loop
+                yield await asyncio.to_thread(job_event_to_proto, event)
 
     async def SubmitJob(self, request: analyst_pb2.SubmitJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
         """Validate and start a job; stream its progress until it finishes."""
         principal = await self.auth.require(context, "analyst")
         try:
-            spec = job_spec_from_proto(request.spec)
-            self.job_access.check_continuation(principal, spec, self.store)
-            job = self.jobs.submit(spec, submitted_by=str(principal),
-                                   request_id=request.request_id)
+            fields = request.spec.params.fields
+            session = fields["session"].string_value if "session" in fields else ""
+            self.job_access.check_continuation(principal, request.spec.kind, session,
+                                               self.store)
+            job = await self.jobs.submit(request.spec.SerializeToString(),
+                                         submitted_by=str(principal),
+                                         request_id=request.request_id)
         except Exception as exc:  # noqa: BLE001 -- mapped to a status code
             await _abort(context, exc)
             return
@@ -370,7 +375,8 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
         """One job's state."""
         principal = await self.auth.require(context, "analyst")
         try:
-            return job_info_to_proto(self._readable_job(principal, request.job_id))
+            return await asyncio.to_thread(
+                lambda: job_info_to_proto(self._readable_job(principal, request.job_id)))
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
             raise
@@ -379,9 +385,13 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
                        context: grpc.aio.ServicerContext) -> analyst_pb2.ListJobsResponse:
         """Most recent jobs first (those the caller may read)."""
         principal = await self.auth.require(context, "analyst")
-        jobs = self.store.list_jobs(request.limit or 50,
-                                    submitted_by=self.job_access.readable_owners(principal))
-        return analyst_pb2.ListJobsResponse(jobs=[job_info_to_proto(j) for j in jobs])
+
+        def listing() -> analyst_pb2.ListJobsResponse:  # decoding and encoding parameters
+            jobs = self.store.list_jobs(request.limit or 50,
+                                        submitted_by=self.job_access.readable_owners(principal))
+            return analyst_pb2.ListJobsResponse(jobs=[job_info_to_proto(j) for j in jobs])
+
+        return await asyncio.to_thread(listing)
 
     async def FetchResult(self, request: analyst_pb2.FetchResultRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
