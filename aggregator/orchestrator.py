@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dpfed.aggregator.config import MAX_DEADLINE_S, MAX_SITES
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
 from dpfed.aggregator.jobs.base import JobOutput
@@ -24,7 +25,13 @@ from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
 from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec
-from dpfed.common.validation import check_delta, check_epsilon, check_int, check_nonnegative
+from dpfed.common.validation import (
+    MIN_DELTA,
+    check_delta,
+    check_epsilon,
+    check_int,
+    check_nonnegative,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +49,8 @@ def analyst_id_of(submitted_by: str) -> str:
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 #: How long CancelJob waits for the job's coroutine to unwind before recording it anyway.
 CANCEL_WAIT_S = 10.0
-#: Bounds of an analyst's request (docs/hardening.md).
-MIN_DELTA = 1e-300
-MAX_DEADLINE_S = 30 * 86400.0
-MAX_SITES = 10_000
+#: Bounds of an analyst's request (docs/hardening.md); MIN_DELTA, MAX_DEADLINE_S and
+#: MAX_SITES are shared with the configuration's checks.
 MAX_REQUEST_ID = 200
 
 

@@ -42,6 +42,11 @@ def check_epsilon(epsilon: Any, name: str = "epsilon") -> float:
     return check_positive(epsilon, name)
 
 
+#: The smallest positive delta anything is calibrated to: below it the Gaussian calibrations
+#: underflow in double precision (a budget or task delta under it is refused as invalid).
+MIN_DELTA = 1e-300
+
+
 def check_delta(delta: Any, name: str = "delta") -> float:
     """Return a privacy parameter delta (strictly inside (0, 1)) as a float."""
     x = _as_real(delta, name)

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from dpfed.common import exit_codes
-from dpfed.common.errors import ProtocolError
+from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.pb.v1 import site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport.grpc_errors import tls_hint
 from dpfed.common.transport.grpc_options import (
@@ -319,6 +319,10 @@ class SiteAgent:
         """
         try:
             task = task_from_bytes(payload)
+        except ValidationError as exc:  # e.g. a delta no mechanism can be calibrated to
+            log.warning("[SiteAgent.task] invalid task %.80r: %s", transfer_id, exc)
+            await self._send(call, write_lock, [_refusal(transfer_id, str(exc)[:500])])
+            return
         except Exception as exc:  # noqa: BLE001 -- any decoding failure is refused, not dropped
             log.warning("[SiteAgent.task] undecodable task %.80r: %s", transfer_id, exc)
             await self._send(call, write_lock, [_refusal(
