@@ -298,7 +298,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     try:
         budget_policy = BudgetPolicy(
             epsilon=budget.number("epsilon", required=True) or 0.0,
-            delta=budget.number("delta", required=True, minimum=MIN_DELTA, maximum=1.0) or 0.0,
+            delta=budget.number("delta", required=True, minimum=MIN_DELTA) or 0.0,
             accountant=budget.string("accountant", "basic") or "basic",
             max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
         )
