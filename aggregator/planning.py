@@ -38,8 +38,8 @@ PLANNING_WORKERS = 2
 PLAN_TIMEOUT_S = 60.0
 #: Memory a worker may allocate beyond what it holds when it starts.
 PLAN_MEMORY_BYTES = 2 << 30
-#: Requests that may wait for a worker (each holds its serialized message); more are refused.
-MAX_WAITING = 8
+#: Bytes of serialized requests that may wait for (or be in) a worker; more are refused.
+MAX_WAITING_BYTES = 256 << 20
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 # The fork server imports the job types once; every worker is forked from it (no re-import,
@@ -112,17 +112,17 @@ class Planner:
     ----------
     federation : Federation
         What the job types validate against (sent to each worker once).
-    workers, timeout_s, memory_bytes, max_waiting
+    workers, timeout_s, memory_bytes, max_waiting_bytes
         See the module constants.
     """
 
     def __init__(self, federation: Federation, *, workers: int = PLANNING_WORKERS,
                  timeout_s: float = PLAN_TIMEOUT_S, memory_bytes: int = PLAN_MEMORY_BYTES,
-                 max_waiting: int = MAX_WAITING) -> None:
+                 max_waiting_bytes: int = MAX_WAITING_BYTES) -> None:
         self.federation = federation
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
-        self.max_waiting = max_waiting
+        self.max_waiting_bytes = max_waiting_bytes
         self.workers = workers
         self._slots = asyncio.Semaphore(workers)
         self._idle: list[_Worker] = []
@@ -162,15 +162,17 @@ class Planner:
             The spec is invalid, or deciding it exceeded the time or memory limit, or the
             coordinator is already planning too many requests.
         """
-        if self._waiting >= self.max_waiting:
-            raise ValidationError(f"the coordinator is already checking {self._waiting} "
-                                  "submitted jobs; retry in a moment")
-        self._waiting += 1
+        size = len(spec_bytes)
+        if self._waiting and self._waiting + size > self.max_waiting_bytes:
+            raise ValidationError(f"the coordinator is already checking "
+                                  f"{self._waiting / 2**20:.0f} MiB of submitted jobs; retry in "
+                                  "a moment")
+        self._waiting += size
         try:
             async with self._slots:
                 return await asyncio.to_thread(self._plan_blocking, spec_bytes)
         finally:
-            self._waiting -= 1
+            self._waiting -= size
 
     def _plan_blocking(self, spec_bytes: bytes) -> JobSpec:
         if self._closed:

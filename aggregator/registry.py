@@ -7,7 +7,8 @@ down it. When the stream ends, every pending task of that session fails with
 
 A session also bounds what the site can make the coordinator hold (docs/hardening.md):
 result chunks are accepted only for a task pending at this session, one transfer per task,
-each capped at the size the job expects for that task; a partial transfer is dropped when its
+each capped at the size the job expects for that task, and one transfer at a time (a result
+started while another is unfinished fails its task); a partial transfer is dropped when its
 task ends; budget reports are rate-limited (a token bucket).
 """
 
@@ -130,6 +131,14 @@ class SiteSession:
         task_id = chunk.transfer_id
         fut = self.pending.get(task_id)
         if fut is None or fut.done():
+            return None
+        unfinished = [t for t in self.transfers.in_progress() if t != task_id]
+        if unfinished:
+            # A site writes each answer whole under its stream's write lock: an honest one never
+            # interleaves two. So the session holds at most one partial result (within its cap).
+            self.fail(task_id, ProtocolError(
+                f"a result for {task_id[:80]!r} started while the result for "
+                f"{unfinished[0][:80]!r} is unfinished; a site sends one result at a time"))
             return None
         try:
             return self.transfers.add(chunk, self.result_limits.get(task_id, 0))

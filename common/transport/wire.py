@@ -304,6 +304,10 @@ class Reassembler:
         """Number of transfers in progress."""
         return len(self._parts)
 
+    def in_progress(self) -> list[str]:
+        """Ids of the transfers in progress."""
+        return list(self._parts)
+
 
 # --------------------------------------------------------------------------- site link
 
