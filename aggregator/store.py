@@ -24,6 +24,7 @@ from typing import Any
 from dpfed.common.errors import ConfigError, IdempotencyConflictError, NotFoundError
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteHello, SiteOutcome
+from dpfed.common.validation import path_component
 
 #: 2: request ids are unique per submitter (version 1 had one namespace for everybody).
 SCHEMA_VERSION = 2
@@ -288,7 +289,7 @@ class JobStore:
     # ------------------------------------------------------------------ results
     def save_result(self, job_id: str, data: bytes) -> Path:
         """Write a job's result file atomically and record it."""
-        final = self.results_dir / f"{job_id}.npz"
+        final = self.results_dir / f"{path_component(job_id)}.npz"
         tmp = final.with_suffix(".npz.tmp")
         with open(tmp, "wb") as fh:
             fh.write(data)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dpfed.common.array_files import check_npy_header
 from dpfed.common.errors import ValidationError
 from dpfed.common.queries.federated_matrix import (
     MAX_CELLS_NAMED,
@@ -134,6 +135,8 @@ def load_workload_matrix(path: str | Path) -> list[list[float]]:
     p = Path(path)
     try:
         if p.suffix.lower() == ".npy":
+            with open(p, "rb") as fh:  # the header's shape first: nothing big is allocated
+                check_npy_header(fh, f"--workload-file {p}", 8 * MAX_CUSTOM_ENTRIES)
             w = np.load(p, allow_pickle=False)
         else:
             w = np.loadtxt(p, delimiter=",", ndmin=2)
