@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,9 +44,17 @@ def decode_result(data: bytes | str, *,
     anything is loaded (:func:`dpfed.common.array_files.check_npz`): a file from elsewhere
     cannot make this allocate more than ``max_bytes``.
     """
+    source: Any = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        is_zip = zipfile.is_zipfile(source)
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+    except OSError as exc:
+        raise ValidationError(f"not a dpfed result file: {exc}") from None
+    if not is_zip:
+        raise ValidationError("not a dpfed result file: not an .npz (zip) archive")
     check_npz(data, max_bytes=max_bytes, what=f"result file {data!r}" if isinstance(data, str)
               else "the result file")
-    source: Any = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
         with np.load(source, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files if k != "metadata"}
