@@ -208,9 +208,11 @@ class Planner:
                 worker.close()
         if status == "ok" and isinstance(value, JobSpec):
             return value
-        if isinstance(value, DpfedError):
-            raise value
-        raise ValidationError(str(value)[:2000])
+        error = value if isinstance(value, DpfedError) else ValidationError(str(value)[:2000])
+        try:
+            raise error
+        finally:  # no cycle error -> traceback -> this frame -> error (it holds the request)
+            del error, value, spec_bytes
 
     def close(self) -> None:
         """Stop the idle workers (a busy one stops when its request ends)."""

@@ -345,18 +345,26 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
         """Validate and start a job; stream its progress until it finishes."""
         principal = await self.auth.require(context, "analyst")
         try:
-            fields = request.spec.params.fields
-            session = fields["session"].string_value if "session" in fields else ""
-            self.job_access.check_continuation(principal, request.spec.kind, session,
-                                               self.store)
-            job = await self.jobs.submit(request.spec.SerializeToString(),
-                                         submitted_by=str(principal),
-                                         request_id=request.request_id)
+            job = await self._submit(request, principal)
         except Exception as exc:  # noqa: BLE001 -- mapped to a status code
-            await _abort(context, exc)
+            # An aborted call's state and the frames of its abort form a reference cycle
+            # that only a garbage collection breaks: keep the request (up to 16 MiB) and the
+            # planner's frames out of it, or every refused large request stays in memory.
+            del request
+            await _abort(context, exc if not isinstance(exc, DpfedError)
+                         else exc.with_traceback(None))
             return
         async for event in self._stream_job(job.job_id, context, principal):
             yield event
+
+    async def _submit(self, request: analyst_pb2.SubmitJobRequest,
+                      principal: Principal) -> JobInfo:
+        fields = request.spec.params.fields
+        session = fields["session"].string_value if "session" in fields else ""
+        self.job_access.check_continuation(principal, request.spec.kind, session, self.store)
+        return await self.jobs.submit(request.spec.SerializeToString(),
+                                      submitted_by=str(principal),
+                                      request_id=request.request_id)
 
     async def WatchJob(self, request: analyst_pb2.WatchJobRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
