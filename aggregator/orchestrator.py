@@ -14,24 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from dpfed.aggregator.config import MAX_DEADLINE_S, MAX_SITES
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
+from dpfed.aggregator.jobs import JobContext
 from dpfed.aggregator.jobs.base import JobOutput
 from dpfed.aggregator.jobs.validators import check_finite_values
-from dpfed.aggregator.planning import Planner
+from dpfed.aggregator.planning import Planner, job_type_of, validate_job_spec
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
 from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec
-from dpfed.common.validation import (
-    MIN_DELTA,
-    check_delta,
-    check_epsilon,
-    check_int,
-    check_nonnegative,
-)
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +41,7 @@ def analyst_id_of(submitted_by: str) -> str:
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 #: How long CancelJob waits for the job's coroutine to unwind before recording it anyway.
 CANCEL_WAIT_S = 10.0
-#: Bounds of an analyst's request (docs/hardening.md); MIN_DELTA, MAX_DEADLINE_S and
-#: MAX_SITES are shared with the configuration's checks.
+#: Longest request id (the other bounds of a request: ``planning.validate_job_spec``).
 MAX_REQUEST_ID = 200
 
 
@@ -66,55 +57,6 @@ def _non_finite(output: JobOutput) -> str:
         except ValueError as exc:
             return str(exc)
     return ""
-
-
-def job_type_of(kind: str) -> JobType:
-    """Return the registered job type of ``kind`` (ValidationError naming the known ones)."""
-    try:
-        return JOB_TYPES[kind]
-    except KeyError:
-        known = sorted(JOB_TYPES)
-        raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
-
-
-def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
-    """Return the spec with canonical parameters (raises ValidationError).
-
-    Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
-    its name, never an internal error later (docs/hardening.md). The coordinator runs this
-    in a planning worker process (:mod:`dpfed.aggregator.planning`), never on its event loop.
-    """
-    job_type = job_type_of(spec.kind)
-    check_epsilon(spec.epsilon)
-    if not (spec.delta == 0.0 and job_type.pure_epsilon):
-        check_delta(spec.delta)
-        if spec.delta < MIN_DELTA:
-            raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
-                                  f"calibrated in double precision), got {spec.delta!r}")
-    check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
-    check_nonnegative(spec.deadline_seconds, "deadline_seconds")
-    if spec.deadline_seconds > MAX_DEADLINE_S:
-        raise ValidationError(f"deadline_seconds must be <= {MAX_DEADLINE_S:g} (30 days), "
-                              f"got {spec.deadline_seconds!r}")
-    if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
-        raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
-                              "characters")
-    for key, value in spec.params.items():
-        try:
-            check_finite_values(value, f"params.{key}")
-        except ValueError as exc:
-            raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
-                                  "finite JSON numbers, strings, booleans or lists") from None
-    try:
-        params = job_type.validate(spec, federation)
-    except DpfedError:
-        raise
-    except (ArithmeticError, ValueError) as exc:
-        raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
-                              f"delta={spec.delta!r}: the noise cannot be calibrated "
-                              f"({type(exc).__name__}: {exc})") from None
-    return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
-                   spec.deadline_seconds, spec.sites)
 
 
 class JobManager:

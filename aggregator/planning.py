@@ -11,6 +11,7 @@ refused with a ValidationError naming the limit; the worker is replaced. The coo
 event loop only waits, so other callers are answered meanwhile, and its own memory does not
 grow with what analysts send. Request shapes are also bounded before anything is built
 (:mod:`dpfed.common.queries`), so the limits here are a second line, not the first.
+:func:`validate_job_spec` is every check of a request, as a worker runs it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from dpfed.aggregator.config import MAX_DEADLINE_S, MAX_SITES
 from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.jobs import JOB_TYPES, JobType
+from dpfed.aggregator.jobs.validators import check_finite_values
 from dpfed.common.errors import DpfedError, ValidationError
 from dpfed.common.transport.protocol import JobSpec
+from dpfed.common.validation import (
+    MIN_DELTA,
+    check_delta,
+    check_epsilon,
+    check_int,
+    check_nonnegative,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +55,56 @@ MAX_WAITING_BYTES = 256 << 20
 _CONTEXT = multiprocessing.get_context("forkserver")
 # The fork server imports the job types once; every worker is forked from it (no re-import,
 # and never a fork of the coordinator's own threads). Only this module: never ``__main__``.
-_CONTEXT.set_forkserver_preload(["dpfed.aggregator.planning", "dpfed.aggregator.orchestrator"])
+_CONTEXT.set_forkserver_preload(["dpfed.aggregator.planning"])
+
+
+def job_type_of(kind: str) -> JobType:
+    """Return the registered job type of ``kind`` (ValidationError naming the known ones)."""
+    try:
+        return JOB_TYPES[kind]
+    except KeyError:
+        known = sorted(JOB_TYPES)
+        raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
+
+
+def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
+    """Return the spec with canonical parameters (raises ValidationError).
+
+    Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
+    its name, never an internal error later (docs/hardening.md). The coordinator runs this
+    in a planning worker process (:class:`Planner`), never on its event loop.
+    """
+    job_type = job_type_of(spec.kind)
+    check_epsilon(spec.epsilon)
+    if not (spec.delta == 0.0 and job_type.pure_epsilon):
+        check_delta(spec.delta)
+        if spec.delta < MIN_DELTA:
+            raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
+                                  f"calibrated in double precision), got {spec.delta!r}")
+    check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
+    check_nonnegative(spec.deadline_seconds, "deadline_seconds")
+    if spec.deadline_seconds > MAX_DEADLINE_S:
+        raise ValidationError(f"deadline_seconds must be <= {MAX_DEADLINE_S:g} (30 days), "
+                              f"got {spec.deadline_seconds!r}")
+    if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
+        raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
+                              "characters")
+    for key, value in spec.params.items():
+        try:
+            check_finite_values(value, f"params.{key}")
+        except ValueError as exc:
+            raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
+                                  "finite JSON numbers, strings, booleans or lists") from None
+    try:
+        params = job_type.validate(spec, federation)
+    except DpfedError:
+        raise
+    except (ArithmeticError, ValueError) as exc:
+        raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
+                              f"delta={spec.delta!r}: the noise cannot be calibrated "
+                              f"({type(exc).__name__}: {exc})") from None
+    return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
+                   spec.deadline_seconds, spec.sites)
 
 
 def _address_space() -> int:
@@ -61,7 +121,6 @@ def _address_space() -> int:
 
 def _serve(conn: Connection, federation: Federation, memory_bytes: int) -> None:
     """Worker loop: decode and validate one serialized JobSpec per message."""
-    from dpfed.aggregator.orchestrator import validate_job_spec
     from dpfed.common.pb.v1 import analyst_pb2
     from dpfed.common.transport.wire import job_spec_from_proto
 

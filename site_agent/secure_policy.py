@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpfed.common.errors import AuthenticationError, ValidationError
+from dpfed.common.errors import AuthenticationError, ConfigError, ValidationError
 from dpfed.common.validation import check_choice, check_int
 
 if TYPE_CHECKING:
@@ -47,10 +47,10 @@ class SecureAggregationPolicy:
         How many other parties (the coordinator counted) may collude; noise shares are sized
         so the honest ones alone meet the target.
     federation_list : Path or None
-        The site's ``revoked.toml`` (``[tls] revocation_list``): read at construction
-        (ConfigError if missing or malformed) and again whenever it changes. Without it every
-        secure round is refused: the site cannot tell a federation site from a revoked or
-        unlisted certificate.
+        The site's ``revoked.toml`` (``[tls] revocation_list``): read at the first secure
+        round and again whenever it changes (the agent's coordinator check reads it at
+        start-up). Without it, or while it cannot be read, every secure round is refused: the
+        site cannot tell a federation site from a revoked or unlisted certificate.
     """
 
     mode: str = "allowed"
@@ -72,10 +72,6 @@ class SecureAggregationPolicy:
             raise ValidationError(
                 f"secure_tolerated_colluders ({self.tolerated}) must be smaller than "
                 f"secure_min_participants ({self.min_participants})")
-        if self.federation_list is not None:  # read now: a missing file is a start-up error
-            from dpfed.common.transport.access import WatchedAccessList
-
-            self._watched.append(WatchedAccessList(self.federation_list))
 
     def check_round(self, participants: Sequence[str], signed: Mapping[str, SignedKey], *,
                     context: MaskContext, ca: x509.Certificate) -> None:
@@ -102,7 +98,14 @@ class SecureAggregationPolicy:
             raise ValidationError(
                 "secure round refused: this site has no list of the federation's sites and "
                 "revoked certificates (set [tls] revocation_list to the kit's revoked.toml)")
-        federation = self._watched[0].current()
+        try:
+            if not self._watched:  # read at the first round, then whenever it changes
+                from dpfed.common.transport.access import WatchedAccessList
+
+                self._watched.append(WatchedAccessList(self.federation_list))
+            federation = self._watched[0].current()
+        except ConfigError as exc:
+            raise ValidationError(f"secure round refused: {exc}") from None
         if not federation.sites:
             raise ValidationError(
                 f"secure round refused: {self.federation_list} lists no federation sites; "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dpfed.common.errors import ConfigError, ValidationError
+from dpfed.common.errors import ValidationError
 from dpfed.common.secagg.keys import SignedKey, generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.transport.access import read_access_list
@@ -86,6 +86,8 @@ def test_an_old_list_without_sites_is_refused_with_the_fix(fed: Path) -> None:
         check(fed, SecureAggregationPolicy(federation_list=old), SITES)
 
 
-def test_a_missing_list_is_a_start_up_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="does not exist"):
-        SecureAggregationPolicy(federation_list=tmp_path / "nope.toml")
+def test_a_missing_list_refuses_the_round_naming_the_file(fed: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ValidationError, match=f"secure round refused: access list {missing} "
+                                              "does not exist"):
+        check(fed, SecureAggregationPolicy(federation_list=missing), SITES)
