@@ -46,6 +46,11 @@ and SVT sessions (``dpfed.aggregator.access_control.JobAccess``).
     level = "INFO"
     format = "text"             # text | json (one JSON event per line)
     # file = "coordinator.log"
+
+    [metrics]                   # Prometheus endpoint, plain HTTP (docs/operations.md)
+    enabled = true              # on by default on the coordinator
+    listen = "127.0.0.1:9464"   # loopback by default
+    # port_file = "metrics.port"  # write the bound port here once serving
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from typing import Any
 from dpfed.common.cli_support import check_address
 from dpfed.common.errors import ConfigError
 from dpfed.common.logs import LOG_FORMATS
+from dpfed.common.metrics import MetricsConfig, metrics_config
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -97,6 +103,7 @@ class AggregatorConfig:
     keepalive_s: float = DEFAULT_KEEPALIVE_S
     log_format: str = "text"
     health_listen: str | None = None
+    metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9464")
     #: ``[access]``: analyst groups that read each other's jobs, and the admin analysts.
     read_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     admins: tuple[str, ...] = ()
@@ -178,6 +185,7 @@ def load_aggregator_config(path: str | Path,
         raise ConfigError(f"{p}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
                           f"got {log_format!r}")
     lg.check_unknown()
+    metrics = metrics_config(root.section("metrics"), enabled=True, listen="127.0.0.1:9464")
     root.check_unknown()
     assert schema_path is not None and store_path is not None
     assert min_sites is not None and deadline is not None and resume_wait is not None
@@ -190,7 +198,7 @@ def load_aggregator_config(path: str | Path,
                             access_reload_s=access_reload_s,
                             keepalive_s=keepalive_s,
                             log_format=log_format, health_listen=health_listen,
-                            read_groups=read_groups, admins=admins)
+                            metrics=metrics, read_groups=read_groups, admins=admins)
 
 
 def _analyst_ids(section: Section, key: str, ids: list[str]) -> tuple[str, ...]:

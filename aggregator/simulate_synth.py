@@ -12,7 +12,6 @@ site process itself in the job's evaluation round (nothing of it goes to the coo
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.simulation_output import say
 from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
-from dpfed.common.errors import DpfedError, JobFailedError, ValidationError
+from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 from dpfed.common.transport.protocol import JobEvent
 from dpfed.common.validation import path_component
@@ -60,7 +59,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings, mixed=True)
+                                 task_deadline_s=opts.deadline, settings=settings, mixed=True,
+                                 metrics=opts.metrics)
     try:
         fed.start_coordinator()
         say("coordinator", f"serving on {fed.address} (mTLS)")
@@ -83,12 +83,9 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                           composition=opts.composition)
             except JobFailedError as exc:
                 say("synth", f"FAILED: {exc}")
-                return exit_codes.JOB_FAILED
+                return exit_codes.for_error(exc)
             job_seconds = time.monotonic() - job_t0
             budgets = coord.budgets()
-    except DpfedError as exc:
-        print(f"[simulate] error: {exc}", file=sys.stderr)
-        return exit_codes.INTERNAL_ERROR
     finally:
         fed.stop_all()
 

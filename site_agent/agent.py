@@ -53,6 +53,7 @@ from dpfed.common.transport.wire import (
     task_from_bytes,
 )
 from dpfed.site_agent.coordinator_check import CoordinatorCheck, CoordinatorRevokedError
+from dpfed.site_agent.metrics import SiteMetrics
 from dpfed.site_agent.runner import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class SiteAgent:
         Run on the task thread after each connection, before any task; when it returns
         True the agent sends a fresh Hello on the same stream (the site counts its rows
         this way instead of before connecting: ``dpfed.site_agent.row_count``).
+    metrics : SiteMetrics, optional
+        Counts connections and answered tasks (``dpfed.site_agent.metrics``).
     """
 
     def __init__(self, *, address: str, credentials: grpc.ChannelCredentials | None,
@@ -110,7 +113,8 @@ class SiteAgent:
                  server_name: str | None = None, insecure_principal: str | None = None,
                  coordinator_check: CoordinatorCheck | None = None,
                  keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 after_connect: Callable[[], bool] | None = None) -> None:
+                 after_connect: Callable[[], bool] | None = None,
+                 metrics: SiteMetrics | None = None) -> None:
         self.address = address
         self.credentials = credentials
         self.runner = runner
@@ -121,12 +125,15 @@ class SiteAgent:
         self.coordinator_check = coordinator_check
         self.keepalive_s = keepalive_s
         self.after_connect = after_connect
+        self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
         self._random = random.Random()
         #: Task ids the coordinator cancelled (its job was cancelled): refused if not started.
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.connected_once = False
+        #: Whether a session is open now (the agent's status file reports it).
+        self.connected = False
         self.site_id: str | None = None
 
     def stop(self) -> None:
@@ -216,7 +223,9 @@ class SiteAgent:
             if first.WhichOneof("body") != "welcome":
                 raise ProtocolError("the coordinator's first message was not Welcome")
             self.site_id = first.welcome.site_id
-            self.connected_once = True
+            self.connected_once = self.connected = True
+            if self.metrics is not None:
+                self.metrics.connected(True)
             log.info("[SiteAgent.session] connected to %s as site %s (coordinator %s)",
                      self.address, self.site_id, first.welcome.coordinator_version)
             reassembler = Reassembler(MAX_TRANSFER_BYTES)
@@ -283,6 +292,9 @@ class SiteAgent:
                         while len(self._cancelled) > MAX_CANCELLED_IDS:
                             self._cancelled.popitem(last=False)
             finally:
+                self.connected = False
+                if self.metrics is not None:
+                    self.metrics.connected(False)
                 stop_wait.cancel()
                 revoked.cancel()
                 for unfinished in running:
@@ -331,6 +343,8 @@ class SiteAgent:
         loop = asyncio.get_running_loop()
         outcome = await loop.run_in_executor(self._executor, self._run_unless_cancelled, task,
                                              deadline)
+        if self.metrics is not None:
+            self.metrics.task(task.kind, len(payload), outcome)
         # The budget report goes first, in the same locked write as the answer: the
         # coordinator reads the stream in order, so when a job's last answer arrives every
         # site's reported budget already counts it (`dpfed budgets` right after a job is exact).
