@@ -18,6 +18,7 @@
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed cancel ID [--reason TEXT]      stop an unfinished job (charges made stay charged)
     dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
 Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
@@ -267,6 +268,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel an unfinished job."""
+    with connect(args) as coord:
+        job = coord.cancel(args.job_id, args.reason)
+    print(f"job {job.job_id}: {job.state}" + (f" ({job.error})" if job.error else ""))
+    return exit_codes.OK
+
+
 def cmd_demo_data(args: argparse.Namespace) -> int:
     """Write a demo schema and one data file per site."""
     from dpfed.common.data.demo_data import write_demo
@@ -401,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _connection_args(p)
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("cancel", help="stop an unfinished job (what sites charged stays charged)")
+    p.add_argument("job_id")
+    p.add_argument("--reason", default="", help="recorded in the job's error")
+    _connection_args(p)
+    p.set_defaults(func=cmd_cancel)
     return parser
 
 

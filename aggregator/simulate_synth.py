@@ -22,6 +22,7 @@ from dpfed.common import exit_codes
 from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 from dpfed.common.transport.protocol import JobEvent
+from dpfed.common.validation import path_component
 
 if TYPE_CHECKING:
     from dpfed.aggregator.simulate import SimulationOptions
@@ -99,7 +100,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                        extra={"job seconds": round(job_seconds, 1)})
     job_id = str(model.metadata.get("job_id", ""))
     for site_id in fed.site_ids:
-        path = fed.site_dir(site_id) / "evaluations" / job_id / "synth_evaluation.html"
+        path = (fed.site_dir(site_id) / "evaluations" / path_component(job_id)
+                / "synth_evaluation.html")
         state = "written by the site" if path.exists() else "MISSING"
         say("evaluate", f"{site_id}: site-local evaluation report {state}: {path}")
     print()

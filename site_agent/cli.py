@@ -151,6 +151,8 @@ def _prepare(config: SiteConfig) -> _Prepared:
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
     """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
+    import logging
+
     from dpfed.site_agent.handlers import HANDLERS
     from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 
@@ -161,6 +163,10 @@ def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ..
         handlers["secagg"] = SecureAggregationHandler(identity, config.secure,
                                                       allowed_kinds=config.allowed_jobs)
         kinds = (*kinds, "secagg")
+        if config.revocation_list is None:
+            logging.getLogger("dpfed.site").warning(
+                "[Site.start] no tls.revocation_list: every secure round will be refused (the "
+                "site cannot tell the federation's sites from revoked or unlisted ones)")
     elif config.secure.mode == "required":
         raise ConfigError(f"{config.source}: policy.secure_aggregation = \"required\" needs TLS "
                           "certificates (secure rounds are signed with the site's key)")

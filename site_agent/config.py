@@ -5,14 +5,15 @@ Example (paths are relative to the file)::
     [coordinator]
     address = "coordinator.example.org:50051"
     # server_name = "coordinator.example.org"   # TLS name, when dialling an IP address
-    connect_timeout_s = 120     # give up (exit 6) if never connected within this time
+    connect_timeout_s = 120     # give up (exit 6) if never connected within this (<= 30 days)
     keepalive_s = 10            # a silent coordinator link is dropped (and redialled) within this
 
     [tls]
     ca = "kit/ca.pem"
     cert = "kit/site.pem"
     key = "kit/site.key"
-    revocation_list = "kit/revoked.toml"  # from 'dpfed certs'; re-read when it changes
+    revocation_list = "kit/revoked.toml"  # from 'dpfed certs': revoked certificates and the
+                                          # federation's sites; re-read when it changes
 
     [data]
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
@@ -23,7 +24,7 @@ Example (paths are relative to the file)::
     # conninfo = "host=warehouse.example.org dbname=omop user=dpfed_reader sslmode=verify-full"
     # password_env = "DPFED_PG_PASSWORD"   # or password_file = "pg_password" (or ~/.pgpass)
     # table = "cdm.dpfed_features"         # or query = "SELECT ..."
-    chunk_rows = 65536
+    chunk_rows = 65536          # rows read at once (1 to 10 000 000)
     on_missing = "error"        # error | drop: a missing value in a column the schema
                                 # declares complete (no 'missing' key) stops / drops the row
     on_invalid = "drop"         # drop | error
@@ -35,7 +36,7 @@ Example (paths are relative to the file)::
 
     [budget]
     epsilon = 10.0
-    delta = 1e-5
+    delta = 1e-5                # in [1e-300, 1)
     accountant = "basic"        # basic | zcdp
 
     [budget.analysts]           # optional: the most epsilon each analyst may spend here
@@ -84,6 +85,7 @@ from dpfed.common.transport.grpc_options import (
     MIN_KEEPALIVE_S,
 )
 from dpfed.common.transport.identity import check_principal_id
+from dpfed.common.validation import MIN_DELTA
 from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,11 @@ DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb
 EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
 #: The task kind a site runs (and advertises) when ``evaluation_summary = "dp"``.
 EVALUATION_SUMMARY_KIND = "synth_eval_dp"
+#: Ranges of numeric keys (besides the privacy parameters' own): beyond them a value passes
+#: start-up only to break every task later.
+MAX_CONNECT_TIMEOUT_S = 30 * 86400.0
+MAX_CHUNK_ROWS = 10_000_000
+MAX_PARTICIPANTS = 10_000
 
 
 #: Default of ``[data] warn_dropped_fraction``.
@@ -229,7 +236,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     where = "--coordinator" if overrides.get("coordinator") else f"{source}: coordinator.address"
     check_address(address, where)
     server_name = coord.string("server_name") or None
-    timeout = coord.number("connect_timeout_s", 120.0, positive=True)
+    timeout = coord.number("connect_timeout_s", 120.0, positive=True,
+                           maximum=MAX_CONNECT_TIMEOUT_S, unit=" seconds (30 days)")
     keepalive_s = coord.number("keepalive_s", DEFAULT_KEEPALIVE_S)
     if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
         raise ConfigError(f"{source}: coordinator.keepalive_s must be between "
@@ -293,7 +301,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data_cfg = DataConfig(
         path=data_path, schema=schema_path, format=fmt, table=data.string("table") or None,
         query=data.string("query") or None, delimiter=delimiter,
-        chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
+        chunk_rows=data.integer("chunk_rows", 65536, minimum=1, maximum=MAX_CHUNK_ROWS) or 65536,
+        row_policy=row_policy,
         conninfo=conninfo, password_env=password_env, password_file=password_file,
         warn_dropped_fraction=warn_dropped,
     )
@@ -309,7 +318,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     try:
         budget_policy = BudgetPolicy(
             epsilon=budget.number("epsilon", required=True) or 0.0,
-            delta=budget.number("delta", required=True) or 0.0,
+            delta=budget.number("delta", required=True, minimum=MIN_DELTA) or 0.0,
             accountant=budget.string("accountant", "basic") or "basic",
             max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
         )
@@ -332,8 +341,11 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     try:
         secure = SecureAggregationPolicy(
             mode=policy.string("secure_aggregation", "allowed") or "allowed",
-            min_participants=policy.integer("secure_min_participants", 2, minimum=2) or 2,
-            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0) or 0,
+            min_participants=policy.integer("secure_min_participants", 2, minimum=2,
+                                            maximum=MAX_PARTICIPANTS) or 2,
+            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0,
+                                     maximum=MAX_PARTICIPANTS) or 0,
+            federation_list=revocation_list,
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [policy] {exc}") from None

@@ -206,6 +206,11 @@ class TaskRunner:
                         "here", tag, prepared.charged_by)
             return Refusal(task.task_id, "invalid",
                            "this site never charged the release this task continues")
+        if self.ledger.analyst_of(prepared.charged_by) != task.analyst_id:
+            log.warning("[TaskRunner.run] %s refused: it continues %s, opened by another "
+                        "analyst", tag, prepared.charged_by)
+            return Refusal(task.task_id, "not_allowed", "this task continues a release "
+                           "another analyst opened (and paid for); only that analyst may")
         salt = json.dumps(dict(task.params), sort_keys=True, default=str)
         result = prepared.run(self._rng(task.kind, salt))
         log.info("[TaskRunner.run] %s continued %s (no new charge), %d bytes released", tag,

@@ -19,7 +19,7 @@ from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
 #: Bumped when a change to the messages is not backwards compatible.
 PROTOCOL_VERSION = 1
 
-JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed")
+JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed", "cancelled")
 
 
 def _canonical(value: Any) -> Any:

@@ -11,7 +11,9 @@ and its privacy argument):
     restarted after the key exchange refuses the sum, and the coordinator retries the round with
     fresh keys).
 ``contribute``
-    Verify every participant's signed key against the federation CA, recompute the plan (bound,
+    Verify every participant's signed key against the federation CA and the site's copy of the
+    federation's lists (no revoked or unlisted peer; :mod:`dpfed.site_agent.secure_policy`),
+    recompute the plan (bound,
     sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
     depends on a number the site cannot check — compute the exact integer statistic of the
     task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, ``query``,
@@ -52,15 +54,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from dpfed.common.errors import AuthenticationError, DataError, ProtocolError, ValidationError
+from dpfed.common.errors import DataError, ValidationError
 from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.privacy.accounting import PrivacyCost
-from dpfed.common.secagg.keys import (
-    SignedKey,
-    generate_ephemeral,
-    sign_ephemeral,
-    verify_signed_key,
-)
+from dpfed.common.secagg.keys import SignedKey, generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
 from dpfed.common.secagg.secure_sum import site_contribution
@@ -215,10 +212,6 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError("secure round refused: the relayed key of this site is not "
                                   "the one it signed")
 
-        if len(plan.participants) < self.policy.min_participants:
-            raise ValidationError(f"secure round refused: {len(plan.participants)} participants; "
-                                  f"this site's policy requires at least "
-                                  f"{self.policy.min_participants}")
         if plan.tolerated < self.policy.tolerated:
             raise ValidationError(f"secure round refused: noise sized for {plan.tolerated} "
                                   f"colluding parties; this site's policy requires "
@@ -227,13 +220,12 @@ class SecureAggregationHandler(TaskHandler):
                            plan.calibration.cost().rho,
                            f"secure-skellam[n={len(plan.participants)},t={plan.tolerated}]",
                            plan.calibration.l2_sensitivity, plan.share ** 0.5)
-        try:  # every peer's key is checked before the ledger is touched
-            for s in plan.participants:
-                verify_signed_key(signed[s], context=context, ca=self.identity.ca)
-        except (ProtocolError, AuthenticationError) as exc:
-            log.warning("[SecureAggregationHandler.prepare] task=%s refused: %s",
-                        task.task_id, exc)
-            raise ValidationError(f"secure round refused: {exc}") from None
+        try:  # every peer is verified, listed and unrevoked before the ledger is touched
+            self.policy.check_round(plan.participants, signed, context=context,
+                                    ca=self.identity.ca)
+        except ValidationError as exc:
+            log.warning("[SecureAggregationHandler.prepare] task=%s %s", task.task_id, exc)
+            raise
 
         def release(rng: np.random.Generator) -> TaskResult:
             stat, n_rows = contribution.compute(rng)

@@ -428,7 +428,7 @@ class SynthEvaluationHandler(SiteBoundHandler):
 
     def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
         """Validate the sample and read the site's rows; the report is written by the runner."""
-        from dpfed.site_agent.synth_evaluation import evaluate_at_site
+        from dpfed.site_agent.synth_evaluation import evaluate_at_site, report_dir
 
         schema = data.schema
         if task.epsilon != 0.0 or task.delta != 0.0:
@@ -445,7 +445,7 @@ class SynthEvaluationHandler(SiteBoundHandler):
         def write(site_dir: Path) -> str:
             path, _ = evaluate_at_site(schema, train, holdout, synthetic.to_frame(),
                                        site_id=f"job {job}",
-                                       out_dir=site_dir / "evaluations" / _safe(job))
+                                       out_dir=report_dir(site_dir, job))
             return str(path)
 
         zero = PrivacyCost(0.0, 0.0, 0.0, "none")
@@ -455,7 +455,3 @@ class SynthEvaluationHandler(SiteBoundHandler):
                                                        "n_synthetic": synthetic.n_rows})
 
         return PreparedRelease(zero, done, local_output=write)
-
-
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:100] or "job"
