@@ -36,7 +36,7 @@ from dpfed.site_agent.config import load_site_config
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
 
-POLICY = BudgetPolicy(epsilon=10.0, delta=1e-4)
+POLICY = BudgetPolicy(epsilon=10.0, delta=1e-4, accountant="basic")
 TIMEOUT = 30.0
 
 
