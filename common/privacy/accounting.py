@@ -135,9 +135,17 @@ def rho_for_epsilon(epsilon: float, delta: float) -> float:
     """Return the largest rho whose (epsilon, delta) conversion stays within ``epsilon``."""
     eps = check_positive(epsilon, "epsilon")
     dl = check_delta(delta)
-    hi = eps  # zcdp_to_epsilon(rho) >= rho, so rho <= eps
-    return float(optimize.brentq(lambda r: zcdp_to_epsilon(r, dl) - eps, 1e-300, hi,
-                                 xtol=1e-15, rtol=1e-12))
+    hi = eps  # the conversion is at least rho for delta below about 1/4 ...
+    while zcdp_to_epsilon(hi, dl) < eps:  # ... and grows without bound in rho
+        hi *= 2.0
+    # (a relative tolerance only: rho can be 1e-12 and smaller at tiny epsilon)
+    rho = float(optimize.brentq(lambda r: zcdp_to_epsilon(r, dl) - eps, 1e-300, hi,
+                                xtol=1e-300, rtol=1e-13))
+    step = 1e-13 * rho
+    while zcdp_to_epsilon(rho, dl) > eps:  # the root from below
+        rho -= step
+        step *= 2.0
+    return rho
 
 
 @dataclass(frozen=True)

@@ -240,17 +240,44 @@ def gaussian_hockey_stick(t: np.ndarray | float, mu: float) -> np.ndarray:
     """``E[(1 - e^(t - L))_+]`` for the ``mu``-GDP loss ``L ~ N(mu^2/2, mu^2)``, any real ``t``.
 
     ``Phi(-t/mu + mu/2) - e^t Phi(-t/mu - mu/2)`` (Balle & Wang 2018, Thm. 8, for every t),
-    and ``(1 - e^t)_+`` when ``mu = 0``.
+    and ``(1 - e^t)_+`` when ``mu = 0``. Evaluated in double precision: see
+    :func:`gaussian_hockey_stick_upper` for a value that is never below the exact one.
     """
+    return _hockey_stick(t, mu)[0]
+
+
+def gaussian_hockey_stick_upper(t: np.ndarray | float, mu: float) -> np.ndarray:
+    """:func:`gaussian_hockey_stick` plus a bound on its floating-point error.
+
+    The difference of the two terms loses relative accuracy as they approach each other
+    (small ``t``, large ``1/mu``): computed in log space, each log carries an absolute error
+    of at most ``8 u (1 + |log| + (|x| + 1) |dx|)`` (``u`` the unit roundoff, ``x`` the
+    argument of ``log Phi`` and ``dx`` its own rounding), and the bound adds what that error
+    can do to the difference. Calibrations and the tight accountant use this value, so no
+    double-precision evaluation can make them claim less than the exact hockey stick.
+    """
+    value, error = _hockey_stick(t, mu)
+    return np.asarray(value + error)
+
+
+def _hockey_stick(t: np.ndarray | float, mu: float) -> tuple[np.ndarray, np.ndarray]:
     tt = np.asarray(t, dtype=np.float64)
     if mu == 0.0:
-        return np.asarray(-np.expm1(np.minimum(tt, 0.0)))
+        value = np.asarray(-np.expm1(np.minimum(tt, 0.0)))
+        return value, np.asarray(2.0 * _U * value)
     a = -tt / mu + mu / 2.0
     b = -tt / mu - mu / 2.0
     first = special.log_ndtr(a)
     second = tt + special.log_ndtr(b)
     # first >= second always; exp(first) (1 - exp(second - first)), accurate for tiny values
-    return np.asarray(np.exp(first) * -np.expm1(np.minimum(second - first, 0.0)))
+    diff = np.minimum(second - first, 0.0)
+    gap = -np.expm1(diff)
+    value = np.exp(first) * gap
+    rounding = np.abs(tt / mu) + mu / 2.0  # scale of the rounding in a and b
+    e_first = 8.0 * _U * (1.0 + np.abs(first) + (np.abs(a) + 1.0) * rounding)
+    e_second = 8.0 * _U * (1.0 + np.abs(second) + np.abs(tt) + (np.abs(b) + 1.0) * rounding)
+    error = np.exp(first) * ((e_first + e_second) * np.exp(diff) + gap * (e_first + 4.0 * _U))
+    return np.asarray(value), np.asarray(2.0 * error)
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
@@ -265,12 +292,14 @@ def delta_at(epsilon: float, *, mu: float, loss: LossDistribution | None,
              infinity: float) -> float:
     """Return ``delta(epsilon)`` of ``mu``-GDP composed with ``loss`` and extra ``+inf`` mass.
 
-    Exact for the given (pessimistic) distributions, times ``1 + DELTA_SLACK``. Masses far
-    below ``epsilon`` are bounded together by the largest term they could reach (pessimistic).
+    Exact for the given (pessimistic) distributions up to the bounded floating-point error of
+    the Gaussian terms (:func:`gaussian_hockey_stick_upper`), times ``1 + DELTA_SLACK``.
+    Masses far below ``epsilon`` are bounded together by the largest term they could reach.
     """
     inf = infinity
+    h = gaussian_hockey_stick_upper
     if loss is None:
-        terms = float(gaussian_hockey_stick(epsilon, mu))
+        terms = float(h(epsilon, mu))
     else:
         inf += loss.infinity
         losses, w = loss.losses, loss.masses
@@ -278,8 +307,8 @@ def delta_at(epsilon: float, *, mu: float, loss: LossDistribution | None,
         reach = mu * mu / 2.0 + 12.0 * mu + 2.0 * loss.step
         cut = int(np.searchsorted(losses, epsilon - reach, side="left"))
         below = float(w[:cut].sum())
-        terms = below * float(gaussian_hockey_stick(epsilon - losses[cut - 1], mu)) if cut else 0.0
-        terms += float(np.dot(w[cut:], gaussian_hockey_stick(epsilon - losses[cut:], mu)))
+        terms = below * float(h(epsilon - losses[cut - 1], mu)) if cut else 0.0
+        terms += float(np.dot(w[cut:], h(epsilon - losses[cut:], mu)))
     return min(1.0, (inf + terms) * (1.0 + DELTA_SLACK))
 
 
