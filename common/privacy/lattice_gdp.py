@@ -108,7 +108,8 @@ def _from_lattice(logp: np.ndarray, log_remainder: float, p0: float) -> IntegerN
     centre = 2.0 * math.sqrt(2.0) * float(special.erfinv(p0))  # z(0) - z(-1) = 2 z(0)
     steps = z_up[1:] - z_lo[:-1] if window >= 1 else np.zeros(0)
     unit = max(centre, float(steps.max()) if steps.size else 0.0) * (1.0 + MARGIN)
-    return IntegerNoiseGDP(unit, window, np.arange(window + 1), log_s_up[:window + 1].copy())
+    return IntegerNoiseGDP(unit, window, np.arange(window + 1, dtype=np.float64),
+                           log_s_up[:window + 1].copy())
 
 
 def _stable_a_difference(t: np.ndarray | float, s: float, mu: float) -> np.ndarray:
@@ -195,7 +196,8 @@ def _skellam_blocks(mu: float) -> IntegerNoiseGDP:
     if float((log_p_up(end) + log_t_up(end))[0]) > WINDOW_LOG_TAIL:
         raise ValidationError(f"Skellam variance {mu:g}: the verified window does not reach "
                               f"the tail")
-    return IntegerNoiseGDP(unit, y_end, prev.astype(np.int64), log_s_up_prev)
+    # (points as doubles: beyond 2^53 a lattice step is far below the unit's MARGIN)
+    return IntegerNoiseGDP(unit, y_end, prev, log_s_up_prev)
 
 
 #: Skellam variances are rounded down to the grid 2^(k / GRID_PER_OCTAVE) before the unit is
