@@ -121,8 +121,9 @@ def _skellam_variance(mechanism: str, noise_scale: float) -> float | None:
     return noise_scale * noise_scale * (n - t)
 
 
+@lru_cache(maxsize=65536)
 def event_loss(cost: PrivacyCost) -> EventLoss:
-    """Return the dominating pair of one charged release (module docstring)."""
+    """Return the dominating pair of one charged release (module docstring; cached per cost)."""
     name, sens, scale = cost.mechanism, cost.sensitivity, cost.noise_scale
     if not (sens > 0.0 and scale > 0.0 and math.isfinite(sens) and math.isfinite(scale)):
         return _fallback(cost)
