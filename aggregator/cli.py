@@ -149,9 +149,15 @@ def cmd_budgets(args: argparse.Namespace) -> int:
         if b is None:
             print(f"{site_id}: no budget reported")
             continue
-        print(f"{site_id} ({'connected' if connected else 'offline'}): {b.accountant} accountant, "
-              f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
-              f"{b.delta_spent:.3g}/{b.delta_cap:g}, rho {b.rho_spent:.6g}, {b.events} release(s)")
+        state = "connected" if connected else "offline"
+        if b.accountant == "basic":
+            spent = (f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
+                     f"{b.delta_spent:.3g}/{b.delta_cap:g}")
+        else:  # pld (tight composition) and zcdp read the spend at the site's delta cap
+            spent = (f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent at delta "
+                     f"{b.delta_cap:g}")
+        print(f"{site_id} ({state}): {b.accountant} accountant, {spent}, rho "
+              f"{b.rho_spent:.6g}, {b.events} release(s)")
     return exit_codes.OK
 
 

@@ -21,6 +21,7 @@ from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
 from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT
 from dpfed.common.transport.protocol import JobEvent
 from dpfed.common.validation import path_component
 
@@ -54,7 +55,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
         budget_delta=opts.budget_delta or min(0.5, 10 * opts.delta),
         noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows", "synth_eval"),
-        accountant="zcdp" if opts.composition == "zcdp" else "basic")
+        accountant="zcdp" if opts.composition == "zcdp" else DEFAULT_ACCOUNTANT)
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows,
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
@@ -107,7 +108,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     print()
     print(f"dpfed simulate --job synth: {len(fed.site_ids)} sites, mode {model.mode}, "
           f"aggregation {opts.aggregation}, composition {opts.composition} (site ledgers: "
-          f"{'zcdp' if opts.composition == 'zcdp' else 'basic'} accountant), "
+          f"{'zcdp' if opts.composition == 'zcdp' else DEFAULT_ACCOUNTANT} accountant), "
           f"latent dimension {model.links.dim}, "
           f"rank {model.factor_model.rank}, column pairs "
           f"{0 if model.pair_correction is None else len(model.pair_correction.edges)}")

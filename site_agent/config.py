@@ -37,7 +37,7 @@ Example (paths are relative to the file)::
     [budget]
     epsilon = 10.0
     delta = 1e-5                # in [1e-300, 1)
-    accountant = "basic"        # basic | zcdp
+    accountant = "pld"          # pld (tight, default) | basic | zcdp
 
     [budget.analysts]           # optional: the most epsilon each analyst may spend here
     alice = 2.0                 # (same accountant and delta as the total; ids as certified)
@@ -77,7 +77,7 @@ from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.metrics import MetricsConfig, metrics_config
-from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT, BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -319,7 +319,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         budget_policy = BudgetPolicy(
             epsilon=budget.number("epsilon", required=True) or 0.0,
             delta=budget.number("delta", required=True, minimum=MIN_DELTA) or 0.0,
-            accountant=budget.string("accountant", "basic") or "basic",
+            accountant=budget.string("accountant", DEFAULT_ACCOUNTANT) or DEFAULT_ACCOUNTANT,
             max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
         )
     except ValidationError as exc:
