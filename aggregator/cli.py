@@ -18,6 +18,7 @@
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed cancel ID [--reason TEXT]      stop an unfinished job (charges made stay charged)
     dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
 Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
@@ -148,9 +149,15 @@ def cmd_budgets(args: argparse.Namespace) -> int:
         if b is None:
             print(f"{site_id}: no budget reported")
             continue
-        print(f"{site_id} ({'connected' if connected else 'offline'}): {b.accountant} accountant, "
-              f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
-              f"{b.delta_spent:.3g}/{b.delta_cap:g}, rho {b.rho_spent:.6g}, {b.events} release(s)")
+        state = "connected" if connected else "offline"
+        if b.accountant == "basic":
+            spent = (f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
+                     f"{b.delta_spent:.3g}/{b.delta_cap:g}")
+        else:  # pld (tight composition) and zcdp read the spend at the site's delta cap
+            spent = (f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent at delta "
+                     f"{b.delta_cap:g}")
+        print(f"{site_id} ({state}): {b.accountant} accountant, {spent}, rho "
+              f"{b.rho_spent:.6g}, {b.events} release(s)")
     return exit_codes.OK
 
 
@@ -279,6 +286,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
     print(f"wrote {out} ({len(data)} bytes)")
+    return exit_codes.OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel an unfinished job."""
+    with connect(args) as coord:
+        job = coord.cancel(args.job_id, args.reason)
+    print(f"job {job.job_id}: {job.state}" + (f" ({job.error})" if job.error else ""))
     return exit_codes.OK
 
 
@@ -421,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _connection_args(p)
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("cancel", help="stop an unfinished job (what sites charged stays charged)")
+    p.add_argument("job_id")
+    p.add_argument("--reason", default="", help="recorded in the job's error")
+    _connection_args(p)
+    p.set_defaults(func=cmd_cancel)
     return parser
 
 

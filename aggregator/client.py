@@ -299,6 +299,15 @@ class Coordinator:
         resp = self._call(self._stub.ListJobs, analyst_pb2.ListJobsRequest(limit=limit))
         return [job_info_from_proto(j) for j in resp.jobs]
 
+    def cancel(self, job_id: str, reason: str = "") -> JobInfo:
+        """Cancel an unfinished job (one you submitted, or any as an admin).
+
+        Nothing more is sent to the sites; tasks they already charged stay charged. Returns
+        the job's final state: ``cancelled``, or the state it had already reached.
+        """
+        return job_info_from_proto(self._call(
+            self._stub.CancelJob, analyst_pb2.CancelJobRequest(job_id=job_id, reason=reason)))
+
     def fetch_result(self, job_id: str) -> bytes:
         """Download a finished job's result file (``.npz`` bytes)."""
         reassembler = Reassembler(MAX_TRANSFER_BYTES)

@@ -7,7 +7,8 @@ down it. When the stream ends, every pending task of that session fails with
 
 A session also bounds what the site can make the coordinator hold (docs/hardening.md):
 result chunks are accepted only for a task pending at this session, one transfer per task,
-each capped at the size the job expects for that task; a partial transfer is dropped when its
+each capped at the size the job expects for that task, and one transfer at a time (a result
+started while another is unfinished fails its task); a partial transfer is dropped when its
 task ends; budget reports are rate-limited (a token bucket).
 """
 
@@ -134,6 +135,14 @@ class SiteSession:
         task_id = chunk.transfer_id
         fut = self.pending.get(task_id)
         if fut is None or fut.done():
+            return None
+        unfinished = [t for t in self.transfers.in_progress() if t != task_id]
+        if unfinished:
+            # A site writes each answer whole under its stream's write lock: an honest one never
+            # interleaves two. So the session holds at most one partial result (within its cap).
+            self.fail(task_id, ProtocolError(
+                f"a result for {task_id[:80]!r} started while the result for "
+                f"{unfinished[0][:80]!r} is unfinished; a site sends one result at a time"))
             return None
         if self.metrics is not None:
             self.metrics.received(self.site_id, len(chunk.data))
@@ -275,6 +284,21 @@ class SiteRegistry:
                 except TimeoutError:
                     break
             return count()
+
+    def cancel_tasks(self, prefix: str, reason: str) -> int:
+        """Tell every site to drop its pending tasks whose id starts with ``prefix``.
+
+        The waiters are left alone (the job that owns them is being cancelled); a site that
+        has not started such a task refuses it instead of charging it. Returns how many
+        task ids were named.
+        """
+        told = 0
+        for session in self.connected():
+            for task_id in [t for t in session.pending if t.startswith(prefix)]:
+                session.outbox.put_nowait(site_link_pb2.CoordinatorMessage(
+                    cancel=site_link_pb2.CancelTask(task_id=task_id, reason=reason[:500])))
+                told += 1
+        return told
 
     def close_all(self, reason: str) -> None:
         """Close every session (coordinator shutdown)."""

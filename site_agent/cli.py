@@ -145,11 +145,14 @@ def _prepare(config: SiteConfig) -> _Prepared:
     sample = source.check_sample()
     log.info("[Site.start] data %s: columns match the schema; first rows: %s",
              source.describe(), sample.summary())
-    return _Prepared(config, schema, source, CountedData(source))
+    return _Prepared(config, schema, source,
+                     CountedData(source, config.data.warn_dropped_fraction))
 
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
     """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
+    import logging
+
     from dpfed.site_agent.handlers import default_handlers
     from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 
@@ -160,6 +163,10 @@ def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ..
         handlers["secagg"] = SecureAggregationHandler(identity, config.secure,
                                                       allowed_kinds=config.allowed_jobs)
         kinds = (*kinds, "secagg")
+        if config.revocation_list is None:
+            logging.getLogger("dpfed.site").warning(
+                "[Site.start] no tls.revocation_list: every secure round will be refused (the "
+                "site cannot tell the federation's sites from revoked or unlisted ones)")
     elif config.secure.mode == "required":
         raise ConfigError(f"{config.source}: policy.secure_aggregation = \"required\" needs TLS "
                           "certificates (secure rounds are signed with the site's key)")
@@ -403,6 +410,7 @@ def _check(config: SiteConfig, timeout: float) -> int:
     import os
 
     from dpfed.common.data.data_sources import open_data_source, scan
+    from dpfed.common.data.policy_counts import dropped_fraction_warning
     from dpfed.common.data.schema import Schema
     from dpfed.common.transport.access import read_access_list
     from dpfed.common.transport.tls import check_tls_files
@@ -433,6 +441,9 @@ def _check(config: SiteConfig, timeout: float) -> int:
     def data() -> str:
         source = open_data_source(data_spec(config), state["schema"])
         report = scan(source)
+        warning = dropped_fraction_warning(report, config.data.warn_dropped_fraction)
+        if warning is not None:
+            print(f"warning data: {warning}", flush=True)
         if report.rows_kept == 0:
             raise DataError(f"{source.describe()}: no valid rows after the row policy "
                             f"({report.summary()}); the agent would refuse every task. Fix "

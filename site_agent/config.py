@@ -5,14 +5,15 @@ Example (paths are relative to the file)::
     [coordinator]
     address = "coordinator.example.org:50051"
     # server_name = "coordinator.example.org"   # TLS name, when dialling an IP address
-    connect_timeout_s = 120     # give up (exit 6) if never connected within this time
+    connect_timeout_s = 120     # give up (exit 6) if never connected within this (<= 30 days)
     keepalive_s = 10            # a silent coordinator link is dropped (and redialled) within this
 
     [tls]
     ca = "kit/ca.pem"
     cert = "kit/site.pem"
     key = "kit/site.key"
-    revocation_list = "kit/revoked.toml"  # from 'dpfed certs'; re-read when it changes
+    revocation_list = "kit/revoked.toml"  # from 'dpfed certs': revoked certificates and the
+                                          # federation's sites; re-read when it changes
 
     [data]
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
@@ -23,18 +24,20 @@ Example (paths are relative to the file)::
     # conninfo = "host=warehouse.example.org dbname=omop user=dpfed_reader sslmode=verify-full"
     # password_env = "DPFED_PG_PASSWORD"   # or password_file = "pg_password" (or ~/.pgpass)
     # table = "cdm.dpfed_features"         # or query = "SELECT ..."
-    chunk_rows = 65536
-    on_missing = "drop"         # drop | error
+    chunk_rows = 65536          # rows read at once (1 to 10 000 000)
+    on_missing = "error"        # error | drop: a missing value in a column the schema
+                                # declares complete (no 'missing' key) stops / drops the row
     on_invalid = "drop"         # drop | error
     on_out_of_range = "clip"    # clip | drop | error
+    warn_dropped_fraction = 0.01  # dpfed-site check and the log warn above this share dropped
 
     [ledger]
     path = "ledger.sqlite"
 
     [budget]
     epsilon = 10.0
-    delta = 1e-5
-    accountant = "basic"        # basic | zcdp
+    delta = 1e-5                # in [1e-300, 1)
+    accountant = "pld"          # pld (tight, default) | basic | zcdp
 
     [budget.analysts]           # optional: the most epsilon each analyst may spend here
     alice = 2.0                 # (same accountant and delta as the total; ids as certified)
@@ -75,7 +78,7 @@ from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.jobs.registry import default_task_kinds, task_kinds
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.metrics import MetricsConfig, metrics_config
-from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT, BudgetPolicy
 from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
@@ -84,15 +87,25 @@ from dpfed.common.transport.grpc_options import (
     MIN_KEEPALIVE_S,
 )
 from dpfed.common.transport.identity import check_principal_id
+from dpfed.common.validation import MIN_DELTA
 
 log = logging.getLogger(__name__)
 
-DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: Values of ``policy.evaluation_summary``: "dp" lets the site release a DP summary of its
 #: synthetic-data evaluation (task kind ``synth_eval_dp``, charged to its ledger).
 EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
 #: The task kind a site runs (and advertises) when ``evaluation_summary = "dp"``.
 EVALUATION_SUMMARY_KIND = "synth_eval_dp"
+#: Ranges of numeric keys (besides the privacy parameters' own): beyond them a value passes
+#: start-up only to break every task later.
+MAX_CONNECT_TIMEOUT_S = 30 * 86400.0
+MAX_CHUNK_ROWS = 10_000_000
+MAX_PARTICIPANTS = 10_000
+
+
+#: Default of ``[data] warn_dropped_fraction``.
+DEFAULT_WARN_DROPPED_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,8 @@ class DataConfig:
     conninfo: str | None = None
     password_env: str | None = None
     password_file: Path | None = None
+    #: Warn (log, ``dpfed-site check``) when more than this share of the rows read is dropped.
+    warn_dropped_fraction: float = DEFAULT_WARN_DROPPED_FRACTION
 
     def password(self) -> str | None:
         """Read the PostgreSQL password from its variable or file (None: libpq's own ways).
@@ -217,7 +232,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     where = "--coordinator" if overrides.get("coordinator") else f"{source}: coordinator.address"
     check_address(address, where)
     server_name = coord.string("server_name") or None
-    timeout = coord.number("connect_timeout_s", 120.0, positive=True)
+    timeout = coord.number("connect_timeout_s", 120.0, positive=True,
+                           maximum=MAX_CONNECT_TIMEOUT_S, unit=" seconds (30 days)")
     keepalive_s = coord.number("keepalive_s", DEFAULT_KEEPALIVE_S)
     if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
         raise ConfigError(f"{source}: coordinator.keepalive_s must be between "
@@ -264,12 +280,16 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
                           "apply only to format = \"postgres\"")
     try:
         row_policy = RowPolicy(
-            missing=data.string("on_missing", "drop") or "drop",
+            missing=data.string("on_missing", "error") or "error",
             invalid=data.string("on_invalid", "drop") or "drop",
             out_of_range=data.string("on_out_of_range", "clip") or "clip",
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [data] {exc}") from None
+    warn_dropped = data.number("warn_dropped_fraction", DEFAULT_WARN_DROPPED_FRACTION)
+    if warn_dropped is None or not 0.0 <= warn_dropped <= 1.0:
+        raise ConfigError(f"{source}: data.warn_dropped_fraction must be a share between 0 and "
+                          f"1, got {warn_dropped!r}")
     delimiter = data.string("delimiter")
     if delimiter is not None and len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
@@ -277,8 +297,10 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data_cfg = DataConfig(
         path=data_path, schema=schema_path, format=fmt, table=data.string("table") or None,
         query=data.string("query") or None, delimiter=delimiter,
-        chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
+        chunk_rows=data.integer("chunk_rows", 65536, minimum=1, maximum=MAX_CHUNK_ROWS) or 65536,
+        row_policy=row_policy,
         conninfo=conninfo, password_env=password_env, password_file=password_file,
+        warn_dropped_fraction=warn_dropped,
     )
     data.check_unknown()
 
@@ -292,8 +314,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     try:
         budget_policy = BudgetPolicy(
             epsilon=budget.number("epsilon", required=True) or 0.0,
-            delta=budget.number("delta", required=True) or 0.0,
-            accountant=budget.string("accountant", "basic") or "basic",
+            delta=budget.number("delta", required=True, minimum=MIN_DELTA) or 0.0,
+            accountant=budget.string("accountant", DEFAULT_ACCOUNTANT) or DEFAULT_ACCOUNTANT,
             max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
         )
     except ValidationError as exc:
@@ -318,8 +340,11 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     try:
         secure = SecureAggregationPolicy(
             mode=policy.string("secure_aggregation", "allowed") or "allowed",
-            min_participants=policy.integer("secure_min_participants", 2, minimum=2) or 2,
-            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0) or 0,
+            min_participants=policy.integer("secure_min_participants", 2, minimum=2,
+                                            maximum=MAX_PARTICIPANTS) or 2,
+            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0,
+                                     maximum=MAX_PARTICIPANTS) or 0,
+            federation_list=revocation_list,
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [policy] {exc}") from None

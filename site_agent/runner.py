@@ -180,6 +180,10 @@ class TaskRunner:
             if self.ledger.lookup(charge.task_id) is None:
                 return Refusal(task.task_id, RefusalCode.INVALID,
                                "this site never charged the release this task continues")
+            if self.ledger.analyst_of(charge.task_id) != task.analyst_id:
+                return Refusal(task.task_id, RefusalCode.NOT_ALLOWED, "this task continues a "
+                               "release another analyst opened (and paid for); only that "
+                               "analyst may")
             salt = json.dumps(dict(task.params), sort_keys=True, default=str)
             answer = _as_bytes(release.produce(self._rng(task.kind, salt)))
             log.info("%s outcome=continued %s (no new charge), %d bytes released", tag,

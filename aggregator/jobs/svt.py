@@ -6,6 +6,7 @@ values with its standard error -- post-processing only.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,8 @@ from dpfed.common.jobs.svt import BATCH, batch_of
 async def run(job: Job[SVTParams]) -> JobOutput:
     """Send the batch, combine the transcripts per query."""
     params = job.params
-    batch = batch_of(params, job.job_id, job.federation.schema)
+    # Up to 50,000 predicate nodes to compile: off the event loop.
+    batch = await asyncio.to_thread(batch_of, params, job.job_id, job.federation.schema)
     t = (await job.release(BATCH, batch)).value
     k = len(batch.names)
     n_above = (t.above == 1).sum(axis=0)

@@ -26,11 +26,21 @@ from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import DataError
 from dpfed.common.evaluation.metrics import SyntheticReport, evaluate_synthetic
-from dpfed.common.validation import check_int
+from dpfed.common.validation import check_int, path_component
 
 log = logging.getLogger(__name__)
 
 REPORT_NAME = "synth_evaluation.html"
+
+
+def report_dir(site_dir: Path, job_id: str) -> Path:
+    """Where a job's evaluation report goes: ``<site dir>/evaluations/<job id>``.
+
+    The job id comes from the coordinator: it is made one safe path component
+    (:func:`dpfed.common.validation.path_component`), so no id -- ``..``, ``a/b``, an empty
+    one -- writes outside ``evaluations``.
+    """
+    return Path(site_dir) / "evaluations" / path_component(job_id)
 
 
 def _cap(table: EncodedTable, max_rows: int) -> EncodedTable:

@@ -89,12 +89,6 @@ def _secret(site: Site) -> bytes:
     return site_secret(site.state_dir)
 
 
-def _safe(name: str) -> str:
-    """Return A job id as a directory name: no path separators, never ``.`` or ``..``."""
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:100]
-    return "job" if safe.strip(".") == "" else safe
-
-
 @dataclass(frozen=True)
 class Sample:
     """A synthetic sample as the evaluation rounds carry it (one array per column)."""
@@ -111,7 +105,7 @@ class Evaluate(BaseRound[SynthParams, Sample, list[str]]):
 
     def prepare(self, task: Task, site: Site) -> Release:
         """Validate the sample and split the site's rows; the runner writes the report."""
-        from dpfed.common.evaluation.site_report import evaluate_at_site
+        from dpfed.common.evaluation.site_report import evaluate_at_site, report_dir
 
         schema = site.data.schema
         if task.epsilon != 0.0 or task.delta != 0.0:
@@ -127,7 +121,7 @@ class Evaluate(BaseRound[SynthParams, Sample, list[str]]):
         def write(site_dir: Path) -> str:
             path, _ = evaluate_at_site(schema, train, holdout, synthetic.to_frame(),
                                        site_id=f"job {job}",
-                                       out_dir=site_dir / "evaluations" / _safe(job))
+                                       out_dir=report_dir(site_dir, job))
             return str(path)
 
         def done(_rng: np.random.Generator) -> TaskResult:

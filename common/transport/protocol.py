@@ -29,11 +29,12 @@ class JobState(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
     @property
     def finished(self) -> bool:
         """Whether the job has reached its final state."""
-        return self in (JobState.SUCCEEDED, JobState.FAILED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
 class SiteStatus(StrEnum):
@@ -59,6 +60,8 @@ class RefusalCode(StrEnum):
     CONFLICT = "conflict"
     DEADLINE = "deadline"
     INTERNAL = "internal"
+    #: The coordinator cancelled the task's job before the task started (nothing charged).
+    CANCELLED = "cancelled"
     #: A code this version does not know (a newer site's): still a refusal, counted apart.
     OTHER = "other"
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import struct_pb2
 
-from dpfed.common.errors import ProtocolError
+from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.pb.v1 import analyst_pb2, site_link_pb2, types_pb2
 from dpfed.common.pb.v1.analyst_pb2 import JobInfo as ProtoJobInfo
 from dpfed.common.pb.v1.types_pb2 import Chunk as ProtoChunk
@@ -36,6 +36,7 @@ from dpfed.common.transport.protocol import (
     Task,
     TaskResult,
 )
+from dpfed.common.validation import MIN_DELTA
 
 #: dtypes allowed on the wire (little-endian numerics and booleans only: no objects, no strings).
 ALLOWED_DTYPES = frozenset({"<f8", "<f4", "<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<u4",
@@ -196,8 +197,23 @@ def task_from_bytes(data: bytes) -> Task:
         raise ProtocolError(f"task payload is not a TaskSpec: {exc}") from None
     if not msg.task_id or not msg.kind:
         raise ProtocolError("task payload lacks task_id or kind")
+    check_task_privacy(msg.epsilon, msg.delta)
     return Task(msg.task_id, msg.job_id, msg.kind, msg.epsilon, msg.delta,
                 struct_from_proto(msg.params), arrays_from_proto(msg.arrays), msg.analyst_id)
+
+
+def check_task_privacy(epsilon: float, delta: float) -> None:
+    """Refuse a task's (epsilon, delta) that no mechanism can be calibrated to.
+
+    Raises ValidationError (the site refuses the task as ``invalid``): epsilon must be finite
+    and >= 0; delta 0 or in [MIN_DELTA, 1) -- a subnormal delta such as 1e-320 would overflow
+    the Gaussian calibrations.
+    """
+    if not math.isfinite(epsilon) or epsilon < 0.0:
+        raise ValidationError(f"the task's epsilon must be finite and >= 0, got {epsilon!r}")
+    if not (delta == 0.0 or MIN_DELTA <= delta < 1.0):
+        raise ValidationError(f"the task's delta must be 0 or in [{MIN_DELTA:g}, 1), got "
+                              f"{delta!r}")
 
 
 def result_to_bytes(result: TaskResult) -> bytes:
@@ -290,6 +306,10 @@ class Reassembler:
         """Number of transfers in progress."""
         return len(self._parts)
 
+    def in_progress(self) -> list[str]:
+        """Ids of the transfers in progress."""
+        return list(self._parts)
+
 
 # --------------------------------------------------------------------------- site link
 
@@ -343,6 +363,7 @@ _STATE_TO_PROTO = {
     JobState.RUNNING: analyst_pb2.JOB_STATE_RUNNING,
     JobState.SUCCEEDED: analyst_pb2.JOB_STATE_SUCCEEDED,
     JobState.FAILED: analyst_pb2.JOB_STATE_FAILED,
+    JobState.CANCELLED: analyst_pb2.JOB_STATE_CANCELLED,
 }
 _STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
 

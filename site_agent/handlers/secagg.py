@@ -6,7 +6,8 @@ parameters with the site's certificate key and returns it with the site's policy
 read or charged, and a retried keys task gets the same key back (held in memory only: a site
 restarted after the key exchange refuses the sum, and the coordinator retries with fresh
 keys). ``contribute`` finds the round the task names (``source``, ``statistic``), lets it
-recompute the plan and bind its exact statistic, verifies every participant's signed key,
+recompute the plan and bind its exact statistic, verifies every participant's signed key
+and that every participant is a listed, unrevoked site (``SecureAggregationPolicy.check_round``),
 and adds this site's Skellam share ``mu / (n - t)`` and its pairwise masks; the ledger charges
 the pooled guarantee first.
 """
@@ -27,17 +28,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from dpfed.common.errors import AuthenticationError, ProtocolError, ValidationError
+from dpfed.common.errors import ValidationError
 from dpfed.common.jobs.contract import DataAccess, Free, NewCharge, Release, Site
 from dpfed.common.jobs.registry import secure_round
 from dpfed.common.jobs.release import require_rows
 from dpfed.common.privacy.accounting import PrivacyCost
-from dpfed.common.secagg.keys import (
-    SignedKey,
-    generate_ephemeral,
-    sign_ephemeral,
-    verify_signed_key,
-)
+from dpfed.common.secagg.keys import SignedKey, generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
 from dpfed.common.secagg.policy import SecureAggregationPolicy
@@ -174,21 +170,18 @@ class SecureAggregationHandler(TaskHandler):
         if signed.get(self.identity.site_id) != held[1]:
             raise ValidationError("secure round refused: the relayed key of this site is not "
                                   "the one it signed")
-        if len(plan.participants) < self.policy.min_participants:
-            raise ValidationError(f"secure round refused: {len(plan.participants)} participants; "
-                                  f"this site's policy requires at least "
-                                  f"{self.policy.min_participants}")
+
         if plan.tolerated < self.policy.tolerated:
             raise ValidationError(f"secure round refused: noise sized for {plan.tolerated} "
                                   f"colluding parties; this site's policy requires "
                                   f"{self.policy.tolerated}")
-        try:  # every peer's key is checked before the ledger is touched
-            for s in plan.participants:
-                verify_signed_key(signed[s], context=context, ca=self.identity.ca)
-        except (ProtocolError, AuthenticationError) as exc:
-            log.warning("task=%s refused: %s", task.task_id, exc)
-            raise ValidationError(f"secure round refused: {exc}") from None
         cost = plan.cost()
+        try:  # every peer is verified, listed and unrevoked before the ledger is touched
+            self.policy.check_round(plan.participants, signed, context=context,
+                                    ca=self.identity.ca)
+        except ValidationError as exc:
+            log.warning("task=%s %s", task.task_id, exc)
+            raise
 
         def produce(rng: np.random.Generator) -> TaskResult:
             stat, n_rows = contribution.compute(rng)

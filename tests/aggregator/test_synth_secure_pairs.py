@@ -51,7 +51,8 @@ async def _start_secure_sites(h: Harness, sites: list[str]) -> None:
         kit = h.fed.certs / "sites" / site_id
         handler = SecureAggregationHandler(
             SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-            SecureAggregationPolicy(min_participants=2, tolerated=1),
+            SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"),
             allowed_kinds=("pca", "svt", "query", "synth"))
         agent, ledger, task = await start_agent(h.fed, site_id, handlers={"secagg": handler},
                                                 extra_kinds=("synth", "secagg"))

@@ -389,7 +389,7 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     assert more.returncode == 0, more.stderr
     assert pq.read_table(tmp_path / "more.parquet").num_rows == 7777
     nomodel = run("synth-sample", "missing.npz", "--rows", "5", "--out", "x.parquet")
-    assert nomodel.returncode != 0 and "does not exist" in nomodel.stderr
+    assert nomodel.returncode == 4 and "no such model file" in nomodel.stderr, nomodel.stderr
 
 
 def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ def _runner(tmp_path: Path, site: str, fed: Path) -> TaskRunner:
     kit = fed / "sites" / site
     handler = SecureAggregationHandler(
         SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-        SecureAggregationPolicy(min_participants=2, tolerated=1))
+        SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"))
     ledger = Ledger(tmp_path / f"{site}.sqlite", BudgetPolicy(10.0, 1e-3))
     return TaskRunner(source, ledger, ("pca", "secagg"),
                       handlers={**default_handlers(), "secagg": handler})

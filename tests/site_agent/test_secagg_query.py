@@ -58,7 +58,8 @@ def _runner(tmp_path: Path, site: str, fed: Path, allowed: tuple[str, ...]) -> T
     kit = fed / "sites" / site
     handler = SecureAggregationHandler(
         SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-        SecureAggregationPolicy(min_participants=2, tolerated=1), allowed_kinds=allowed)
+        SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"), allowed_kinds=allowed)
     ledger = Ledger(tmp_path / f"{site}.sqlite", BudgetPolicy(100.0, 1e-2))
     return TaskRunner(source, ledger, (*allowed, "secagg"), handlers={**default_handlers(),
                                                                       "secagg": handler})

@@ -34,6 +34,7 @@ class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.Val
     JOB_STATE_RUNNING: _JobState.ValueType  # 2
     JOB_STATE_SUCCEEDED: _JobState.ValueType  # 3
     JOB_STATE_FAILED: _JobState.ValueType  # 4
+    JOB_STATE_CANCELLED: _JobState.ValueType  # 5
 
 class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper): ...
 
@@ -42,6 +43,7 @@ JOB_STATE_PENDING: JobState.ValueType  # 1
 JOB_STATE_RUNNING: JobState.ValueType  # 2
 JOB_STATE_SUCCEEDED: JobState.ValueType  # 3
 JOB_STATE_FAILED: JobState.ValueType  # 4
+JOB_STATE_CANCELLED: JobState.ValueType  # 5
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
 @_typing.final
@@ -482,3 +484,26 @@ class FetchResultRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchResultRequest: _TypeAlias = FetchResultRequest  # noqa: Y015
+
+@_typing.final
+class CancelJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    reason: _builtins.str
+    """optional, recorded in the job's error (at most 500 characters kept)"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelJobRequest: _TypeAlias = CancelJobRequest  # noqa: Y015

@@ -94,12 +94,14 @@ def test_schema_qualified_table_and_query(server: PostgresServer) -> None:
 
 
 def test_row_policy_applies_as_for_files(server: PostgresServer) -> None:
-    table, report = read_all(open_data_source(pg_spec(server, table="secret_rows"), SCHEMA))
+    table, report = read_all(open_data_source(
+        pg_spec(server, table="secret_rows", policy=RowPolicy(missing="drop")), SCHEMA))
     # Row 1 invalid age, row 2 missing age (and an unknown ward), row 3 age clipped to 110.
     assert (report.rows_read, report.rows_kept, report.dropped_invalid,
             report.dropped_missing, report.values_clipped) == (3, 1, 1, 1, 1)
     assert table.columns["age"].tolist() == [110.0]
-    strict = pg_spec(server, table="secret_rows", policy=RowPolicy(invalid="error"))
+    strict = pg_spec(server, table="secret_rows",
+                     policy=RowPolicy(missing="drop", invalid="error"))
     with pytest.raises(DataError, match="data row 1 has invalid values") as err:
         read_all(open_data_source(strict, SCHEMA))
     assert SECRET not in str(err.value)
