@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory: pytest.TempPathFactory) -> Federation:
-    schema_path, _ = write_demo(tmp_path_factory.mktemp("demo"), 1, 10, 4, seed=0, mixed=True)
+    schema_path, _ = write_demo(tmp_path_factory.mktemp("demo"), 1, 10, 5, seed=0, mixed=True)
     return Federation(Schema.load(Path(schema_path)))
 
 
