@@ -575,8 +575,8 @@ class QueryParams(Params):
         if schema is not None:
             from dpfed.common.queries.workload_spec import check_domain_for
 
+            self.workload_in(schema)  # sizes checked from the shape before any matrix
             check_domain_for(self.strategy, self.domain_in(schema).n_cells)
-            self.workload_in(schema)
         if self.secure and self.noise == "laplace":
             raise ValidationError("aggregation 'secure' sums the answers with distributed "
                                   "Skellam noise, an (epsilon, delta) mechanism: use noise "
