@@ -82,6 +82,7 @@ from dpfed.common.transport.grpc_options import (
     MIN_KEEPALIVE_S,
 )
 from dpfed.common.transport.identity import check_principal_id
+from dpfed.site_agent.agent_status import ledger_file
 from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data.check_unknown()
 
     ledger = root.section("ledger")
-    file_ledger = ledger.path("path", "ledger.sqlite")
+    file_ledger = ledger_file(ledger)
     ledger_path = Path(overrides["ledger"]) if overrides.get("ledger") else file_ledger
     ledger.check_unknown()
 
