@@ -167,7 +167,13 @@ PCA_FIELD_FLAGS = {"n_components": "--k", "rank": "--rank", "clip_norm": "--clip
 
 
 def cmd_pca(args: argparse.Namespace) -> int:
-    """Run a DP-PCA job."""
+    """Run a DP-PCA job (or, with ``--plan``, show what it would charge where)."""
+    if args.plan:
+        from dpfed.aggregator.plan_cli import print_kind_plan
+
+        with connect(args) as coord:
+            print_kind_plan("pca", _pca_params(args), args.epsilon, args.delta, coord.sites())
+        return exit_codes.OK
     check_output_file(args.out, "--out")
     if args.report:
         check_output_file(args.report, "--report")
@@ -195,6 +201,15 @@ def cmd_pca(args: argparse.Namespace) -> int:
           f"features from {len(meta.get('sites', []))} site(s), "
           f"{meta.get('n_rows_total', '?')} rows; explained variance ratio: {ratios}")
     return exit_codes.OK
+
+
+def _pca_params(args: argparse.Namespace) -> dict[str, object]:
+    from dpfed.aggregator.client import pca_params
+
+    return pca_params(args.k, rank=args.rank, calibration=args.calibration,
+                      clip_norm=args.clip_norm, centering=args.centering,
+                      site_weighting=args.site_weighting, clip_quantile=args.clip_quantile,
+                      aggregation=args.aggregation)
 
 
 def write_pca_report(result: PCAResult, out: str | Path) -> Path:
@@ -375,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregation", choices=list(AGGREGATIONS), default=None,
                    help="site: each site noises its own release (default); secure: a secure "
                         "sum with distributed noise (pooled-data utility)")
+    p.add_argument("--plan", action="store_true",
+                   help="only show what every site taking part would be charged per round, "
+                        "and which sites would not take part (nothing is submitted)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")
@@ -393,10 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     from dpfed.aggregator.query_cli import register as register_queries
+    from dpfed.aggregator.run_cli import register as register_run
     from dpfed.aggregator.synth_cli import register as register_synth
 
     register_queries(sub, _connection_args, connect, print_event)
     register_synth(sub, _connection_args, connect, print_event)
+    register_run(sub, _connection_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")

@@ -53,7 +53,14 @@ from dpfed.common.transport.grpc_options import (
     MAX_TRANSFER_BYTES,
     channel_options,
 )
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteInfo
+from dpfed.common.transport.protocol import (
+    JobEvent,
+    JobInfo,
+    JobSpec,
+    RefusalCode,
+    SiteInfo,
+    SiteStatus,
+)
 from dpfed.common.transport.tls import load_channel_credentials
 from dpfed.common.transport.wire import (
     Reassembler,
@@ -92,10 +99,6 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> DpfedError:
     return cls(details)
 
 
-#: The refusal code a site sends when its ledger has no budget left for a task.
-BUDGET_REFUSAL = "budget_exceeded"
-
-
 def job_failure(info: JobInfo) -> JobFailedError:
     """Return the error that reports a job that did not succeed.
 
@@ -103,9 +106,8 @@ def job_failure(info: JobInfo) -> JobFailedError:
     refused for lack of budget and every other site that did not answer refused for the
     same reason; a :class:`JobFailedError` otherwise.
     """
-    failed = [s for s in info.sites if s.status != "ok"]
-    budget = [s for s in failed
-              if s.status == "refused" and s.reason.startswith(BUDGET_REFUSAL)]
+    failed = [s for s in info.sites if s.status != SiteStatus.OK]
+    budget = [s for s in failed if s.code is RefusalCode.BUDGET_EXCEEDED]
     message = f"job {info.job_id} {info.state}: {info.error}"
     if budget and len(budget) == len(failed):
         return JobBudgetExceededError(

@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JobContext
-from dpfed.aggregator.jobs.base import JobOutput
-from dpfed.aggregator.jobs.validators import check_finite_values
-from dpfed.aggregator.planning import Planner, job_type_of, validate_job_spec
+from dpfed.aggregator.jobs.job import Job, JobOutput
+from dpfed.aggregator.planning import Planner, validate_job_spec
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
 from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec
+from dpfed.common.jobs.contract import resolve
+from dpfed.common.jobs.registry import job_kind
+from dpfed.common.jobs.results import check_finite_values
+from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, JobState
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,14 @@ def analyst_id_of(submitted_by: str) -> str:
     role, sep, name = submitted_by.partition("/")
     return name if sep and role == "analyst" else ""
 
-TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 #: How long CancelJob waits for the job's coroutine to unwind before recording it anyway.
 CANCEL_WAIT_S = 10.0
 #: Longest request id (the other bounds of a request: ``planning.validate_job_spec``).
 MAX_REQUEST_ID = 200
+
+
+def _sorted(outcomes: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(outcomes[s] for s in sorted(outcomes))
 
 
 def _non_finite(output: JobOutput) -> str:
@@ -101,10 +105,11 @@ class JobManager:
         job, created = self.store.create_job(canonical, submitted_by=submitted_by,
                                              request_id=request_id)
         if created:
-            log.info("[JobManager.submit] job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
+            log.info("job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
                      canonical.kind, submitted_by, canonical.epsilon, canonical.delta)
             self._emit(job.job_id, "submitted",
-                       f"{canonical.kind} job submitted by {submitted_by}", 0.0, "pending")
+                       f"{canonical.kind} job submitted by {submitted_by}", 0.0,
+                       JobState.PENDING)
             self._start(job, resumed=False)
         return job
 
@@ -117,10 +122,10 @@ class JobManager:
         """Restart jobs a previous coordinator process left unfinished; return how many."""
         jobs = self.store.unfinished_jobs()
         for job in jobs:
-            log.info("[JobManager.resume] resuming job=%s (same task ids: sites replay)",
+            log.info("resuming job=%s (same task ids: sites replay)",
                      job.job_id)
             self._emit(job.job_id, "resumed", "coordinator restarted; resuming the job", 0.0,
-                       "pending")
+                       JobState.PENDING)
             self._start(job, resumed=True)
         return len(jobs)
 
@@ -133,10 +138,10 @@ class JobManager:
         with ``reason`` as its error. It is not resumed after a restart.
         """
         job = self.store.get_job(job_id)
-        if job.state in TERMINAL_STATES:
+        if JobState(job.state).finished:
             return job
         told = self.registry.cancel_tasks(f"{job_id}/", reason)
-        log.info("[JobManager.cancel] job=%s: %s (%d outstanding task(s) abandoned)", job_id,
+        log.info("job=%s: %s (%d outstanding task(s) abandoned)", job_id,
                  reason, told)
         task = self._running.get(job_id)
         if task is not None and not task.done():
@@ -145,15 +150,15 @@ class JobManager:
             await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
             self._cancelling.pop(job_id, None)
         job = self.store.get_job(job_id)
-        if job.state not in TERMINAL_STATES:  # not running here, or it did not unwind in time
+        if not JobState(job.state).finished:  # not running here, or it did not unwind in time
             self._record_cancelled(job_id, reason, None)
         return self.store.get_job(job_id)
 
     def _record_cancelled(self, job_id: str, reason: str,
                           sites: tuple[Any, ...] | None) -> None:
-        log.warning("[JobManager] job=%s outcome=cancelled: %s", job_id, reason)
-        self.store.update_job(job_id, state="cancelled", error=reason, sites=sites)
-        self._emit(job_id, "cancelled", reason, 1.0, "cancelled")
+        log.warning("job=%s outcome=cancelled: %s", job_id, reason)
+        self.store.update_job(job_id, state=JobState.CANCELLED, error=reason, sites=sites)
+        self._emit(job_id, "cancelled", reason, 1.0, JobState.CANCELLED)
 
     async def shutdown(self) -> None:
         """Cancel running jobs; they stay 'running' in the store and resume at next start."""
@@ -166,56 +171,58 @@ class JobManager:
     # ------------------------------------------------------------------ execution
     async def _run(self, job: JobInfo, resumed: bool) -> None:
         job_id = job.job_id
-        self.store.update_job(job_id, state="running")
-        self._emit(job_id, "running", "job started", 0.01, "running")
-        ctx = JobContext(job_id=job_id, spec=job.spec, params=job.spec.params,
-                         federation=self.federation, registry=self.registry,
-                         emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
-                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
-                         resumed=resumed,
-                         analyst_id=analyst_id_of(job.submitted_by),
-                         earlier_outcomes=job.sites if resumed else (),
-                         save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
+        self.store.update_job(job_id, state=JobState.RUNNING)
+        self._emit(job_id, "running", "job started", 0.01, JobState.RUNNING)
+        outcomes: dict[str, Any] = {}
         try:
-            output = await job_type_of(job.spec.kind).run(ctx)
+            kind = job_kind(job.spec.kind)
+            ctx = Job(job_id=job_id, spec=job.spec, kind=kind,
+                      params=kind.parse(job.spec.params, self.federation.schema),
+                      federation=self.federation, registry=self.registry,
+                      emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p,
+                                                            JobState.RUNNING),
+                      wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
+                      resumed=resumed, analyst_id=analyst_id_of(job.submitted_by),
+                      earlier_outcomes=job.sites if resumed else (),
+                      save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
+            outcomes = ctx.outcomes
+            output = await resolve(kind.run)(ctx)
             problem = _non_finite(output)
             if problem:
-                self._fail(job_id, ctx, f"the job's output is not finite ({problem}); nothing "
-                           "was stored")
+                self._fail(job_id, outcomes, f"the job's output is not finite ({problem}); "
+                           "nothing was stored")
                 return
             data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)
             await asyncio.to_thread(self.store.save_result, job_id, data)
-            self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),
-                                  summary=dict(output.summary))
-            log.info("[JobManager._run] job=%s outcome=succeeded result=%d bytes", job_id,
-                     len(data))
+            self.store.update_job(job_id, state=JobState.SUCCEEDED,
+                                  sites=_sorted(outcomes), summary=dict(output.summary))
+            log.info("job=%s outcome=succeeded result=%d bytes", job_id, len(data))
             self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
-                       "succeeded")
+                       JobState.SUCCEEDED)
         except asyncio.CancelledError:
             reason = self._cancelling.pop(job_id, None)
             if reason is None:  # shutdown: the job stays unfinished and resumes at next start
-                self.store.update_job(job_id, sites=self._outcomes(ctx))
+                self.store.update_job(job_id, sites=_sorted(outcomes))
                 raise
-            self._record_cancelled(job_id, reason, self._outcomes(ctx))
+            self._record_cancelled(job_id, reason, _sorted(outcomes))
         except (QuorumError, ValidationError, ProtocolError, DpfedError) as exc:
-            self._fail(job_id, ctx, str(exc))
+            self._fail(job_id, outcomes, str(exc))
         except Exception:
-            log.exception("[JobManager._run] job=%s crashed", job_id)
-            self._fail(job_id, ctx, "internal error in the coordinator (see its log)")
+            log.exception("job=%s crashed", job_id)
+            self._fail(job_id, outcomes, "internal error in the coordinator (see its log)")
 
-    def _outcomes(self, ctx: JobContext) -> tuple[Any, ...]:
-        return tuple(ctx.outcomes[s] for s in sorted(ctx.outcomes))
-
-    def _fail(self, job_id: str, ctx: JobContext, reason: str) -> None:
-        log.warning("[JobManager] job=%s outcome=failed: %s", job_id, reason)
-        self.store.update_job(job_id, state="failed", error=reason, sites=self._outcomes(ctx))
-        self._emit(job_id, "failed", reason, 1.0, "failed")
+    def _fail(self, job_id: str, outcomes: dict[str, Any], reason: str) -> None:
+        log.warning("job=%s outcome=failed: %s", job_id, reason)
+        self.store.update_job(job_id, state=JobState.FAILED, error=reason,
+                              sites=_sorted(outcomes))
+        self._emit(job_id, "failed", reason, 1.0, JobState.FAILED)
 
     # ------------------------------------------------------------------ events
-    def _emit(self, job_id: str, stage: str, message: str, progress: float, state: str) -> None:
+    def _emit(self, job_id: str, stage: str, message: str, progress: float,
+              state: JobState) -> None:
         event = JobEvent(job_id, utc_now(), stage, message, max(0.0, min(1.0, progress)), state)
         self.store.add_event(event)
-        if state in TERMINAL_STATES:
+        if state.finished:
             event = JobEvent(event.job_id, event.time, event.stage, event.message,
                              event.progress, event.state, self.store.get_job(job_id))
         for q in self._subscribers.get(job_id, ()):
@@ -233,17 +240,17 @@ class JobManager:
         past = self.store.events(job_id)
         try:
             for event in past:
-                if event.state in TERMINAL_STATES:
+                if JobState(event.state).finished:
                     yield JobEvent(event.job_id, event.time, event.stage, event.message,
                                    event.progress, event.state, self.store.get_job(job_id))
                     return
                 yield event
-            if job.state in TERMINAL_STATES:
+            if JobState(job.state).finished:
                 return
             while True:
                 event = await queue.get()
                 yield event
-                if event.state in TERMINAL_STATES:
+                if JobState(event.state).finished:
                     return
         finally:
             subs = self._subscribers.get(job_id)

@@ -29,9 +29,9 @@ from typing import Any
 
 from dpfed.aggregator.config import MAX_DEADLINE_S, MAX_SITES
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JOB_TYPES, JobType
-from dpfed.aggregator.jobs.validators import check_finite_values
 from dpfed.common.errors import DpfedError, ValidationError
+from dpfed.common.jobs.registry import JOB_KINDS, job_kind
+from dpfed.common.jobs.results import check_finite_values
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.common.validation import (
     MIN_DELTA,
@@ -53,18 +53,11 @@ PLAN_MEMORY_BYTES = 2 << 30
 MAX_WAITING_BYTES = 256 << 20
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-# The fork server imports the job types once; every worker is forked from it (no re-import,
-# and never a fork of the coordinator's own threads). Only this module: never ``__main__``.
-_CONTEXT.set_forkserver_preload(["dpfed.aggregator.planning"])
-
-
-def job_type_of(kind: str) -> JobType:
-    """Return the registered job type of ``kind`` (ValidationError naming the known ones)."""
-    try:
-        return JOB_TYPES[kind]
-    except KeyError:
-        known = sorted(JOB_TYPES)
-        raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
+# The fork server imports this module and the in-tree kinds' modules once; every worker is
+# forked from it (no re-import, and never a fork of the coordinator's own threads). Never
+# ``__main__``.
+_CONTEXT.set_forkserver_preload(["dpfed.aggregator.planning",
+                                 *(entry.module for entry in JOB_KINDS.values())])
 
 
 def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
@@ -74,9 +67,9 @@ def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
     its name, never an internal error later (docs/hardening.md). The coordinator runs this
     in a planning worker process (:class:`Planner`), never on its event loop.
     """
-    job_type = job_type_of(spec.kind)
+    kind = job_kind(spec.kind)
     check_epsilon(spec.epsilon)
-    if not (spec.delta == 0.0 and job_type.pure_epsilon):
+    if not (spec.delta == 0.0 and kind.pure_epsilon):
         check_delta(spec.delta)
         if spec.delta < MIN_DELTA:
             raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
@@ -96,7 +89,7 @@ def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
             raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
                                   "finite JSON numbers, strings, booleans or lists") from None
     try:
-        params = job_type.validate(spec, federation)
+        params = kind.canonical(spec.params, spec.epsilon, spec.delta, federation.schema)
     except DpfedError:
         raise
     except (ArithmeticError, ValueError) as exc:

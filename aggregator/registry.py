@@ -186,7 +186,7 @@ class SiteSession:
 
     def update_row_count(self, row_count: int) -> None:
         """Record the row count a site sends once it has counted (after connecting)."""
-        log.info("[SiteSession] site=%s rows=%d", self.site_id, row_count)
+        log.info("site=%s rows=%d", self.site_id, row_count)
         self.hello = replace(self.hello, row_count=row_count)
 
     def close(self, reason: str) -> None:
@@ -222,7 +222,7 @@ class SiteRegistry:
                 old.close("replaced by a newer connection from the same site")
             self._sessions[site_id] = session
             self._changed.notify_all()
-        log.info("[SiteRegistry.attach] site=%s rows=%d", site_id, hello.row_count)
+        log.info("site=%s rows=%d", site_id, hello.row_count)
         return session
 
     async def detach(self, session: SiteSession, reason: str) -> None:
@@ -232,9 +232,9 @@ class SiteRegistry:
             if self._sessions.get(session.site_id) is session:
                 del self._sessions[session.site_id]
             self._changed.notify_all()
-        log.info("[SiteRegistry.detach] site=%s reason=%s", session.site_id, reason)
+        log.info("site=%s reason=%s", session.site_id, reason)
         if session.budget_dropped:
-            log.warning("[SiteRegistry.detach] site=%s sent budget reports too fast: %d "
+            log.warning("site=%s sent budget reports too fast: %d "
                         "dropped, %d accepted", session.site_id, session.budget_dropped,
                         session.budget_accepted)
 

@@ -66,8 +66,7 @@ log = logging.getLogger(__name__)
 
 #: How long a newly connected site has to send its Hello.
 HELLO_TIMEOUT_S = 30.0
-#: Longest refusal code / reason kept from a site (the rest is cut).
-MAX_REFUSAL_CODE = 64
+#: Longest refusal reason kept from a site (the rest is cut; the code is an enum).
 MAX_REFUSAL_REASON = 2000
 #: Metadata key naming the caller in --insecure mode only (development; never with TLS).
 INSECURE_PRINCIPAL_KEY = "x-dpfed-insecure-principal"
@@ -269,8 +268,7 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
             elif which == "refusal":
                 refusal = refusal_from_proto(msg.refusal)
                 session.resolve(refusal.task_id, Refusal(
-                    refusal.task_id, refusal.code[:MAX_REFUSAL_CODE],
-                    refusal.reason[:MAX_REFUSAL_REASON]))
+                    refusal.task_id, refusal.code, refusal.reason[:MAX_REFUSAL_REASON]))
             elif which == "budget":
                 # The latest report is always what `dpfed budgets` shows (held in memory);
                 # the rate limit bounds only the durable store writes a site can cause.

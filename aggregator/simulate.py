@@ -299,10 +299,8 @@ def check_options(opts: SimulationOptions) -> None:
         Naming the internal field; ``dpfed simulate`` rewrites it to the flag.
     """
     from dpfed.aggregator.client import pca_params
-    from dpfed.aggregator.federation import Federation
-    from dpfed.aggregator.jobs import JOB_TYPES
     from dpfed.common.data.demo_data import demo_model
-    from dpfed.common.transport.protocol import JobSpec
+    from dpfed.common.jobs.registry import job_kind
     from dpfed.common.validation import check_delta, check_epsilon
 
     check_epsilon(opts.epsilon)
@@ -322,12 +320,10 @@ def check_options(opts: SimulationOptions) -> None:
         schema = check_data_files(opts)
     else:
         schema = demo_model(opts.features, seed=0).schema
-    spec = JobSpec("pca", opts.epsilon, opts.delta,
-                   pca_params(opts.k, rank=opts.rank, calibration=opts.calibration,
-                              clip_norm=opts.clip_norm, centering=opts.centering,
-                              site_weighting=opts.site_weighting,
-                              aggregation=opts.aggregation), opts.min_sites, opts.deadline)
-    JOB_TYPES["pca"].validate(spec, Federation(schema))
+    params = pca_params(opts.k, rank=opts.rank, calibration=opts.calibration,
+                        clip_norm=opts.clip_norm, centering=opts.centering,
+                        site_weighting=opts.site_weighting, aggregation=opts.aggregation)
+    job_kind("pca").canonical(params, opts.epsilon, opts.delta, schema)
 
 
 def run_simulation(opts: SimulationOptions) -> int:

@@ -20,7 +20,7 @@ from dpfed.aggregator.simulation_output import say
 from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
 from dpfed.common.errors import JobFailedError, ValidationError
-from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+from dpfed.common.job_params import SynthParams
 from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT
 from dpfed.common.transport.protocol import JobEvent
 from dpfed.common.validation import path_component
@@ -35,9 +35,8 @@ EVALUATION_ROWS = 5000
 def check_synth_options(opts: SimulationOptions) -> None:
     """Refuse --synth-mode / --aggregation / --composition combinations the job refuses."""
     try:
-        SynthParams.from_mapping({"mode": opts.synth_mode, "aggregation": opts.aggregation,
-                                  "composition": opts.composition},
-                                 latent_dim=SYNTH_MAX_LATENT_DIM)
+        SynthParams.parse({"mode": opts.synth_mode, "aggregation": opts.aggregation,
+                                  "composition": opts.composition}, None)
     except ValidationError as exc:
         raise ValidationError(str(exc).replace("--mode", "--synth-mode")) from None
 

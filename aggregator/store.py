@@ -23,7 +23,15 @@ from typing import Any
 
 from dpfed.common.errors import ConfigError, IdempotencyConflictError, NotFoundError
 from dpfed.common.privacy.accounting import PrivacyCost
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteHello, SiteOutcome
+from dpfed.common.transport.protocol import (
+    JobEvent,
+    JobInfo,
+    JobSpec,
+    RefusalCode,
+    SiteHello,
+    SiteOutcome,
+    SiteStatus,
+)
 from dpfed.common.validation import path_component
 
 #: 2: request ids are unique per submitter (version 1 had one namespace for everybody).
@@ -103,9 +111,28 @@ def _outcomes_from_json(text: str) -> tuple[SiteOutcome, ...]:
     out = []
     for d in json.loads(text):
         spend = PrivacyCost(**d["spend"]) if d.get("spend") else None
-        out.append(SiteOutcome(d["site_id"], d["status"], d.get("reason", ""), spend,
-                               int(d.get("row_count", 0))))
+        reason = d.get("reason", "")
+        code, left_out = ((d["code"], d.get("left_out", False)) if "code" in d
+                          else _legacy_code(d["status"], reason))
+        out.append(SiteOutcome(d["site_id"], SiteStatus(d["status"]), reason, spend,
+                               int(d.get("row_count", 0)),
+                               RefusalCode(code) if code else None, bool(left_out)))
     return tuple(out)
+
+
+def _legacy_code(status: str, reason: str) -> tuple[str | None, bool]:
+    """Return the code and left-out mark of an outcome stored before outcomes carried them.
+
+    Such a refusal's reason was ``"<code>: <text>"``, and a site left out before the first
+    round for its budget said ``"budget_exceeded: the job needs ..."``.
+    """
+    if status != SiteStatus.REFUSED:
+        return None, False
+    code, _sep, text = reason.partition(": ")
+    if code not in set(RefusalCode):
+        return None, False
+    return code, code == RefusalCode.BUDGET_EXCEEDED and text.split(" ", 2)[:2] == ["the",
+                                                                                   "job"]
 
 
 def _spec_to_json(spec: JobSpec) -> str:

@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.dataset as ds  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from dpfed.site_agent.handlers.pca import PCAHandler  # noqa: E402
 from scipy.linalg import blas  # noqa: E402
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path  # noqa: E402
@@ -54,7 +55,6 @@ from dpfed.common.pca.clipping import dp_quantile, norm_bound, norm_grid  # noqa
 from dpfed.common.pca.dppca import GramAccumulator  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, max_feature_norm  # noqa: E402
 from dpfed.common.transport.protocol import Task  # noqa: E402
-from dpfed.site_agent.handlers.pca import PCAHandler  # noqa: E402
 from dpfed.site_agent.row_count import CountedData  # noqa: E402
 
 SEED = 20260202

@@ -43,7 +43,7 @@ from dpfed.common.transport.grpc_options import (
     MAX_TRANSFER_BYTES,
     channel_options,
 )
-from dpfed.common.transport.protocol import Refusal, SiteHello, Task
+from dpfed.common.transport.protocol import Refusal, RefusalCode, SiteHello, Task
 from dpfed.common.transport.wire import (
     Reassembler,
     budget_to_proto,
@@ -366,8 +366,8 @@ class SiteAgent:
         if task.task_id in self._cancelled:
             log.info("[SiteAgent.task] %.80r was cancelled before it started: not run, nothing "
                      "charged", task.task_id)
-            return Refusal(task.task_id, "cancelled", "the coordinator cancelled this task's "
-                           "job before the task started; nothing was charged")
+            return Refusal(task.task_id, RefusalCode.CANCELLED, "the coordinator cancelled this "
+                           "task's job before the task started; nothing was charged")
         return self.runner.run(task, deadline)
 
     @staticmethod
@@ -386,4 +386,4 @@ class SiteAgent:
 
 def _refusal(task_id: str, reason: str) -> site_link_pb2.SiteMessage:
     return site_link_pb2.SiteMessage(
-        refusal=refusal_to_proto(Refusal(task_id, "invalid", reason)))
+        refusal=refusal_to_proto(Refusal(task_id, RefusalCode.INVALID, reason)))

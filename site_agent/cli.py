@@ -158,10 +158,10 @@ def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ..
     """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
     import logging
 
-    from dpfed.site_agent.handlers import HANDLERS
+    from dpfed.site_agent.handlers import default_handlers
     from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 
-    handlers: dict[str, TaskHandler] = dict(HANDLERS)
+    handlers: dict[str, TaskHandler] = default_handlers()
     kinds = config.advertised_kinds
     if config.secure.mode != "off" and config.tls is not None:
         identity = SiteIdentity.load(config.tls.ca, config.tls.cert, config.tls.key)
@@ -183,6 +183,7 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     import logging
     import signal
 
+    from dpfed.common.jobs.registry import sum_kinds
     from dpfed.common.logs import add_log_context
     from dpfed.common.transport.access import WatchedAccessList
     from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
@@ -193,7 +194,6 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     from dpfed.site_agent.ledger import Ledger
     from dpfed.site_agent.metrics import SiteMetrics, serving_metrics
     from dpfed.site_agent.runner import TaskRunner
-    from dpfed.site_agent.secure_policy import SUM_KINDS
 
     log = logging.getLogger("dpfed.site")
     if config.deterministic_noise_seed is not None:
@@ -213,7 +213,7 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     handlers, allowed_kinds = _handlers(config)
     runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
-                        secure_required_kinds=(SUM_KINDS if config.secure.mode == "required"
+                        secure_required_kinds=(sum_kinds() if config.secure.mode == "required"
                                                else ()))
 
     def hello() -> SiteHello:

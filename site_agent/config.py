@@ -75,9 +75,11 @@ from typing import Any
 from dpfed.common.cli_support import check_address
 from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
+from dpfed.common.jobs.registry import default_task_kinds, task_kinds
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.metrics import MetricsConfig, metrics_config
 from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT, BudgetPolicy
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -87,15 +89,9 @@ from dpfed.common.transport.grpc_options import (
 from dpfed.common.transport.identity import check_principal_id
 from dpfed.common.validation import MIN_DELTA
 from dpfed.site_agent.agent_status import ledger_file
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 log = logging.getLogger(__name__)
 
-#: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows", "synth_eval")
-#: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
-#: synthesis, one noisy release per real row) must be listed explicitly.
-DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
 DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: Values of ``policy.evaluation_summary``: "dp" lets the site release a DP summary of its
 #: synthetic-data evaluation (task kind ``synth_eval_dp``, charged to its ledger).
@@ -327,7 +323,9 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: {exc}") from None
     analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
-    allowed = policy.str_list("allowed_jobs", list(DEFAULT_ALLOWED_JOBS))
+    # The task kinds of the registered job kinds; the opt-in ones (``synth_rows``: one noisy
+    # release per real row) only when listed.
+    allowed = policy.str_list("allowed_jobs", list(default_task_kinds()))
     if EVALUATION_SUMMARY_KIND in allowed:
         raise ConfigError(f"{source}: policy.allowed_jobs: {EVALUATION_SUMMARY_KIND!r} is "
                           "enabled by policy.evaluation_summary = \"dp\", not by allowed_jobs")
@@ -335,10 +333,11 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     if summary not in EVALUATION_SUMMARY_CHOICES:
         raise ConfigError(f"{source}: policy.evaluation_summary must be one of "
                           f"{', '.join(EVALUATION_SUMMARY_CHOICES)}, got {summary!r}")
-    unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
+    known = [k for k in task_kinds() if k != EVALUATION_SUMMARY_KIND]
+    unknown_kinds = sorted(set(allowed) - set(known))
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "
-                          f"known: {list(KNOWN_JOB_KINDS)}")
+                          f"known: {known}")
     try:
         secure = SecureAggregationPolicy(
             mode=policy.string("secure_aggregation", "allowed") or "allowed",

@@ -104,6 +104,7 @@ from dpfed.common.errors import (
 )
 from dpfed.common.privacy.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
 from dpfed.common.privacy.spent import Spent, event_loss
+from dpfed.common.transport.protocol import RefusalCode
 from dpfed.common.validation import check_nonnegative, check_positive
 
 logger = logging.getLogger(__name__)
@@ -302,6 +303,11 @@ class RefusalRecord:
     reason: str
     message: str
     created_at: str
+
+    @property
+    def code(self) -> RefusalCode:
+        """The refusal's code, as the site sent it to the coordinator."""
+        return RefusalCode.of_ledger(self.reason)
 
 
 @dataclass(frozen=True)

@@ -1,81 +1,14 @@
 """The matrix mechanism: answer a linear-query workload through a noisy *strategy*.
 
-Seed 004 (docs/algorithms.md "Matrix mechanism"); Li, Hay, Rastogi, Miklau & McGregor,
-"Optimizing linear counting queries under differential privacy", PODS 2010 (journal version
-VLDB J. 2015); McKenna, Miklau, Hay & Machanavajjhala, "Optimizing error of high-dimensional
-statistical queries under differential privacy" (HDMM), PVLDB 11(10), 2018.
-
-The pipeline
-------------
-1. Choose a strategy ``A`` (``k x n``) for the workload ``W`` (``m x n``) over a histogram
-   ``x`` of ``n`` cells: :func:`strategy` (identity, hierarchical H2, Haar wavelet, prefix, or
-   an HDMM-style optimised p-Identity). The choice depends only on the public workload.
-2. Release ``y = A x + noise`` (:class:`MatrixMechanism`, :func:`release`): Laplace with
-   ``Delta_1 = max_{i != j} ||a_i - a_j||_1`` or Gaussian with ``Delta_2 = max_{i != j}
-   ||a_i - a_j||_2`` (analytic calibration), ``a_j`` the columns of A: the sensitivity under
-   the system's relation, replace-one record (:func:`sensitivity`). The seed's max column
-   norm is the add/remove-one figure and under-noises by up to 2x.
-3. Reconstruct ``x_hat = A^+ y`` by least squares (:func:`reconstruct`), optionally followed
-   by a non-negativity step: NNLS, or the seed's ``min ||y - A x||_1 s.t. x >= 0`` (a linear
-   programme solved by HiGHS).
-4. Answer the workload ``W x_hat`` (:func:`answer`).
-
-Federated use: who runs what
-----------------------------
-*Site side* (holds ``x_s``, charges its own ledger first): ``MatrixMechanism(A, epsilon=...,
-delta=..., noise=...)``, then ``.cost()`` for the ledger and ``.release(x_s, rng)`` (or the
-function :func:`release`). *Coordinator side* (sees only noisy vectors):
-:func:`combine_releases` sums the sites' ``y_s`` and reconstructs, then :func:`answer`.
-Every site spends its own epsilon on its own disjoint records; the sum carries ``S`` noise
-draws, so its variance is ``S`` times one site's. :func:`expected_rmse` takes ``n_sites`` for
-that (per-query RMSE grows as ``sqrt(S)``; a later secure-aggregation mode could cut it).
-All sites must use the same ``A``: the coordinator should send the matrix (or the workload
-spec plus a digest of the matrix it expects) with the task. A site always derives the
-sensitivity from the matrix it actually multiplies by (:class:`MatrixMechanism` does), never
-from a number sent to it.
-
-Which noise and strategy pays (the published shape)
----------------------------------------------------
-The published numbers (HDMM's ``experiments/journal/oned.csv``: all ranges over ``n = 256``,
-per-query RMSE Identity 9.27, H2 3.84, Wavelet 3.51, optimal 2.90) are for **L2 sensitivity
-and unit-variance noise**: ``Delta_2 * ||W A^+||_F / sqrt(m)`` (:func:`unit_noise_rmse`),
-i.e. the Gaussian mechanism up to the common factor ``sigma / Delta_2``. This module
-reproduces them exactly for identity, H2 and wavelet (9.27 / 3.84 / 3.51).
-
-With the seed's **Laplace** noise the sensitivities are L1, and the tree-shaped strategies
-pay about ``2 log2(n)`` in L1 (replace-one; ``log2(n) + 1`` per column) instead of
-``sqrt(2 log2(n))`` in L2: at ``n = 256`` H2 and wavelet are *worse* than (or level with)
-identity under Laplace (per-query RMSE at epsilon = 1, replace-one: identity 26.2, H2 28.9,
-wavelet 26.4), and they win only on larger domains (wavelet 1.6x, H2 1.5x better than
-identity at ``n = 2048``). The optimised strategy (:func:`optimize_strategy`, HDMM's
-``OPT_0`` templates in :mod:`dpfed.common.queries.strategy_templates`) is optimised for the
-noise's own norm and reaches HDMM's optimum: all ranges over ``n = 256`` at unit noise 2.9017
-(L2, the convex programme; HDMM 2.9014, published 2.902) and 5.7127 (L1, p-Identity; HDMM
-5.7111); all 2-way marginals of 10 x 10 x 10 cells 1.6462 (L2) and 2.8513 (L1), HDMM's
-marginals template to four digits. It does not pay on the identity workload; then the identity
-is returned. Bench figures: ``bench/matrix_mechanism.py``. :func:`best_strategy` picks the
-strategy and noise with the smallest expected RMSE for a workload; note that Gaussian noise
-also spends ``delta``.
-
-Deviations from the seed and the papers
----------------------------------------
-* The seed only has Laplace; Gaussian noise with L2 column norms is added because that is
-  where hierarchical and wavelet strategies pay at moderate ``n`` (and what the published
-  table measures).
-* HDMM's released code does no non-negativity step; the NNLS option follows Ektelo, and the
-  seed's L1 programme is offered as ``nonnegative="l1"``. Both are post-processing.
-* HDMM's templates normalise *columns* so the add/remove sensitivity (the max column norm,
-  :func:`column_norm`) is exactly 1; we do the same, in L1 for Laplace and in L2 for
-  Gaussian, and optimise that proxy. The release then pays its replace-one sensitivity
-  (between 1 and 2 in L1, 1 and sqrt(2) in L2), and the comparison with the identity (which
-  pays 2, resp. sqrt(2)) uses the replace-one figures. The planning is bounded: at most
-  :data:`MAX_OPTIMIZED_CELLS` cells (refused before any matrix is built) and a wall-clock
-  limit after which the best point so far is used.
-* Sensitivities are replace-one (docs/privacy.md), not the papers' add/remove column norms;
-  :func:`unit_noise_rmse` keeps HDMM's column-norm normalisation only to compare with the
-  published table.
-* Least squares uses ``numpy.linalg.lstsq`` (SVD), so rank-deficient strategies give the
-  minimum-norm solution, which is ``A^+ y``.
+Seed 004 (docs/algorithms.md, "Matrix mechanism": sources, which strategy pays, deviations).
+1. :func:`strategy` picks ``A`` (``k x n``) for the workload ``W`` over a histogram ``x`` of
+   ``n`` cells (identity, H2, Haar wavelet, prefix, optimised: HDMM's OPT_0 templates), from public
+   inputs only; :func:`best_strategy` ranks them by expected RMSE.
+2. :class:`MatrixMechanism` / :func:`release` draw ``y = A x + noise`` (Laplace or analytic
+   Gaussian) calibrated to the replace-one sensitivity of the matrix actually used
+   (:func:`sensitivity`); a site never takes a sensitivity from the task.
+3. :func:`reconstruct` solves ``x_hat = A^+ y`` (optionally NNLS or the seed's L1 programme),
+   :func:`combine_releases` sums sites' answers first, :func:`answer` gives ``W x_hat``.
 """
 
 from __future__ import annotations

@@ -1,51 +1,13 @@
 """A small declarative language of counting queries over the federation schema.
 
-Analysts describe *what to count*, never code: a query set is plain data (TOML or JSON), it is
+Analysts describe *what to count*, never code: a query set is plain data (TOML or JSON),
 validated against the public schema before anything is sent or charged, and each site turns
-it into counts over its own rows with vectorised numpy (no ``eval``, no SQL).
-
-Format
-------
-A query set is a list of entries under ``queries`` (TOML ``[[queries]]`` tables or a JSON
-list). Each entry is one of:
-
-* a **predicate query** ``{name = "...", where = PREDICATE}``: one count, the rows satisfying
-  the predicate (``where`` omitted: every row);
-* a **per-category / per-bin shorthand** ``{per = "COLUMN"}`` (nominal or ordinal: one count
-  per category/level) or ``{per = "COLUMN", bins = [e0, e1, ..., ek]}`` (continuous: one
-  count per public bin ``[e_i, e_{i+1})``, the last one closed; ``bins = k`` means ``k``
-  equal-width bins over the schema's ``[min, max]``);
-* a **contingency table** ``{cross = ["C1", "C2"(, "C3")], bins = {C = edges}}``: one count
-  per cell of the cross product of 2-3 columns (continuous ones need ``bins``).
-
-A shorthand may also carry ``where``: each of its counts is then restricted to rows that
-satisfy it. PREDICATE is one of:
-
-``{column = C, op = OP, value = V}``
-    ``OP`` in ``<, <=, >, >=, ==, !=`` on a continuous column (``V`` a number) or an ordinal
-    one (``V`` one of its levels; compared by level order); ``==``/``!=`` on a nominal one.
-``{column = C, in = [V, ...]}``
-    set membership on a nominal or ordinal column (``V`` categories/levels).
-``{column = C, between = [LO, HI]}``
-    ``LO <= value <= HI`` (continuous: numbers; ordinal: levels).
-``{all = [P, ...]}``, ``{any = [P, ...]}``, ``{not = P}``
-    conjunction, disjunction, negation (non-empty lists).
-
-Validation names the query, the column and what is valid; a predicate no schema-valid row can
-satisfy (e.g. ``age < 10 and age > 20``) is refused as contradictory. The check is exact: the
-predicates are piecewise constant on a finite grid of representative values per column (every
-category/level, every comparison constant and the points between them), so evaluating the
-predicate on that grid decides satisfiability. Its cost (grid points times predicate nodes)
-is bounded per query set (``MAX_GRID_WORK``): past it, further predicates are accepted
-unchecked (the check only catches mistakes; what a site releases does not depend on it) and a
-chain check (``one_directional``) answers "not provably one-directional".
-
-Evaluation
-----------
-:meth:`CompiledQuerySet.counts` streams over encoded chunks (``EncodedTable``): continuous
-columns are float64 (already clipped or filtered into the schema's bounds by the row policy),
-ordinal and nominal columns are int codes. Predicate queries become boolean masks; shorthands
-become one ``np.bincount`` over a cell index.
+it into counts over its own rows with vectorised numpy (no ``eval``, no SQL). The format
+(predicate queries, ``per`` and ``cross`` shorthands, predicates) and its limits:
+docs/queries.md, "The query language". A predicate no schema-valid row satisfies is refused
+as contradictory; the check is exact because predicates are piecewise constant on a finite
+grid of representative values per column. :meth:`CompiledQuerySet.counts` streams encoded
+chunks: predicate queries become boolean masks, shorthands one ``np.bincount``.
 """
 
 from __future__ import annotations

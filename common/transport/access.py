@@ -19,7 +19,7 @@ and re-read by the processes that use them whenever they change (no restart):
 ``sites/<id>/revoked.toml`` (in every site kit, and ``revoked.toml`` at the federation root):
 the same ``[[revoked]]`` entries and the ``sites`` list (not the analysts): a site refuses a
 coordinator whose certificate is revoked, and a secure round with a peer that is revoked or
-not one of the federation's ``sites`` (:mod:`dpfed.site_agent.secure_policy`).
+not one of the federation's ``sites`` (:mod:`dpfed.common.secagg.policy`).
 
 ``dpfed certs init`` writes both with every id it issues; ``issue`` adds the new id (and
 revokes the certificate it replaces under ``--force``); ``revoke`` adds the current

@@ -23,14 +23,16 @@ from dpfed.common.pb.v1.types_pb2 import Chunk as ProtoChunk
 from dpfed.common.pb.v1.types_pb2 import NDArray as ProtoNDArray
 from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
 from dpfed.common.transport.protocol import (
-    JOB_STATES,
     JobEvent,
     JobInfo,
     JobSpec,
+    JobState,
     Refusal,
+    RefusalCode,
     SiteHello,
     SiteInfo,
     SiteOutcome,
+    SiteStatus,
     Task,
     TaskResult,
 )
@@ -347,29 +349,34 @@ def refusal_to_proto(refusal: Refusal) -> site_link_pb2.Refusal:
 
 def refusal_from_proto(msg: site_link_pb2.Refusal) -> Refusal:
     """Decode a refusal."""
-    return Refusal(msg.task_id, msg.code, msg.reason)
+    try:
+        code = RefusalCode(msg.code)
+    except ValueError:  # a newer site's code: the task is refused all the same
+        code = RefusalCode.OTHER
+    return Refusal(msg.task_id, code, msg.reason)
 
 
 # --------------------------------------------------------------------------- analyst
 
 _STATE_TO_PROTO = {
-    "pending": analyst_pb2.JOB_STATE_PENDING,
-    "running": analyst_pb2.JOB_STATE_RUNNING,
-    "succeeded": analyst_pb2.JOB_STATE_SUCCEEDED,
-    "failed": analyst_pb2.JOB_STATE_FAILED,
-    "cancelled": analyst_pb2.JOB_STATE_CANCELLED,
+    JobState.PENDING: analyst_pb2.JOB_STATE_PENDING,
+    JobState.RUNNING: analyst_pb2.JOB_STATE_RUNNING,
+    JobState.SUCCEEDED: analyst_pb2.JOB_STATE_SUCCEEDED,
+    JobState.FAILED: analyst_pb2.JOB_STATE_FAILED,
+    JobState.CANCELLED: analyst_pb2.JOB_STATE_CANCELLED,
 }
 _STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
 
 
 def state_to_proto(state: str) -> analyst_pb2.JobState.ValueType:
-    """Map a job state name to its enum value."""
-    if state not in JOB_STATES:
-        raise ProtocolError(f"unknown job state {state!r}")
-    return _STATE_TO_PROTO[state]
+    """Map a job state to its enum value."""
+    try:
+        return _STATE_TO_PROTO[JobState(state)]
+    except ValueError:
+        raise ProtocolError(f"unknown job state {state!r}") from None
 
 
-def state_from_proto(value: int) -> str:
+def state_from_proto(value: int) -> JobState:
     """Map a job state enum value to its name."""
     try:
         return _STATE_FROM_PROTO[value]  # type: ignore[index]
@@ -393,7 +400,8 @@ def job_spec_from_proto(msg: analyst_pb2.JobSpec) -> JobSpec:
 def site_outcome_to_proto(o: SiteOutcome) -> analyst_pb2.SiteOutcome:
     """Serialize a site's outcome in a job."""
     msg = analyst_pb2.SiteOutcome(site_id=o.site_id, status=o.status, reason=o.reason,
-                                  row_count=o.row_count)
+                                  row_count=o.row_count, code=o.code or "",
+                                  left_out=o.left_out)
     if o.spend is not None:
         msg.spend.CopyFrom(cost_to_proto(o.spend))
     return msg
@@ -402,7 +410,14 @@ def site_outcome_to_proto(o: SiteOutcome) -> analyst_pb2.SiteOutcome:
 def site_outcome_from_proto(msg: analyst_pb2.SiteOutcome) -> SiteOutcome:
     """Decode a site's outcome in a job."""
     spend = cost_from_proto(msg.spend) if msg.HasField("spend") else None
-    return SiteOutcome(msg.site_id, msg.status, msg.reason, spend, msg.row_count)
+    try:
+        status = SiteStatus(msg.status)
+        code = RefusalCode(msg.code) if msg.code else None
+    except ValueError:
+        raise ProtocolError(f"unknown site status {msg.status[:40]!r} or code "
+                            f"{msg.code[:40]!r}") from None
+    return SiteOutcome(msg.site_id, status, msg.reason, spend, msg.row_count, code,
+                       msg.left_out)
 
 
 def job_info_to_proto(job: JobInfo) -> ProtoJobInfo:

@@ -23,7 +23,7 @@ from dpfed.common import exit_codes
 from dpfed.common.errors import ValidationError
 from dpfed.common.transport.certs import issue_certificate
 from dpfed.common.transport.protocol import Refusal, Task
-from dpfed.site_agent.handlers import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.handlers import DataAccess, Release, TaskHandler
 from tests.aggregator.hardening_harness import start_agent
 from tests.e2e.federations import (
     charged_events,
@@ -142,7 +142,7 @@ class SlowHandler(TaskHandler):
 
     kind = "slow"
 
-    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
+    def prepare(self, task: Task, data: DataAccess) -> Release:
         time.sleep(2.0)
         raise ValidationError("slow task done")
 

@@ -30,6 +30,7 @@ from dpfed.common.errors import (
 )
 from dpfed.common.privacy.accounting import BudgetPolicy, PrivacyCost, zcdp_to_epsilon
 from dpfed.common.privacy.mechanisms import gaussian_sigma
+from dpfed.common.transport.protocol import RefusalCode
 from dpfed.site_agent import ledger as ledger_module
 from dpfed.site_agent.ledger import (
     SCHEMA_VERSION,
@@ -187,6 +188,7 @@ def test_same_task_id_with_a_different_payload_is_refused(ledger: Ledger) -> Non
     assert ledger.spent().epsilon == 0.25
     refusals = ledger.refusals()
     assert [r.reason for r in refusals] == ["idempotency_conflict"] * 3
+    assert {r.code for r in refusals} == {RefusalCode.CONFLICT}  # the wire's code
     assert refusals[0].payload_digest == digest("payload B")
     # The original payload still replays.
     assert charge(ledger, "task-1", 0.25, payload="payload A").result == first.result

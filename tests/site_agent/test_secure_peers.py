@@ -14,6 +14,7 @@ import pytest
 from dpfed.common.errors import ValidationError
 from dpfed.common.secagg.keys import SignedKey, generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.transport.access import read_access_list
 from dpfed.common.transport.certs import (
     init_federation,
@@ -22,7 +23,6 @@ from dpfed.common.transport.certs import (
     read_pem_file,
     revoke_certificate,
 )
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 SITES = ["hospital-a", "hospital-b", "hospital-c"]
 CONTEXT = MaskContext("job-1", "pca-sum-1", "job-1/pca-sum-1")

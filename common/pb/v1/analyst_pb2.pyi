@@ -267,11 +267,17 @@ class SiteOutcome(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     SPEND_FIELD_NUMBER: _builtins.int
     ROW_COUNT_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    LEFT_OUT_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     status: _builtins.str
     """ok | refused | timeout | disconnected | error"""
     reason: _builtins.str
     row_count: _builtins.int
+    code: _builtins.str
+    """why a site is not ok: budget_exceeded | not_allowed | invalid | conflict | deadline | internal"""
+    left_out: _builtins.bool
+    """left out by the coordinator before the job's first round"""
     @_builtins.property
     def spend(self) -> _types_pb2.PrivacySpend: ...
     def __init__(
@@ -282,10 +288,12 @@ class SiteOutcome(_message.Message):
         reason: _builtins.str = ...,
         spend: _types_pb2.PrivacySpend | None = ...,
         row_count: _builtins.int = ...,
+        code: _builtins.str = ...,
+        left_out: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spend", b"spend"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "row_count", b"row_count", "site_id", b"site_id", "spend", b"spend", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "left_out", b"left_out", "reason", b"reason", "row_count", b"row_count", "site_id", b"site_id", "spend", b"spend", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

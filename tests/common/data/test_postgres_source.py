@@ -20,9 +20,10 @@ from dpfed.common.errors import ConfigError, DataError
 from dpfed.common.transport.protocol import Task
 from dpfed.site_agent.cli import data_spec
 from dpfed.site_agent.config import load_site_config
-from dpfed.site_agent.handlers.pca import PCAHandler
+from dpfed.site_agent.handlers.base import site_release
 from tests.common.data.test_data_sources import SCHEMA, SECRET, clean_frame, frames_equal, write_csv
 from tests.postgres_server import PostgresServer, start
+from tests.support.tables import cost_of
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed "
                               "(pip install 'dpfed[postgres]')")
@@ -171,8 +172,8 @@ def test_site_config_reads_the_password_from_env_or_file(
     # The site's PCA task runs on it like on a file.
     task = Task("j/pca", "j", "pca", 1.0, 1e-5,
                 {"n_components": 2, "centering": "none", "clip_norm": "schema"})
-    prepared = PCAHandler().prepare(task, source)
-    assert math.isclose(prepared.cost.epsilon, 1.0)
+    prepared = site_release(task, source)
+    assert math.isclose(cost_of(prepared).epsilon, 1.0)
     secret = tmp_path / "pg_password"
     secret.write_text(READER_PASSWORD + "\n")
     secret.chmod(0o600)

@@ -1,11 +1,11 @@
 """Checks of a site's release against what an honest site could have sent.
 
-A job kind's ``check_result`` (given to :meth:`JobContext.dispatch`) combines these; each
-raises :class:`ProtocolError` naming the array and the bound, so the site's outcome becomes
-"error" with that reason and its release is left out of the job. The wire codec already
-rejects NaN and infinite array entries; these checks add the finite-but-impossible ones (an
-entry of 1e308 that overflows the combination, a factor 1000 times larger than any honest
-release), which would otherwise poison the result or silently dominate it.
+A round's ``check`` combines these; each raises :class:`ProtocolError` naming the array and
+the bound, so the site's outcome becomes "error" with that reason and its release is left out
+of the job. The wire codec already rejects NaN and infinite array entries; these checks add
+the finite-but-impossible ones (an entry of 1e308 that overflows the combination, a factor
+1000 times larger than any honest release), which would otherwise poison the result or
+silently dominate it.
 """
 
 from __future__ import annotations
@@ -50,6 +50,16 @@ def symmetric_gaussian_norm_bound(sigma: float, p: int, t: float = NOISE_BOUND_T
     if not (math.isfinite(sigma) and sigma >= 0 and p >= 1 and t >= 0):
         raise ValueError(f"invalid noise bound arguments sigma={sigma!r}, p={p!r}, t={t!r}")
     return sigma * (2.0 * math.sqrt(p) + t)
+
+
+def vector_bound(n_rows: int, sigma: float, length: int, t: float = NOISE_BOUND_TAIL) -> float:
+    """Bound on the norm of an honest noisy sum of ``n_rows`` vectors of norm at most 1.
+
+    The exact part has norm at most ``n_rows``; Gaussian noise of ``length`` entries with
+    standard deviation ``sigma`` has norm at most ``sigma (sqrt(length) + t)`` but with
+    probability ``exp(-t^2 / 2)`` (Gaussian concentration of a 1-Lipschitz function).
+    """
+    return n_rows + sigma * (math.sqrt(length) + t)
 
 
 def require_array(result: TaskResult, name: str, shape: tuple[int, ...],

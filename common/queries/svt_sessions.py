@@ -171,7 +171,7 @@ class SVTSessionStore:
                 if existing.open_task_id != open_task_id or existing.params != json.loads(text):
                     raise IdempotencyConflictError(
                         f"SVT session {session_id!r} already exists with other parameters")
-                log.info("[SVTSessionStore.open_session] session=%s exists; its threshold "
+                log.info("session=%s exists; its threshold "
                          "noise is reused (no redraw)", session_id)
                 return existing
             state = draw()
@@ -180,7 +180,7 @@ class SVTSessionStore:
                 "n_examined, n_positives, closed, created_at) VALUES (?, ?, ?, ?, 0, 0, 0, ?)",
                 (session_id, open_task_id, text, state.noisy_threshold, _now()))
             conn.execute("COMMIT")
-        log.info("[SVTSessionStore.open_session] opened session=%s", session_id)
+        log.info("opened session=%s", session_id)
         return StoredSession(session_id, open_task_id, json.loads(text), state, False)
 
     def run_batch(self, session_id: str, task_id: str, payload_digest: str, queries: Any,
@@ -207,7 +207,7 @@ class SVTSessionStore:
                 if done[0] != payload_digest:
                     raise IdempotencyConflictError(
                         f"task {task_id!r} was already answered for a different request")
-                log.info("[SVTSessionStore.run_batch] task=%s replayed (same transcript)",
+                log.info("task=%s replayed (same transcript)",
                          task_id)
                 return bytes(done[1])
             row = conn.execute(f"SELECT {self._COLUMNS} FROM svt_sessions WHERE session_id = ?",

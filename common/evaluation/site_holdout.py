@@ -32,8 +32,8 @@ from dpfed.common.evaluation.holdout import (
     position_mask,
 )
 
-if TYPE_CHECKING:  # the handlers import this module; the protocol is only a type here
-    from dpfed.site_agent.handlers.base import DataAccess
+if TYPE_CHECKING:  # the rounds import this module; the protocol is only a type here
+    from dpfed.common.jobs.contract import DataAccess
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,10 @@ def site_secret(state_dir: Path) -> bytes:
                 fh.write(os.urandom(KEY_BYTES))
                 fh.flush()
                 os.fsync(fh.fileno())
-            log.info("[site_secret] created the synthesis holdout secret %s", path)
+            log.info("created the synthesis holdout secret %s", path)
         secret = path.read_bytes()
     except OSError as exc:
-        log.error("[site_secret] cannot keep the holdout secret %s: %s", path, exc)
+        log.error("cannot keep the holdout secret %s: %s", path, exc)
         raise ValidationError("the site cannot keep its evaluation holdout secret (details "
                               "are in the site's log)") from None
     if len(secret) != KEY_BYTES:

@@ -1,5 +1,7 @@
 """A site's policy on secure aggregation (``[policy]`` in site.toml) and who it sums with.
 
+The site advertises it in its hello as a one-line summary (:meth:`SecureAggregationPolicy.
+summary`); the coordinator and ``dpfed <kind> --plan`` read it back with :meth:`from_summary`.
 Besides the mode, the minimum number of participants and the tolerated colluders, the policy
 holds the site's copy of the federation's lists (``[tls] revocation_list``: the
 ``revoked.toml`` that ``dpfed certs`` writes into every site kit, with the revoked certificates
@@ -28,8 +30,6 @@ if TYPE_CHECKING:
     from dpfed.common.transport.access import WatchedAccessList
 
 SECURE_MODES: tuple[str, ...] = ("off", "allowed", "required")
-#: Job kinds whose site-level release a site with ``secure_aggregation = "required"`` refuses.
-SUM_KINDS: tuple[str, ...] = ("pca", "query", "synth")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,27 @@ class SecureAggregationPolicy:
     def summary(self) -> str:
         """One line for ``dpfed sites``: the mode, the minimum participants and t."""
         return f"{self.mode}, min {self.min_participants} sites, t={self.tolerated}"
+
+    @classmethod
+    def from_summary(cls, text: str) -> SecureAggregationPolicy:
+        """Read back a :meth:`summary` ("" -- a site that reports none -- is ``off``).
+
+        Raises
+        ------
+        ValidationError
+            The text is not a summary this module wrote.
+        """
+        if not text:
+            return cls("off")
+        parts = [p.strip() for p in text.split(",")]
+        if (len(parts) != 3 or parts[1][:4] != "min " or parts[1][-6:] != " sites"
+                or parts[2][:2] != "t="):
+            raise ValidationError(f"not a secure-aggregation policy summary: {text[:120]!r}")
+        try:
+            return cls(parts[0], int(parts[1][4:-6]), int(parts[2][2:]))
+        except ValueError:
+            raise ValidationError(f"not a secure-aggregation policy summary: "
+                                  f"{text[:120]!r}") from None
 
     def __post_init__(self) -> None:
         check_choice(self.mode, "secure_aggregation", SECURE_MODES)

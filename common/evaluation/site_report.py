@@ -5,7 +5,7 @@ site's own directory: per-column TVD (categorical) and KS (continuous), the pair
 correlation error, DCR against a local holdout, NNDR and seed 003's disclosure measure
 ``M_best`` (:func:`dpfed.common.evaluation.metrics.evaluate_synthetic`). The caller gives the
 two parts of the site's rows: the training rows of the job and its holdout, which the job's
-rounds never read (:mod:`dpfed.site_agent.synth_holdout`), so "distance to the training rows"
+rounds never read (:mod:`dpfed.common.evaluation.site_holdout`), so "distance to the training rows"
 against "distance to the holdout" measures what the model learnt from individual rows.
 
 **Nothing computed here leaves the site**: it is an exact evaluation of real rows for the
@@ -68,7 +68,7 @@ def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_NAME
     path.write_text(_html(site_id, report), encoding="utf-8")
-    log.info("[evaluate_at_site] site=%s wrote %s (local only)", site_id, path)
+    log.info("site=%s wrote %s (local only)", site_id, path)
     return path, report
 
 
