@@ -17,7 +17,7 @@
     dpfed report RESULT [--out report.html]   the HTML report of a result file
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
-    dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed fetch ID --out FILE.npz        download a finished job's result file
     dpfed cancel ID [--reason TEXT]      stop an unfinished job (charges made stay charged)
     dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
