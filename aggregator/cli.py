@@ -280,12 +280,12 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Download a result file (a NumPy ``.npz`` archive, written as received)."""
-    if Path(args.out).suffix.lower() != ".npz":
+    out = check_output_file(args.out, "--out")
+    if out.suffix.lower() != ".npz":
         raise ValidationError(
             f"--out {args.out}: a job's result is a NumPy .npz archive, written as received; "
             "give a name ending in .npz (then `dpfed report` draws it, `dpfed synth-sample` "
             "turns a synth model into CSV or Parquet rows)")
-    out = check_output_file(args.out, "--out")
     with connect(args) as coord:
         data = coord.fetch_result(args.job_id)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -143,6 +143,19 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
         return None
     eps = sum(r.epsilon for r in charged)
     delta = sum(r.delta for r in charged)
+    if b.accountant == "pld":
+        # The tight ledger holds delta at its cap and composes epsilon at that delta: no
+        # delta is "left" to compare with, and each charge makes the exact check. Without the
+        # site's events the coordinator cannot compose tightly, so it compares the job's
+        # summed epsilon with what the site reports left: near exhaustion this may leave out
+        # a site whose tight figure would have fit (nothing is spent), never admit one that
+        # then refuses a later round after charging the earlier ones.
+        if eps > b.epsilon_remaining * (1 + _SLACK):
+            return _excluded(RefusalCode.BUDGET_EXCEEDED,
+                             f"the job needs epsilon={eps:g} over all its rounds; the site "
+                             f"reports {b.epsilon_remaining:g} left (tight accounting at delta "
+                             f"{b.delta_cap:g})")
+        return None
     if eps > b.epsilon_remaining * (1 + _SLACK) or delta > b.delta_remaining * (1 + _SLACK):
         return _excluded(RefusalCode.BUDGET_EXCEEDED,
                          f"the job needs epsilon={eps:g}, delta={delta:g} over all its rounds; "
