@@ -8,6 +8,9 @@
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
     dpfed-site health --config site.toml [--max-age S] is the running agent connected?
     dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
+    dpfed-site approvals --config site.toml [--all]    jobs waiting for the steward's approval
+    dpfed-site approve ID --config site.toml           let a waiting job run
+    dpfed-site deny ID --config site.toml [--reason R] refuse it (nothing charged)
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only), asks
 the coordinator's health service whether it is serving and asks the coordinator whether it
@@ -39,6 +42,8 @@ from dpfed.common.errors import (
     SiteRejectedError,
 )
 from dpfed.site_agent.agent_status import DEFAULT_MAX_AGE_S
+from dpfed.site_agent.approval_cli import COMMANDS as APPROVAL_COMMANDS
+from dpfed.site_agent.approval_cli import approval_command
 
 # numpy, pandas, pyarrow and grpc are imported inside the functions that use them, so that
 # ``dpfed-site --help`` and ``--version`` answer at once.
@@ -98,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help="seconds after which the agent's status counts as stale "
                         f"(default {DEFAULT_MAX_AGE_S:g})")
+    from dpfed.site_agent.approval_cli import add_approval_commands
+
+    add_approval_commands(sub)
     return p
 
 
@@ -209,7 +217,11 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
                         secure_required_kinds=(sum_kinds() if config.secure.mode == "required"
-                                               else ()))
+                                               else ()),
+                        approval=config.approval)
+    if config.approval.any_manual:
+        log.info("[Site.start] approval policy: %s; waiting jobs: dpfed-site approvals",
+                 config.approval.describe())
 
     def hello() -> SiteHello:
         # 0 until the first full pass: "not counted yet" (docs/data-sources.md, "Start-up").
@@ -540,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         from dpfed.site_agent.config import load_site_config
 
         overrides: dict[str, Any] = {}
-        if command == "health":
+        if command in ("health", *APPROVAL_COMMANDS):
             overrides = {"ledger": args.ledger}
         if command == "run":
             overrides = {"coordinator": args.coordinator, "data": args.data,
@@ -561,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             return _ledger(config, args.json)
         if command == "health":
             return _health(config, args.max_age)
+        if command in APPROVAL_COMMANDS:
+            return approval_command(config, args)
         return _run_with_status(config)
 
     return run_command(f"dpfed-site {command}" if command != "run" else "dpfed-site", go)

@@ -49,6 +49,14 @@ Example (paths are relative to the file)::
     secure_min_participants = 2      # refuse secure rounds with fewer verified sites
     secure_tolerated_colluders = 1   # other parties (coordinator counted) that may collude
     evaluation_summary = "none"      # none | dp: release a DP summary of synth evaluations
+    approval = "auto"                # auto | manual: jobs wait for 'dpfed-site approve ID'
+
+    [policy.approval_kinds]          # optional: per task kind, wins over policy.approval
+                                     # ("secagg": the tasks of secure rounds)
+    synth_rows = "manual"
+
+    [policy.approval_analysts]       # optional: per analyst, wins over the kind's rule
+    alice = "auto"
 
     [logging]
     level = "INFO"
@@ -75,7 +83,7 @@ from typing import Any
 from dpfed.common.cli_support import check_address
 from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
-from dpfed.common.jobs.registry import default_task_kinds, task_kinds
+from dpfed.common.jobs.registry import SECURE_TASK_KIND, default_task_kinds, task_kinds
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.metrics import MetricsConfig, metrics_config
 from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT, BudgetPolicy
@@ -88,6 +96,7 @@ from dpfed.common.transport.grpc_options import (
 )
 from dpfed.common.transport.identity import check_principal_id
 from dpfed.common.validation import MIN_DELTA
+from dpfed.site_agent.approvals import ApprovalPolicy, check_mode
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +200,8 @@ class SiteConfig:
     #: ``policy.evaluation_summary``: "dp" releases DP summaries of synth evaluations.
     evaluation_summary: str = "none"
     metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9465")
+    #: Which tasks wait for the data steward's approval (``policy.approval`` and its rules).
+    approval: ApprovalPolicy = ApprovalPolicy()
 
     @property
     def advertised_kinds(self) -> tuple[str, ...]:
@@ -348,6 +359,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [policy] {exc}") from None
+    approval = _approval_policy(policy, known)
     policy.check_unknown()
 
     logging_section = root.section("logging")
@@ -377,7 +389,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
         keepalive_s=keepalive_s, log_format=log_format, evaluation_summary=summary,
-        metrics=metrics,
+        metrics=metrics, approval=approval,
     )
 
 
@@ -398,3 +410,28 @@ def _analyst_budgets(section: Section, total: BudgetPolicy) -> dict[str, float]:
         caps[name] = cap
     section.check_unknown()
     return caps
+
+
+def _approval_policy(policy: Section, known_kinds: list[str]) -> ApprovalPolicy:
+    """Read ``policy.approval`` and its ``[policy.approval_kinds]`` / ``[..._analysts]`` rules."""
+    default = check_mode(policy.string("approval", "auto"), f"{policy.source}: policy.approval")
+    kinds_section = policy.section("approval_kinds")
+    kinds = {}
+    for kind in list(kinds_section.data):
+        where = f"{policy.source}: policy.approval_kinds.{kind}"
+        if kind not in (*known_kinds, SECURE_TASK_KIND):
+            raise ConfigError(f"{where}: unknown task kind {kind!r}; known: "
+                              f"{[*known_kinds, SECURE_TASK_KIND]}")
+        kinds[kind] = check_mode(kinds_section.get(kind), where)
+    kinds_section.check_unknown()
+    analysts_section = policy.section("approval_analysts")
+    analysts = {}
+    for name in list(analysts_section.data):
+        where = f"{policy.source}: policy.approval_analysts.{name}"
+        try:
+            check_principal_id(name, "analyst")
+        except ValidationError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        analysts[name] = check_mode(analysts_section.get(name), where)
+    analysts_section.check_unknown()
+    return ApprovalPolicy(default, kinds, analysts)

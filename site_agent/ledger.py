@@ -443,6 +443,14 @@ class Ledger:
             _rollback_quietly(conn)  # an exception (e.g. from release()) undoes the charge
             conn.close()
 
+    def connection(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """Return a configured connection to the file, closed (and rolled back) on exit.
+
+        For tables kept in the ledger's file beside its own (the approval queue,
+        :mod:`dpfed.site_agent.approvals`); the caller issues its own ``BEGIN``/``COMMIT``.
+        """
+        return self._connection()
+
     def connection_pragmas(self) -> dict[str, Any]:
         """Return the pragmas of a connection opened the way every ledger call opens one.
 

@@ -45,6 +45,8 @@ class SiteStatus(StrEnum):
     TIMEOUT = "timeout"
     DISCONNECTED = "disconnected"
     ERROR = "error"
+    #: The site holds the task until its data steward approves it (the round is still open).
+    AWAITING_APPROVAL = "awaiting_approval"
 
 
 class RefusalCode(StrEnum):
@@ -62,6 +64,12 @@ class RefusalCode(StrEnum):
     INTERNAL = "internal"
     #: The coordinator cancelled the task's job before the task started (nothing charged).
     CANCELLED = "cancelled"
+    #: The site's policy needs its data steward's approval of the job, not given yet: the
+    #: site holds the request (nothing computed, nothing charged) and the coordinator resends
+    #: the task until the steward decides or the task's deadline passes.
+    AWAITING_APPROVAL = "awaiting_approval"
+    #: The site's data steward denied the job (nothing computed, nothing charged).
+    DENIED = "denied"
     #: A code this version does not know (a newer site's): still a refusal, counted apart.
     OTHER = "other"
 
