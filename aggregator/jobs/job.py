@@ -351,7 +351,7 @@ class Job(Generic[P]):
                 f"this job needs min_sites={min_sites}" + (f". {refused}" if refused else ""))
         task = Task(f"{self.job_id}/{outgoing.round_name}", self.job_id, outgoing.kind,
                     outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
-                    dict(outgoing.arrays), self.analyst_id)
+                    dict(outgoing.arrays), self.analyst_id, self.spec.study)
         payload = task_to_bytes(task)
         started, deadline = time.monotonic(), time.time() + self.deadline_s
         lo, hi = progress

@@ -113,6 +113,10 @@ class Task:
     #: Not part of :meth:`digest`: it does not change the release, and a task resent after an
     #: upgrade keeps its digest. A replay keeps the attribution of the first charge.
     analyst_id: str = ""
+    #: The study the job was submitted under ("" = none); the site charges that study's
+    #: budget too. Not part of :meth:`digest`, like ``analyst_id``: a job without a study
+    #: sends the same task as before studies existed, so existing ledgers replay it.
+    study: str = ""
 
     def digest(self) -> str:
         """SHA-256 over everything that determines the release (not the task id)."""
@@ -192,6 +196,8 @@ class JobSpec:
     min_sites: int = 0
     deadline_seconds: float = 0.0
     sites: tuple[str, ...] = ()
+    #: The study the job spends from at every site ("" = none; site.toml ``[studies.NAME]``).
+    study: str = ""
 
 
 @dataclass(frozen=True)
