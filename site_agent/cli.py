@@ -212,7 +212,8 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
         credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
                                                role="site")
     prepared = _prepare(config)
-    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
+    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets,
+                    studies=config.studies)
     handlers, allowed_kinds = _handlers(config)
     runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
@@ -519,7 +520,7 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
 
     from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
 
-    ledger = Ledger(config.ledger_path, config.budget)
+    ledger = Ledger(config.ledger_path, config.budget, studies=config.studies)
     try:
         if as_json:
             print(json.dumps(ledger_as_json(ledger), indent=2))

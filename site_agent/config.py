@@ -42,6 +42,10 @@ Example (paths are relative to the file)::
     [budget.analysts]           # optional: the most epsilon each analyst may spend here
     alice = 2.0                 # (same accountant and delta as the total; ids as certified)
 
+    [studies.diabetes-2027]     # optional: a study's own cap (jobs run with --study NAME)
+    epsilon = 3.0               # within budget.epsilon; same accountant and delta
+    expires = 2027-06-30        # the last day (UTC) its jobs may spend
+
     [policy]
     allowed_jobs = ["pca"]
     max_epsilon_per_task = 2.0
@@ -73,6 +77,7 @@ The site's identity is the id in its certificate; it is deliberately not a confi
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -97,6 +102,7 @@ from dpfed.common.transport.grpc_options import (
 from dpfed.common.transport.identity import check_principal_id
 from dpfed.common.validation import MIN_DELTA
 from dpfed.site_agent.approvals import ApprovalPolicy, check_mode
+from dpfed.site_agent.ledger import StudyBudget
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +206,8 @@ class SiteConfig:
     #: ``policy.evaluation_summary``: "dp" releases DP summaries of synth evaluations.
     evaluation_summary: str = "none"
     metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9465")
+    #: The studies this site holds budgets for (``[studies.NAME]``).
+    studies: dict[str, StudyBudget] = field(default_factory=dict)
     #: Which tasks wait for the data steward's approval (``policy.approval`` and its rules).
     approval: ApprovalPolicy = ApprovalPolicy()
 
@@ -333,6 +341,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: {exc}") from None
     analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
+    studies = _studies(root.section("studies"), budget_policy)
     # The task kinds of the registered job kinds; the opt-in ones (``synth_rows``: one noisy
     # release per real row) only when listed.
     allowed = policy.str_list("allowed_jobs", list(default_task_kinds()))
@@ -389,7 +398,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
         keepalive_s=keepalive_s, log_format=log_format, evaluation_summary=summary,
-        metrics=metrics, approval=approval,
+        metrics=metrics, approval=approval, studies=studies,
     )
 
 
@@ -435,3 +444,33 @@ def _approval_policy(policy: Section, known_kinds: list[str]) -> ApprovalPolicy:
         analysts[name] = check_mode(analysts_section.get(name), where)
     analysts_section.check_unknown()
     return ApprovalPolicy(default, kinds, analysts)
+
+
+def _studies(section: Section, total: BudgetPolicy) -> dict[str, StudyBudget]:
+    """Read ``[studies.NAME]``: each study's epsilon cap and its last day (``expires``)."""
+    studies: dict[str, StudyBudget] = {}
+    for name in list(section.data):
+        where = f"{section.source}: studies.{name}"
+        try:
+            check_principal_id(name, "study")
+        except ValidationError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        study = section.section(name)
+        cap = study.number("epsilon", required=True, positive=True)
+        assert cap is not None
+        if cap > total.epsilon:
+            raise ConfigError(f"{where}.epsilon = {cap:g} exceeds budget.epsilon = "
+                              f"{total.epsilon:g}; a study's cap cannot be larger than the whole")
+        raw = study.get("expires", required=True)
+        if isinstance(raw, datetime.datetime) or not isinstance(raw, datetime.date | str):
+            raise ConfigError(f"{where}.expires must be a date (2027-06-30 or \"2027-06-30\"), "
+                              f"got {raw!r}")
+        try:
+            expires = raw if isinstance(raw, datetime.date) else datetime.date.fromisoformat(raw)
+        except ValueError:
+            raise ConfigError(f"{where}.expires must be a date (2027-06-30 or "
+                              f"\"2027-06-30\"), got {raw!r}") from None
+        study.check_unknown()
+        studies[name] = StudyBudget(cap, expires)
+    section.check_unknown()
+    return studies

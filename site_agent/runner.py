@@ -171,6 +171,9 @@ class TaskRunner:
         if deadline_unix is not None and time.time() > deadline_unix:
             return Refusal(task.task_id, RefusalCode.DEADLINE,
                            "the task's deadline passed before it started")
+        # A study the site does not hold, or one that expired, is refused before anything is
+        # read (its cap is checked with the charge, in the ledger's transaction).
+        self.ledger.check_study(task.study)
         if self.approvals is not None and self.approval.manual(task.kind, task.analyst_id):
             held = self.approvals.gate(task, deadline_unix)
             if held is not None:
@@ -187,7 +190,7 @@ class TaskRunner:
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
                 cost=charge.cost, release=lambda: _as_bytes(release.produce(rng)),
-                analyst=task.analyst_id, deadline_unix=deadline_unix)
+                analyst=task.analyst_id, study=task.study, deadline_unix=deadline_unix)
             log.info("%s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
                      "replayed" if outcome.replayed else "charged", charge.cost.epsilon,
                      charge.cost.delta, len(outcome.result))

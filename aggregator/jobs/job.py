@@ -251,7 +251,8 @@ class Job(Generic[P]):
         """Check one site against ``plan``; leave it out (recorded, refused) if it fails."""
         self._admitted.add(s.site_id)
         found = exclusion(s.hello, self.kind.name, plan, sums=self.kind.sums,
-                          accountant=self._accountant, whole_budget=not self.resumed)
+                          accountant=self._accountant, whole_budget=not self.resumed,
+                          study=self.spec.study)
         if found is not None:
             self._left_out.add(s.site_id)
             self.outcomes[s.site_id] = SiteOutcome(s.site_id, SiteStatus.REFUSED, found.reason,
