@@ -46,6 +46,7 @@ _SCHEMA: tuple[str, ...] = (
         job_id         TEXT    NOT NULL UNIQUE
                                CHECK (length(job_id) BETWEEN 1 AND {MAX_ID_LENGTH}),
         analyst        TEXT    NOT NULL,
+        study          TEXT    NOT NULL,
         task_id        TEXT    NOT NULL,
         kind           TEXT    NOT NULL,
         epsilon        REAL    NOT NULL,
@@ -71,7 +72,7 @@ _SCHEMA: tuple[str, ...] = (
         ON approval_requests BEGIN SELECT RAISE(ABORT, 'approval requests are kept'); END""",
 )
 
-_COLUMNS = ("r.id, r.job_id, r.analyst, r.task_id, r.kind, r.epsilon, r.delta, r.params, "
+_COLUMNS = ("r.id, r.job_id, r.analyst, r.study, r.task_id, r.kind, r.epsilon, r.delta, r.params, "
             "r.arrays, r.payload_digest, r.deadline_unix, r.created_at, d.decision, d.reason, "
             "d.decided_by, d.decided_at")
 _FROM = "approval_requests r LEFT JOIN approval_decisions d ON d.request_id = r.id"
@@ -125,6 +126,7 @@ class ApprovalRequest:
     id: int
     job_id: str
     analyst: str
+    study: str
     task_id: str
     kind: str
     epsilon: float
@@ -152,8 +154,9 @@ class ApprovalRequest:
     def as_json(self) -> dict[str, Any]:
         """Return a JSON-ready view (``dpfed-site approvals --json``)."""
         return {"id": self.id, "job_id": self.job_id, "analyst": self.analyst,
-                "task_id": self.task_id, "kind": self.kind, "epsilon": self.epsilon,
-                "delta": self.delta, "params": self.params, "arrays": self.arrays,
+                "study": self.study, "task_id": self.task_id, "kind": self.kind,
+                "epsilon": self.epsilon, "delta": self.delta, "params": self.params,
+                "arrays": self.arrays,
                 "deadline": _iso(self.deadline_unix), "created_at": self.created_at,
                 "state": self.decision or "pending", "reason": self.reason,
                 "decided_by": self.decided_by, "decided_at": self.decided_at}
@@ -192,12 +195,12 @@ class ApprovalQueue:
                                    "data steward's approval; it takes no more until they are "
                                    "decided")
                 conn.execute(
-                    "INSERT INTO approval_requests (job_id, analyst, task_id, kind, epsilon, "
-                    "delta, params, arrays, payload_digest, deadline_unix, created_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, task.analyst_id, task.task_id, task.kind, float(task.epsilon),
-                     float(task.delta), _params_text(task.params), _arrays_text(task),
-                     task.digest(), deadline_unix, _utc_now()))
+                    "INSERT INTO approval_requests (job_id, analyst, study, task_id, kind, "
+                    "epsilon, delta, params, arrays, payload_digest, deadline_unix, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, task.analyst_id, task.study, task.task_id, task.kind,
+                     float(task.epsilon), float(task.delta), _params_text(task.params),
+                     _arrays_text(task), task.digest(), deadline_unix, _utc_now()))
                 conn.execute("COMMIT")
                 request = _select(conn, "WHERE r.job_id = ?", (job_id,))[0]
                 log.info("[ApprovalQueue.gate] job %s (analyst %s, %s) waits for approval: "
@@ -205,10 +208,10 @@ class ApprovalQueue:
             else:
                 conn.execute("COMMIT")
                 request = found[0]
-        if request.analyst != task.analyst_id:
+        if (request.analyst, request.study) != (task.analyst_id, task.study):
             return Refusal(task.task_id, RefusalCode.NOT_ALLOWED,
                            f"approval request {request.id} of job {job_id!r} is for another "
-                           "analyst; this task cannot use it")
+                           "analyst or study; this task cannot use it")
         if request.decision == APPROVED:
             return None
         if request.decision == DENIED:
@@ -295,6 +298,7 @@ def format_requests(requests: list[ApprovalRequest], spent: Mapping[str, float])
         lines = [f"request {r.id}: {state}",
                  f"  job       {r.job_id}",
                  f"  analyst   {r.analyst or '(not attributed)'}",
+                 f"  study     {r.study or '(none)'}",
                  f"  kind      {r.kind} (first task {r.task_id})",
                  f"  cost      epsilon {r.epsilon:g}, delta {r.delta:g} for this task; each "
                  "later round of the job is charged when it runs",
@@ -314,9 +318,9 @@ def format_requests(requests: list[ApprovalRequest], spent: Mapping[str, float])
 def _select(conn: sqlite3.Connection, where: str,
             args: tuple[Any, ...]) -> list[ApprovalRequest]:
     rows = conn.execute(f"SELECT {_COLUMNS} FROM {_FROM} {where} ORDER BY r.id", args).fetchall()
-    return [ApprovalRequest(int(r[0]), r[1], r[2], r[3], r[4], float(r[5]), float(r[6]), r[7],
-                            r[8], r[9], None if r[10] is None else float(r[10]), r[11],
-                            r[12] or "", r[13] or "", r[14] or "", r[15] or "") for r in rows]
+    return [ApprovalRequest(int(r[0]), r[1], r[2], r[3], r[4], r[5], float(r[6]), float(r[7]),
+                            r[8], r[9], r[10], None if r[11] is None else float(r[11]), r[12],
+                            r[13] or "", r[14] or "", r[15] or "", r[16] or "") for r in rows]
 
 
 def _check_job_id(job_id: object) -> str:

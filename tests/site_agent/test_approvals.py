@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterator
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from dpfed.common.transport.protocol import Refusal, RefusalCode, Task
 from dpfed.site_agent import approvals
 from dpfed.site_agent.approvals import ApprovalPolicy, ApprovalQueue
 from dpfed.site_agent.config import load_site_config
-from dpfed.site_agent.ledger import Ledger
+from dpfed.site_agent.ledger import Ledger, StudyBudget
 from dpfed.site_agent.runner import TaskRunner
 from tests.common.test_config import SITE, write
 from tests.support.schemas import AGE_BMI as SCHEMA
@@ -52,7 +53,8 @@ def data(tmp_path: Path) -> CountingData:
 
 
 def runner(tmp_path: Path, data: CountingData, policy: ApprovalPolicy) -> TaskRunner:
-    ledger = Ledger(tmp_path / "ledger.sqlite", BudgetPolicy(5.0, 1e-4, accountant="basic"))
+    ledger = Ledger(tmp_path / "ledger.sqlite", BudgetPolicy(5.0, 1e-4, accountant="basic"),
+                    studies={"trial": StudyBudget(5.0, date(2099, 12, 31))})
     return TaskRunner(data, ledger, ("pca", "svt"), approval=policy)
 
 
@@ -105,13 +107,17 @@ def test_denied_refuses_with_the_reason_and_charges_nothing(tmp_path: Path,
     assert data.passes == 0 and r.ledger.events() == []
 
 
-def test_another_analyst_cannot_ride_on_an_approval(tmp_path: Path, data: CountingData) -> None:
+def test_another_analyst_or_study_cannot_ride_on_an_approval(tmp_path: Path,
+                                                              data: CountingData) -> None:
     r = runner(tmp_path, data, ApprovalPolicy("manual"))
     r.run(task())
     assert r.approvals is not None
     r.approvals.decide(1, "approved")
     other = r.run(Task("job-1/pca-b", "job-1", "pca", 1.0, 1e-5, ONE_ROUND, analyst_id="bob"))
     assert isinstance(other, Refusal) and other.code is RefusalCode.NOT_ALLOWED
+    elsewhere = r.run(Task("job-1/pca-c", "job-1", "pca", 1.0, 1e-5, ONE_ROUND,
+                           analyst_id="alice", study="trial"))
+    assert isinstance(elsewhere, Refusal) and elsewhere.code is RefusalCode.NOT_ALLOWED
     assert r.ledger.events() == []
 
 
