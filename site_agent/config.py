@@ -437,10 +437,7 @@ def _approval_policy(policy: Section, known_kinds: list[str]) -> ApprovalPolicy:
     analysts = {}
     for name in list(analysts_section.data):
         where = f"{policy.source}: policy.approval_analysts.{name}"
-        try:
-            check_principal_id(name, "analyst")
-        except ValidationError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        _check_id_key(name, "analyst", where)
         analysts[name] = check_mode(analysts_section.get(name), where)
     analysts_section.check_unknown()
     return ApprovalPolicy(default, kinds, analysts)
@@ -451,10 +448,7 @@ def _studies(section: Section, total: BudgetPolicy) -> dict[str, StudyBudget]:
     studies: dict[str, StudyBudget] = {}
     for name in list(section.data):
         where = f"{section.source}: studies.{name}"
-        try:
-            check_principal_id(name, "study")
-        except ValidationError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        _check_id_key(name, "study", where)
         study = section.section(name)
         cap = study.number("epsilon", required=True, positive=True)
         assert cap is not None
@@ -474,3 +468,11 @@ def _studies(section: Section, total: BudgetPolicy) -> dict[str, StudyBudget]:
         studies[name] = StudyBudget(cap, expires)
     section.check_unknown()
     return studies
+
+
+def _check_id_key(name: str, role: str, where: str) -> None:
+    """Raise ConfigError at ``where`` unless the key ``name`` is a valid ``role`` id."""
+    try:
+        check_principal_id(name, role)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None

@@ -181,33 +181,28 @@ _REQUIRED_TABLES = frozenset({_SCHEMA_TABLE, _EVENTS_TABLE, _REFUSALS_TABLE})
 # of ledger_events (and SCHEMA_VERSION) is unchanged; rows are written in the same
 # transaction as their event and are append-only like it.
 _ANALYSTS_TABLE = "ledger_task_analysts"
-_ANALYST_SCHEMA: tuple[str, ...] = (
-    f"""CREATE TABLE IF NOT EXISTS {_ANALYSTS_TABLE} (
-        task_id TEXT PRIMARY KEY NOT NULL REFERENCES {_EVENTS_TABLE}(task_id),
-        analyst TEXT NOT NULL CHECK (length(analyst) BETWEEN 1 AND {MAX_ID_LENGTH})
-    )""",
-    f"""CREATE INDEX IF NOT EXISTS ledger_task_analysts_by_analyst
-        ON {_ANALYSTS_TABLE}(analyst)""",
-    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_analysts_no_update BEFORE UPDATE
-        ON {_ANALYSTS_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
-    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_analysts_no_delete BEFORE DELETE
-        ON {_ANALYSTS_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
-)
-
-# The study each charged task was submitted under (``[studies.NAME]`` of site.toml): like the
-# analysts table, added to older files when opened, written with the event, append-only.
+# The study each charged task was submitted under (``[studies.NAME]`` of site.toml), kept
+# the same way.
 _STUDIES_TABLE = "ledger_task_studies"
-_STUDY_SCHEMA: tuple[str, ...] = (
-    f"""CREATE TABLE IF NOT EXISTS {_STUDIES_TABLE} (
-        task_id TEXT PRIMARY KEY NOT NULL REFERENCES {_EVENTS_TABLE}(task_id),
-        study   TEXT NOT NULL CHECK (length(study) BETWEEN 1 AND {MAX_ID_LENGTH})
-    )""",
-    f"""CREATE INDEX IF NOT EXISTS ledger_task_studies_by_study ON {_STUDIES_TABLE}(study)""",
-    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_studies_no_update BEFORE UPDATE
-        ON {_STUDIES_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
-    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_studies_no_delete BEFORE DELETE
-        ON {_STUDIES_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
-)
+
+
+def _task_tag_schema(table: str, column: str) -> tuple[str, ...]:
+    """Return the DDL of an append-only table tagging charged tasks with ``column``."""
+    return (
+        f"""CREATE TABLE IF NOT EXISTS {table} (
+            task_id TEXT PRIMARY KEY NOT NULL REFERENCES {_EVENTS_TABLE}(task_id),
+            {column} TEXT NOT NULL CHECK (length({column}) BETWEEN 1 AND {MAX_ID_LENGTH})
+        )""",
+        f"CREATE INDEX IF NOT EXISTS {table}_by_{column} ON {table}({column})",
+        f"""CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE
+            ON {table} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+        f"""CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE
+            ON {table} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+    )
+
+
+_TAG_SCHEMA = (*_task_tag_schema(_ANALYSTS_TABLE, "analyst"),
+               *_task_tag_schema(_STUDIES_TABLE, "study"))
 
 _EVENT_COLUMNS = ("seq, task_id, job_id, kind, mechanism, epsilon, delta, rho, sensitivity, "
                   "noise_scale, payload_digest, result_digest, length(result), created_at")
@@ -567,7 +562,7 @@ class Ledger:
                     "VALUES (1, ?, ?, ?)", (APPLICATION, SCHEMA_VERSION, _utc_now()))
                 logger.info("[Ledger.open] created ledger %s (schema version %d)",
                             self._path, SCHEMA_VERSION)
-            for statement in (*_ANALYST_SCHEMA, *_STUDY_SCHEMA):  # no-ops when present
+            for statement in _TAG_SCHEMA:  # no-ops when the tables are already there
                 conn.execute(statement)
             conn.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
