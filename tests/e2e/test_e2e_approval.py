@@ -41,7 +41,7 @@ ONE_ROUND = {"n_components": 2, "calibration": "analytic", "centering": "none",
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path_factory.mktemp("approval") / "fed", n_sites=2, rows=600, features=4, seed=5,
-        min_sites=2, task_deadline_s=120, settings=roomy_settings())
+        min_sites=2, task_deadline_s=300, settings=roomy_settings())
     config = federation.site_config(HELD)
     config.write_text(config.read_text().replace("[policy]\n",
                                                  "[policy]\napproval = \"manual\"\n"))

@@ -36,7 +36,7 @@ STUDIES = ("\n[studies.trial]\nepsilon = 1.5\nexpires = 2099-12-31\n"
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
         tmp_path_factory.mktemp("studies") / "fed", n_sites=2, rows=600, features=4, seed=7,
-        min_sites=2, task_deadline_s=60, settings=roomy_settings(budget_epsilon=10.0,
+        min_sites=2, task_deadline_s=120, settings=roomy_settings(budget_epsilon=10.0,
                                                                  accountant="basic"))
     for site_id in SITES:
         config = federation.site_config(site_id)
