@@ -12,6 +12,7 @@ import json
 from typing import TYPE_CHECKING
 
 from dpfed.common import exit_codes
+from dpfed.common.errors import NotFoundError
 
 if TYPE_CHECKING:
     from dpfed.site_agent.config import SiteConfig
@@ -45,6 +46,9 @@ def approval_command(config: SiteConfig, args: argparse.Namespace) -> int:
     from dpfed.site_agent.ledger import Ledger
 
     if not config.ledger_path.exists():
+        if args.command != "approvals":
+            raise NotFoundError(f"no approval request {args.id} at this site: there is no "
+                                f"ledger at {config.ledger_path} yet")
         print(f"no ledger at {config.ledger_path} yet: no job has reached this site")
         return exit_codes.OK
     ledger = Ledger(config.ledger_path, config.budget)
