@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Protocol
 
 from dpfed.common.errors import ValidationError
@@ -75,16 +76,22 @@ def secure_policy(site: SiteView) -> SecureAggregationPolicy:
 
 def exclusion(site: SiteView, kind: str, plan: Sequence[PlannedRound], *, sums: bool,
               accountant: tuple[str, str] | None = None,
-              whole_budget: bool = True) -> Exclusion | None:
+              whole_budget: bool = True, study: str = "") -> Exclusion | None:
     """Return why ``site`` cannot take part in every round of a ``kind`` job, or None.
 
     ``sums``: the kind has a secure mode (a site whose policy requires secure aggregation
     refuses its site-level releases). ``accountant`` = (name, why): the job needs sites whose
     ledger uses that accountant. ``whole_budget``: check that the remaining budget covers the
     charged rounds together (a job with one charged round leaves that to the site's ledger,
-    which refuses it without spending anything).
+    which refuses it without spending anything). ``study``: the job spends from that study's
+    budget, which the site must report (a site that does not could not enforce its cap), not
+    expired, with room for the charged rounds together.
     """
     budget = site.budget
+    if study and budget is not None:
+        found_study = _study_exclusion(budget, study, plan, whole_budget)
+        if found_study is not None:
+            return found_study
     if accountant is not None:
         name, why = accountant
         if budget is None or budget.accountant != name:
@@ -127,6 +134,23 @@ def _round_exclusion(site: SiteView, kind: str, r: PlannedRound,
         return _excluded(RefusalCode.BUDGET_EXCEEDED,
                          f"round {r.name!r} asks epsilon={r.epsilon:g}; the site's policy "
                          f"allows at most {cap:g} per task")
+    return None
+
+
+def _study_exclusion(budget: BudgetStatus, study: str, plan: Sequence[PlannedRound],
+                     whole_budget: bool) -> Exclusion | None:
+    held = next((s for s in budget.studies if s.name == study), None)
+    if held is None:
+        return _excluded(RefusalCode.NOT_ALLOWED,
+                         f"the site holds no budget for study {study!r}")
+    if held.expires < datetime.now(UTC).date().isoformat():
+        return _excluded(RefusalCode.BUDGET_EXCEEDED,
+                         f"study {study!r} expired at the site on {held.expires}")
+    charged = [r for r in plan if r.charged and not r.optional]
+    found = (_budget_exclusion(held.status, charged) if whole_budget and len(charged) > 1
+             else None)
+    if found is not None:
+        return _excluded(found.code, f"study {study!r}: {found.reason.partition(': ')[2]}")
     return None
 
 
