@@ -34,6 +34,7 @@ from dpfed.common.data.encoding import EncodedTable, output_values
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
+from dpfed.common.synth.column_cells import check_resolution
 from dpfed.common.synth.generative import (
     CHUNK_ROWS,
     FactorModel,
@@ -120,7 +121,8 @@ class SynthModel:
     continuous_link : {"quantile", "identity"}
     n_bins : int
     proportions : ndarray
-        The released DP proportions, one block per column (the DP marginals).
+        The released DP proportions, one block per column (the DP marginals), on the
+        columns' link cells (:mod:`dpfed.common.synth.column_cells`).
     decode_proportions : ndarray
         The calibrated proportions the decoding links use (post-processing).
     factor_model : FactorModel
@@ -137,6 +139,9 @@ class SynthModel:
         Generative mode with DP pair tables: the correction applied to every generated
         chunk (:mod:`dpfed.common.synth.pair_marginals`); its grid's ``max_groups`` is
         stored as ``pair_groups`` in the metadata.
+    resolution : {"fine", "bins"}
+        The continuous columns' cells (the job's ``resolution``; model files written before
+        it existed are "bins").
     """
 
     schema: Schema
@@ -151,6 +156,7 @@ class SynthModel:
     factors: np.ndarray | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     pair_correction: PairCorrection | None = None
+    resolution: str = "bins"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -158,24 +164,27 @@ class SynthModel:
               proportions: np.ndarray, factor_model: FactorModel, dp_correlation: np.ndarray,
               rng: np.random.Generator, latent_correlation: np.ndarray | None = None,
               factors: np.ndarray | None = None,
-              metadata: Mapping[str, Any] | None = None) -> SynthModel:
+              metadata: Mapping[str, Any] | None = None,
+              resolution: str = "bins") -> SynthModel:
         """Assemble a model and run the final per-column calibration (post-processing).
 
         :func:`dpfed.common.synth.pipeline.calibrated_links`: generative mode calibrates on
         simulated latent rows, row-aligned mode on the reconstructed latent rows themselves.
         """
-        links = links_from_proportions(schema, proportions, n_bins, continuous_link)
+        links = links_from_proportions(schema, proportions, n_bins, continuous_link,
+                                       resolution)
         _, calibrated = calibrated_links(links, factor_model, rng, factors)
-        blocks = split_proportions(proportions, schema, n_bins)
+        blocks = split_proportions(proportions, schema, n_bins, resolution)
         decode = np.concatenate([blocks[c.name] if p is None else p
                                  for c, p in zip(schema.columns, calibrated, strict=True)])
         return cls(schema, mode, continuous_link, n_bins, np.asarray(proportions),
                    decode, factor_model, dp_correlation, latent_correlation, factors,
-                   dict(metadata or {}))
+                   dict(metadata or {}), None, check_resolution(resolution))
 
     def pair_grid(self, max_groups: int) -> PairGrid:
         """Return the pair tables' cells for this model's DP proportions (post-processing)."""
-        return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups)
+        return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups,
+                                         self.resolution)
 
     def with_pairs(self, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
                    rng: np.random.Generator, *, noise_sd: float = 0.0) -> SynthModel:
@@ -205,13 +214,13 @@ class SynthModel:
     def links(self) -> LatentLinks:
         """The links fitted from the DP proportions."""
         return links_from_proportions(self.schema, self.proportions, self.n_bins,
-                                      self.continuous_link)
+                                      self.continuous_link, self.resolution)
 
     @property
     def decode_links(self) -> LatentLinks:
         """The calibrated links used to decode synthetic latent rows."""
         return links_from_proportions(self.schema, self.decode_proportions, self.n_bins,
-                                      self.continuous_link)
+                                      self.continuous_link, self.resolution)
 
     @property
     def n_rows_fixed(self) -> int | None:
@@ -319,9 +328,12 @@ class SynthModel:
 
     def file_metadata(self) -> dict[str, Any]:
         """Return the model's JSON metadata as stored in the result file."""
-        return {**self.metadata, "format": MODEL_FORMAT, "mode": self.mode,
-                "continuous_link": self.continuous_link, "n_bins": self.n_bins,
-                "residual": self.factor_model.residual, "schema_toml": self.schema.to_toml()}
+        out = {**self.metadata, "format": MODEL_FORMAT, "mode": self.mode,
+               "continuous_link": self.continuous_link, "n_bins": self.n_bins,
+               "residual": self.factor_model.residual, "schema_toml": self.schema.to_toml()}
+        if self.resolution != "bins":  # absent: files written before the key existed
+            out["resolution"] = self.resolution
+        return out
 
     def to_bytes(self) -> bytes:
         """Serialize (a result file)."""
@@ -354,7 +366,8 @@ class SynthModel:
                         arrays.get("latent_correlation"), arrays.get("factors"),
                         {k: v for k, v in metadata.items()
                          if k not in ("format", "mode", "continuous_link", "n_bins",
-                                      "residual", "schema_toml")})
+                                      "residual", "schema_toml", "resolution")},
+                        None, check_resolution(metadata.get("resolution", "bins")))
         except KeyError as exc:
             raise ValidationError(f"model file lacks {exc}") from None
         if "pair_edges" in arrays:

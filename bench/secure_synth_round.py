@@ -48,6 +48,7 @@ from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
     histogram_sizes,
     links_digest,
+    release_noise_sd,
     secure_link_row_norm,
     secure_pooled_counts,
 )
@@ -123,7 +124,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
                eps: float, delta: float, rng: np.random.Generator, *, n_bins: int,
                split: Mapping[str, tuple[float, float]] | tuple[float, float] | None = None,
                pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS,
-               composition: str = "basic") -> SynthModel:
+               composition: str = "basic", resolution: str = "fine") -> SynthModel:
     """The job's secure rounds (sites' real sources), then the job's post-processing.
 
     ``split`` maps round names to (epsilon share, delta share) as the job's ``split``
@@ -133,11 +134,13 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     pair rounds, ``pair_scores`` and ``pairs`` are secure sums too (the sites'
     ``synth_pair_scores`` and ``synth_pairs`` sources) and the model is fitted to the decoded
     tables with their public Skellam noise, as :mod:`dpfed.aggregator.jobs.synth_pairs` does.
-    ``composition`` is the job's (``zcdp``: every round its share of rho).
+    ``composition`` is the job's (``zcdp``: every round its share of rho), and so is
+    ``resolution`` (the continuous columns' cells).
     """
     dim = latent_dim(schema)
     raw: dict[str, object] = {"n_bins": n_bins, "aggregation": "secure",
-                              "pair_groups": pair_groups, "composition": composition}
+                              "pair_groups": pair_groups, "composition": composition,
+                              "resolution": resolution}
     if isinstance(split, Mapping):
         raw["split"] = {k: [float(v[0]), float(v[1])] for k, v in split.items()}
     elif split is not None:
@@ -149,15 +152,19 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     budget = {name: (e, d) for name, e, d in params.plan(eps, delta)}
     base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
     sites = [SiteRows(schema, t) for t in tables]
-    weighted, n, _ = secure_round(
+    weighted, n, links_plan = secure_round(
         synth_counts_contribution, "weighted_counts", base, {}, sites, ids, fed,
-        *budget["links"], dim=sum(histogram_sizes(schema, n_bins)),
-        row_norm=secure_link_row_norm(schema, n_bins), rng=rng,
+        *budget["links"], dim=sum(histogram_sizes(schema, n_bins, resolution)),
+        row_norm=secure_link_row_norm(schema, n_bins, resolution), rng=rng,
         rho=rho_share(params, *budget["links"]))
-    counts = secure_pooled_counts(weighted, schema, n_bins)  # as the job's secure_links
+    # as the job's secure_links and its links step
+    counts = secure_pooled_counts(weighted, schema, n_bins, resolution)
+    noise = release_noise_sd(schema, n_bins, math.sqrt(links_plan.pooled_variance), resolution,
+                             secure=True)
     props, links = links_from_histograms(counts, schema, n_bins, n_rows=n,
-                                         continuous_link=params.continuous_link)
-    digest = links_digest(schema, props, n_bins, params.continuous_link)
+                                         continuous_link=params.continuous_link,
+                                         resolution=resolution, noise_sd=noise)
+    digest = links_digest(schema, props, n_bins, params.continuous_link, resolution)
     arrays = {"link_proportions": props}
     upper, n, _ = secure_round(synth_latent_contribution, "gram",
                                {**base, "links_digest": digest}, arrays, sites, ids, fed,
@@ -171,7 +178,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
                              continuous_link=params.continuous_link, n_bins=n_bins,
                              proportions=props, factor_model=fm,
                              dp_correlation=_correlation(dp_second_moment(est, dim)), rng=rng,
-                             latent_correlation=corr)
+                             latent_correlation=corr, resolution=resolution)
     planned = plan_pairs(schema, params, props)  # the job's: None without pair rounds
     if planned is None:
         return model

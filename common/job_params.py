@@ -249,6 +249,13 @@ class SynthParams:
     pair_groups : int
         Most groups an ordinal or continuous column's cells are merged into in a pair table
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
+    resolution : {"fine", "bins"}
+        The cells of the continuous columns' 1-way releases and links
+        (:mod:`dpfed.common.synth.column_cells`): ``fine`` -- whole numbers for small integer
+        columns, else the bounds as point cells, ``n_bins`` bins and leaves inside them, with
+        the estimate of :mod:`dpfed.common.synth.marginal_estimate` -- is what new jobs get
+        (:meth:`with_defaults`); ``bins`` (``n_bins`` equal-width bins only) is what a stored
+        job without the key means, so jobs made before it resume unchanged.
     composition : {"basic", "zcdp"}
         How the split turns into each round's calibration
         (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
@@ -273,6 +280,16 @@ class SynthParams:
     pairs: int | None = None
     pair_groups: int = DEFAULT_GROUPS
     composition: str = "basic"
+    resolution: str = "bins"
+
+    @staticmethod
+    def with_defaults(params: Mapping[str, Any]) -> dict[str, Any]:
+        """Return a new job's parameters with the defaults of new jobs filled in.
+
+        ``resolution`` defaults to "fine" for a job being submitted (a stored job without the
+        key is "bins": :meth:`from_mapping`).
+        """
+        return {"resolution": "fine", **params}
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
@@ -280,7 +297,7 @@ class SynthParams:
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
                           "info_threshold", "calibration", "split", "evaluate_rows",
                           "aggregation", "summary_epsilon", "summary_delta", "pairs",
-                          "pair_groups", "composition"}, "synth")
+                          "pair_groups", "composition", "resolution"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -320,9 +337,11 @@ class SynthParams:
         split = cls._split(mode, raw_split, with_pairs)
         composition = _composition(params.get("composition", "basic"), mode,
                                    calibration)
+        resolution = check_choice(params.get("resolution", "bins"), "--resolution",
+                                  ("fine", "bins"))
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
                    evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups,
-                   composition)
+                   composition, resolution)
 
     @staticmethod
     def _split(mode: str, raw: Any, with_pairs: bool) -> tuple[tuple[str, float, float], ...]:
@@ -422,6 +441,8 @@ class SynthParams:
             out["pair_groups"] = self.pair_groups
         if self.composition != "basic":  # absent by default: older jobs resume unchanged
             out["composition"] = self.composition
+        if self.resolution != "bins":  # absent: jobs made before the key resume unchanged
+            out["resolution"] = self.resolution
         return out
 
 

@@ -78,9 +78,11 @@ from dpfed.common.synth.generative import FactorModel, fit_factor_model
 from dpfed.common.synth.link_release import (
     expected_proportion_error,
     histogram_sizes,
+    link_histogram_mechanism,
     links_digest,
     links_from_proportions,
     proportions_from_histograms,
+    release_noise_sd,
     sum_histograms,
 )
 from dpfed.common.synth.links import default_clip_norm, latent_dim
@@ -116,10 +118,11 @@ def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, 
                            row_counts: list[int]) -> None:
     """Refuse budgets whose histograms would be mostly noise (before anything is charged)."""
     eps, dlt = params.plan(epsilon, delta)[0][1:]
-    pooled = (pooled_counts_sigma(schema, params.n_bins, eps, dlt)
+    pooled = (pooled_counts_sigma(schema, params.n_bins, eps, dlt, params.resolution)
               if params.aggregation == "secure" else None)
     name, err = expected_proportion_error(schema, params.n_bins, epsilon=eps, delta=dlt,
-                                          row_counts=row_counts, pooled_sigma=pooled)
+                                          row_counts=row_counts, pooled_sigma=pooled,
+                                          resolution=params.resolution)
     if err > MAX_PROPORTION_ERROR:
         raise ValidationError(
             f"--epsilon {epsilon:g} / --delta {delta:g} are too small for this schema's cells: "
@@ -175,7 +178,8 @@ class SynthJob(JobType):
         epsilon = check_epsilon(spec.epsilon)
         delta = check_delta(spec.delta)
         check_synth_schema(federation.schema)
-        params = SynthParams.from_mapping(spec.params, latent_dim=latent_dim(federation.schema))
+        params = SynthParams.from_mapping(SynthParams.with_defaults(spec.params),
+                                          latent_dim=latent_dim(federation.schema))
         params.check_privacy(epsilon, delta)
         return params.to_mapping()
 
@@ -199,7 +203,7 @@ class SynthJob(JobType):
                 log.warning("[SynthJob.run] job=%s %s", ctx.job_id, noisy)
         base = {**params.to_mapping(), "schema_digest": schema.digest()}
         secure_base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
-        size = sum(histogram_sizes(schema, params.n_bins))
+        size = sum(histogram_sizes(schema, params.n_bins, params.resolution))
         if secure:
             ctx.refuse_over_budget(rho=rounds_rho(plan))
         if params.composition == "zcdp":
@@ -227,19 +231,29 @@ class SynthJob(JobType):
             order = list(pooled.outcome.plan.participants)
             total = pooled.counts
             pooled_rows = pooled.outcome.n_rows_total
+            noise_sd = release_noise_sd(schema, params.n_bins,
+                                        math.sqrt(pooled.outcome.plan.pooled_variance),
+                                        params.resolution, secure=True)
         else:
             r1 = await ctx.dispatch(self.kind, {**base, "round": "links"}, round_name="links",
                                     epsilon=links_eps, delta=links_delta,
                                     check_result=check_links, progress=(0.05, 0.3))
             order = sorted(r1)
             total = sum_histograms([r1[s].arrays["histograms"] for s in order], schema,
-                                   params.n_bins)
+                                   params.n_bins, params.resolution)
             pooled_rows = sum(int(r1[s].metadata["n_rows"]) for s in order)  # public N_s
+            noise_sd = release_noise_sd(
+                schema, params.n_bins, link_histogram_mechanism(schema, links_eps, links_delta)
+                .sigma * math.sqrt(len(order)), params.resolution)
         proportions = proportions_from_histograms(total, schema, params.n_bins,
-                                                  n_rows=pooled_rows)
-        digest = links_digest(schema, proportions, params.n_bins, params.continuous_link)
+                                                  n_rows=pooled_rows,
+                                                  resolution=params.resolution,
+                                                  noise_sd=noise_sd)
+        digest = links_digest(schema, proportions, params.n_bins, params.continuous_link,
+                              params.resolution)
         links = await asyncio.to_thread(links_from_proportions, schema, proportions,
-                                        params.n_bins, params.continuous_link)
+                                        params.n_bins, params.continuous_link,
+                                        params.resolution)
         ctx.emit("links", f"links built from {len(order)} site(s)' "
                  f"{'secure pooled counts' if secure else 'DP histograms'} "
                  f"(digest {digest[:12]})", 0.32)
@@ -340,7 +354,7 @@ class SynthJob(JobType):
             SynthModel.build, schema, mode=params.mode, continuous_link=params.continuous_link,
             n_bins=params.n_bins, proportions=proportions, factor_model=fm,
             dp_correlation=dp_corr, rng=rng, latent_correlation=corr, factors=factors,
-            metadata=metadata)
+            metadata=metadata, resolution=params.resolution)
         if pair_rounds is not None:
             ctx.emit("pairs", f"fitting the model to {len(pair_rounds.edges)} DP pair "
                      "table(s)", 0.95)

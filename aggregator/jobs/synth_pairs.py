@@ -147,7 +147,8 @@ def plan_pairs(schema: Schema, params: SynthParams, proportions: np.ndarray
     most = params.max_pairs(len(schema.columns))
     if not params.pair_rounds or most == 0:
         return None
-    grid = PairGrid.from_proportions(schema, proportions, params.n_bins, params.pair_groups)
+    grid = PairGrid.from_proportions(schema, proportions, params.n_bins, params.pair_groups,
+                                     params.resolution)
     candidates = grid.candidate_pairs()
     if not candidates:
         log.info("[synth_pairs.plan_pairs] no pair table has at most %d cells; pair rounds "

@@ -89,7 +89,7 @@ def counts_sigma(groups: int, epsilon: float, delta: float) -> float:
 
 
 def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
-                        delta: float) -> np.ndarray:
+                        delta: float, resolution: str = "bins") -> np.ndarray:
     """Return the Skellam noise's standard deviation on each column's pooled counts.
 
     The secure link round sums weighted counts (``m_j`` per row in column ``j``, L2
@@ -97,8 +97,9 @@ def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
     ``j`` by ``m_j``: ``sqrt(mu) / m_j`` (budget checks before anything runs).
     """
     # the weighted_counts plan's sensitivities are those of counts with C = row_norm^2 groups
-    groups = round(secure_link_row_norm(schema, n_bins) ** 2)
-    return np.asarray(counts_sigma(groups, epsilon, delta) / secure_link_weights(schema, n_bins))
+    groups = round(secure_link_row_norm(schema, n_bins, resolution) ** 2)
+    return np.asarray(counts_sigma(groups, epsilon, delta)
+                      / secure_link_weights(schema, n_bins, resolution))
 
 
 def rho_share(params: SynthParams, epsilon: float, delta: float) -> float | None:
@@ -124,14 +125,16 @@ async def secure_links(ctx: JobContext, *, schema: Schema, params: SynthParams,
                        base: dict[str, Any], epsilon: float, delta: float,
                        rho: float | None = None) -> SecureLinks:
     """Round ``links``: the secure sum of every site's exact per-column count vector."""
-    size = sum(histogram_sizes(schema, params.n_bins))
+    size = sum(histogram_sizes(schema, params.n_bins, params.resolution))
     out = await secure_sum(
         ctx, name="links", statistic="weighted_counts", dim=size,
         site_params={"source": "synth_counts", "job": base["job"],
                      "schema_digest": base["schema_digest"]},
-        epsilon=epsilon, delta=delta, row_norm=secure_link_row_norm(schema, params.n_bins),
+        epsilon=epsilon, delta=delta,
+        row_norm=secure_link_row_norm(schema, params.n_bins, params.resolution),
         progress=(0.05, 0.3), require_kind="synth", rho=rho)
-    return SecureLinks(secure_pooled_counts(out.value, schema, params.n_bins), out)
+    return SecureLinks(secure_pooled_counts(out.value, schema, params.n_bins, params.resolution),
+                       out)
 
 
 async def secure_latent_pca(ctx: JobContext, *, schema: Schema, base: dict[str, Any],
@@ -159,7 +162,8 @@ def _pair_grid(schema: Schema, base: dict[str, Any], proportions: np.ndarray,
                pair_groups: int) -> PairGrid:
     """Return the grid every site rebuilds from the same links and ``pair_groups``."""
     params = SynthParams.from_mapping(dict(base["job"]), latent_dim=latent_dim(schema))
-    return PairGrid.from_proportions(schema, proportions, params.n_bins, pair_groups)
+    return PairGrid.from_proportions(schema, proportions, params.n_bins, pair_groups,
+                                     params.resolution)
 
 
 def _pair_site_params(source: str, base: dict[str, Any], digest: str,

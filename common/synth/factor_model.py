@@ -77,6 +77,7 @@ from dpfed.common.privacy.accounting import PrivacyCost, zcdp_to_epsilon
 from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.privacy.rng import resolve_rng
+from dpfed.common.synth.column_cells import check_resolution
 from dpfed.common.synth.generative import (
     FactorModel,
     build_factor_model,
@@ -96,8 +97,10 @@ from dpfed.common.synth.latent_model import residual_variance as residual_varian
 from dpfed.common.synth.link_release import (
     CONTINUOUS_LINKS,
     LinkHistogramAccumulator,
+    link_histogram_mechanism,
     link_round_cost,
     release_link_histograms,
+    release_noise_sd,
 )
 from dpfed.common.synth.links import (
     CONTINUOUS_SCALINGS,
@@ -675,7 +678,8 @@ class FactorModelSynthesizer:
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
                  rng: np.random.Generator | None = None,
                  links: LatentLinks | None = None, pairs: int | None = None,
-                 pair_groups: int = DEFAULT_GROUPS, composition: str = "basic") -> None:
+                 pair_groups: int = DEFAULT_GROUPS, composition: str = "basic",
+                 resolution: str = "fine") -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         self.schema = schema
@@ -687,6 +691,7 @@ class FactorModelSynthesizer:
         self.continuous_link = check_choice(continuous_link, "continuous_link",
                                             CONTINUOUS_LINKS)
         self.n_bins = check_int(n_bins, "n_bins", minimum=2, maximum=SYNTH_MAX_BINS)
+        self.resolution = check_resolution(resolution)
         dim = latent_dim(schema)
         self.rank = None if rank is None else check_int(rank, "rank", minimum=1, maximum=dim)
         self.info_threshold = check_probability(info_threshold, "info_threshold")
@@ -820,14 +825,17 @@ class FactorModelSynthesizer:
         rng = self._rng
         if self.continuous_scaling == "dp":
             assert epsilon is not None and delta is not None
-            acc = LinkHistogramAccumulator(self.schema, self.n_bins)
+            acc = LinkHistogramAccumulator(self.schema, self.n_bins, self.resolution)
             acc.add(table)
             noisy = release_link_histograms(acc.counts, self.schema, self.n_bins, epsilon=epsilon,
-                                            delta=delta, rng=rng)
+                                            delta=delta, rng=rng, resolution=self.resolution)
             costs["marginals"] = link_round_cost(self.schema, epsilon, delta)
+            sigma = link_histogram_mechanism(self.schema, epsilon, delta).sigma
             proportions, links = links_from_histograms(
                 noisy, self.schema, self.n_bins, n_rows=table.n_rows,
-                continuous_link=self.continuous_link, min_proportion=self.min_proportion)
+                continuous_link=self.continuous_link, min_proportion=self.min_proportion,
+                resolution=self.resolution,
+                noise_sd=release_noise_sd(self.schema, self.n_bins, sigma, self.resolution))
             self.proportions_ = proportions
             return links
         # "bounds" (row-aligned only): continuous columns scaled by the public bounds, DP
@@ -942,7 +950,7 @@ class FactorModelSynthesizer:
         assert proportions is not None  # pairs > 0 only with links fitted here ("dp")
         rng = self._rng
         grid = PairGrid.from_proportions(self.schema, proportions, self.n_bins,
-                                         self.pair_groups)
+                                         self.pair_groups, self.resolution)
         candidates = grid.candidate_pairs()
         if not candidates:
             log.info("[FactorModelSynthesizer._fit_pairs] no pair table of at most %d cells: "

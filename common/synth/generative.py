@@ -264,7 +264,7 @@ def decoding_links(links: LatentLinks, calibrated: list[np.ndarray | None]) -> L
         if p is None:
             new.append(link)
         elif isinstance(link, QuantileLink):
-            new.append(QuantileLink(link.column, proportions=p))
+            new.append(QuantileLink(link.column, proportions=p, cells=link.cells))
         elif isinstance(link, OrdinalLink):
             new.append(OrdinalLink(link.column, p))
         else:

@@ -1,4 +1,4 @@
-"""DP 2-way marginals of privately chosen column pairs, and the correction fitting rows to them.
+"""DP 2-way resolution of privately chosen column pairs, and the correction fitting rows to them.
 
 A Gaussian copula carries every dependence between two columns through one latent
 correlation, so some pairs are out of its reach: a category that exists only when another
@@ -9,7 +9,7 @@ marginals. dpfed keeps its factor model and adds two rounds and one post-process
 ``pair_scores`` (site)
     For every column pair ``(a, b)``, the L1 distance between the site's 2-way table on the
     :class:`PairGrid` cells and the independence table ``N_s p_a p_b`` of the DP 1-way
-    marginals the links carry (:func:`dependence_scores`), plus Gaussian noise
+    resolution the links carry (:func:`dependence_scores`), plus Gaussian noise
     (:func:`score_mechanism`). A large score says "this pair is far from independent".
 ``pairs`` (site)
     The coordinator picks a maximum-weight spanning forest of the summed noisy scores
@@ -17,7 +17,7 @@ marginals. dpfed keeps its factor model and adds two rounds and one post-process
     the forest's 2-way tables with Gaussian noise (:func:`pair_table_mechanism`).
 Correction (coordinator, post-processing)
     The summed tables are projected onto the public row count and raked to the DP 1-way
-    marginals (:func:`fit_pair_tables`). :class:`PairCorrection` then fits generated rows to
+    resolution (:func:`fit_pair_tables`). :class:`PairCorrection` then fits generated rows to
     them edge by edge, parents before children: in every parent cell it moves just enough of
     the child's rows from cells where the model has too many to cells where it has too few
     (the smallest change in distribution that makes the pair's table exact), redrawing a
@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,8 +53,8 @@ from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import ContinuousColumn, NominalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.mechanisms import GaussianMechanism
-from dpfed.common.synth.link_release import histogram_sizes, project_counts, split_proportions
-from dpfed.common.synth.quantile_link import bin_codes, snap_to_whole
+from dpfed.common.synth.column_cells import ColumnCells, schema_cells
+from dpfed.common.synth.link_release import link_sizes, project_counts, split_proportions
 from dpfed.common.validation import check_finite_array, check_int
 
 #: Default most groups per ordinal/continuous column in a pair table.
@@ -88,16 +88,28 @@ class PairGrid:
         Per column, the group of each link cell (0..size-1, non-decreasing for ordered columns).
     max_groups : int
         The most groups of an ordinal or continuous column (the grid's one parameter).
+    resolution : str
+        The links' layout (:mod:`dpfed.common.synth.column_cells`): a continuous column's link
+        cells are its leaves.
     """
 
     schema: Schema
     n_bins: int
     groups: tuple[np.ndarray, ...]
     max_groups: int
+    resolution: str = "bins"
+    sizes: tuple[int, ...] = field(init=False)
+    _cells: dict[str, ColumnCells] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Computed once: callers read the sizes once per pair (O(columns^2) reads).
+        object.__setattr__(self, "sizes", tuple(int(m.max()) + 1 for m in self.groups))
+        object.__setattr__(self, "_cells", schema_cells(self.schema, self.n_bins,
+                                                        self.resolution))
 
     @classmethod
     def from_proportions(cls, schema: Schema, proportions: np.ndarray, n_bins: int,
-                         max_groups: int = DEFAULT_GROUPS) -> PairGrid:
+                         max_groups: int = DEFAULT_GROUPS, resolution: str = "bins") -> PairGrid:
         """Group each ordered column's cells into about equally likely groups (post-processing).
 
         Ordinal and continuous columns with more than ``max_groups`` cells are cut at the
@@ -105,7 +117,7 @@ class PairGrid:
         midpoint); nominal columns keep one group per category.
         """
         g = check_int(max_groups, "pair_groups", minimum=2, maximum=MAX_GROUPS)
-        blocks = split_proportions(proportions, schema, n_bins)
+        blocks = split_proportions(proportions, schema, n_bins, resolution)
         maps = []
         for col in schema.columns:
             p = np.asarray(blocks[col.name], dtype=np.float64)
@@ -117,34 +129,37 @@ class PairGrid:
             raw = np.minimum((mid * g).astype(np.intp), g - 1)
             _, dense = np.unique(raw, return_inverse=True)
             maps.append(dense.astype(np.intp))
-        return cls(schema, int(n_bins), tuple(maps), g)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Groups per column."""
-        return tuple(int(m.max()) + 1 for m in self.groups)
+        return cls(schema, int(n_bins), tuple(maps), g, resolution)
 
     def all_pairs(self) -> list[Pair]:
         """Every column pair ``(a, b)``, ``a < b``, in lexicographic order."""
         return list(itertools.combinations(range(len(self.schema.columns)), 2))
 
     def candidate_pairs(self) -> list[Pair]:
-        """Return the pairs whose table has at most :data:`MAX_PAIR_CELLS` cells."""
-        return [p for p in self.all_pairs() if self.cells(p) <= MAX_PAIR_CELLS]
+        """Return the pairs whose table has at most :data:`MAX_PAIR_CELLS` cells.
+
+        Linear in the number of pairs (the sizes are computed once).
+        """
+        s = self.sizes
+        return [(a, b) for a, b in self.all_pairs() if s[a] * s[b] <= MAX_PAIR_CELLS]
 
     def cells(self, pair: Pair) -> int:
         """Cells of one pair's table."""
         s = self.sizes
         return s[pair[0]] * s[pair[1]]
 
+    def column_cells(self, column: int) -> ColumnCells:
+        """The public cells of continuous column ``column`` (index)."""
+        return self._cells[self.schema.columns[column].name]
+
     def fine_codes(self, table: EncodedTable) -> list[np.ndarray]:
-        """Link cell of every value (public bins for continuous columns, codes otherwise)."""
+        """Link cell of every value (a continuous column's leaf, codes otherwise)."""
         if table.schema.digest() != self.schema.digest():
             raise ValidationError("chunk was encoded with a different schema")
         out = []
         for col in self.schema.columns:
             values = table.columns[col.name]
-            out.append(bin_codes(col, values, self.n_bins) if isinstance(col, ContinuousColumn)
+            out.append(self._cells[col.name].codes(values) if isinstance(col, ContinuousColumn)
                        else np.asarray(values, dtype=np.intp))
         return out
 
@@ -154,7 +169,7 @@ class PairGrid:
 
     def group_proportions(self, proportions: np.ndarray) -> list[np.ndarray]:
         """Return the DP 1-way proportions summed over each column's groups."""
-        blocks = split_proportions(proportions, self.schema, self.n_bins)
+        blocks = split_proportions(proportions, self.schema, self.n_bins, self.resolution)
         return [np.bincount(m, weights=blocks[c.name], minlength=s)
                 for c, m, s in zip(self.schema.columns, self.groups, self.sizes, strict=True)]
 
@@ -291,7 +306,7 @@ def typical_pair_cells(schema: Schema, n_bins: int, max_groups: int) -> int:
     :data:`MAX_PAIR_CELLS` are not candidates.
     """
     sizes = [min(s, max_groups) if not isinstance(c, NominalColumn) else s
-             for c, s in zip(schema.columns, histogram_sizes(schema, n_bins), strict=True)]
+             for c, s in zip(schema.columns, link_sizes(schema, n_bins), strict=True)]
     cells = [a * b for a, b in itertools.combinations(sizes, 2) if a * b <= MAX_PAIR_CELLS]
     return int(np.median(cells)) if cells else 0
 
@@ -389,7 +404,7 @@ def fit_pair_tables(total: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
     the projection sets every cell whose noisy count falls below a threshold to 0, and a
     parent or child group left without any mass could never be raked back to its DP
     proportion -- and raked to the DP 1-way proportions (grouped), so the pair tables agree
-    with the marginals the links release. Post-processing.
+    with the resolution the links release. Post-processing.
     """
     checked = check_pairs(pairs, len(grid.schema.columns))
     tables = split_tables(check_finite_array(total, "pair tables", ndim=1),
@@ -546,7 +561,7 @@ class PairCorrection:
         members = grid.groups[column]
         if members.shape[0] == int(members.max()) + 1:  # one cell per group
             return np.asarray(group, dtype=np.intp)
-        offsets = np.cumsum([0, *histogram_sizes(grid.schema, grid.n_bins)])
+        offsets = np.cumsum([0, *link_sizes(grid.schema, grid.n_bins, grid.resolution)])
         p = np.clip(self.proportions[offsets[column]:offsets[column + 1]], 0.0, None)
         # Groups of an ordered column are runs of consecutive cells, so ``group + (cumulative
         # share of the cell inside its group)`` increases along the cells: one searchsorted
@@ -588,11 +603,9 @@ class PairCorrection:
         for j, rows in changed.items():
             col = grid.schema.columns[j]
             if isinstance(col, ContinuousColumn):
-                width = (col.max - col.min) / grid.n_bins
                 values = np.array(columns[col.name], dtype=np.float64)
-                drawn = col.min + (fine[j][rows] + rng.random(rows.size)) * width
-                values[rows] = (snap_to_whole(col, drawn, grid.n_bins) if col.integer
-                                else np.clip(drawn, col.min, col.max))
+                values[rows] = grid.column_cells(j).values(fine[j][rows],
+                                                           rng.random(rows.size))
                 columns[col.name] = values
             else:
                 codes = np.array(columns[col.name])

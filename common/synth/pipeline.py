@@ -53,16 +53,21 @@ FACTOR_WEIGHTING = "size"
 
 def links_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *, n_rows: float,
                           continuous_link: str = "quantile",
-                          min_proportion: float = 1e-4) -> tuple[np.ndarray, LatentLinks]:
+                          min_proportion: float = 1e-4, resolution: str = "bins",
+                          noise_sd: np.ndarray | None = None
+                          ) -> tuple[np.ndarray, LatentLinks]:
     """Turn summed DP histograms into (DP proportions, links) (post-processing).
 
     ``n_rows`` is the public pooled row count: every column's block is projected onto the
-    counts that sum to it before the proportions are floored
-    (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
+    counts that sum to it (under ``resolution="fine"`` a continuous column is estimated from
+    its coarse and leaf counts with their public noise ``noise_sd``) before the proportions
+    are floored (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
     """
     proportions = proportions_from_histograms(total, schema, n_bins,
-                                              min_proportion=min_proportion, n_rows=n_rows)
-    return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link)
+                                              min_proportion=min_proportion, n_rows=n_rows,
+                                              resolution=resolution, noise_sd=noise_sd)
+    return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link,
+                                               resolution)
 
 
 def combine_factors(factors: Sequence[np.ndarray], n_rows: Sequence[int],
@@ -104,7 +109,7 @@ def aligned_latent(factors: np.ndarray, model: FactorModel) -> np.ndarray:
 def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Generator,
                      factors: np.ndarray | None = None
                      ) -> tuple[LatentLinks, list[np.ndarray | None]]:
-    """Return the decoding links under which the model reproduces the links' DP marginals.
+    """Return the decoding links under which the model reproduces the links' DP resolution.
 
     Generative models are calibrated on :data:`~dpfed.common.synth.generative.
     CALIBRATION_ROWS` latent rows drawn from the model; row-aligned models (``factors``

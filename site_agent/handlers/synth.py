@@ -112,12 +112,13 @@ def check_links(schema: Schema, params: SynthParams, extra: dict[str, Any],
     sent = extra.get("links_digest")
     if not isinstance(sent, str):
         raise ValidationError("the task carries no links_digest")
-    mine = links_digest(schema, props, params.n_bins, params.continuous_link)
+    mine = links_digest(schema, props, params.n_bins, params.continuous_link, params.resolution)
     if mine != sent:
         raise ValidationError(
             f"link digest mismatch: the links sent hash to {mine[:12]}..., the task says "
             f"{sent[:12]}... (corrupted or altered in transit); refusing to use them")
-    return links_from_proportions(schema, props, params.n_bins, params.continuous_link)
+    return links_from_proportions(schema, props, params.n_bins, params.continuous_link,
+                                  params.resolution)
 
 
 def check_pair_edges(raw: Any, candidates: list[Pair], n_columns: int,
@@ -147,7 +148,8 @@ def check_pair_edges(raw: Any, candidates: list[Pair], n_columns: int,
 
 def pair_grid(schema: Schema, params: SynthParams, proportions: np.ndarray) -> PairGrid:
     """Return the pair rounds' cells for the job's ``pair_groups`` and the (checked) links."""
-    return PairGrid.from_proportions(schema, proportions, params.n_bins, params.pair_groups)
+    return PairGrid.from_proportions(schema, proportions, params.n_bins, params.pair_groups,
+                                     params.resolution)
 
 
 def pair_candidates(grid: PairGrid) -> list[Pair]:
@@ -251,7 +253,7 @@ class SynthHandler(SiteBoundHandler):
         arrays = dict(task.arrays)
         data = self.training_data(task, data, params)
         if rnd == "links":
-            acc = LinkHistogramAccumulator(schema, params.n_bins)
+            acc = LinkHistogramAccumulator(schema, params.n_bins, params.resolution)
             for table, _report in data.iter_chunks():
                 acc.add(table)
             return rnd, params, acc.n_rows, acc.counts
@@ -318,7 +320,8 @@ class SynthHandler(SiteBoundHandler):
 
             def release(rng: np.random.Generator) -> TaskResult:
                 noisy = release_link_histograms(stat, schema, params.n_bins, epsilon=task.epsilon,
-                                                delta=task.delta, rng=rng)
+                                                delta=task.delta, rng=rng,
+                                                resolution=params.resolution)
                 return TaskResult(task.task_id, cost, {"histograms": noisy}, meta)
 
             return PreparedRelease(cost, release)

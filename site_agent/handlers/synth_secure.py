@@ -127,14 +127,17 @@ def synth_counts_contribution(task: Task, data: DataAccess, participants: list[s
     data = training_rows(task, data, params, site_dir)  # the evaluation holdout trains nothing
 
     def compute(plan: SecureSumPlan, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
-        acc = LinkHistogramAccumulator(schema, params.n_bins)
+        acc = LinkHistogramAccumulator(schema, params.n_bins, params.resolution)
         for table, _report in data.iter_chunks():
             acc.add(table)
-        return acc.counts * secure_cell_weights(schema, params.n_bins), acc.n_rows
+        return (acc.counts * secure_cell_weights(schema, params.n_bins, params.resolution),
+                acc.n_rows)
 
     return planned_contribution(task, participants, tolerated, statistics=("weighted_counts",),
-                                dim=sum(histogram_sizes(schema, params.n_bins)),
-                                row_norm=secure_link_row_norm(schema, params.n_bins),
+                                dim=sum(histogram_sizes(schema, params.n_bins,
+                                                        params.resolution)),
+                                row_norm=secure_link_row_norm(schema, params.n_bins,
+                                                              params.resolution),
                                 compute=compute)
 
 
