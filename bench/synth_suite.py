@@ -50,6 +50,7 @@ from real_tables import HELD_OUT, TABLES, TUNING, load_table, split_sites  # noq
 from secure_synth_round import federation, fit_secure  # noqa: E402
 from synth_metrics import Metrics  # noqa: E402
 
+from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
 from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT  # noqa: E402
@@ -71,7 +72,6 @@ from dpfed.common.synth.pipeline import (  # noqa: E402
     links_from_histograms,
     pair_forest,
 )
-from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 
 DELTA = 1e-6
 BINS = 32
@@ -168,7 +168,7 @@ def mean_row(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {"method": name, "runs": len(runs)}
     for k in METRICS:
         row[k] = float(np.mean([r[k] for r in runs]))
-    row[f"tvd2_sd"] = float(np.std([r["tvd2"] for r in runs], ddof=1)) if len(runs) > 1 else 0.0
+    row["tvd2_sd"] = float(np.std([r["tvd2"] for r in runs], ddof=1)) if len(runs) > 1 else 0.0
     row["columns"] = {c: float(np.mean([r["columns"][c] for r in runs]))
                       for c in runs[0]["columns"]}
     row["tails"] = {c: tuple(float(x) for x in np.mean([r["tails"][c] for r in runs], axis=0))

@@ -150,7 +150,7 @@ class ColumnCells:
         out = (1 + bins * s + within).astype(np.intp)
         out[v <= col.min] = 0
         out[v >= col.max] = self.n_leaves - 1
-        return out
+        return np.asarray(out, dtype=np.intp)
 
     def coarse_codes(self, values: np.ndarray) -> np.ndarray:
         """Coarse cell of every value."""
@@ -237,7 +237,7 @@ def _bins_whole_numbers(column: ContinuousColumn, n_bins: int) -> tuple[np.ndarr
 
 
 def _fine_cells(column: ContinuousColumn, b: int, s: int) -> ColumnCells:
-    """The "fine" cells of a column with bins: bound points, bins, leaves inside the bins."""
+    """Build the "fine" cells of a column with bins: bound points, bins, leaves inside."""
     lo_v, hi_v = float(column.min), float(column.max)
     width = (hi_v - lo_v) / b
     los: list[np.ndarray] = [np.array([lo_v])]
@@ -297,7 +297,7 @@ def _fine_cells(column: ContinuousColumn, b: int, s: int) -> ColumnCells:
 
 def schema_cells(schema: Schema, n_bins: int, resolution: str = "fine"
                  ) -> dict[str, ColumnCells]:
-    """The cells of every continuous column of ``schema``, by name."""
+    """Return the cells of every continuous column of ``schema``, by name."""
     kind = check_resolution(resolution)
     s = sub_bins(schema, n_bins)
     return {c.name: column_cells(c, n_bins, s, kind) for c in schema.columns
@@ -310,7 +310,7 @@ def leaf_counts(cells: ColumnCells, values: np.ndarray) -> np.ndarray:
 
 
 def release_counts(cells: ColumnCells, leaves: np.ndarray) -> np.ndarray:
-    """The column's release block from its exact leaf counts: coarse cells, then fine leaves."""
+    """Return a column's release block from its exact leaf counts: coarse cells, then leaves."""
     lv = np.asarray(leaves)
     coarse = np.bincount(cells.coarse, weights=lv, minlength=cells.n_coarse)
     if not cells.has_fine:

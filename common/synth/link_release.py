@@ -126,8 +126,11 @@ def _level_weights(schema: Schema, n_bins: int, resolution: str
     for col, w in zip(schema.columns, link_noise_weights(schema, n_bins, resolution),
                       strict=True):
         c = cells.get(col.name)
-        if c is None or not c.has_fine:
-            out.append((float(w), 0.0, c.n_coarse if c is not None else _categories(col), 0))
+        if c is None:
+            assert not isinstance(col, ContinuousColumn)
+            out.append((float(w), 0.0, _categories(col), 0))
+        elif not c.has_fine:
+            out.append((float(w), 0.0, c.n_coarse, 0))
         else:
             out.append((float(w) * math.sqrt(1.0 - FINE_SHARE), float(w) * math.sqrt(FINE_SHARE),
                         c.n_coarse, c.release_size - c.n_coarse))
@@ -135,7 +138,7 @@ def _level_weights(schema: Schema, n_bins: int, resolution: str
 
 
 def cell_weights(schema: Schema, n_bins: int, resolution: str = "bins") -> np.ndarray:
-    """The weight of every cell of the release (coarse cells and leaves; public).
+    """Return the weight of every cell of the release (coarse cells and leaves; public).
 
     The squared weights of one column add up to its ``w_j^2`` (:func:`link_noise_weights`), so
     the weighted vector's replace-one L2 sensitivity stays ``sqrt(2 n_columns)``.
@@ -180,7 +183,7 @@ def secure_link_row_norm(schema: Schema, n_bins: int, resolution: str = "bins") 
 
 
 def secure_cell_weights(schema: Schema, n_bins: int, resolution: str = "bins") -> np.ndarray:
-    """The secure round's integer weight of every release cell (int64)."""
+    """Return the secure round's integer weight of every release cell (int64)."""
     parts = [np.concatenate([np.full(nc, _secure(wc)), np.full(nf, _secure(wf) if nf else 1)])
              for wc, wf, nc, nf in _level_weights(schema, n_bins, resolution)]
     return np.concatenate(parts).astype(np.int64)

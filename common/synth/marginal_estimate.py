@@ -31,7 +31,7 @@ from dpfed.common.synth.column_cells import ColumnCells
 
 #: Between coarse cells, every half's noisy sum is shrunk by this many standard deviations of
 #: its noise (soft thresholding) before the split.
-SPARSITY_TAU = 0.5
+SPARSITY_TAU = 0.75
 #: A single cell whose noisy count exceeds this many noise standard deviations keeps its
 #: subtree's share at least at its count less that many deviations (an isolated point mass,
 #: a ceiling, is not dissolved in the noise of the empty cells around it).
@@ -138,7 +138,7 @@ def interpolated_prior(cells: ColumnCells, bin_mass: np.ndarray) -> np.ndarray:
     bins = cells.coarse[inner] - 1
     total = np.bincount(bins, weights=shaped, minlength=cells.n_bins)
     # A bin whose interpolated density vanishes on every leaf keeps the plain widths.
-    return np.where(total[bins] > 0, shaped, base)
+    return np.asarray(np.where(total[bins] > 0, shaped, base))
 
 
 def fine_shape(cells: ColumnCells, bin_mass: np.ndarray, noisy: np.ndarray,
@@ -180,7 +180,7 @@ def column_masses(cells: ColumnCells, block: np.ndarray, sd: np.ndarray,
     coarse_prior = np.bincount(cells.coarse, weights=cells.prior, minlength=c)
     coarse = allocate(np.array([float(n_rows)]), y[:c], s[:c] ** 2, coarse_prior)[0]
     if not cells.has_fine:
-        return coarse
+        return np.asarray(coarse)
     out = np.zeros(cells.n_leaves)
     out[0], out[-1] = coarse[0], coarse[-1]
     out[cells.fine_leaves] = fine_shape(cells, coarse[1:-1], y[c:], s[c:] ** 2)

@@ -55,6 +55,7 @@ from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.mechanisms import GaussianMechanism
 from dpfed.common.synth.column_cells import ColumnCells, schema_cells
 from dpfed.common.synth.link_release import link_sizes, project_counts, split_proportions
+from dpfed.common.synth.quantile_link import point_values
 from dpfed.common.validation import check_finite_array, check_int
 
 #: Default most groups per ordinal/continuous column in a pair table.
@@ -149,7 +150,7 @@ class PairGrid:
         return s[pair[0]] * s[pair[1]]
 
     def column_cells(self, column: int) -> ColumnCells:
-        """The public cells of continuous column ``column`` (index)."""
+        """Return the public cells of continuous column ``column`` (index)."""
         return self._cells[self.schema.columns[column].name]
 
     def fine_codes(self, table: EncodedTable) -> list[np.ndarray]:
@@ -584,6 +585,13 @@ class PairCorrection:
         last = np.searchsorted(members, group, side="right") - 1
         return np.asarray(np.clip(cells, first, last), dtype=np.intp)
 
+    def _points(self, column: int) -> np.ndarray:
+        """Point-mass values of a continuous column's leaves (NaN: none)."""
+        offsets = np.cumsum([0, *link_sizes(self.grid.schema, self.grid.n_bins,
+                                            self.grid.resolution)])
+        block = self.proportions[offsets[column]:offsets[column + 1]]
+        return point_values(self.grid.column_cells(column), block)
+
     def apply(self, table: EncodedTable, rng: np.random.Generator) -> EncodedTable:
         """Return ``table`` with the correction applied (each row on its own)."""
         if not self.steps:
@@ -604,8 +612,12 @@ class PairCorrection:
             col = grid.schema.columns[j]
             if isinstance(col, ContinuousColumn):
                 values = np.array(columns[col.name], dtype=np.float64)
-                values[rows] = grid.column_cells(j).values(fine[j][rows],
-                                                           rng.random(rows.size))
+                cells = grid.column_cells(j)
+                leaves = fine[j][rows]
+                drawn = cells.values(leaves, rng.random(rows.size))
+                point = self._points(j)[leaves]  # point masses decode as the links do
+                drawn[~np.isnan(point)] = point[~np.isnan(point)]
+                values[rows] = drawn
                 columns[col.name] = values
             else:
                 codes = np.array(columns[col.name])

@@ -125,5 +125,6 @@ def _cells(task: Task, h: Any) -> list[tuple[int, int]]:
 
     schema = Schema.load(h.fed.schema_path)
     grid = PairGrid.from_proportions(schema, task.arrays["link_proportions"], N_BINS,
-                                     int(task.params["pair_groups"]))
+                                     int(task.params["pair_groups"]),
+                                     str(task.params.get("resolution", "bins")))
     return [(grid.sizes[a], grid.sizes[b]) for a, b in task.params["pair_edges"]]
