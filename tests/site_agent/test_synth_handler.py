@@ -31,6 +31,7 @@ from dpfed.common.synth.link_release import (
     proportions_from_histograms,
 )
 from dpfed.common.synth.links import latent_dim
+from dpfed.common.synth.quantile_link import bin_codes
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.handlers.synth import SynthEvaluationHandler, SynthHandler, SynthRowsHandler
@@ -153,7 +154,7 @@ def test_links_search_catches_a_broken_histogram(monkeypatch: pytest.MonkeyPatch
         start = 0
         for col, size in zip(self.schema.columns, self.sizes, strict=True):
             if col.type == "continuous":
-                codes = link_release.bin_codes(col, table.columns[col.name], self.n_bins)
+                codes = bin_codes(col, table.columns[col.name], self.n_bins)
                 self.counts[start:start + size] += np.bincount(codes, minlength=size)
             start += size
 
@@ -165,8 +166,9 @@ def test_links_search_catches_unnormalised_noise_weights(monkeypatch: pytest.Mon
                                                          ) -> None:
     # Broken copy: the per-column weights without their normalisation (sum w^2 = columns),
     # which the stated sensitivity relies on.
-    def unnormalised(schema: Schema, n_bins: int) -> np.ndarray:
-        return np.cbrt(np.asarray(link_release.histogram_sizes(schema, n_bins), dtype=float))
+    def unnormalised(schema: Schema, n_bins: int, resolution: str = "bins") -> np.ndarray:
+        return np.cbrt(np.asarray(link_release.histogram_sizes(schema, n_bins, resolution),
+                                  dtype=float))
 
     monkeypatch.setattr(link_release, "link_noise_weights", unnormalised)
     assert search_links(SynthHandler()) > link_histogram_sensitivity(SCHEMA) * 1.05
