@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,8 @@ class SynthModel:
     metadata: dict[str, Any] = field(default_factory=dict)
     pair_correction: PairCorrection | None = None
     resolution: str = "bins"
+    _decode: list[LatentLinks] = field(default_factory=list, init=False, repr=False,
+                                       compare=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -218,9 +221,12 @@ class SynthModel:
 
     @property
     def decode_links(self) -> LatentLinks:
-        """The calibrated links used to decode synthetic latent rows."""
-        return links_from_proportions(self.schema, self.decode_proportions, self.n_bins,
-                                      self.continuous_link, self.resolution)
+        """The calibrated links used to decode synthetic latent rows (built once per model)."""
+        if not self._decode:
+            self._decode.append(links_from_proportions(
+                self.schema, self.decode_proportions, self.n_bins, self.continuous_link,
+                self.resolution))
+        return self._decode[0]
 
     @property
     def n_rows_fixed(self) -> int | None:
@@ -258,7 +264,8 @@ class SynthModel:
         correction = self.pair_correction
         yield from iter_samples(self.factor_model, decode, n, resolve_rng(rng), chunk_rows,
                                 workers=threads,
-                                correct=None if correction is None else correction.apply)
+                                correct=None if correction is None else partial(
+                                    correction.apply, in_place=True))
 
     def sample(self, rows: int | None = None, *,
                rng: np.random.Generator | None = None) -> pd.DataFrame:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -1007,7 +1008,8 @@ class FactorModelSynthesizer:
         rows = self.n_rows_ if n is None else check_int(n, "n", minimum=0)
         correction = self.pair_correction_
         parts = list(iter_samples(self.model_, self.decode_links_, rows, self._rng,
-                                  correct=None if correction is None else correction.apply))
+                                  correct=None if correction is None else partial(
+                                      correction.apply, in_place=True)))
         if not parts:
             return self.decode_links_.from_latent(np.zeros((0, self.decode_links_.dim)))
         return EncodedTable.concatenate(parts)
