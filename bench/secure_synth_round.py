@@ -29,7 +29,7 @@ from secure_aggregation import masked_shares  # noqa: E402
 from dpfed.aggregator.jobs.pca_secure import decompose_second_moment  # noqa: E402
 from dpfed.aggregator.jobs.secure_rounds import symmetric_from_upper  # noqa: E402
 from dpfed.aggregator.jobs.synth import _correlation  # noqa: E402
-from dpfed.aggregator.jobs.synth_pairs import plan_pairs  # noqa: E402
+from dpfed.aggregator.jobs.synth_pairs import pair_noise, plan_pairs  # noqa: E402
 from dpfed.aggregator.jobs.synth_secure import rho_share  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, EncodingReport  # noqa: E402
@@ -124,7 +124,8 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
                eps: float, delta: float, rng: np.random.Generator, *, n_bins: int,
                split: Mapping[str, tuple[float, float]] | tuple[float, float] | None = None,
                pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS,
-               composition: str = "basic", resolution: str = "fine") -> SynthModel:
+               composition: str = "basic", resolution: str = "fine",
+               pair_gate: bool = True) -> SynthModel:
     """The job's secure rounds (sites' real sources), then the job's post-processing.
 
     ``split`` maps round names to (epsilon share, delta share) as the job's ``split``
@@ -134,13 +135,13 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     pair rounds, ``pair_scores`` and ``pairs`` are secure sums too (the sites'
     ``synth_pair_scores`` and ``synth_pairs`` sources) and the model is fitted to the decoded
     tables with their public Skellam noise, as :mod:`dpfed.aggregator.jobs.synth_pairs` does.
-    ``composition`` is the job's (``zcdp``: every round its share of rho), and so is
-    ``resolution`` (the continuous columns' cells).
+    ``composition`` is the job's (``zcdp``: every round its share of rho), and so are
+    ``resolution`` (the continuous columns' cells) and ``pair_gate``.
     """
     dim = latent_dim(schema)
     raw: dict[str, object] = {"n_bins": n_bins, "aggregation": "secure",
                               "pair_groups": pair_groups, "composition": composition,
-                              "resolution": resolution}
+                              "resolution": resolution, "pair_gate": pair_gate}
     if isinstance(split, Mapping):
         raw["split"] = {k: [float(v[0]), float(v[1])] for k, v in split.items()}
     elif split is not None:
@@ -188,7 +189,9 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
                                 sites, ids, fed, *budget["pair_scores"], dim=len(cands),
                                 row_norm=SCORE_SENSITIVITY, rng=rng,
                                 rho=rho_share(params, *budget["pair_scores"]))
-    edges = pair_forest(np.asarray(scores, dtype=np.float64), grid, most)
+    edges = pair_forest(np.asarray(scores, dtype=np.float64), grid, most,
+                        pair_noise(params, *budget["pairs"], len(ids))
+                        if params.pair_gate else None)  # as the job's pair rounds
     if not edges:
         return model
     tables_sum, n, plan = secure_round(

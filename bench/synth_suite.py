@@ -139,7 +139,11 @@ def site_level(schema: Schema, tables: list[EncodedTable], eps: float,
         acc.add(t)
         exact = pm.dependence_scores(acc.counts, grid, cands, props, t.n_rows)
         scores += pm.score_mechanism(len(cands), *budget["pair_scores"]).release(exact, rng)
-    edges = pair_forest(scores, grid, len(schema.columns) - 1)
+    edges = pair_forest(scores, grid, len(schema.columns) - 1,
+                        lambda k: pm.pair_table_mechanism(k, *budget["pairs"]).sigma
+                        * math.sqrt(len(tables)))
+    if not edges:
+        return model
     mech = pm.pair_table_mechanism(len(edges), *budget["pairs"])
     total = np.zeros(sum(grid.cells(e) for e in edges))
     for t in tables:

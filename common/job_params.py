@@ -256,6 +256,11 @@ class SynthParams:
         the estimate of :mod:`dpfed.common.synth.marginal_estimate` -- is what new jobs get
         (:meth:`with_defaults`); ``bins`` (``n_bins`` equal-width bins only) is what a stored
         job without the key means, so jobs made before it resume unchanged.
+    pair_gate : bool
+        Measure a column pair only when its noisy dependence score exceeds the noise its
+        table would carry (:func:`dpfed.common.synth.pipeline.pair_forest`): True for new
+        jobs (:meth:`with_defaults`), False (every pair of the forest) for stored jobs
+        without the key.
     composition : {"basic", "zcdp"}
         How the split turns into each round's calibration
         (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
@@ -281,15 +286,16 @@ class SynthParams:
     pair_groups: int = DEFAULT_GROUPS
     composition: str = "basic"
     resolution: str = "bins"
+    pair_gate: bool = False
 
     @staticmethod
     def with_defaults(params: Mapping[str, Any]) -> dict[str, Any]:
         """Return a new job's parameters with the defaults of new jobs filled in.
 
-        ``resolution`` defaults to "fine" for a job being submitted (a stored job without the
-        key is "bins": :meth:`from_mapping`).
+        ``resolution`` defaults to "fine" and ``pair_gate`` to True for a job being submitted
+        (a stored job without the keys is "bins" and False: :meth:`from_mapping`).
         """
-        return {"resolution": "fine", **params}
+        return {"resolution": "fine", "pair_gate": True, **params}
 
     @classmethod
     def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
@@ -297,7 +303,7 @@ class SynthParams:
         _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
                           "info_threshold", "calibration", "split", "evaluate_rows",
                           "aggregation", "summary_epsilon", "summary_delta", "pairs",
-                          "pair_groups", "composition", "resolution"}, "synth")
+                          "pair_groups", "composition", "resolution", "pair_gate"}, "synth")
         mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
                             tuple(SYNTH_ROUNDS))
         link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
@@ -339,9 +345,12 @@ class SynthParams:
                                    calibration)
         resolution = check_choice(params.get("resolution", "bins"), "--resolution",
                                   ("fine", "bins"))
+        gate = params.get("pair_gate", False)
+        if not isinstance(gate, bool):
+            raise ValidationError(f"pair_gate must be true or false, got {gate!r}")
         return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
                    evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups,
-                   composition, resolution)
+                   composition, resolution, gate and with_pairs)
 
     @staticmethod
     def _split(mode: str, raw: Any, with_pairs: bool) -> tuple[tuple[str, float, float], ...]:
@@ -443,6 +452,8 @@ class SynthParams:
             out["composition"] = self.composition
         if self.resolution != "bins":  # absent: jobs made before the key resume unchanged
             out["resolution"] = self.resolution
+        if self.pair_gate:  # absent: the same
+            out["pair_gate"] = True
         return out
 
 

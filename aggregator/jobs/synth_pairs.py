@@ -40,6 +40,7 @@ import numpy as np
 from dpfed.aggregator.jobs.base import JobContext
 from dpfed.aggregator.jobs.secure_rounds import SecureSumOutcome
 from dpfed.aggregator.jobs.synth_secure import (
+    counts_sigma,
     rho_share,
     secure_pair_scores,
     secure_pair_tables,
@@ -141,6 +142,18 @@ def _checker(array: str, size: int, what: str) -> Callable[[TaskResult], None]:
     return check
 
 
+def pair_noise(params: SynthParams, epsilon: float, delta: float,
+               n_sites: int) -> Callable[[int], float]:
+    """Return ``K -> `` the summed noise's standard deviation per cell of ``K`` pair tables.
+
+    Public: the pairs round's calibration (site level: ``sqrt(S)`` times one site's Gaussian
+    sigma; secure: the Skellam sum's, at the round's (epsilon, delta)).
+    """
+    if params.aggregation == "secure":
+        return lambda k: counts_sigma(k, epsilon, delta)
+    return lambda k: pair_table_mechanism(k, epsilon, delta).sigma * math.sqrt(n_sites)
+
+
 def plan_pairs(schema: Schema, params: SynthParams, proportions: np.ndarray
                ) -> tuple[PairGrid, list[Pair], int] | None:
     """Return (grid, candidates, most edges), or None when the pair rounds do not apply."""
@@ -197,7 +210,15 @@ async def run_pair_rounds(ctx: JobContext, *, schema: Schema, params: SynthParam
         scored = sorted(r_scores)
         total_scores = np.sum([r_scores[s].arrays["pair_scores"] for s in scored], axis=0)
         out_results["pair_scores"] = r_scores
-    edges = pair_forest(total_scores, grid, most)
+    edges = pair_forest(total_scores, grid, most, pair_noise(params, eps_t, delta_t, len(scored))
+                        if params.pair_gate else None)
+    if not edges:
+        ctx.emit("pairs", "no pair's noisy score is above the noise its table would carry: "
+                 "the pairs round is skipped (nothing is charged for it)", 0.8)
+        n_scored = (outcomes["pair_scores"].n_rows_total if secure else
+                    sum(int(r_scores[s].metadata["n_rows"]) for s in scored))
+        return PairRounds(grid, candidates, [], [], scored, n_scored, 0.0, out_results,
+                          outcomes)
     cells = sum(grid.cells(e) for e in edges)
     names = schema.names
     ctx.emit("pairs", f"measuring {len(edges)} pair table(s) ({cells} cells): "

@@ -680,7 +680,7 @@ class FactorModelSynthesizer:
                  rng: np.random.Generator | None = None,
                  links: LatentLinks | None = None, pairs: int | None = None,
                  pair_groups: int = DEFAULT_GROUPS, composition: str = "basic",
-                 resolution: str = "fine") -> None:
+                 resolution: str = "fine", pair_gate: bool = True) -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         self.schema = schema
@@ -693,6 +693,7 @@ class FactorModelSynthesizer:
                                             CONTINUOUS_LINKS)
         self.n_bins = check_int(n_bins, "n_bins", minimum=2, maximum=SYNTH_MAX_BINS)
         self.resolution = check_resolution(resolution)
+        self.pair_gate = bool(pair_gate)
         dim = latent_dim(schema)
         self.rank = None if rank is None else check_int(rank, "rank", minimum=1, maximum=dim)
         self.info_threshold = check_probability(info_threshold, "info_threshold")
@@ -964,7 +965,12 @@ class FactorModelSynthesizer:
                                      deltas["pair_scores"])
         noisy_scores = score_mech.release(scores, rng)
         costs["pair_scores"] = score_mech.cost()
-        edges = pair_forest(noisy_scores, grid, self.pairs)
+        edges = pair_forest(noisy_scores, grid, self.pairs, None if not self.pair_gate else (
+            lambda k: pair_table_mechanism(k, budget["pairs"], deltas["pairs"]).sigma))
+        if not edges:
+            log.info("[FactorModelSynthesizer._fit_pairs] no pair's score is above the noise "
+                     "its table would carry: the pairs release is skipped")
+            return
         tables = PairTableAccumulator(grid, edges)
         tables.add(table)
         table_mech = pair_table_mechanism(len(edges), budget["pairs"], deltas["pairs"])

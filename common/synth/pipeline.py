@@ -22,7 +22,8 @@ Privacy: every function here is post-processing of DP releases and of the public
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -123,15 +124,35 @@ def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Gene
     return decoding_links(links, calibrated), calibrated
 
 
-def pair_forest(scores: np.ndarray, grid: PairGrid, max_pairs: int) -> list[Pair]:
+def pair_forest(scores: np.ndarray, grid: PairGrid, max_pairs: int,
+                noise: Callable[[int], float] | None = None) -> list[Pair]:
     """Return the (parent, child) pairs to measure from the summed noisy dependence scores.
 
     ``scores`` are those of ``grid.candidate_pairs()`` (the pairs every site scored), summed
     over the sites; the pairs are a maximum-weight forest of at most ``max_pairs`` edges,
     parents first (:func:`dpfed.common.synth.pair_marginals.choose_forest`).
-    Post-processing of the noisy scores.
+
+    ``noise(K)`` (public: the pairs round's calibration) is the standard deviation of the
+    summed noise on every cell when ``K`` tables are released. A pair is then measured only
+    if its score -- an L1 distance in counts -- exceeds the L1 error its released table
+    would carry, ``cells noise(K) sqrt(2/pi)``: a table noisier than the dependence it
+    would show only costs the other tables budget. The number of pairs follows (twice: ``K``
+    sets the noise, the noise the pairs that pass). Post-processing of the noisy scores.
     """
-    return choose_forest(scores, grid.candidate_pairs(), len(grid.schema.columns), max_pairs)
+    pairs = grid.candidate_pairs()
+    s = np.asarray(scores, dtype=np.float64)
+    d = len(grid.schema.columns)
+    if noise is None or not pairs:
+        return choose_forest(s, pairs, d, max_pairs)
+    cells = np.array([grid.cells(p) for p in pairs], dtype=np.float64)
+    k = max(min(max_pairs, len(pairs)), 1)
+    keep = np.ones(len(pairs), dtype=bool)
+    for _ in range(2):
+        keep = s > cells * float(noise(k)) * math.sqrt(2.0 / math.pi)
+        k = max(min(len(choose_forest(s[keep], [p for p, ok in zip(pairs, keep, strict=True)
+                                                if ok], d, max_pairs)), max_pairs), 1)
+    return choose_forest(s[keep], [p for p, ok in zip(pairs, keep, strict=True) if ok], d,
+                         max_pairs)
 
 
 def pair_correction(grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],

@@ -69,7 +69,7 @@ async def test_a_poisoned_pair_release_is_an_error_outcome_and_the_model_uses_ho
     async with harness(tmp_path, extra_kinds=("synth",)) as h:
         schema = Schema.load(h.fed.schema_path)
         dim = latent_dim(schema)
-        size = sum(histogram_sizes(schema, N_BINS))
+        size = sum(histogram_sizes(schema, N_BINS, "fine"))  # a new job's cells
         site = SynthHandSite(h)
         await site.connect()
         await h.wait_connected("hospital-3")
