@@ -2,9 +2,10 @@
 
 Evaluation cells. A continuous column is compared on cells cut at quantiles of the real
 *training* rows -- 20 for 1-way, 5 for 2-way comparisons -- with every cut placed halfway
-between two neighbouring distinct real values. So a column's point masses (zero visits, a
-floor, values recorded in half years) sit inside their cells, at least half a gap from an
-edge: a synthetic value at the point mass counts as right, one smeared across the gap counts
+between two neighbouring distinct real values (``dpfed.common.synth.fidelity.quantile_cuts``,
+the cells of the simulation's and the sites' reports). So a column's point masses (zero
+visits, a floor, values recorded in half years) sit inside their cells, at least half a gap
+from an edge: a synthetic value at the point mass counts as right, one smeared across the gap counts
 as wrong, and a smooth column is compared on 20 (5) about equally likely cells. Categorical
 columns are compared on their categories. The same cells score every method (they depend on
 the training rows only).
@@ -33,21 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
 from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
+from dpfed.common.synth.fidelity import quantile_cuts  # noqa: E402
 
 ONE_WAY_CELLS = 20
 TWO_WAY_CELLS = 5
-
-
-def quantile_cuts(values: np.ndarray, k: int) -> np.ndarray:
-    """Cuts of ``k`` about equally likely cells, each halfway between two distinct values."""
-    v = np.sort(np.asarray(values, dtype=np.float64))
-    distinct = np.unique(v)
-    if distinct.size < 2:
-        return np.zeros(0)
-    q = np.quantile(v, np.arange(1, k) / k, method="lower")
-    at = np.unique(np.searchsorted(distinct, q))
-    at = at[at > 0]
-    return np.asarray((distinct[at - 1] + distinct[at]) / 2.0)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ from dpfed.common.synth.column_cells import ColumnCells
 #: Between coarse cells, every half's noisy sum is shrunk by this many standard deviations of
 #: its noise (soft thresholding) before the split.
 SPARSITY_TAU = 0.75
+#: A half whose noisy sum is at most this many standard deviations of its noise gets nothing
+#: (before the soft threshold): a range of empty cells keeps no noise.
+FLOOR_TAU = 2.0
 #: A single cell whose noisy count exceeds this many noise standard deviations keeps its
 #: subtree's share at least at its count less that many deviations (an isolated point mass,
 #: a ceiling, is not dissolved in the noise of the empty cells around it).
@@ -92,7 +95,9 @@ def allocate(total: np.ndarray, noisy: np.ndarray, variance: np.ndarray, prior: 
         if shape:
             f = _shape_split(mass, ys, vs, even)
         else:
-            kept = np.maximum(np.clip(ys - SPARSITY_TAU * np.sqrt(vs), 0.0, None), ss) * (rs > 0)
+            sd = np.sqrt(vs)
+            soft = np.where(ys > FLOOR_TAU * sd, np.clip(ys - SPARSITY_TAU * sd, 0.0, None), 0.0)
+            kept = np.maximum(soft, ss) * (rs > 0)
             both = kept.sum(axis=2)
             f = np.divide(kept[..., 0], both, out=even.copy(), where=both > 0)
         mass = np.stack([mass * f, mass * (1.0 - f)], axis=2).reshape(k, -1)
