@@ -66,6 +66,12 @@ PARQUET_OPTIONS: dict[str, Any] = {"compression": "none", "write_statistics": Fa
                                    "write_batch_size": 65536}
 
 
+def _public_rows(metadata: Mapping[str, Any] | None) -> int | None:
+    """Return the public pooled row count a job's model was fitted from (None: not kept)."""
+    n = (metadata or {}).get("n_rows_total")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def output_format(path: str | Path, fmt: str | None = None) -> str:
     """``fmt`` if given, else from the extension (.csv -> csv, anything else parquet)."""
     if fmt is not None:
@@ -176,7 +182,8 @@ class SynthModel:
         """
         links = links_from_proportions(schema, proportions, n_bins, continuous_link,
                                        resolution)
-        _, calibrated = calibrated_links(links, factor_model, rng, factors)
+        _, calibrated = calibrated_links(links, factor_model, rng, factors,
+                                         n_rows=_public_rows(metadata))
         blocks = split_proportions(proportions, schema, n_bins, resolution)
         decode = np.concatenate([blocks[c.name] if p is None else p
                                  for c, p in zip(schema.columns, calibrated, strict=True)])
@@ -196,7 +203,7 @@ class SynthModel:
         ``edges`` are (parent, child) in application order and ``tables`` their joint
         proportions (:func:`dpfed.common.synth.pair_marginals.fit_pair_tables`). The
         correction is built on rows drawn from this model
-        (:data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` of them); ``noise_sd`` is the
+        (:func:`~dpfed.common.synth.generative.calibration_rows` of them); ``noise_sd`` is the
         tables' public noise per cell in proportions (see
         :meth:`~dpfed.common.synth.pair_marginals.PairCorrection.fit`).
         """
@@ -204,7 +211,7 @@ class SynthModel:
             raise ValidationError("pair tables apply to generative models only")
         correction = pair_correction(grid, edges, tables, self.factor_model,
                                      self.decode_links, self.proportions, rng,
-                                     noise_sd=noise_sd)
+                                     noise_sd=noise_sd, n_rows=_public_rows(self.metadata))
         metadata = {**self.metadata, "pair_groups": grid.max_groups}
         return replace(self, metadata=metadata, pair_correction=correction)
 

@@ -98,7 +98,15 @@ class Metrics:
         self._xt, self._yt = self._features(self.hold_enc)
 
     # ------------------------------------------------------------------ distances
-    def tvds(self, syn: EncodedTable) -> tuple[dict[str, float], float, float]:
+    def _encoded(self, syn: pd.DataFrame | EncodedTable) -> EncodedTable:
+        return syn if isinstance(syn, EncodedTable) else encode_table(self.schema, syn)[0]
+
+    def tvds(self, syn: pd.DataFrame | EncodedTable) -> tuple[float, float, float]:
+        """Mean 1-way TVD, mean and max 2-way TVD, against the holdout."""
+        per_col, t2, t2m = self.column_tvds(self._encoded(syn))
+        return float(np.mean(list(per_col.values()))), t2, t2m
+
+    def column_tvds(self, syn: EncodedTable) -> tuple[dict[str, float], float, float]:
         """Per-column 1-way TVD, mean and max 2-way TVD, against the holdout."""
         one = self.cells.codes(syn)
         per_col = {c: _tvd(self._hold_one[c][0], one[c][0], one[c][1]) for c in one}
@@ -135,9 +143,9 @@ class Metrics:
         y = (table.columns[self.target] == 1).astype(float)
         return self.fmap.scaled(table)[:, self.keep], y
 
-    def auc(self, train: EncodedTable) -> float:
+    def auc(self, train: pd.DataFrame | EncodedTable) -> float:
         """L2-regularised logistic regression (Newton steps) trained on ``train``; holdout AUC."""
-        x, y = self._features(train)
+        x, y = self._features(self._encoded(train))
         xt, yt = self._xt, self._yt
         if y.min() == y.max():
             return 0.5
@@ -168,8 +176,8 @@ class Metrics:
     def evaluate(self, name: str, syn: pd.DataFrame | EncodedTable,
                  seconds: float = 0.0) -> dict[str, Any]:
         """Every metric of one synthetic table (a dict; ``columns``: per-column 1-way TVD)."""
-        enc = syn if isinstance(syn, EncodedTable) else encode_table(self.schema, syn)[0]
-        per_col, t2, t2m = self.tvds(enc)
+        enc = self._encoded(syn)
+        per_col, t2, t2m = self.column_tvds(enc)
         return {"method": name, "tvd1": float(np.mean(list(per_col.values()))),
                 "tvd1_max": float(max(per_col.values())), "tvd2": t2, "tvd2max": t2m,
                 "corr": self.correlation_error(enc), "auc": self.auc(enc), "s": seconds,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -49,110 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_tables import HELD_OUT, TABLES, TUNING, load_table, split_sites  # noqa: E402
 from secure_synth_round import federation, fit_secure  # noqa: E402
 from synth_metrics import Metrics  # noqa: E402
+from synth_quality import PAIRS_SPLIT, fit_federated, independent_marginals  # noqa: E402
 
-from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
-from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
-from dpfed.common.data.schema import Schema  # noqa: E402
-from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT  # noqa: E402
-from dpfed.common.pca import dppca  # noqa: E402
-from dpfed.common.privacy.composition import split_budget  # noqa: E402
-from dpfed.common.synth import pair_marginals as pm  # noqa: E402
-from dpfed.common.synth.factor_model import FactorModelSynthesizer, dp_second_moment  # noqa: E402
-from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
-from dpfed.common.synth.link_release import (  # noqa: E402
-    LinkHistogramAccumulator,
-    link_histogram_mechanism,
-    release_link_histograms,
-    release_noise_sd,
-    sum_histograms,
-)
-from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
-from dpfed.common.synth.pipeline import (  # noqa: E402
-    combine_factors,
-    links_from_histograms,
-    pair_forest,
-)
+from dpfed.common.data.encoding import encode_table  # noqa: E402
+from dpfed.common.synth.factor_model import FactorModelSynthesizer  # noqa: E402
 
 DELTA = 1e-6
 BINS = 32
 SITE_IDS = [f"site-{i}" for i in range(4)]
 METRICS = ("tvd1", "tvd1_max", "tvd2", "tvd2max", "corr", "auc", "s")
-
-
-def release(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
-            rng: np.random.Generator, resolution: str = "fine"
-            ) -> tuple[np.ndarray, Any, int]:
-    """The link round at site level over ``tables``: (proportions, links, pooled N)."""
-    rels = []
-    for t in tables:
-        acc = LinkHistogramAccumulator(schema, BINS, resolution)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, BINS, epsilon=eps, delta=delta,
-                                            rng=rng, resolution=resolution))
-    n = sum(t.n_rows for t in tables)
-    sigma = link_histogram_mechanism(schema, eps, delta).sigma * math.sqrt(len(tables))
-    props, links = links_from_histograms(sum_histograms(rels, schema, BINS, resolution), schema,
-                                         BINS, n_rows=n, resolution=resolution,
-                                         noise_sd=release_noise_sd(schema, BINS, sigma,
-                                                                   resolution))
-    return props, links, n
-
-
-def independent(schema: Schema, pooled: EncodedTable, eps: float, rng: np.random.Generator,
-                n: int) -> pd.DataFrame:
-    """Every column from its own DP 1-way release with the whole budget (one site)."""
-    _props, links, _ = release(schema, [pooled], eps, DELTA, rng)
-    return links.from_latent(rng.standard_normal((n, links.dim))).to_frame()
-
-
-def site_level(schema: Schema, tables: list[EncodedTable], eps: float,
-               rng: np.random.Generator) -> SynthModel:
-    """The job's site-level rounds (zCDP, default split with pairs) in process."""
-    split = SYNTH_PAIRS_DEFAULT_SPLIT
-    budget = {k: (e, d) for k, e, d in split_budget(
-        eps, DELTA, [(k, e, d) for k, (e, d) in split.items()], "zcdp")}
-    props, links, n = release(schema, tables, *budget["links"], rng)
-    dim = links.dim
-    clip = default_clip_norm(dim)
-    factors = []
-    for t in tables:
-        unit, _ = clip_to_unit_ball(links.to_latent(t, rng), clip)
-        g = dppca.GramAccumulator(dim)
-        g.add(unit)
-        factors.append(dppca.site_release(g.gram(), t.n_rows, epsilon=budget["pca"][0],
-                                          delta=budget["pca"][1], rank=dim, rng=rng).factor)
-    est = combine_factors(factors, [t.n_rows for t in tables], dim)
-    fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, n_rows=n)
-    dpc = dp_second_moment(est, dim)
-    d = np.sqrt(np.diag(dpc))
-    model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
-                             n_bins=BINS, proportions=props, factor_model=fm,
-                             dp_correlation=dpc / np.outer(d, d), rng=rng,
-                             latent_correlation=corr, resolution="fine")
-    grid = pm.PairGrid.from_proportions(schema, props, BINS, pm.DEFAULT_GROUPS, "fine")
-    cands = grid.candidate_pairs()
-    if not cands:
-        return model
-    scores = np.zeros(len(cands))
-    for t in tables:
-        acc = pm.PairTableAccumulator(grid, cands)
-        acc.add(t)
-        exact = pm.dependence_scores(acc.counts, grid, cands, props, t.n_rows)
-        scores += pm.score_mechanism(len(cands), *budget["pair_scores"]).release(exact, rng)
-    edges = pair_forest(scores, grid, len(schema.columns) - 1,
-                        lambda k: pm.pair_table_mechanism(k, *budget["pairs"]).sigma
-                        * math.sqrt(len(tables)))
-    if not edges:
-        return model
-    mech = pm.pair_table_mechanism(len(edges), *budget["pairs"])
-    total = np.zeros(sum(grid.cells(e) for e in edges))
-    for t in tables:
-        acc = pm.PairTableAccumulator(grid, edges)
-        acc.add(t)
-        total += mech.release(acc.counts, rng)
-    joint = pm.fit_pair_tables(total, grid, edges, props, n)
-    return model.with_pairs(grid, edges, joint, rng,
-                            noise_sd=mech.sigma * math.sqrt(len(tables)) / max(n, 1))
 
 
 def baseline_runs(root: Path, table: str, method: str, eps: float,
@@ -241,7 +145,8 @@ def run_table(name: str, args: argparse.Namespace, fed: Path) -> list[dict[str, 
     for eps in args.eps:
         print(f" -- epsilon {eps:g}")
         methods: dict[str, Any] = {
-            "indep": lambda rng, e=eps: independent(schema, pooled, e, rng, n),
+            "indep": lambda rng, e=eps: independent_marginals(schema, [pooled], e, DELTA, n,
+                                                              BINS, rng)[0],
             "central": lambda rng, e=eps: FactorModelSynthesizer(
                 schema, epsilon=e, delta=DELTA, rng=rng, composition="zcdp").fit(
                     train).sample(n),
@@ -253,8 +158,9 @@ def run_table(name: str, args: argparse.Namespace, fed: Path) -> list[dict[str, 
                 composition="zcdp").sample(n, rng=rng),
         }
         if args.site_level:
-            methods["fed-iid"] = lambda rng, e=eps: site_level(schema, enc_iid, e, rng).sample(
-                n, rng=rng)
+            methods["fed-iid"] = lambda rng, e=eps: fit_federated(
+                schema, enc_iid, e, DELTA, PAIRS_SPLIT, BINS, rng,
+                composition="zcdp").sample(n, rng=rng)
         rows: dict[str, dict[str, Any]] = {}
         for index, (method, fit) in enumerate(methods.items()):
             if method not in args.methods:

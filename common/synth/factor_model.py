@@ -910,7 +910,8 @@ class FactorModelSynthesizer:
                                       noise_scale=costs["factors"].noise_scale,
                                       rescale=self.rescale_latent)
         # The final calibration: every synthetic column reproduces its released DP marginal.
-        self.decode_links_, _ = calibrated_links(links, model, rng, self._factors)
+        self.decode_links_, _ = calibrated_links(links, model, rng, self._factors,
+                                                 n_rows=table.n_rows)
         # The job's pair rounds and the correction of generated rows to their tables.
         self.pair_grid_: PairGrid | None = None
         self.pair_edges_: list[Pair] = []

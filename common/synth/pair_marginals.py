@@ -1,4 +1,4 @@
-"""DP 2-way resolution of privately chosen column pairs, and the correction fitting rows to them.
+"""DP 2-way marginals of privately chosen column pairs, and the correction fitting rows to them.
 
 A Gaussian copula carries every dependence between two columns through one latent
 correlation, so some pairs are out of its reach: a category that exists only when another
@@ -9,7 +9,7 @@ marginals. dpfed keeps its factor model and adds two rounds and one post-process
 ``pair_scores`` (site)
     For every column pair ``(a, b)``, the L1 distance between the site's 2-way table on the
     :class:`PairGrid` cells and the independence table ``N_s p_a p_b`` of the DP 1-way
-    resolution the links carry (:func:`dependence_scores`), plus Gaussian noise
+    marginals the links carry (:func:`dependence_scores`), plus Gaussian noise
     (:func:`score_mechanism`). A large score says "this pair is far from independent".
 ``pairs`` (site)
     The coordinator picks a maximum-weight spanning forest of the summed noisy scores
@@ -17,7 +17,7 @@ marginals. dpfed keeps its factor model and adds two rounds and one post-process
     the forest's 2-way tables with Gaussian noise (:func:`pair_table_mechanism`).
 Correction (coordinator, post-processing)
     The summed tables are projected onto the public row count and raked to the DP 1-way
-    resolution (:func:`fit_pair_tables`). :class:`PairCorrection` then fits generated rows to
+    marginals (:func:`fit_pair_tables`). :class:`PairCorrection` then fits generated rows to
     them edge by edge, parents before children: in every parent cell it moves just enough of
     the child's rows from cells where the model has too many to cells where it has too few
     (the smallest change in distribution that makes the pair's table exact), redrawing a
@@ -405,7 +405,7 @@ def fit_pair_tables(total: np.ndarray, grid: PairGrid, pairs: Sequence[Pair],
     the projection sets every cell whose noisy count falls below a threshold to 0, and a
     parent or child group left without any mass could never be raked back to its DP
     proportion -- and raked to the DP 1-way proportions (grouped), so the pair tables agree
-    with the resolution the links release. Post-processing.
+    with the marginals the links release. Post-processing.
     """
     checked = check_pairs(pairs, len(grid.schema.columns))
     tables = split_tables(check_finite_array(total, "pair tables", ndim=1),

@@ -31,10 +31,10 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.pca.dppca import PCAEstimate, combine, site_weights
 from dpfed.common.synth.generative import (
-    CALIBRATION_ROWS,
     FactorModel,
     build_factor_model,
     calibrate_proportions,
+    calibration_rows,
     decoding_links,
 )
 from dpfed.common.synth.link_release import links_from_proportions, proportions_from_histograms
@@ -108,17 +108,17 @@ def aligned_latent(factors: np.ndarray, model: FactorModel) -> np.ndarray:
 
 
 def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Generator,
-                     factors: np.ndarray | None = None
+                     factors: np.ndarray | None = None, *, n_rows: int | None = None
                      ) -> tuple[LatentLinks, list[np.ndarray | None]]:
-    """Return the decoding links under which the model reproduces the links' DP resolution.
+    """Return the decoding links under which the model reproduces the links' DP marginals.
 
-    Generative models are calibrated on :data:`~dpfed.common.synth.generative.
-    CALIBRATION_ROWS` latent rows drawn from the model; row-aligned models (``factors``
-    given) on their own reconstructed latent rows. Returns the decoding links and the
-    calibrated proportions per column (None for identity-linked continuous columns).
-    Post-processing.
+    Generative models are calibrated on :func:`~dpfed.common.synth.generative.
+    calibration_rows` latent rows drawn from the model (``n_rows``: the public row count
+    the releases came from); row-aligned models (``factors`` given) on their own
+    reconstructed latent rows. Returns the decoding links and the calibrated proportions per
+    column (None for identity-linked continuous columns). Post-processing.
     """
-    latent = (model.latent(CALIBRATION_ROWS, rng) if factors is None
+    latent = (model.latent(calibration_rows(n_rows), rng) if factors is None
               else aligned_latent(factors, model))
     calibrated = calibrate_proportions(latent, links)
     return decoding_links(links, calibrated), calibrated
@@ -157,17 +157,18 @@ def pair_forest(scores: np.ndarray, grid: PairGrid, max_pairs: int,
 
 def pair_correction(grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
                     model: FactorModel, decode: LatentLinks, proportions: np.ndarray,
-                    rng: np.random.Generator, *, noise_sd: float = 0.0) -> PairCorrection:
+                    rng: np.random.Generator, *, noise_sd: float = 0.0,
+                    n_rows: int | None = None) -> PairCorrection:
     """Fit the correction of generated rows to fitted pair tables (post-processing).
 
-    The correction is built on :data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` rows
+    The correction is built on :func:`~dpfed.common.synth.generative.calibration_rows` rows
     drawn from ``model`` and decoded with the calibrated links ``decode`` (what sampling
     draws before the correction); ``tables`` are the joint proportions of
     :func:`dpfed.common.synth.pair_marginals.fit_pair_tables` and ``noise_sd`` their public
     noise per cell in proportions
     (:meth:`dpfed.common.synth.pair_marginals.PairCorrection.fit`).
     """
-    calibration = decode.from_latent(model.latent(CALIBRATION_ROWS, rng))
+    calibration = decode.from_latent(model.latent(calibration_rows(n_rows), rng))
     return PairCorrection.fit(grid, edges, tables, calibration, proportions, rng,
                               noise_sd=noise_sd)
 
@@ -185,4 +186,5 @@ def fit_pairs(total: np.ndarray, grid: PairGrid, edges: Sequence[Pair],
     """
     tables = fit_pair_tables(total, grid, edges, proportions, n_rows)
     return pair_correction(grid, edges, tables, model, decode, proportions, rng,
-                           noise_sd=float(noise_sd) / max(float(n_rows), 1.0))
+                           noise_sd=float(noise_sd) / max(float(n_rows), 1.0),
+                           n_rows=int(n_rows))

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
+from dpfed.common.data.encoding import EncodedTable, encode_table
 from dpfed.common.data.schema import Schema
 from dpfed.common.job_params import SynthParams
 from dpfed.common.synth import link_release
@@ -32,6 +31,7 @@ from dpfed.common.synth.links import latent_dim
 from dpfed.common.transport.protocol import Task
 from dpfed.site_agent.handlers.synth import SynthHandler
 from dpfed.site_agent.handlers.synth_secure import synth_counts_contribution
+from tests.site_agent.test_synth_handler import TableAccess, neighbour
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
@@ -64,24 +64,6 @@ N_BINS = 8
 SITES = ["hospital-a", "hospital-b"]
 
 
-class Rows:
-    """A site's rows as the handlers read them (schema + chunked pass)."""
-
-    def __init__(self, frame: pd.DataFrame, chunk: int = 7) -> None:
-        self._table, _ = encode_table(SCHEMA, frame)
-        self._chunk = chunk
-
-    @property
-    def schema(self) -> Schema:
-        return SCHEMA
-
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        t = self._table
-        for s in range(0, t.n_rows, self._chunk):
-            cols = {k: v[s:s + self._chunk] for k, v in t.columns.items()}
-            yield EncodedTable(SCHEMA, cols, min(self._chunk, t.n_rows - s)), EncodingReport()
-
-
 def base_frame(n: int = 30, seed: int = 0) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     return pd.DataFrame({
@@ -99,13 +81,6 @@ def records() -> list[dict[str, Any]]:
     for age, v, lab, stage, ward in itertools.product(ages, visits, labs, ("I", "IV"),
                                                       ("a", "c")):
         out.append({"age": age, "visits": v, "lab": lab, "stage": stage, "ward": ward})
-    return out
-
-
-def neighbour(frame: pd.DataFrame, record: dict[str, Any]) -> pd.DataFrame:
-    out = frame.copy()
-    for k, v in record.items():
-        out.loc[0, k] = v
     return out
 
 
@@ -129,7 +104,8 @@ def search_site_level() -> float:
     base = base_frame()
     task = Task("j/links", "j", "synth", 1.0, 1e-6,
                 {**job(), "schema_digest": SCHEMA.digest(), "round": "links"})
-    stats = [SynthHandler().exact(task, Rows(neighbour(base, r)))[3] for r in records()]
+    stats = [SynthHandler().exact(task, TableAccess(neighbour(base, r), schema=SCHEMA))[3]
+             for r in records()]
     # The noise is added to the weighted vector: its change is what the sensitivity bounds.
     weighted = [link_release.weighted_histograms(s, SCHEMA, N_BINS, "fine") for s in stats]
     return largest_distance(np.array(weighted))
@@ -188,7 +164,9 @@ def search_secure() -> tuple[float, float, Any]:
     base = base_frame()
     stats, plan = [], None
     for r in records():
-        given = synth_counts_contribution(counts_task(), Rows(neighbour(base, r)), SITES, 0)
+        given = synth_counts_contribution(counts_task(),
+                                          TableAccess(neighbour(base, r), schema=SCHEMA),
+                                          SITES, 0)
         plan = given.plan
         stat, n_rows = given.compute(np.random.default_rng(0))
         assert stat.dtype == np.int64 and n_rows == len(base)

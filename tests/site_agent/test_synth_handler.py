@@ -64,19 +64,21 @@ N_BINS = 8
 class TableAccess:
     """The site's rows as the handlers see them (schema + chunked pass), from a DataFrame."""
 
-    def __init__(self, frame: pd.DataFrame, chunk: int = 7) -> None:
-        self._table, _ = encode_table(SCHEMA, frame)
+    def __init__(self, frame: pd.DataFrame, chunk: int = 7, schema: Schema = SCHEMA) -> None:
+        self._schema = schema
+        self._table, _ = encode_table(schema, frame)
         self._chunk = chunk
 
     @property
     def schema(self) -> Schema:
-        return SCHEMA
+        return self._schema
 
     def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
         t = self._table
         for s in range(0, t.n_rows, self._chunk):
             cols = {k: v[s:s + self._chunk] for k, v in t.columns.items()}
-            yield EncodedTable(SCHEMA, cols, min(self._chunk, t.n_rows - s)), EncodingReport()
+            yield (EncodedTable(self._schema, cols, min(self._chunk, t.n_rows - s)),
+                   EncodingReport())
 
 
 def base_frame(n: int = 25, seed: int = 0) -> pd.DataFrame:

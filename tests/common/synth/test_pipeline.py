@@ -160,7 +160,8 @@ def test_central_synthesizer_runs_the_job_pipeline() -> None:
     links.to_latent(table, rng)  # type: ignore[attr-defined]
     model, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng,  # type: ignore[arg-type]
                                    n_simulations=synth.n_simulations, n_rows=table.n_rows)
-    decode, _ = calibrated_links(links, model, rng)  # type: ignore[arg-type]
+    decode, _ = calibrated_links(links, model, rng,  # type: ignore[arg-type]
+                                 n_rows=table.n_rows)
     assert corr is not None and synth.latent_correlation_ is not None
     np.testing.assert_allclose(synth.latent_correlation_, corr)
     np.testing.assert_allclose(synth.model_.multiplier, model.multiplier)
