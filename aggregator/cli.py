@@ -13,11 +13,12 @@
     dpfed query --columns C[,C2] --workload W --epsilon E [--bins C=EDGES] ...
     dpfed synth --epsilon E --delta D --rows N --out synth.parquet [--mode generative|row-aligned]
                 [--plan] [--evaluate] [--model synth_model.npz] [--report report.html]
-    dpfed synth-sample MODEL --rows N --out FILE   more rows from a saved model (no budget)
+    dpfed synth-sample MODEL --rows N [--out FILE] more rows from a saved model (no budget)
     dpfed report RESULT [--out report.html]   the HTML report of a result file
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
 Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
 the environment variables DPFED_COORDINATOR, DPFED_CA, DPFED_CERT, DPFED_KEY,
@@ -34,6 +35,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from dpfed.aggregator.cli_files import (
+    check_input_file,
+    check_output_dir,
+    check_output_file,
+    write_result,
+)
 from dpfed.common import exit_codes
 from dpfed.common.cli_support import (
     LazyArgumentParser,
@@ -154,6 +161,9 @@ PCA_FIELD_FLAGS = {"n_components": "--k", "rank": "--rank", "clip_norm": "--clip
 
 def cmd_pca(args: argparse.Namespace) -> int:
     """Run a DP-PCA job."""
+    check_output_file(args.out, "--out")
+    if args.report:
+        check_output_file(args.report, "--report")
     with connect(args) as coord:
         if args.wait_sites:
             print(f"waiting for {args.wait_sites} site(s) to connect (up to "
@@ -166,9 +176,10 @@ def cmd_pca(args: argparse.Namespace) -> int:
                            on_event=print_event, centering=args.centering,
                            site_weighting=args.site_weighting,
                            clip_quantile=args.clip_quantile)
-    path = result.save(args.out)
+    path = write_result(lambda: result.save(args.out), args.out, result.metadata)
     if args.report:
-        report = write_pca_report(result, args.report)
+        report = write_result(lambda: write_pca_report(result, args.report), args.report,
+                              result.metadata, then=" and dpfed report FILE")
         print(f"wrote {report}")
     meta = result.metadata
     k = result.n_components_
@@ -193,8 +204,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Write the HTML report of a saved result file (any kind)."""
     from dpfed.aggregator.result_reports import report_for_result
 
+    check_input_file(args.result, "RESULT", "result")
+    out = check_output_file(args.out or Path(args.result).with_suffix(".html"), "--out")
     rep = report_for_result(args.result)
-    out = Path(args.out) if args.out else Path(args.result).with_suffix(".html")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(rep.render(), encoding="utf-8")
     print(f"wrote {out}")
@@ -246,9 +258,9 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Download a result file."""
+    out = check_output_file(args.out, "--out")
     with connect(args) as coord:
         data = coord.fetch_result(args.job_id)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
     print(f"wrote {out} ({len(data)} bytes)")
@@ -259,6 +271,7 @@ def cmd_demo_data(args: argparse.Namespace) -> int:
     """Write a demo schema and one data file per site."""
     from dpfed.common.data.demo_data import write_demo
 
+    check_output_dir(args.out, "--out")
     schema, paths = write_demo(args.out, args.sites, args.rows, args.features, seed=args.seed,
                                mixed=args.mixed, fmt=args.format)
     print(f"wrote {schema}")
@@ -301,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpfed.aggregator.certs_cli import register as register_certs
 
     register_certs(cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub))
+    from dpfed.aggregator.audit_cli import register as register_audit
+
+    register_audit(sub)
 
     p = sub.add_parser("demo-data", help="generate demo hospital tables with a latent factor "
                        "structure and their schema.toml")

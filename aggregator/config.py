@@ -38,6 +38,11 @@ inline lists) and its certificate is not revoked; with no list at all nobody is 
     level = "INFO"
     format = "text"             # text | json (one JSON event per line)
     # file = "coordinator.log"
+
+    [metrics]                   # Prometheus endpoint, plain HTTP (docs/operations.md)
+    enabled = true              # on by default on the coordinator
+    listen = "127.0.0.1:9464"   # loopback by default
+    # port_file = "metrics.port"  # write the bound port here once serving
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import Any
 from dpfed.common.cli_support import check_address
 from dpfed.common.errors import ConfigError
 from dpfed.common.logs import LOG_FORMATS
+from dpfed.common.metrics import MetricsConfig, metrics_config
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -81,6 +87,7 @@ class AggregatorConfig:
     keepalive_s: float = DEFAULT_KEEPALIVE_S
     log_format: str = "text"
     health_listen: str | None = None
+    metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9464")
 
 
 def load_aggregator_config(path: str | Path,
@@ -148,6 +155,7 @@ def load_aggregator_config(path: str | Path,
         raise ConfigError(f"{p}: logging.format must be one of {', '.join(LOG_FORMATS)}, "
                           f"got {log_format!r}")
     lg.check_unknown()
+    metrics = metrics_config(root.section("metrics"), enabled=True, listen="127.0.0.1:9464")
     root.check_unknown()
     assert schema_path is not None and store_path is not None
     assert min_sites is not None and deadline is not None and resume_wait is not None
@@ -159,4 +167,5 @@ def load_aggregator_config(path: str | Path,
                             allow_any_analyst=bool(allow_any_analyst),
                             access_reload_s=access_reload_s,
                             keepalive_s=keepalive_s,
-                            log_format=log_format, health_listen=health_listen)
+                            log_format=log_format, health_listen=health_listen,
+                            metrics=metrics)

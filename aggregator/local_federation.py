@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpfed.aggregator import simulate_metrics
 from dpfed.aggregator.client import Coordinator
 from dpfed.common.data.demo_data import write_demo
 from dpfed.common.errors import DpfedError, ProcessExitedError
@@ -62,6 +63,9 @@ class LocalFederation:
     resume_wait_s: float = 60.0
     procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = field(default_factory=dict)
     port: int | None = None
+    #: Serve Prometheus metrics from every process on a free loopback port (``dpfed simulate
+    #: --metrics``; ``dpfed.aggregator.simulate_metrics``).
+    metrics: bool = False
 
     # ------------------------------------------------------------------ layout
     @property
@@ -109,7 +113,8 @@ class LocalFederation:
                seed: int = 0, fmt: str = "csv", data: list[Path] | None = None,
                schema: Path | None = None, min_sites: int | None = None,
                task_deadline_s: float = 600.0, resume_wait_s: float = 60.0,
-               settings: SiteSettings | None = None, mixed: bool = False) -> LocalFederation:
+               settings: SiteSettings | None = None, mixed: bool = False,
+               metrics: bool = False) -> LocalFederation:
         """Write certificates, data (demo data unless ``data``/``schema``) and configs."""
         root = root.resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -126,7 +131,7 @@ class LocalFederation:
                         analysts=[ANALYST], force=True)
         fed = cls(root, site_ids, Path(schema_path), dict(zip(site_ids, paths, strict=True)),
                   min_sites=min_sites or n_sites, task_deadline_s=task_deadline_s,
-                  resume_wait_s=resume_wait_s)
+                  resume_wait_s=resume_wait_s, metrics=metrics)
         fed.write_aggregator_config()
         for i, site_id in enumerate(site_ids):
             s = settings or SiteSettings()
@@ -147,7 +152,7 @@ class LocalFederation:
             f"access_list = {_q(c / 'access.toml')}\n\n"
             f"[jobs]\nmin_sites = {self.min_sites}\ntask_deadline_s = {self.task_deadline_s}\n"
             f"resume_wait_s = {self.resume_wait_s}\n\n"
-            f"[store]\npath = {_q(self.store)}\n")
+            f"[store]\npath = {_q(self.store)}\n\n{self._metrics_table('coordinator')}")
 
     def write_site_config(self, site_id: str, s: SiteSettings) -> None:
         """(Re)write one site's ``site.toml``."""
@@ -171,7 +176,19 @@ class LocalFederation:
             f"[data]\npath = {_q(self.data_paths[site_id])}\nschema = {_q(self.schema_path)}\n\n"
             f"[ledger]\npath = {_q(self.ledger_path(site_id))}\n\n"
             f"[budget]\nepsilon = {s.budget_epsilon}\ndelta = {s.budget_delta}\n"
-            f"accountant = \"{s.accountant}\"\n{analysts}\n{policy}{testing}")
+            f"accountant = \"{s.accountant}\"\n{analysts}\n{policy}{testing}\n"
+            f"{self._metrics_table(site_id)}")
+
+    def metrics_port_file(self, name: str) -> Path:
+        """Where a process (``"coordinator"`` or a site id) writes its metrics port."""
+        return (self.root / "coordinator" if name == "coordinator"
+                else self.site_dir(name)) / "metrics.port"
+
+    def _metrics_table(self, name: str) -> str:
+        if not self.metrics:
+            return "[metrics]\nenabled = false\n"
+        return (f"[metrics]\nenabled = true\nlisten = \"127.0.0.1:0\"\n"
+                f"port_file = {_q(self.metrics_port_file(name))}\n")
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
@@ -249,6 +266,8 @@ class LocalFederation:
                 self.check_alive()
                 sites = [s for s in coord.sites() if s.connected]
                 if len(sites) >= want and all(s.row_count > 0 for s in sites):
+                    if self.metrics:
+                        simulate_metrics.announce(self)
                     return
                 if time.monotonic() > deadline:
                     raise DpfedError(f"fewer than {want} sites connected and counted within "
@@ -278,5 +297,7 @@ class LocalFederation:
 
     def stop_all(self) -> None:
         """Stop every process (sites first, then the coordinator)."""
+        if self.metrics:
+            simulate_metrics.save_snapshots(self)
         for name in sorted(self.procs, key=lambda n: n == "coordinator"):
             self.stop(name)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dpfed.aggregator.cli_files import check_input_file, check_output_file, write_result
 from dpfed.common import exit_codes
 from dpfed.common.errors import ValidationError
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 
     from dpfed.aggregator.client import Coordinator
     from dpfed.common.transport.protocol import JobEvent
+
+#: ``dpfed query`` prints at most this many answers (it says how to get the others).
+SHOWN_ANSWERS = 60
+
 
 def _frame_json(df: pd.DataFrame) -> list[dict[str, Any]]:
     rows = df.to_dict(orient="records")
@@ -75,6 +80,10 @@ def cmd_svt(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Co
                               "when a session opens; with --session give only --queries")
     elif not args.close and args.queries is None:
         raise ValidationError("--session needs --queries FILE (the next batch) or --close")
+    if args.queries is not None:
+        check_input_file(args.queries, "--queries", "query set")
+    if args.out:
+        check_output_file(args.out, "--out")
     quiet = args.json
     with connect(args) as coord:
         result = coord.svt(args.queries, epsilon=args.epsilon, threshold=args.threshold,
@@ -83,7 +92,7 @@ def cmd_svt(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Co
                            min_sites=args.min_sites, deadline_seconds=args.deadline,
                            on_event=None if quiet else on_event)
     if args.out:
-        result.save(args.out)
+        write_result(lambda: result.save(args.out), args.out, result.metadata)
     if args.json:
         print(json.dumps({"session": result.session, "job_id": result.metadata["job_id"],
                           "action": result.metadata["action"],
@@ -100,8 +109,12 @@ def cmd_svt(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Co
             print(result.table.to_string(index=False))
     if args.out:
         print(f"wrote {args.out}")
-    print(f"continue with: dpfed svt --session {result.session} --queries NEXT.toml "
-          f"(or --close)")
+    if result.metadata["action"] == "close":
+        print(f"session {result.session} is closed: it takes no more batches (a new session "
+              "opens with --queries, --epsilon and --threshold)")
+    else:
+        print(f"continue with: dpfed svt --session {result.session} --queries NEXT.toml "
+              f"(or --close)")
     return exit_codes.OK
 
 
@@ -110,6 +123,10 @@ def cmd_query(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
     """Run a matrix-mechanism query job."""
     columns = [c.strip() for c in args.columns.split(",") if c.strip()]
     bins = parse_bins(args.bins)
+    if args.workload_file is not None:
+        check_input_file(args.workload_file, "--workload-file", "workload matrix")
+    if args.out:
+        check_output_file(args.out, "--out")
     with connect(args) as coord:
         result = coord.query(columns, epsilon=args.epsilon, delta=args.delta, bins=bins,
                              workload=args.workload, k=args.k,
@@ -120,7 +137,7 @@ def cmd_query(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
                              aggregation=args.aggregation)
     secure = result.metadata.get("secure")
     if args.out:
-        result.save(args.out)
+        write_result(lambda: result.save(args.out), args.out, result.metadata)
     if args.json:
         print(json.dumps({"job_id": result.metadata["job_id"], "strategy": result.strategy,
                           "noise": result.noise, "aggregation": args.aggregation,
@@ -137,10 +154,16 @@ def cmd_query(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
               f" colluding parties; {secure['guarantee']}")
     import pandas as pd
 
-    with pd.option_context("display.max_rows", 60, "display.width", 160):
-        print(result.answers.head(60).to_string(index=False))
+    total = len(result.answers)
+    with pd.option_context("display.max_rows", SHOWN_ANSWERS, "display.width", 160):
+        print(result.answers.head(SHOWN_ANSWERS).to_string(index=False))
     if args.out:
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out} (all {total:,} answers)")
+    elif total > SHOWN_ANSWERS:
+        job = result.metadata["job_id"]
+        print(f"showed the first {SHOWN_ANSWERS} of {total:,} answers. All of them, at no "
+              f"further privacy cost: dpfed fetch {job} --out query.npz (then dpfed report "
+              "query.npz), or next time --out FILE.csv or --json")
     return exit_codes.OK
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from dpfed.aggregator.metrics import CoordinatorMetrics
 from dpfed.common.errors import ProtocolError
 from dpfed.common.pb.v1 import site_link_pb2
 from dpfed.common.pb.v1.types_pb2 import Chunk as ProtoChunk
@@ -80,6 +81,7 @@ class SiteSession:
     #: Budget reports accepted / dropped by the rate limit (logged when the session ends).
     budget_accepted: int = 0
     budget_dropped: int = 0
+    metrics: CoordinatorMetrics | None = None
 
     async def submit(self, task_id: str, payload: bytes, deadline_unix: float, *,
                      max_result_bytes: int = MAX_TRANSFER_BYTES) -> TaskResult | Refusal:
@@ -102,6 +104,8 @@ class SiteSession:
             fut = asyncio.get_running_loop().create_future()
             self.pending[task_id] = fut
             self.result_limits[task_id] = max_result_bytes
+            if self.metrics is not None:
+                self.metrics.sent(self.site_id, len(payload))
             for chunk in iter_chunks(task_id, payload, CHUNK_BYTES):
                 msg = site_link_pb2.CoordinatorMessage(
                     task=site_link_pb2.TaskChunk(deadline_unix_ms=int(deadline_unix * 1000),
@@ -131,6 +135,8 @@ class SiteSession:
         fut = self.pending.get(task_id)
         if fut is None or fut.done():
             return None
+        if self.metrics is not None:
+            self.metrics.received(self.site_id, len(chunk.data))
         try:
             return self.transfers.add(chunk, self.result_limits.get(task_id, 0))
         except ProtocolError as exc:
@@ -151,6 +157,8 @@ class SiteSession:
         fut = self.pending.get(task_id)
         if fut is None or fut.done():
             return False
+        if isinstance(outcome, Refusal) and self.metrics is not None:
+            self.metrics.refused(self.site_id, outcome.code)
         fut.set_result(outcome)
         return True
 
@@ -190,13 +198,15 @@ class SiteSession:
 class SiteRegistry:
     """The live sessions, by site id (identity from the certificate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: CoordinatorMetrics | None = None) -> None:
+        #: This coordinator's metrics; sessions count their transfers and refusals into it.
+        self.metrics = metrics if metrics is not None else CoordinatorMetrics()
         self._sessions: dict[str, SiteSession] = {}
         self._changed = asyncio.Condition()
 
     async def attach(self, site_id: str, hello: SiteHello) -> SiteSession:
         """Register a new stream for ``site_id``, replacing (and closing) an older one."""
-        session = SiteSession(site_id, hello)
+        session = SiteSession(site_id, hello, metrics=self.metrics)
         async with self._changed:
             old = self._sessions.get(site_id)
             if old is not None:

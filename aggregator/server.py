@@ -26,6 +26,7 @@ from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.servicers import AnalystServicer, Authenticator, SiteLinkServicer
 from dpfed.aggregator.store import JobStore
 from dpfed.common.data.schema import Schema
+from dpfed.common.metrics import MetricsServer, serve_metrics
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport.grpc_options import server_options
 from dpfed.common.transport.tls import load_server_credentials
@@ -48,6 +49,7 @@ class RunningCoordinator:
     access_watch: asyncio.Task[None] | None = None
     health_server: grpc.aio.Server | None = None
     health_port: int | None = None
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful stop: NOT_SERVING, cancel jobs, close streams, stop the server."""
@@ -59,6 +61,8 @@ class RunningCoordinator:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
         self.store.close()
 
 
@@ -74,6 +78,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
                            allow_any_analyst=config.allow_any_analyst)
     store = JobStore(config.store_path)
     registry = SiteRegistry()
+    registry.metrics.watch(registry, store)
     jobs = JobManager(store, registry, federation)
     auth = Authenticator(insecure=config.tls is None, access=access)
 
@@ -105,10 +110,15 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
         store.close()
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
+    health_server = metrics_server = None
     try:
         health_server, health_port = await _start_health_port(config, health_servicer)
+        metrics_server = await serve_metrics(config.metrics, registry.metrics.registry,
+                                             "coordinator")
     except OSError:
         await server.stop(0)
+        if health_server is not None:
+            await health_server.stop(0)
         store.close()
         raise
     resumed = await jobs.resume_unfinished()
@@ -119,7 +129,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
              resumed)
     watch = asyncio.create_task(_watch_access(access, site_link, config.access_reload_s))
     return RunningCoordinator(server, port, store, registry, jobs, health_servicer, watch,
-                              health_server, health_port)
+                              health_server, health_port, metrics_server)
 
 
 async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,

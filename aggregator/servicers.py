@@ -31,7 +31,7 @@ from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, sit
 from dpfed.common.transport.grpc_errors import details_for, status_for
 from dpfed.common.transport.grpc_options import CHUNK_BYTES
 from dpfed.common.transport.identity import Principal
-from dpfed.common.transport.protocol import PROTOCOL_VERSION, Refusal, SiteInfo
+from dpfed.common.transport.protocol import PROTOCOL_VERSION, Refusal, SiteHello, SiteInfo
 from dpfed.common.transport.tls import (
     peer_fingerprint,
     principal_from_auth_context,
@@ -101,6 +101,11 @@ class Authenticator:
             raise AssertionError("unreachable") from None
 
 
+def _welcome(site_id: str) -> site_link_pb2.Welcome:
+    return site_link_pb2.Welcome(coordinator_version=__version__,
+                                 protocol_version=PROTOCOL_VERSION, site_id=site_id)
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if not isinstance(exc, DpfedError):
         log.exception("[Servicer] unexpected error", exc_info=exc)
@@ -136,21 +141,7 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
                                 f"no Hello within {HELLO_TIMEOUT_S:g}s")
         if first is grpc.aio.EOF or first.WhichOneof("body") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be Hello")
-        try:
-            hello = hello_from_proto(first.hello)
-        except ProtocolError as exc:
-            await _abort(context, exc)
-        if hello.protocol_version != PROTOCOL_VERSION:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"protocol version {hello.protocol_version} is not supported; "
-                                f"the coordinator speaks {PROTOCOL_VERSION}")
-        if hello.schema_digest != self.federation.schema_digest:
-            log.warning("[SiteLink.Connect] site=%s schema mismatch", site_id)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"schema mismatch: the site's schema digest is "
-                                f"{hello.schema_digest[:12]}..., the federation's is "
-                                f"{self.federation.schema_digest[:12]}...; "
-                                "every site must use the federation's schema.toml")
+        hello = await self._accepted_hello(context, site_id, first.hello)
         session = await self.registry.attach(site_id, hello)
         reader: asyncio.Task[None] | None = None
         reason = "stream ended"
@@ -159,10 +150,7 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
         self._live[id(session)] = (session, principal, fingerprint)
         try:
             self.store.record_site(site_id, hello)
-            await context.write(site_link_pb2.CoordinatorMessage(
-                welcome=site_link_pb2.Welcome(coordinator_version=__version__,
-                                              protocol_version=PROTOCOL_VERSION,
-                                              site_id=site_id)))
+            await context.write(site_link_pb2.CoordinatorMessage(welcome=_welcome(site_id)))
             reader = asyncio.create_task(self._read_loop(context, session))
             while not session.closed.is_set():
                 get = asyncio.ensure_future(session.outbox.get())
@@ -192,6 +180,33 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
             if reader is not None:
                 reader.cancel()
             await self.registry.detach(session, reason)
+
+    async def _accepted_hello(self, context: grpc.aio.ServicerContext, site_id: str,
+                              msg: site_link_pb2.Hello) -> SiteHello:
+        """Decode a Hello and check what Connect requires of it, aborting the call if not."""
+        try:
+            hello = hello_from_proto(msg)
+        except ProtocolError as exc:
+            await _abort(context, exc)
+        if hello.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"protocol version {hello.protocol_version} is not supported; "
+                                f"the coordinator speaks {PROTOCOL_VERSION}")
+        if hello.schema_digest != self.federation.schema_digest:
+            log.warning("[SiteLink] site=%s schema mismatch", site_id)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"schema mismatch: the site's schema digest is "
+                                f"{hello.schema_digest[:12]}..., the federation's is "
+                                f"{self.federation.schema_digest[:12]}...; "
+                                "every site must use the federation's schema.toml")
+        return hello
+
+    async def Preflight(self, request: site_link_pb2.Hello,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> site_link_pb2.Welcome:
+        """Answer as Connect would to this Hello, registering nothing (``dpfed-site check``)."""
+        principal = await self.auth.require(context, "site")  # allow-list and revocation
+        await self._accepted_hello(context, principal.name, request)
+        return _welcome(principal.name)
 
     def enforce_access(self) -> int:
         """Close the live sessions the access rules now refuse; return how many were closed.

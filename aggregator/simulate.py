@@ -20,17 +20,19 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from dpfed.aggregator.cli_files import check_output_dir
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.pca_report import PooledReference, captured_fraction, pca_report
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.aggregator.simulation_output import prepare_output, say
 from dpfed.common import exit_codes
-from dpfed.common.data.data_sources import open_data_source, spec_from_path
+from dpfed.common.data.data_sources import open_data_source, scan, spec_from_path
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import ConfigError, JobFailedError
+from dpfed.common.errors import ConfigError, DataError, JobFailedError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
 from dpfed.common.pca.dppca import GramAccumulator
 from dpfed.common.pca.features import UnitBallMap
@@ -67,40 +69,76 @@ class SimulationOptions:
     synth_rows: int = 20_000
     synth_mode: str = "generative"
     composition: str = "basic"
+    metrics: bool = False
+
+
+#: The defaults of the flags below that are left None by the parser, so that a flag the
+#: user typed can be told from one left at its default (:data:`JOB_FLAGS`).
+DEFAULTS: dict[str, Any] = {
+    "sites": 3, "rows": 20_000, "features": 20, "k": 5, "delta": 1e-5,
+    "calibration": "analytic", "centering": "mean", "site_weighting": "size",
+    "aggregation": "site", "data_format": "csv", "synth_rows": 20_000,
+    "synth_mode": "generative", "composition": "basic",
+}
+#: Flags that only some jobs use: given with another ``--job`` they are refused, named.
+JOB_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "k": ("--k", ("pca",)),
+    "rank": ("--rank", ("pca",)),
+    "calibration": ("--calibration", ("pca",)),
+    "clip_norm": ("--clip-norm", ("pca",)),
+    "centering": ("--centering", ("pca",)),
+    "site_weighting": ("--site-weighting", ("pca",)),
+    "aggregation": ("--aggregation", ("pca", "synth", "query")),
+    "delta": ("--delta", ("pca", "synth", "query")),
+    "data": ("--data", ("pca", "synth")),
+    "schema": ("--schema", ("pca", "synth")),
+    "synth_rows": ("--synth-rows", ("synth",)),
+    "synth_mode": ("--synth-mode", ("synth",)),
+    "composition": ("--composition", ("synth",)),
+}
+#: Flags that shape the generated demo data: refused with --data (the files decide).
+DEMO_FLAGS = {"sites": "--sites", "rows": "--rows", "features": "--features",
+              "data_format": "--format"}
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``dpfed simulate`` options to a parser."""
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default runs/simulate-<UTC time>)")
-    p.add_argument("--sites", type=int, default=3, help="number of hospitals (default 3)")
-    p.add_argument("--rows", type=int, default=20_000, help="rows per hospital (demo data)")
-    p.add_argument("--features", type=int, default=20, help="columns of the demo data")
-    p.add_argument("--k", type=int, default=5, help="number of principal components K")
-    p.add_argument("--rank", type=int, help="eigenpairs each site sends (default 2K)")
+    p.add_argument("--sites", type=int, help="number of hospitals (default 3)")
+    p.add_argument("--rows", type=int, help="rows per hospital (demo data; default 20000)")
+    p.add_argument("--features", type=int, help="columns of the demo data (default 20)")
+    p.add_argument("--k", type=int, help="--job pca: number of principal components K "
+                   "(default 5)")
+    p.add_argument("--rank", type=int, help="--job pca: eigenpairs each site sends (default 2K)")
     p.add_argument("--epsilon", type=float, default=1.0, help="epsilon per site for the job")
-    p.add_argument("--delta", type=float, default=1e-5, help="delta per site for the job")
-    p.add_argument("--calibration", choices=["analytic", "classic"], default="analytic")
+    p.add_argument("--delta", type=float, help="delta per site for the job (default 1e-5; "
+                   "--job query: only with --aggregation secure; not --job svt)")
+    p.add_argument("--calibration", choices=["analytic", "classic"],
+                   help="--job pca (default analytic)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: all sites)")
     p.add_argument("--clip-norm", type=parse_clip_norm, default=None, metavar="auto|schema|C",
-                   help="row-norm bound: auto = a DP quantile of the row norms (default; "
-                   "schema with --aggregation secure), "
+                   help="--job pca: row-norm bound: auto = a DP quantile of the row norms "
+                   "(default; schema with --aggregation secure), "
                    "schema = the worst case the schema allows, or a number")
-    p.add_argument("--centering", choices=list(CENTERINGS), default="mean",
-                   help="mean = centred PCA around a DP mean (default); none = uncentred")
-    p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS), default="size",
-                   help="size = weight sites by N_s/N (default); equal = 1/S (the paper's)")
-    p.add_argument("--aggregation", choices=list(AGGREGATIONS), default="site",
+    p.add_argument("--centering", choices=list(CENTERINGS),
+                   help="--job pca: mean = centred PCA around a DP mean (default); none = "
+                   "uncentred")
+    p.add_argument("--site-weighting", choices=list(SITE_WEIGHTINGS),
+                   help="--job pca: size = weight sites by N_s/N (default); equal = 1/S "
+                   "(the paper's)")
+    p.add_argument("--aggregation", choices=list(AGGREGATIONS),
                    help="site = each site noises its own release (default); secure = a secure "
                         "sum with distributed noise (pooled-data utility; --job pca, synth or "
                         "query)")
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
                    "only: the noise is then not private)")
     p.add_argument("--data", type=Path, action="append", default=[],
-                   help="a site's data file (repeat once per site; CSV or Parquet)")
+                   help="--job pca or synth: a site's data file (repeat once per site; CSV "
+                   "or Parquet)")
     p.add_argument("--schema", type=Path, help="schema.toml for --data")
-    p.add_argument("--format", dest="data_format", choices=["csv", "parquet"], default="csv",
-                   help="format of the generated demo data")
+    p.add_argument("--format", dest="data_format", choices=["csv", "parquet"],
+                   help="format of the generated demo data (default csv)")
     p.add_argument("--budget-epsilon", type=float, help="each site's total epsilon budget "
                    "(default max(10, 2 x --epsilon))")
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
@@ -110,18 +148,46 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="which job to simulate: pca (default); synth (federated DP synthesis on "
                    "mixed demo data; docs/synthesis.md); svt or query (demo data with nominal "
                    "and ordinal columns; docs/queries.md)")
-    p.add_argument("--synth-rows", type=int, default=20_000,
-                   help="--job synth: synthetic rows to write (generative mode)")
-    p.add_argument("--synth-mode", choices=["generative", "row-aligned"], default="generative",
-                   help="--job synth: output mode")
-    p.add_argument("--composition", choices=["basic", "zcdp"], default="basic",
-                   help="--job synth: how the rounds share the budget (zcdp: shares of rho; "
-                   "the simulated sites then account in zcdp)")
+    p.add_argument("--synth-rows", type=int,
+                   help="--job synth: synthetic rows to write (generative mode; default 20000)")
+    p.add_argument("--synth-mode", choices=["generative", "row-aligned"],
+                   help="--job synth: output mode (default generative)")
+    p.add_argument("--composition", choices=["basic", "zcdp"],
+                   help="--job synth: how the rounds share the budget (default basic; zcdp: "
+                   "shares of rho, the simulated sites then account in zcdp)")
+
+    p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics from the "
+                   "coordinator and every site on free loopback ports (addresses printed; the "
+                   "last scrape of each is saved in OUT/metrics/)")
+
+def refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
+    """Raise ConfigError naming the first flag the chosen ``--job`` (or ``--data``) ignores."""
+    def given(name: str) -> bool:
+        value = getattr(args, name, None)
+        return value is not None and value != []
+
+    for name, (flag, jobs) in JOB_FLAGS.items():
+        if given(name) and args.job not in jobs:
+            raise ConfigError(f"{flag} does not apply to --job {args.job} (it is for --job "
+                              f"{' or '.join(jobs)})")
+    if args.job == "query" and given("delta") and args.aggregation != "secure":
+        raise ConfigError("--delta applies to --job query only with --aggregation secure (the "
+                          "site-level query job spends epsilon only)")
+    if args.data:
+        for name, flag in DEMO_FLAGS.items():
+            if given(name):
+                raise ConfigError(f"{flag} shapes the generated demo data; with --data the "
+                                  "files decide (one site per --data file)")
 
 
 def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
     """Build options from parsed arguments (validating combinations)."""
-    out = args.out or Path("runs") / f"simulate-{datetime.now(UTC):%Y%m%dT%H%M%S}"
+    refuse_flags_that_do_not_apply(args)
+    for name, default in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    out = check_output_dir(args.out or Path("runs") / f"simulate-{datetime.now(UTC):%Y%m%dT%H%M%S}",
+                           "--out")
     if args.data and not args.schema:
         raise ConfigError("--data needs --schema (the federation's schema.toml)")
     if args.schema and not args.data:
@@ -143,10 +209,9 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              seed=args.seed, data=list(args.data),
                              schema=args.schema, data_format=args.data_format,
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
-                             deadline=args.deadline, job=getattr(args, "job", "pca"),
-                             synth_rows=getattr(args, "synth_rows", 20_000),
-                             synth_mode=getattr(args, "synth_mode", "generative").replace("-", "_"),
-                             composition=getattr(args, "composition", "basic"))
+                             deadline=args.deadline, job=args.job, synth_rows=args.synth_rows,
+                             synth_mode=args.synth_mode.replace("-", "_"),
+                             composition=args.composition, metrics=args.metrics)
     if opts.job == "synth":  # before anything is made
         from dpfed.aggregator.simulate_synth import check_synth_options
 
@@ -154,6 +219,29 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
     return opts
 
 
+def check_data_files(opts: SimulationOptions) -> Schema:
+    """Open every ``--data`` file as its simulated site will, and read it through once.
+
+    Each file is checked for the schema's columns and counted under the sites' row policy
+    (the site config's defaults): a file none of whose rows survives would make its site
+    refuse every task, so it is a data error here, naming the site, before anything starts.
+    Returns the schema (``--schema``).
+
+    Raises
+    ------
+    DataError, SchemaError
+        Naming the file and the site (``hospital-<i>``, as the simulation names them).
+    """
+    assert opts.schema is not None
+    schema = Schema.load(opts.schema)
+    for i, path in enumerate(opts.data):
+        source = open_data_source(spec_from_path(path), schema)
+        report = scan(source)
+        if report.rows_kept == 0:
+            raise DataError(f"--data {path} (site hospital-{i + 1}): no row survives the "
+                            f"sites' row policy ({report.summary()}); that site would refuse "
+                            "every task")
+    return schema
 
 
 def pooled_reference(schema: Schema, paths: list[Path], *, centred: bool) -> PooledReference:
@@ -220,10 +308,8 @@ def check_options(opts: SimulationOptions) -> None:
     if opts.min_sites > opts.sites:
         raise ConfigError(f"--min-sites {opts.min_sites} is more than the {opts.sites} "
                           "simulated site(s)")
-    if opts.schema is not None:
-        schema = Schema.load(opts.schema)
-        for path in opts.data:
-            open_data_source(spec_from_path(path), schema)
+    if opts.data:
+        schema = check_data_files(opts)
     else:
         schema = demo_model(opts.features, seed=0).schema
     spec = JobSpec("pca", opts.epsilon, opts.delta,
@@ -243,6 +329,8 @@ def run_simulation(opts: SimulationOptions) -> int:
     if opts.job == "synth":
         from dpfed.aggregator.simulate_synth import run_synth_simulation
 
+        if opts.data:
+            check_data_files(opts)
         prepare_output(opts.out.resolve())
         return run_synth_simulation(opts)
     check_options(opts)
@@ -263,7 +351,8 @@ def run_simulation(opts: SimulationOptions) -> int:
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings)
+                                 task_deadline_s=opts.deadline, settings=settings,
+                                 metrics=opts.metrics)
     say("certs", f"federation CA, coordinator, {len(fed.site_ids)} site and 1 analyst "
          f"certificate(s) -> {fed.certs}")
     schema = Schema.load(fed.schema_path)

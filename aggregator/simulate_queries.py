@@ -15,7 +15,6 @@ nominal and ordinal columns), then as an analyst:
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from dpfed.aggregator.report import Report
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import DpfedError, JobFailedError
+from dpfed.common.errors import JobFailedError
 from dpfed.common.queries.query_language import compile_query_set
 from dpfed.common.transport.protocol import JobEvent
 
@@ -72,7 +71,8 @@ def run_query_simulation(opts: Any) -> int:
                             noise_seed=opts.seed)
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows, features=features,
                                  seed=seed, fmt=opts.data_format, min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings, mixed=True)
+                                 task_deadline_s=opts.deadline, settings=settings, mixed=True,
+                                 metrics=opts.metrics)
     say("data", f"{opts.sites} x {opts.rows} rows, {features} columns incl. nominal/ordinal "
          f"(seed {seed})")
     rep = Report(f"dpfed simulation: {opts.job} job")
@@ -96,10 +96,7 @@ def run_query_simulation(opts: Any) -> int:
             budgets = coord.budgets()
     except JobFailedError as exc:
         say(opts.job, f"FAILED: {exc}")
-        return exit_codes.JOB_FAILED
-    except DpfedError as exc:
-        print(f"[simulate] error: {exc}", file=sys.stderr)
-        return exit_codes.INTERNAL_ERROR
+        return exit_codes.for_error(exc)
     finally:
         fed.stop_all()
     rep.heading("Budgets")

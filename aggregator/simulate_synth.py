@@ -14,7 +14,6 @@ job's evaluation round (nothing of it goes to the coordinator).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
-from dpfed.common.errors import DpfedError, JobFailedError, ValidationError
+from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
 from dpfed.common.transport.protocol import JobEvent
 
@@ -103,7 +102,8 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
                                  min_sites=opts.min_sites or None,
-                                 task_deadline_s=opts.deadline, settings=settings, mixed=True)
+                                 task_deadline_s=opts.deadline, settings=settings, mixed=True,
+                                 metrics=opts.metrics)
     try:
         fed.start_coordinator()
         say("coordinator", f"serving on {fed.address} (mTLS)")
@@ -126,12 +126,9 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                                           composition=opts.composition)
             except JobFailedError as exc:
                 say("synth", f"FAILED: {exc}")
-                return exit_codes.JOB_FAILED
+                return exit_codes.for_error(exc)
             job_seconds = time.monotonic() - job_t0
             budgets = coord.budgets()
-    except DpfedError as exc:
-        print(f"[simulate] error: {exc}", file=sys.stderr)
-        return exit_codes.INTERNAL_ERROR
     finally:
         fed.stop_all()
 

@@ -211,6 +211,13 @@ class JobStore:
                                     (max(1, limit),)).fetchall()
         return [self._row_to_job(r) for r in rows]
 
+    def job_counts(self) -> list[tuple[str, str, int]]:
+        """(kind, state, number of jobs) for every kind and state in the store."""
+        with self._lock:
+            rows = self._db.execute("SELECT kind, state, COUNT(*) FROM jobs "
+                                    "GROUP BY kind, state ORDER BY kind, state").fetchall()
+        return [(str(k), str(s), int(n)) for k, s, n in rows]
+
     def unfinished_jobs(self) -> list[JobInfo]:
         """Jobs that were pending or running when the coordinator stopped (oldest first)."""
         with self._lock:

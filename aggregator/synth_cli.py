@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpfed.aggregator.cli_files import check_input_file, check_output_file, write_result
 from dpfed.common import exit_codes
 from dpfed.common.errors import ValidationError
 
@@ -150,6 +151,11 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
                                   "rows to write)")
         check_rows(args.rows)
     fmt = output_format(args.out, args.format)
+    if not args.plan:
+        for flag, path in (("--out", args.out), ("--model", args.model),
+                           ("--report", args.report)):
+            if path:
+                check_output_file(path, flag)
     with connect(args) as coord:
         if args.plan:
             _synth_plan(args, coord)
@@ -166,8 +172,11 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
             aggregation=args.aggregation,
             evaluate_summary=_summary_budget(args), pairs=args.pairs,
             pair_groups=args.pair_groups, composition=args.composition)
-    model_path = model.save(args.model)
-    written = model.write(args.out, args.rows, fmt=fmt, progress=write_progress(args.out))
+    then = " and dpfed synth-sample FILE --rows N --out TABLE"
+    model_path = write_result(lambda: model.save(args.model), args.model, model.metadata, then)
+    written = write_result(lambda: model.write(args.out, args.rows, fmt=fmt,
+                                               progress=write_progress(args.out)),
+                           args.out, model.metadata, f" (or use {model_path}){then}")
     label = ("row-aligned: ONE NOISY ROW PER REAL ROW" if mode == "row_aligned"
              else "generative: new rows from the DP model")
     print(f"wrote {args.out} ({written} rows, {fmt}; {label})")
@@ -183,6 +192,8 @@ def cmd_synth_sample(args: argparse.Namespace) -> int:
     """Draw rows from a saved synthesis model (post-processing: no budget)."""
     from dpfed.aggregator.synth_model import SynthModel, check_rows, output_format
 
+    check_input_file(args.model, "MODEL", "model")
+    check_output_file(args.out, "--out")
     model = SynthModel.load(args.model)
     rows = None if args.rows is None else check_rows(args.rows)
     written = model.write(args.out, rows, fmt=output_format(args.out, args.format),
@@ -252,6 +263,7 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     p = sub.add_parser("synth-sample", help="draw rows from a saved synthesis model (no budget)")
     p.add_argument("model", help="model file written by `dpfed synth`")
     p.add_argument("--rows", type=int, help="rows to draw (required for generative models)")
-    p.add_argument("--out", required=True, help="output table (.parquet or .csv)")
+    p.add_argument("--out", default="synth_sample.parquet",
+                   help="output table (.parquet or .csv; default synth_sample.parquet)")
     p.add_argument("--format", choices=["parquet", "csv"], help="default: from --out")
     p.set_defaults(func=cmd_synth_sample)

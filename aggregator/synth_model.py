@@ -219,6 +219,15 @@ class SynthModel:
     def _aligned_latent(factors: np.ndarray, fm: FactorModel) -> np.ndarray:
         return aligned_latent(factors, fm)
 
+    def __repr__(self) -> str:
+        # One line: the arrays (thousands of lines printed whole) stay out of it.
+        pairs = 0 if self.pair_correction is None else len(self.pair_correction.edges)
+        rows = "" if self.factors is None else f", rows={self.factors.shape[0]}"
+        return (f"SynthModel(job_id={self.metadata.get('job_id', '')!r}, mode={self.mode!r}, "
+                f"columns={len(self.schema.columns)}, "
+                f"latent_dim={self.dp_correlation.shape[0]}, rank={self.factor_model.rank}, "
+                f"pairs={pairs}{rows})")
+
     # ------------------------------------------------------------------ links
     @property
     def links(self) -> LatentLinks:

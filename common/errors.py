@@ -70,6 +70,10 @@ class CoordinatorUnavailableError(DpfedError):
     """The coordinator could not be reached (down, wrong address, or TLS handshake failure)."""
 
 
+class SiteRejectedError(DpfedError):
+    """The coordinator refuses this site (not admitted, revoked, another schema or protocol)."""
+
+
 class JobFailedError(DpfedError):
     """A job ended in the failed state; the message carries the coordinator's reason."""
 
@@ -80,6 +84,10 @@ class JobBudgetExceededError(JobFailedError, BudgetExceededError):
     Both a :class:`JobFailedError` (the job ended failed) and a :class:`BudgetExceededError`
     (the binaries exit with ``exit_codes.BUDGET_EXCEEDED``, not ``JOB_FAILED``).
     """
+
+
+class VerificationError(DpfedError):
+    """A signed file (a ledger export) does not verify: altered, truncated or wrongly signed."""
 
 
 class SitesNotConnectedError(DpfedError):

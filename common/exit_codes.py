@@ -15,9 +15,10 @@ INTERNAL_ERROR = 1
 #: Bad command-line usage (argparse's own code), or a request the coordinator rejects as
 #: invalid (a parameter out of range, an unknown job id).
 USAGE = 2
-#: A configuration file or flag is missing or invalid.
+#: A configuration file or flag is missing or invalid (also an output that cannot be written).
 CONFIG_ERROR = 3
-#: A data file, table or schema cannot be read or does not match.
+#: An input file (data, table, schema, model, result, query set, workload) is missing,
+#: cannot be read or does not match.
 DATA_ERROR = 4
 #: A certificate or key is missing, unreadable or does not chain to the federation CA.
 CERTIFICATE_ERROR = 5
@@ -31,6 +32,9 @@ JOB_FAILED = 8
 BUDGET_EXCEEDED = 9
 #: The coordinator answered but fewer sites than ``--wait-sites N`` connected in time.
 SITES_NOT_CONNECTED = 10
+#: A signed ledger export does not verify (altered, truncated, reordered, or not signed by a
+#: site certificate of the federation): ``dpfed audit verify``.
+VERIFICATION_FAILED = 11
 #: Interrupted by SIGINT.
 INTERRUPTED = 130
 #: The reader of standard output went away (``dpfed jobs | head``): stop quietly, as a
@@ -43,7 +47,8 @@ TABLE: tuple[tuple[int, str, str], ...] = (
     (INTERNAL_ERROR, "INTERNAL_ERROR", "unexpected internal error (a bug: please report it)"),
     (USAGE, "USAGE", "bad command-line usage, or a request the coordinator rejects as invalid"),
     (CONFIG_ERROR, "CONFIG_ERROR", "configuration file or flag missing or invalid"),
-    (DATA_ERROR, "DATA_ERROR", "data file, table or schema unreadable or not matching"),
+    (DATA_ERROR, "DATA_ERROR", "input file (data, schema, model, result, query set) missing, "
+     "unreadable or not matching"),
     (CERTIFICATE_ERROR, "CERTIFICATE_ERROR",
      "certificate or key missing, unreadable, or not chaining to the federation CA"),
     (COORDINATOR_UNREACHABLE, "COORDINATOR_UNREACHABLE",
@@ -55,6 +60,8 @@ TABLE: tuple[tuple[int, str, str], ...] = (
      "privacy budget exhausted (also when every refusing site refused for budget)"),
     (SITES_NOT_CONNECTED, "SITES_NOT_CONNECTED",
      "the coordinator is up but fewer sites than --wait-sites N connected in time"),
+    (VERIFICATION_FAILED, "VERIFICATION_FAILED",
+     "a signed ledger export does not verify (altered, truncated, or wrongly signed)"),
     (INTERRUPTED, "INTERRUPTED", "interrupted (Ctrl-C)"),
     (PIPE_CLOSED, "PIPE_CLOSED", "standard output closed by its reader (output piped into head)"),
 )
@@ -77,6 +84,8 @@ def for_error(exc: BaseException) -> int:
         (errors.DataError, DATA_ERROR),
         (errors.ConfigError, CONFIG_ERROR),
         (errors.SitesNotConnectedError, SITES_NOT_CONNECTED),
+        (errors.SiteRejectedError, REJECTED_BY_COORDINATOR),
+        (errors.VerificationError, VERIFICATION_FAILED),
         (errors.CoordinatorUnavailableError, COORDINATOR_UNREACHABLE),
         (errors.BudgetExceededError, BUDGET_EXCEEDED),
         (errors.JobFailedError, JOB_FAILED),

@@ -52,6 +52,7 @@ from dpfed.common.transport.wire import (
     task_from_bytes,
 )
 from dpfed.site_agent.coordinator_check import CoordinatorCheck, CoordinatorRevokedError
+from dpfed.site_agent.metrics import SiteMetrics
 from dpfed.site_agent.runner import TaskRunner
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class SiteAgent:
         Run on the task thread after each connection, before any task; when it returns
         True the agent sends a fresh Hello on the same stream (the site counts its rows
         this way instead of before connecting: ``dpfed.site_agent.row_count``).
+    metrics : SiteMetrics, optional
+        Counts connections and answered tasks (``dpfed.site_agent.metrics``).
     """
 
     def __init__(self, *, address: str, credentials: grpc.ChannelCredentials | None,
@@ -107,7 +110,8 @@ class SiteAgent:
                  server_name: str | None = None, insecure_principal: str | None = None,
                  coordinator_check: CoordinatorCheck | None = None,
                  keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 after_connect: Callable[[], bool] | None = None) -> None:
+                 after_connect: Callable[[], bool] | None = None,
+                 metrics: SiteMetrics | None = None) -> None:
         self.address = address
         self.credentials = credentials
         self.runner = runner
@@ -118,10 +122,13 @@ class SiteAgent:
         self.coordinator_check = coordinator_check
         self.keepalive_s = keepalive_s
         self.after_connect = after_connect
+        self.metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
         self._random = random.Random()
         self.connected_once = False
+        #: Whether a session is open now (the agent's status file reports it).
+        self.connected = False
         self.site_id: str | None = None
 
     def stop(self) -> None:
@@ -211,7 +218,9 @@ class SiteAgent:
             if first.WhichOneof("body") != "welcome":
                 raise ProtocolError("the coordinator's first message was not Welcome")
             self.site_id = first.welcome.site_id
-            self.connected_once = True
+            self.connected_once = self.connected = True
+            if self.metrics is not None:
+                self.metrics.connected(True)
             log.info("[SiteAgent.session] connected to %s as site %s (coordinator %s)",
                      self.address, self.site_id, first.welcome.coordinator_version)
             reassembler = Reassembler(MAX_TRANSFER_BYTES)
@@ -275,6 +284,9 @@ class SiteAgent:
                         log.info("[SiteAgent.session] coordinator cancelled task %s: %s",
                                  msg.cancel.task_id, msg.cancel.reason)
             finally:
+                self.connected = False
+                if self.metrics is not None:
+                    self.metrics.connected(False)
                 stop_wait.cancel()
                 revoked.cancel()
                 for unfinished in running:
@@ -318,6 +330,8 @@ class SiteAgent:
             return
         loop = asyncio.get_running_loop()
         outcome = await loop.run_in_executor(self._executor, self.runner.run, task, deadline)
+        if self.metrics is not None:
+            self.metrics.task(task.kind, len(payload), outcome)
         # The budget report goes first, in the same locked write as the answer: the
         # coordinator reads the stream in order, so when a job's last answer arrives every
         # site's reported budget already counts it (`dpfed budgets` right after a job is exact).

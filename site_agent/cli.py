@@ -6,10 +6,14 @@
     dpfed-site check --config site.toml [--timeout S]  check config, certificates, schema,
                                                        data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
+    dpfed-site health --config site.toml [--max-age S] is the running agent connected?
+    dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
 
-``check`` changes nothing: it creates no ledger (an existing one is opened read-only) and
-only asks the coordinator's health service whether it is serving, over the same mutual TLS a
-running agent uses, so both ends' certificates are verified.
+``check`` changes nothing: it creates no ledger (an existing one is opened read-only), asks
+the coordinator's health service whether it is serving and asks the coordinator whether it
+would accept this site's Hello (identity, allow-list, schema), over the same mutual TLS a
+running agent uses; it registers nothing. ``health`` only reads the running agent's status
+file (:mod:`dpfed.site_agent.agent_status`), for container and service-manager probes.
 
 Exit codes (``dpfed.common.exit_codes``, table in docs/cli.md): 3 bad config, 4 data/schema
 problem, 5 certificate problem, 6 coordinator unreachable, 7 rejected by the coordinator.
@@ -30,8 +34,11 @@ from dpfed.common.errors import (
     CertificateError,
     ConfigError,
     CoordinatorUnavailableError,
+    DataError,
     DpfedError,
+    SiteRejectedError,
 )
+from dpfed.site_agent.agent_status import DEFAULT_MAX_AGE_S
 
 # numpy, pandas, pyarrow and grpc are imported inside the functions that use them, so that
 # ``dpfed-site --help`` and ``--version`` answer at once.
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
     from dpfed.common.data.data_sources import DataSource, DataSourceSpec
     from dpfed.common.data.schema import Schema
     from dpfed.common.transport.identity import Role
+    from dpfed.site_agent.agent_status import StatusWriter
     from dpfed.site_agent.config import SiteConfig
     from dpfed.site_agent.handlers import TaskHandler
     from dpfed.site_agent.row_count import CountedData
@@ -80,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="list the privacy ledger's events and totals")
     _add_common(ledger)
     ledger.add_argument("--json", action="store_true", help="print JSON")
+    from dpfed.site_agent.audit_export import add_export_arguments
+
+    add_export_arguments(ledger)
+    health = sub.add_parser("health", help="is the running agent connected to the "
+                            "coordinator? (reads its status file: a cheap container probe)")
+    _add_common(health)
+    health.add_argument("--ledger", help="ledger file, if the agent runs with --ledger")
+    health.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
+                        help="seconds after which the agent's status counts as stale "
+                        f"(default {DEFAULT_MAX_AGE_S:g})")
     return p
 
 
@@ -148,7 +166,7 @@ def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ..
     return handlers, kinds
 
 
-def _run(config: SiteConfig) -> int:
+def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     import asyncio
     import logging
     import signal
@@ -158,8 +176,10 @@ def _run(config: SiteConfig) -> int:
     from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
     from dpfed.common.transport.tls import check_tls_files, load_channel_credentials
     from dpfed.site_agent.agent import SiteAgent
+    from dpfed.site_agent.agent_status import CONNECTED, CONNECTING
     from dpfed.site_agent.coordinator_check import CoordinatorCheck
     from dpfed.site_agent.ledger import Ledger
+    from dpfed.site_agent.metrics import SiteMetrics, serving_metrics
     from dpfed.site_agent.runner import TaskRunner
     from dpfed.site_agent.secure_policy import SUM_KINDS
 
@@ -204,18 +224,63 @@ def _run(config: SiteConfig) -> int:
                       hello=hello, connect_timeout_s=config.connect_timeout_s,
                       server_name=config.server_name, coordinator_check=check,
                       keepalive_s=config.keepalive_s,
-                      after_connect=prepared.data.ensure_counted)
+                      after_connect=prepared.data.ensure_counted,
+                      metrics=SiteMetrics(ledger, allowed_kinds))
+
+    async def heartbeat() -> None:
+        while True:
+            status_file.update(CONNECTED if agent.connected else CONNECTING,
+                               agent.site_id or "")
+            await asyncio.sleep(1.0)
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, agent.stop)
-        return await agent.run()
+        beat = asyncio.create_task(heartbeat())
+        try:
+            async with serving_metrics(config.metrics, agent.metrics):
+                return await agent.run()
+        finally:
+            beat.cancel()
 
     try:
         return asyncio.run(main())
     finally:
         ledger.close()
+
+
+def _run_with_status(config: SiteConfig) -> int:
+    """Run the agent, its status file saying ``stopped`` with the exit code at the end."""
+    from dpfed.site_agent.agent_status import STOPPED, StatusWriter, status_path
+
+    status_file = StatusWriter(status_path(config.ledger_path), config.coordinator_address)
+    code = exit_codes.INTERNAL_ERROR
+    try:
+        code = _run(config, status_file)
+        return code
+    except BaseException as exc:
+        code = exit_codes.for_error(exc)
+        raise
+    finally:
+        status_file.update(STOPPED, exit_code=code)
+
+
+def _coordinator_channel(config: SiteConfig) -> tuple[Any, str]:
+    """Open a channel to the coordinator as the agent does; say how it is secured."""
+    import grpc
+
+    from dpfed.common.transport.grpc_options import channel_options
+    from dpfed.common.transport.tls import load_channel_credentials
+
+    options = channel_options(config.server_name)
+    if config.tls is None:
+        return (grpc.insecure_channel(config.coordinator_address, options=options),
+                "without TLS (--insecure)")
+    creds = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
+                                     role="site")
+    return (grpc.secure_channel(config.coordinator_address, creds, options=options),
+            "mutual TLS handshake ok")
 
 
 def probe_coordinator(config: SiteConfig, timeout: float) -> str:
@@ -240,19 +305,9 @@ def probe_coordinator(config: SiteConfig, timeout: float) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from dpfed.common.transport.grpc_errors import tls_hint
-    from dpfed.common.transport.grpc_options import channel_options
-    from dpfed.common.transport.tls import load_channel_credentials
 
     target = config.coordinator_address
-    options = channel_options(config.server_name)
-    if config.tls is None:
-        channel = grpc.insecure_channel(target, options=options)
-        how = "without TLS (--insecure)"
-    else:
-        creds = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
-                                         role="site")
-        channel = grpc.secure_channel(target, creds, options=options)
-        how = "mutual TLS handshake ok"
+    channel, how = _coordinator_channel(config)
     with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
@@ -272,6 +327,54 @@ def probe_coordinator(config: SiteConfig, timeout: float) -> str:
     return f"{target} reachable, {how}, health {status}"
 
 
+class _NotAsked(Exception):
+    """A check that could not be made (printed as ``skipped``, not a failure)."""
+
+
+def ask_admission(config: SiteConfig, schema: Schema, rows: int, timeout: float) -> str:
+    """Ask the coordinator whether it would accept this site's Hello (``SiteLink.Preflight``).
+
+    The coordinator makes the checks of a real connection -- the certificate's id on its
+    allow-list and not revoked, the protocol version, the schema digest -- and registers
+    nothing.
+
+    Raises
+    ------
+    SiteRejectedError
+        The coordinator would refuse the agent (which would then exit 7), with its reason.
+    CoordinatorUnavailableError
+        No answer.
+    """
+    import grpc
+
+    from dpfed.common.pb.v1 import site_link_pb2_grpc
+    from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
+    from dpfed.common.transport.wire import hello_to_proto
+
+    hello = SiteHello(__version__, PROTOCOL_VERSION, schema.digest(), rows,
+                      config.advertised_kinds, config.budget.max_epsilon_per_task, None)
+    target = config.coordinator_address
+    channel, _ = _coordinator_channel(config)
+    with channel:
+        try:
+            welcome = site_link_pb2_grpc.SiteLinkStub(channel).Preflight(
+                hello_to_proto(hello), timeout=timeout)
+        except grpc.RpcError as exc:
+            details = exc.details() or exc.code().name
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _NotAsked(f"the coordinator at {target} is older than this site's dpfed "
+                                f"{__version__}: it compares the schema when the agent "
+                                "connects") from None
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                              grpc.StatusCode.FAILED_PRECONDITION,
+                              grpc.StatusCode.INVALID_ARGUMENT):
+                raise SiteRejectedError(f"{target} would refuse this site: {details}") from None
+            raise CoordinatorUnavailableError(f"{target}: {exc.code().name}: {details}") from None
+    return (f"{target} accepts site {welcome.site_id} with this schema (digest "
+            f"{schema.digest()[:12]}...), protocol {welcome.protocol_version}, coordinator "
+            f"dpfed {welcome.coordinator_version}")
+
+
 class _Checks:
     """Run named checks, print one ``ok``/``FAILED`` line each, remember the first failure."""
 
@@ -281,6 +384,9 @@ class _Checks:
     def run(self, name: str, fn: Callable[[], str]) -> bool:
         try:
             detail = fn()
+        except _NotAsked as exc:
+            self.skip(name, str(exc))
+            return False
         except (DpfedError, OSError) as exc:
             print(f"FAILED  {name}: {exc}", flush=True)
             self.failures.append(exc)
@@ -327,9 +433,15 @@ def _check(config: SiteConfig, timeout: float) -> int:
     def data() -> str:
         source = open_data_source(data_spec(config), state["schema"])
         report = scan(source)
+        if report.rows_kept == 0:
+            raise DataError(f"{source.describe()}: no valid rows after the row policy "
+                            f"({report.summary()}); the agent would refuse every task. Fix "
+                            "the data or [data] on_missing/on_invalid/on_out_of_range")
+        state["rows"] = report.rows_kept
         return f"{source.describe()}: {report.rows_kept} valid rows ({report.summary()})"
 
-    if checks.run("schema", schema):
+    schema_ok = checks.run("schema", schema)
+    if schema_ok:
         checks.run("data", data)
     else:
         checks.skip("data", "needs a valid schema")
@@ -362,10 +474,16 @@ def _check(config: SiteConfig, timeout: float) -> int:
     for analyst, cap in sorted(config.analyst_budgets.items()):
         checks.skip(f"analyst {analyst}", f"may spend epsilon {cap:g} of this site's "
                     f"{config.budget.epsilon:g}")
+    reached = False
     if certs_ok:
-        checks.run("coordinator", lambda: probe_coordinator(config, timeout))
+        reached = checks.run("coordinator", lambda: probe_coordinator(config, timeout))
     else:
         checks.skip("coordinator", "needs a valid certificate")
+    if reached and schema_ok:
+        checks.run("admission", lambda: ask_admission(config, state["schema"],
+                                                      state.get("rows", 0), timeout))
+    else:
+        checks.skip("admission", "needs the coordinator and a valid schema")
     if checks.failures:
         print(f"{len(checks.failures)} check(s) failed", flush=True)
         return exit_codes.for_error(checks.failures[0])
@@ -389,6 +507,15 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
     return exit_codes.OK
 
 
+def _health(config: SiteConfig, max_age: float) -> int:
+    from dpfed.site_agent.agent_status import health, read_status, status_path
+
+    path = status_path(config.ledger_path)
+    code, line = health(read_status(path), path, max_age)
+    print(f"{'healthy' if code == exit_codes.OK else 'unhealthy'}: {line}", flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = parse_args(build_parser(), argv)
@@ -402,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         from dpfed.site_agent.config import load_site_config
 
         overrides: dict[str, Any] = {}
+        if command == "health":
+            overrides = {"ledger": args.ledger}
         if command == "run":
             overrides = {"coordinator": args.coordinator, "data": args.data,
                          "ledger": args.ledger, "log_level": args.log_level,
@@ -413,9 +542,15 @@ def main(argv: list[str] | None = None) -> int:
             configure_logging("WARNING", None, config.log_format)
         if command == "check":
             return _check(config, args.timeout)
+        if command == "ledger" and args.action == "export":
+            from dpfed.site_agent.audit_export import export_command
+
+            return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
-        return _run(config)
+        if command == "health":
+            return _health(config, args.max_age)
+        return _run_with_status(config)
 
     return run_command(f"dpfed-site {command}" if command != "run" else "dpfed-site", go)
 

@@ -52,6 +52,11 @@ Example (paths are relative to the file)::
     format = "text"             # text | json (one JSON event per line)
     # file = "site.log"
 
+    [metrics]                   # Prometheus endpoint, plain HTTP (docs/operations.md)
+    enabled = false             # off by default on a site
+    listen = "127.0.0.1:9465"   # loopback by default
+    # port_file = "metrics.port"  # write the bound port here once serving
+
 The site's identity is the id in its certificate; it is deliberately not a config key.
 """
 
@@ -68,6 +73,7 @@ from dpfed.common.cli_support import check_address
 from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.logs import LOG_FORMATS
+from dpfed.common.metrics import MetricsConfig, metrics_config
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
@@ -173,6 +179,7 @@ class SiteConfig:
     keepalive_s: float = DEFAULT_KEEPALIVE_S
     #: ``policy.evaluation_summary``: "dp" releases DP summaries of synth evaluations.
     evaluation_summary: str = "none"
+    metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9465")
 
     @property
     def advertised_kinds(self) -> tuple[str, ...]:
@@ -336,6 +343,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     testing = root.section("testing")
     seed = testing.integer("deterministic_noise_seed", None, minimum=0)
     testing.check_unknown()
+    metrics = metrics_config(root.section("metrics"), enabled=False, listen="127.0.0.1:9465")
     root.check_unknown()
     assert ledger_path is not None and timeout is not None
     return SiteConfig(
@@ -345,6 +353,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
         keepalive_s=keepalive_s, log_format=log_format, evaluation_summary=summary,
+        metrics=metrics,
     )
 
 

@@ -775,6 +775,12 @@ class Ledger:
                 f"{self._path} is damaged")
         return result
 
+    def attributions(self) -> dict[str, str]:
+        """Return the analyst of every attributed charge (task id -> analyst id)."""
+        with self._connection() as conn:
+            rows = conn.execute(f"SELECT task_id, analyst FROM {_ANALYSTS_TABLE}").fetchall()
+        return {str(task_id): str(analyst) for task_id, analyst in rows}
+
     def refusals(self) -> list[RefusalRecord]:
         """Return the refused tasks, oldest first (none of them was charged)."""
         with self._connection() as conn:

@@ -246,7 +246,7 @@ class JobContext:
         task = Task(f"{self.job_id}/{round_name}", self.job_id, kind, round_eps,
                     round_delta, dict(params), dict(arrays or {}), self.analyst_id)
         payload = task_to_bytes(task)
-        deadline = time.time() + self.deadline_s
+        started, deadline = time.monotonic(), time.time() + self.deadline_s
         lo, hi = progress
         self.emit("dispatch", f"round {round_name!r}: task sent to {len(targets)} site(s) "
                   f"({', '.join(targets)}); deadline {self.deadline_s:g}s", lo)
@@ -302,6 +302,8 @@ class JobContext:
         finally:
             for t in pending:
                 t.cancel()
+        self.registry.metrics.observe_round(kind, time.monotonic() - started,
+                                            ok=len(results) >= min_sites)
         if len(results) < min_sites:
             failed = "; ".join(f"{o.site_id}: {o.status} ({o.reason})"
                                for o in self.outcomes.values() if o.status != "ok")

@@ -26,6 +26,24 @@ CASES = [
     (["--sites", "0"], exit_codes.CONFIG_ERROR, "--sites must be >= 1"),
     (["--job", "synth", "--composition", "zcdp", "--synth-mode", "row-aligned"], exit_codes.USAGE,
      "--composition zcdp needs --synth-mode generative"),
+    # Flags the chosen job would ignore are refused, named.
+    (["--job", "svt", "--aggregation", "secure"], exit_codes.CONFIG_ERROR,
+     "--aggregation does not apply to --job svt (it is for --job pca or synth or query)"),
+    (["--composition", "zcdp"], exit_codes.CONFIG_ERROR,
+     "--composition does not apply to --job pca (it is for --job synth)"),
+    (["--job", "query", "--k", "2"], exit_codes.CONFIG_ERROR, "--k does not apply to --job query"),
+    (["--job", "synth", "--clip-norm", "schema"], exit_codes.CONFIG_ERROR,
+     "--clip-norm does not apply to --job synth"),
+    (["--job", "svt", "--delta", "1e-6"], exit_codes.CONFIG_ERROR,
+     "--delta does not apply to --job svt"),
+    (["--job", "query", "--delta", "1e-6"], exit_codes.CONFIG_ERROR,
+     "--delta applies to --job query only with --aggregation secure"),
+    (["--job", "query", "--data", "a.csv", "--schema", "s.toml"], exit_codes.CONFIG_ERROR,
+     "--data does not apply to --job query"),
+    (["--data", "a.csv", "--schema", "s.toml", "--rows", "500"], exit_codes.CONFIG_ERROR,
+     "--rows shapes the generated demo data; with --data the files decide"),
+    (["--job", "pca", "--synth-rows", "10"], exit_codes.CONFIG_ERROR,
+     "--synth-rows does not apply to --job pca"),
 ]
 
 
@@ -76,6 +94,37 @@ def test_bad_files_are_data_errors_before_anything_is_made(
         assert needle in capsys.readouterr().err and not out.exists()
     assert main([*base, "--data", str(good), "--k", "3"]) == exit_codes.USAGE
     assert "--k must be <= 2, got 3" in capsys.readouterr().err
+
+
+def test_a_data_file_with_no_usable_row_is_a_data_error_naming_its_site(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    schema = tmp_path / "schema.toml"
+    schema.write_text('[[columns]]\nname = "age"\ntype = "continuous"\nmin = 0\nmax = 110\n\n'
+                      '[[columns]]\nname = "sbp"\ntype = "continuous"\nmin = 60\nmax = 250\n')
+    good = tmp_path / "a.csv"
+    good.write_text("age,sbp\n" + "".join(f"{40 + i % 30},{120 + i % 40}\n" for i in range(300)))
+    dropped = tmp_path / "b.csv"  # every row has an unparsable value: the sites drop it
+    dropped.write_text("age,sbp\n" + "unknown,120\n" * 300)
+    for job in ("pca", "synth"):
+        out = tmp_path / f"run-{job}"
+        code = main(["simulate", "--job", job, "--out", str(out), "--schema", str(schema),
+                     "--data", str(good), "--data", str(dropped),
+                     *(["--k", "1"] if job == "pca" else [])])
+        err = capsys.readouterr().err
+        assert code == exit_codes.DATA_ERROR, err
+        assert f"--data {dropped} (site hospital-2): no row survives the sites' row policy" in err
+        assert "read 300 rows" in err and not out.exists()
+
+
+def test_an_out_that_is_a_file_is_refused_before_anything_is_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    assert main(["simulate", "--out", str(taken)]) == exit_codes.CONFIG_ERROR
+    assert f"--out {taken} is a file: give a folder" in capsys.readouterr().err
+    assert taken.read_text() == "mine"
+    assert main(["simulate", "--out", str(taken / "run")]) == exit_codes.CONFIG_ERROR
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_a_child_process_exit_code_is_passed_on() -> None:

@@ -184,3 +184,13 @@ def test_write_memory_does_not_grow_with_the_row_count(tmp_path: Path) -> None:
     # At most workers + 2 chunks exist at a time, whatever the row count (a chunk of 8192
     # rows is ~0.4 MB here; holding all 24 chunks would be ~10 MB).
     assert peaks[1] < 1.5 * peaks[0] + 2**20, peaks
+
+
+def test_repr_is_one_short_line() -> None:
+    for mode in ("generative", "row_aligned"):
+        model = build(mode)
+        text = repr(model)
+        assert "\n" not in text and len(text) < 200, text
+        assert text.startswith("SynthModel(") and f"mode={mode!r}" in text
+        assert f"columns={len(model.schema.columns)}" in text
+        assert ("rows=" in text) == (mode == "row_aligned")

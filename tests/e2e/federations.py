@@ -4,6 +4,7 @@ and a coordinator SIGKILLed in the middle of a job and restarted."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop every process still running: SIGTERM, then SIGKILL after 15 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def killed_and_resumed(fed: LocalFederation, spec: JobSpec, reached: Callable[[], None], *,

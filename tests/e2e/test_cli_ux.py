@@ -130,6 +130,89 @@ def test_pca_then_json_shapes_of_sites_budgets_jobs_job(fed: LocalFederation,
     assert charged[-1]["site"] == "hospital-1" and charged[-1]["job_id"] == newest["job_id"]
 
 
+def _job_count(fed: LocalFederation) -> int:
+    return len(json.loads(dpfed("jobs", "--json", "--limit", "1000", *conn(fed)).stdout))
+
+
+def test_an_unwritable_out_is_refused_before_the_job_is_submitted(fed: LocalFederation,
+                                                                  tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a folder")
+    before = _job_count(fed)
+    spent = [s["budget"]["epsilon_spent"] for s in
+             json.loads(dpfed("sites", "--json", *conn(fed)).stdout)]
+    cases = [("pca", "--out", str(tmp_path / "notes.txt" / "pca.npz"), "is a file, not a folder"),
+             ("pca", "--out", str(tmp_path), "is a folder"),
+             ("pca", "--report", str(tmp_path / "notes.txt" / "r.html"), "is a file"),
+             ("query", "--out", str(tmp_path / "notes.txt" / "q.csv"), "is a file"),
+             ("svt", "--out", str(tmp_path), "is a folder"),
+             ("synth", "--model", str(tmp_path), "is a folder"),
+             ("fetch", "--out", str(tmp_path), "is a folder")]
+    job_args = {"pca": ["--k", "1", "--epsilon", "0.1", "--delta", "1e-6", "--out",
+                        str(tmp_path / "ok.npz")],
+                "query": ["--columns", "age", "--bins", "age=8", "--epsilon", "0.1"],
+                "svt": ["--queries", str(_write_queries(tmp_path)), "--epsilon", "0.1",
+                        "--threshold", "10"],
+                "synth": ["--epsilon", "0.1", "--delta", "1e-6", "--rows", "10"],
+                "fetch": ["no-such-job"]}
+    for command, flag, value, message in cases:
+        run = dpfed(command, *job_args[command], flag, value, *conn(fed))
+        assert run.returncode == exit_codes.CONFIG_ERROR, (command, flag, run.stderr)
+        assert f"{flag} " in run.stderr and message in run.stderr, run.stderr
+        assert_clean(run)
+    assert _job_count(fed) == before
+    assert [s["budget"]["epsilon_spent"] for s in
+            json.loads(dpfed("sites", "--json", *conn(fed)).stdout)] == spent
+
+
+def test_a_result_that_cannot_be_written_after_the_job_is_fetched_again(
+        fed: LocalFederation, tmp_path: Path) -> None:
+    # /dev/full passes every check (it exists and is writable) and fails the write: a full
+    # disk after the job has run and spent.
+    run = dpfed("pca", "--k", "1", "--epsilon", "0.1", "--delta", "1e-6", "--out", "/dev/full",
+                *conn(fed))
+    assert run.returncode == exit_codes.CONFIG_ERROR, run.stderr
+    assert_clean(run)
+    job_id = json.loads(dpfed("jobs", "--json", "--limit", "1", *conn(fed)).stdout)[0]["job_id"]
+    assert (f"job {job_id} finished, but /dev/full could not be written (No space left on "
+            f"device)") in run.stderr
+    assert f"dpfed fetch {job_id} --out FILE" in run.stderr
+    fetched = dpfed("fetch", job_id, "--out", str(tmp_path / "pca.npz"), *conn(fed))
+    assert fetched.returncode == 0, fetched.stderr
+    from dpfed.aggregator.pca_result import PCAResult
+
+    assert PCAResult.load(tmp_path / "pca.npz").metadata["job_id"] == job_id
+
+
+def _write_queries(tmp_path: Path) -> Path:
+    path = tmp_path / "queries.toml"
+    path.write_text('[[queries]]\nname = "old"\nwhere = { column = "age", op = ">=", '
+                    'value = 60 }\n')
+    return path
+
+
+def test_query_says_how_many_answers_it_showed_and_svt_close_does_not_say_continue(
+        fed: LocalFederation, tmp_path: Path) -> None:
+    run = dpfed("query", "--columns", "age", "--bins", "age=40", "--workload", "all_range",
+                "--epsilon", "0.1", *conn(fed))
+    assert run.returncode == 0, run.stderr
+    job_id = json.loads(dpfed("jobs", "--json", "--limit", "1", *conn(fed)).stdout)[0]["job_id"]
+    assert (f"showed the first 60 of 820 answers. All of them, at no further privacy cost: "
+            f"dpfed fetch {job_id} --out query.npz") in run.stdout
+    out = tmp_path / "q.csv"
+    run = dpfed("query", "--columns", "age", "--bins", "age=4", "--epsilon", "0.1", "--out",
+                str(out), *conn(fed))
+    assert run.returncode == 0 and f"wrote {out} (all 4 answers)" in run.stdout
+    assert "showed the first" not in run.stdout
+    opened = dpfed("svt", "--queries", str(_write_queries(tmp_path)), "--epsilon", "0.1",
+                   "--threshold", "10", *conn(fed))
+    assert opened.returncode == 0 and "continue with: dpfed svt --session" in opened.stdout
+    session = opened.stdout.split("session ", 1)[1].split()[0]
+    closed = dpfed("svt", "--session", session, "--close", *conn(fed))
+    assert closed.returncode == 0, closed.stderr
+    assert "continue with" not in closed.stdout
+    assert f"session {session} is closed: it takes no more batches" in closed.stdout
+
+
 def test_jobs_prints_a_header_and_whole_errors(fed: LocalFederation) -> None:
     failed = dpfed("pca", "--k", "2", "--epsilon", "0.1", "--delta", "1e-6", "--min-sites", "5",
                    "--out", os.devnull, *conn(fed))
@@ -248,7 +331,7 @@ def test_site_check_reports_each_check_and_changes_nothing(fed: LocalFederation,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
-    for name in ("config", "certificate", "schema", "data", "ledger", "coordinator"):
+    for name in ("config", "certificate", "schema", "data", "ledger", "coordinator", "admission"):
         assert any(line.startswith(f"ok      {name}:") for line in lines), (name, run.stdout)
     assert "mutual TLS handshake ok" in run.stdout and "SERVING" in run.stdout
     assert lines[-1] == "all checks passed"
@@ -296,6 +379,62 @@ def test_site_check_failures_name_the_check_and_exit_with_its_code(
     assert run.returncode == exit_codes.CERTIFICATE_ERROR, run.stdout + run.stderr
     assert "FAILED  certificate:" in run.stdout and "skipped coordinator:" in run.stdout
     assert_clean(run)
+
+
+def _check(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SITE, "check", "--config", str(config)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_site_check_fails_when_no_row_survives_the_row_policy(fed: LocalFederation,
+                                                              tmp_path: Path) -> None:
+    data = tmp_path / "unusable.csv"
+    header, *rows = fed.data_paths["hospital-1"].read_text().splitlines()
+    # Every row has a value the schema cannot parse: on_invalid = "drop" drops them all.
+    data.write_text("\n".join([header, *(",".join(["oops"] * len(header.split(",")))
+                                          for _ in rows[:50])]) + "\n")
+    config = _site_config_copy(fed, tmp_path, **{
+        '"127.0.0.1:1"': f'"{fed.address}"',
+        json.dumps(str(fed.data_paths["hospital-1"].resolve())): json.dumps(str(data))})
+    run = _check(config)
+    assert run.returncode == exit_codes.DATA_ERROR, run.stdout + run.stderr
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and failed[0].startswith("FAILED  data:"), run.stdout
+    assert "no valid rows after the row policy" in failed[0] and "read 50 rows" in failed[0]
+    assert_clean(run)
+
+
+def test_site_check_fails_when_the_coordinator_would_refuse_the_schema(
+        fed: LocalFederation, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.toml"
+    text = fed.schema_path.read_text()
+    schema.write_text(text.replace("max = ", "max = 9", 1))  # one bound differs
+    config = _site_config_copy(fed, tmp_path, **{
+        '"127.0.0.1:1"': f'"{fed.address}"',
+        json.dumps(str(fed.schema_path.resolve())): json.dumps(str(schema))})
+    run = _check(config)
+    assert run.returncode == exit_codes.REJECTED_BY_COORDINATOR, run.stdout + run.stderr
+    assert "ok      coordinator:" in run.stdout and "ok      data:" in run.stdout
+    (failed,) = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    assert failed.startswith("FAILED  admission:") and "schema mismatch" in failed
+    # The running agent with that schema is refused at once, with the same code.
+    agent = subprocess.run([*SITE, "--config", str(config)], capture_output=True, text=True,
+                           timeout=120)
+    assert agent.returncode == exit_codes.REJECTED_BY_COORDINATOR
+    assert len(json.loads(dpfed("sites", "--json", *conn(fed)).stdout)) == 2
+
+
+def test_site_health_reads_the_running_agents_status(fed: LocalFederation) -> None:
+    config = str(fed.site_config("hospital-1"))
+    run = subprocess.run([*SITE, "health", "--config", config], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith(f"healthy: connected to {fed.address} as hospital-1")
+    elsewhere = subprocess.run([*SITE, "health", "--config", config, "--ledger",
+                                str(fed.root / "nowhere" / "ledger.sqlite")],
+                               capture_output=True, text=True, timeout=60)
+    assert elsewhere.returncode == exit_codes.COORDINATOR_UNREACHABLE
+    assert elsewhere.stdout.startswith("unhealthy: no status file")
 
 
 def test_wait_sites_retries_while_the_coordinator_starts(tmp_path: Path) -> None:

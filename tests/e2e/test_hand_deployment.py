@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from dpfed.aggregator.pca_result import PCAResult
+from tests.e2e.federations import stop_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -125,12 +126,5 @@ def test_hand_deployment_as_documented(tmp_path: Path) -> None:
         assert any(e.get("outcome") == "charged" and e.get("site") == "hospital-b"
                    for e in events)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
     assert "Ctrl-C" in doc

@@ -39,6 +39,11 @@ class SiteLinkStub:
                 request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.SerializeToString,
                 response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
+        self.Preflight = channel.unary_unary(
+                '/dpfed.v1.SiteLink/Preflight',
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.Hello.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.Welcome.FromString,
+                _registered_method=True)
 
 
 class SiteLinkServicer:
@@ -50,6 +55,15 @@ class SiteLinkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preflight(self, request, context):
+        """Would Connect accept this Hello? The same checks (certificate, allow-list, protocol
+        version, schema digest) and the same refusal, or the Welcome Connect would send; nothing
+        is registered. `dpfed-site check` asks it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SiteLinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +71,11 @@ def add_SiteLinkServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.FromString,
                     response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.SerializeToString,
+            ),
+            'Preflight': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preflight,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.Hello.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.Welcome.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class SiteLink:
             '/dpfed.v1.SiteLink/Connect',
             dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.SiteMessage.SerializeToString,
             dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.CoordinatorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preflight(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfed.v1.SiteLink/Preflight',
+            dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.Hello.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_site__link__pb2.Welcome.FromString,
             options,
             channel_credentials,
             insecure,

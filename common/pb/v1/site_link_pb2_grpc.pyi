@@ -35,11 +35,21 @@ class SiteLinkStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SiteLinkAsyncStub: ...
     Connect: _grpc.StreamStreamMultiCallable[_site_link_pb2.SiteMessage, _site_link_pb2.CoordinatorMessage]
+    Preflight: _grpc.UnaryUnaryMultiCallable[_site_link_pb2.Hello, _site_link_pb2.Welcome]
+    """Would Connect accept this Hello? The same checks (certificate, allow-list, protocol
+    version, schema digest) and the same refusal, or the Welcome Connect would send; nothing
+    is registered. `dpfed-site check` asks it.
+    """
 
 @_typing.type_check_only
 class SiteLinkAsyncStub(SiteLinkStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Connect: _aio.StreamStreamMultiCallable[_site_link_pb2.SiteMessage, _site_link_pb2.CoordinatorMessage]  # type: ignore[assignment]
+    Preflight: _aio.UnaryUnaryMultiCallable[_site_link_pb2.Hello, _site_link_pb2.Welcome]  # type: ignore[assignment]
+    """Would Connect accept this Hello? The same checks (certificate, allow-list, protocol
+    version, schema digest) and the same refusal, or the Welcome Connect would send; nothing
+    is registered. `dpfed-site check` asks it.
+    """
 
 class SiteLinkServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -48,5 +58,16 @@ class SiteLinkServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_site_link_pb2.SiteMessage],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_site_link_pb2.CoordinatorMessage], _abc.AsyncIterator[_site_link_pb2.CoordinatorMessage]]: ...
+
+    @_abc_1.abstractmethod
+    def Preflight(
+        self,
+        request: _site_link_pb2.Hello,
+        context: _ServicerContext,
+    ) -> _typing.Union[_site_link_pb2.Welcome, _abc.Awaitable[_site_link_pb2.Welcome]]:
+        """Would Connect accept this Hello? The same checks (certificate, allow-list, protocol
+        version, schema digest) and the same refusal, or the Welcome Connect would send; nothing
+        is registered. `dpfed-site check` asks it.
+        """
 
 def add_SiteLinkServicer_to_server(servicer: SiteLinkServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
