@@ -157,7 +157,7 @@ def point_values(cells: ColumnCells, proportions: np.ndarray) -> np.ndarray:
 
 
 #: Decoding grid: ``z`` in [-8.5, 8.5] in steps of 17 / (points - 1).
-_DECODE_POINTS = 65537
+_DECODE_POINTS = 16385
 _DECODE_STEP = 17.0 / (_DECODE_POINTS - 1)
 
 
