@@ -115,6 +115,9 @@ def _run_issue(args: argparse.Namespace) -> int:
           "now admits it; copy that file to the coordinator (read without a restart).")
     if args.force:
         print("The certificate it replaced is revoked; copy revoked.toml to the sites too.")
+    elif role == "site":
+        print("Copy revoked.toml (it lists the federation's sites) to every site too: a site "
+              "takes part in secure rounds only with the sites on its copy.")
     return exit_codes.OK
 
 

@@ -18,6 +18,7 @@
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
     dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed cancel ID [--reason TEXT]      stop an unfinished job (charges made stay charged)
     dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
 Analyst commands connect with ``--coordinator HOST:PORT --ca CA --cert CERT --key KEY`` (or
@@ -148,9 +149,15 @@ def cmd_budgets(args: argparse.Namespace) -> int:
         if b is None:
             print(f"{site_id}: no budget reported")
             continue
-        print(f"{site_id} ({'connected' if connected else 'offline'}): {b.accountant} accountant, "
-              f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
-              f"{b.delta_spent:.3g}/{b.delta_cap:g}, rho {b.rho_spent:.6g}, {b.events} release(s)")
+        state = "connected" if connected else "offline"
+        if b.accountant == "basic":
+            spent = (f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent, delta "
+                     f"{b.delta_spent:.3g}/{b.delta_cap:g}")
+        else:  # pld (tight composition) and zcdp read the spend at the site's delta cap
+            spent = (f"epsilon {b.epsilon_spent:.6g}/{b.epsilon_cap:g} spent at delta "
+                     f"{b.delta_cap:g}")
+        print(f"{site_id} ({state}): {b.accountant} accountant, {spent}, rho "
+              f"{b.rho_spent:.6g}, {b.events} release(s)")
     return exit_codes.OK
 
 
@@ -160,7 +167,13 @@ PCA_FIELD_FLAGS = {"n_components": "--k", "rank": "--rank", "clip_norm": "--clip
 
 
 def cmd_pca(args: argparse.Namespace) -> int:
-    """Run a DP-PCA job."""
+    """Run a DP-PCA job (or, with ``--plan``, show what it would charge where)."""
+    if args.plan:
+        from dpfed.aggregator.plan_cli import print_kind_plan
+
+        with connect(args) as coord:
+            print_kind_plan("pca", _pca_params(args), args.epsilon, args.delta, coord.sites())
+        return exit_codes.OK
     check_output_file(args.out, "--out")
     if args.report:
         check_output_file(args.report, "--report")
@@ -188,6 +201,15 @@ def cmd_pca(args: argparse.Namespace) -> int:
           f"features from {len(meta.get('sites', []))} site(s), "
           f"{meta.get('n_rows_total', '?')} rows; explained variance ratio: {ratios}")
     return exit_codes.OK
+
+
+def _pca_params(args: argparse.Namespace) -> dict[str, object]:
+    from dpfed.aggregator.client import pca_params
+
+    return pca_params(args.k, rank=args.rank, calibration=args.calibration,
+                      clip_norm=args.clip_norm, centering=args.centering,
+                      site_weighting=args.site_weighting, clip_quantile=args.clip_quantile,
+                      aggregation=args.aggregation)
 
 
 def write_pca_report(result: PCAResult, out: str | Path) -> Path:
@@ -264,6 +286,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
     print(f"wrote {out} ({len(data)} bytes)")
+    return exit_codes.OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel an unfinished job."""
+    with connect(args) as coord:
+        job = coord.cancel(args.job_id, args.reason)
+    print(f"job {job.job_id}: {job.state}" + (f" ({job.error})" if job.error else ""))
     return exit_codes.OK
 
 
@@ -360,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aggregation", choices=list(AGGREGATIONS), default=None,
                    help="site: each site noises its own release (default); secure: a secure "
                         "sum with distributed noise (pooled-data utility)")
+    p.add_argument("--plan", action="store_true",
+                   help="only show what every site taking part would be charged per round, "
+                        "and which sites would not take part (nothing is submitted)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", default="pca.npz", help="output file (default pca.npz)")
@@ -378,10 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     from dpfed.aggregator.query_cli import register as register_queries
+    from dpfed.aggregator.run_cli import register as register_run
     from dpfed.aggregator.synth_cli import register as register_synth
 
     register_queries(sub, _connection_args, connect, print_event)
     register_synth(sub, _connection_args, connect, print_event)
+    register_run(sub, _connection_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")
@@ -401,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     _connection_args(p)
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("cancel", help="stop an unfinished job (what sites charged stays charged)")
+    p.add_argument("job_id")
+    p.add_argument("--reason", default="", help="recorded in the job's error")
+    _connection_args(p)
+    p.set_defaults(func=cmd_cancel)
     return parser
 
 

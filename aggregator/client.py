@@ -53,7 +53,14 @@ from dpfed.common.transport.grpc_options import (
     MAX_TRANSFER_BYTES,
     channel_options,
 )
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteInfo
+from dpfed.common.transport.protocol import (
+    JobEvent,
+    JobInfo,
+    JobSpec,
+    RefusalCode,
+    SiteInfo,
+    SiteStatus,
+)
 from dpfed.common.transport.tls import load_channel_credentials
 from dpfed.common.transport.wire import (
     Reassembler,
@@ -92,10 +99,6 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> DpfedError:
     return cls(details)
 
 
-#: The refusal code a site sends when its ledger has no budget left for a task.
-BUDGET_REFUSAL = "budget_exceeded"
-
-
 def job_failure(info: JobInfo) -> JobFailedError:
     """Return the error that reports a job that did not succeed.
 
@@ -103,9 +106,8 @@ def job_failure(info: JobInfo) -> JobFailedError:
     refused for lack of budget and every other site that did not answer refused for the
     same reason; a :class:`JobFailedError` otherwise.
     """
-    failed = [s for s in info.sites if s.status != "ok"]
-    budget = [s for s in failed
-              if s.status == "refused" and s.reason.startswith(BUDGET_REFUSAL)]
+    failed = [s for s in info.sites if s.status != SiteStatus.OK]
+    budget = [s for s in failed if s.code is RefusalCode.BUDGET_EXCEEDED]
     message = f"job {info.job_id} {info.state}: {info.error}"
     if budget and len(budget) == len(failed):
         return JobBudgetExceededError(
@@ -296,6 +298,15 @@ class Coordinator:
         """Recent jobs, newest first."""
         resp = self._call(self._stub.ListJobs, analyst_pb2.ListJobsRequest(limit=limit))
         return [job_info_from_proto(j) for j in resp.jobs]
+
+    def cancel(self, job_id: str, reason: str = "") -> JobInfo:
+        """Cancel an unfinished job (one you submitted, or any as an admin).
+
+        Nothing more is sent to the sites; tasks they already charged stay charged. Returns
+        the job's final state: ``cancelled``, or the state it had already reached.
+        """
+        return job_info_from_proto(self._call(
+            self._stub.CancelJob, analyst_pb2.CancelJobRequest(job_id=job_id, reason=reason)))
 
     def fetch_result(self, job_id: str) -> bytes:
         """Download a finished job's result file (``.npz`` bytes)."""

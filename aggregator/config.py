@@ -20,16 +20,24 @@ Example (paths relative to the file)::
     allowed_analysts = []       # more analyst ids admitted besides the access list's
     # allow_any_site = false    # labs only: admit any site the federation CA signed (logged)
     # allow_any_analyst = false # labs only: admit any analyst the federation CA signed (logged)
-    access_reload_s = 1.0       # how often live sessions are checked against the lists
+    access_reload_s = 1.0       # how often live sessions are checked (0.1 to 3600 s)
 
 A site or analyst is admitted only if its id is on an allow-list (``access_list`` or the
 inline lists) and its certificate is not revoked; with no list at all nobody is admitted.
 
+    [access]                    # optional: who may see other analysts' jobs
+    admins = []                 # analyst ids that may read and cancel every job
+    [access.groups]             # members read (watch, list, fetch) each other's jobs
+    # cardiology = ["alice", "bob"]
+
+Without ``[access]`` every analyst sees, fetches, cancels and continues only its own jobs
+and SVT sessions (``dpfed.aggregator.access_control.JobAccess``).
+
     [jobs]
-    min_sites = 2               # default quorum
-    task_deadline_s = 600       # default per-task deadline
+    min_sites = 2               # default quorum (1 to 10 000)
+    task_deadline_s = 600       # default per-task deadline (seconds, at most 30 days)
     resume_wait_s = 60          # after a restart, how long resumed jobs wait for their sites
-                                # (above the agents' 30 s maximum reconnect backoff)
+                                # (above the agents' 30 s maximum reconnect backoff; 0 to 30 days)
 
     [store]
     path = "store"
@@ -47,7 +55,7 @@ inline lists) and its certificate is not revoked; with no list at all nobody is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +69,14 @@ from dpfed.common.transport.grpc_options import (
     MAX_KEEPALIVE_S,
     MIN_KEEPALIVE_S,
 )
+from dpfed.common.transport.identity import check_principal_id
+
+#: Longest task deadline and resume wait (the same 30 days an analyst's deadline may be).
+MAX_DEADLINE_S = 30 * 86400.0
+#: Most sites a quorum may name (as for an analyst's request).
+MAX_SITES = 10_000
+#: Range of ``federation.access_reload_s``.
+MIN_RELOAD_S, MAX_RELOAD_S = 0.1, 3600.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,9 @@ class AggregatorConfig:
     log_format: str = "text"
     health_listen: str | None = None
     metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9464")
+    #: ``[access]``: analyst groups that read each other's jobs, and the admin analysts.
+    read_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    admins: tuple[str, ...] = ()
 
 
 def load_aggregator_config(path: str | Path,
@@ -128,19 +147,30 @@ def load_aggregator_config(path: str | Path,
     allowed_analysts = tuple(fed.str_list("allowed_analysts", []))
     allow_any_site = fed.boolean("allow_any_site", False)
     allow_any_analyst = fed.boolean("allow_any_analyst", False)
-    access_reload_s = fed.number("access_reload_s", 1.0, positive=True)
+    access_reload_s = fed.number("access_reload_s", 1.0, minimum=MIN_RELOAD_S,
+                                 maximum=MAX_RELOAD_S, unit=" seconds")
     fed.check_unknown()
 
     jobs = root.section("jobs")
-    min_sites = jobs.integer("min_sites", 1, minimum=1)
-    deadline = jobs.number("task_deadline_s", 600.0, positive=True)
-    resume_wait = jobs.number("resume_wait_s", 60.0)
+    min_sites = jobs.integer("min_sites", 1, minimum=1, maximum=MAX_SITES)
+    deadline = jobs.number("task_deadline_s", 600.0, positive=True, maximum=MAX_DEADLINE_S,
+                           unit=" seconds (30 days)")
+    resume_wait = jobs.number("resume_wait_s", 60.0, minimum=0.0, maximum=MAX_DEADLINE_S,
+                              unit=" seconds (30 days)")
     jobs.check_unknown()
 
     store = root.section("store")
     file_store = store.path("path", "store")
     store_path = Path(overrides["store"]) if overrides.get("store") else file_store
     store.check_unknown()
+
+    access = root.section("access")
+    admins = _analyst_ids(access, "admins", access.str_list("admins", []))
+    groups_section = access.section("groups")
+    read_groups = {name: _analyst_ids(groups_section, name, groups_section.str_list(name, []))
+                   for name in list(groups_section.data)}
+    groups_section.check_unknown()
+    access.check_unknown()
 
     lg = root.section("logging")
     file_level = lg.string("level", "INFO") or "INFO"
@@ -161,11 +191,19 @@ def load_aggregator_config(path: str | Path,
     assert min_sites is not None and deadline is not None and resume_wait is not None
     assert access_reload_s is not None
     return AggregatorConfig(str(p), listen, tls, schema_path, allowed, min_sites, deadline,
-                            max(resume_wait, 0.0), store_path, level, log_file, port_file,
+                            resume_wait, store_path, level, log_file, port_file,
                             access_list=access_list, allowed_analysts=allowed_analysts,
                             allow_any_site=bool(allow_any_site),
                             allow_any_analyst=bool(allow_any_analyst),
                             access_reload_s=access_reload_s,
                             keepalive_s=keepalive_s,
                             log_format=log_format, health_listen=health_listen,
-                            metrics=metrics)
+                            metrics=metrics, read_groups=read_groups, admins=admins)
+
+
+def _analyst_ids(section: Section, key: str, ids: list[str]) -> tuple[str, ...]:
+    """Validate a list of analyst ids from ``[access]`` (ConfigError naming the key)."""
+    try:
+        return tuple(sorted({check_principal_id(i, "analyst") for i in ids}))
+    except ValueError as exc:
+        raise ConfigError(f"{section.source}: {section.name}.{key}: {exc}") from None

@@ -22,6 +22,7 @@ from dpfed.aggregator import simulate_metrics
 from dpfed.aggregator.client import Coordinator
 from dpfed.common.data.demo_data import write_demo
 from dpfed.common.errors import DpfedError, ProcessExitedError
+from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT
 from dpfed.common.transport.certs import init_federation
 
 ANALYST = "analyst"
@@ -39,7 +40,7 @@ class SiteSettings:
 
     budget_epsilon: float = 10.0
     budget_delta: float = 1e-4
-    accountant: str = "basic"
+    accountant: str = DEFAULT_ACCOUNTANT
     allowed_jobs: tuple[str, ...] = ("pca", "svt", "query")
     max_epsilon_per_task: float | None = None
     connect_timeout_s: float = 60.0

@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JOB_TYPES, JobContext, JobType
-from dpfed.aggregator.jobs.base import JobOutput
-from dpfed.aggregator.jobs.validators import check_finite_values
+from dpfed.aggregator.jobs.job import Job, JobOutput
+from dpfed.aggregator.planning import Planner, validate_job_spec
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
 from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec
-from dpfed.common.validation import check_delta, check_epsilon, check_int, check_nonnegative
+from dpfed.common.jobs.contract import resolve
+from dpfed.common.jobs.registry import job_kind
+from dpfed.common.jobs.results import check_finite_values
+from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, JobState
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +39,14 @@ def analyst_id_of(submitted_by: str) -> str:
     role, sep, name = submitted_by.partition("/")
     return name if sep and role == "analyst" else ""
 
-TERMINAL_STATES = ("succeeded", "failed")
-#: Bounds of an analyst's request (docs/hardening.md).
-MIN_DELTA = 1e-300
-MAX_DEADLINE_S = 30 * 86400.0
-MAX_SITES = 10_000
+#: How long CancelJob waits for the job's coroutine to unwind before recording it anyway.
+CANCEL_WAIT_S = 10.0
+#: Longest request id (the other bounds of a request: ``planning.validate_job_spec``).
 MAX_REQUEST_ID = 200
+
+
+def _sorted(outcomes: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(outcomes[s] for s in sorted(outcomes))
 
 
 def _non_finite(output: JobOutput) -> str:
@@ -63,61 +66,30 @@ def _non_finite(output: JobOutput) -> str:
 class JobManager:
     """Owns running jobs and their subscribers."""
 
-    def __init__(self, store: JobStore, registry: SiteRegistry, federation: Federation) -> None:
+    def __init__(self, store: JobStore, registry: SiteRegistry, federation: Federation,
+                 planner: Planner | None = None) -> None:
         self.store = store
         self.registry = registry
         self.federation = federation
+        #: Decodes and validates submitted specs in worker processes (never on the loop).
+        self.planner = planner or Planner(federation)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._subscribers: dict[str, set[asyncio.Queue[JobEvent]]] = {}
+        #: Jobs being cancelled by an analyst -> the reason (vs. cancelled by shutdown).
+        self._cancelling: dict[str, str] = {}
 
     # ------------------------------------------------------------------ submission
-    def _job_type(self, kind: str) -> JobType:
-        try:
-            return JOB_TYPES[kind]
-        except KeyError:
-            known = sorted(JOB_TYPES)
-            raise ValidationError(f"unknown job kind {kind!r}; known: {known}") from None
-
     def validate(self, spec: JobSpec) -> JobSpec:
-        """Return the spec with canonical parameters (raises ValidationError).
+        """Return the spec with canonical parameters (raises ValidationError)."""
+        return validate_job_spec(spec, self.federation)
 
-        Every value an analyst sends is checked here, so a bad one is INVALID_ARGUMENT with
-        its name, never an internal error later (docs/hardening.md).
-        """
-        job_type = self._job_type(spec.kind)
-        check_epsilon(spec.epsilon)
-        if not (spec.delta == 0.0 and job_type.pure_epsilon):
-            check_delta(spec.delta)
-            if spec.delta < MIN_DELTA:
-                raise ValidationError(f"delta must be >= {MIN_DELTA:g} (smaller values cannot be "
-                                      f"calibrated in double precision), got {spec.delta!r}")
-        check_int(spec.min_sites, "min_sites", minimum=0, maximum=MAX_SITES)
-        check_nonnegative(spec.deadline_seconds, "deadline_seconds")
-        if spec.deadline_seconds > MAX_DEADLINE_S:
-            raise ValidationError(f"deadline_seconds must be <= {MAX_DEADLINE_S:g} (30 days), "
-                                  f"got {spec.deadline_seconds!r}")
-        if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
-            raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
-                                  "characters")
-        for key, value in spec.params.items():
-            try:
-                check_finite_values(value, f"params.{key}")
-            except ValueError as exc:
-                raise ValidationError(f"{spec.kind} parameter {exc}; parameters must be "
-                                      "finite JSON numbers, strings, booleans or lists") from None
-        try:
-            params = job_type.validate(spec, self.federation)
-        except DpfedError:
-            raise
-        except (ArithmeticError, ValueError) as exc:
-            raise ValidationError(f"{spec.kind} job with epsilon={spec.epsilon!r}, "
-                                  f"delta={spec.delta!r}: the noise cannot be calibrated "
-                                  f"({type(exc).__name__}: {exc})") from None
-        return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
-                       spec.deadline_seconds, spec.sites)
-
-    def submit(self, spec: JobSpec, *, submitted_by: str, request_id: str = "") -> JobInfo:
+    async def submit(self, spec_bytes: bytes, *, submitted_by: str,
+                     request_id: str = "") -> JobInfo:
         """Validate, persist and start a job (an already-seen request id returns its job).
+
+        ``spec_bytes`` is the analyst's serialized ``JobSpec`` message: the planner decodes
+        and validates it in a worker process, bounded in time and memory, so other callers
+        are answered while a large request is checked.
 
         Raises
         ------
@@ -129,14 +101,15 @@ class JobManager:
         if len(request_id) > MAX_REQUEST_ID:
             raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID} characters, "
                                   f"got {len(request_id)}")
-        canonical = self.validate(spec)
+        canonical = await self.planner.plan(spec_bytes)
         job, created = self.store.create_job(canonical, submitted_by=submitted_by,
                                              request_id=request_id)
         if created:
-            log.info("[JobManager.submit] job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
-                     spec.kind, submitted_by, spec.epsilon, spec.delta)
-            self._emit(job.job_id, "submitted", f"{spec.kind} job submitted by {submitted_by}",
-                       0.0, "pending")
+            log.info("job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
+                     canonical.kind, submitted_by, canonical.epsilon, canonical.delta)
+            self._emit(job.job_id, "submitted",
+                       f"{canonical.kind} job submitted by {submitted_by}", 0.0,
+                       JobState.PENDING)
             self._start(job, resumed=False)
         return job
 
@@ -149,12 +122,43 @@ class JobManager:
         """Restart jobs a previous coordinator process left unfinished; return how many."""
         jobs = self.store.unfinished_jobs()
         for job in jobs:
-            log.info("[JobManager.resume] resuming job=%s (same task ids: sites replay)",
+            log.info("resuming job=%s (same task ids: sites replay)",
                      job.job_id)
             self._emit(job.job_id, "resumed", "coordinator restarted; resuming the job", 0.0,
-                       "pending")
+                       JobState.PENDING)
             self._start(job, resumed=True)
         return len(jobs)
+
+    async def cancel(self, job_id: str, reason: str) -> JobInfo:
+        """Cancel an unfinished job; return its final state (a finished job is returned as is).
+
+        The job's coroutine is cancelled: it dispatches nothing more, its outstanding tasks
+        are abandoned (the sites are told, and a site that has not started one refuses it;
+        whatever a site already charged stays charged), and it ends in state ``cancelled``
+        with ``reason`` as its error. It is not resumed after a restart.
+        """
+        job = self.store.get_job(job_id)
+        if JobState(job.state).finished:
+            return job
+        told = self.registry.cancel_tasks(f"{job_id}/", reason)
+        log.info("job=%s: %s (%d outstanding task(s) abandoned)", job_id,
+                 reason, told)
+        task = self._running.get(job_id)
+        if task is not None and not task.done():
+            self._cancelling[job_id] = reason
+            task.cancel()
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+            self._cancelling.pop(job_id, None)
+        job = self.store.get_job(job_id)
+        if not JobState(job.state).finished:  # not running here, or it did not unwind in time
+            self._record_cancelled(job_id, reason, None)
+        return self.store.get_job(job_id)
+
+    def _record_cancelled(self, job_id: str, reason: str,
+                          sites: tuple[Any, ...] | None) -> None:
+        log.warning("job=%s outcome=cancelled: %s", job_id, reason)
+        self.store.update_job(job_id, state=JobState.CANCELLED, error=reason, sites=sites)
+        self._emit(job_id, "cancelled", reason, 1.0, JobState.CANCELLED)
 
     async def shutdown(self) -> None:
         """Cancel running jobs; they stay 'running' in the store and resume at next start."""
@@ -162,57 +166,63 @@ class JobManager:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.planner.close()
 
     # ------------------------------------------------------------------ execution
     async def _run(self, job: JobInfo, resumed: bool) -> None:
         job_id = job.job_id
-        self.store.update_job(job_id, state="running")
-        self._emit(job_id, "running", "job started", 0.01, "running")
-        ctx = JobContext(job_id=job_id, spec=job.spec, params=job.spec.params,
-                         federation=self.federation, registry=self.registry,
-                         emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p, "running"),
-                         wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
-                         resumed=resumed,
-                         analyst_id=analyst_id_of(job.submitted_by),
-                         earlier_outcomes=job.sites if resumed else (),
-                         save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
+        self.store.update_job(job_id, state=JobState.RUNNING)
+        self._emit(job_id, "running", "job started", 0.01, JobState.RUNNING)
+        outcomes: dict[str, Any] = {}
         try:
-            output = await self._job_type(job.spec.kind).run(ctx)
+            kind = job_kind(job.spec.kind)
+            ctx = Job(job_id=job_id, spec=job.spec, kind=kind,
+                      params=kind.parse(job.spec.params, self.federation.schema),
+                      federation=self.federation, registry=self.registry,
+                      emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p,
+                                                            JobState.RUNNING),
+                      wait_for_quorum_s=self.federation.resume_wait_s if resumed else 0.0,
+                      resumed=resumed, analyst_id=analyst_id_of(job.submitted_by),
+                      earlier_outcomes=job.sites if resumed else (),
+                      save_outcomes=lambda sites: self.store.update_job(job_id, sites=sites))
+            outcomes = ctx.outcomes
+            output = await resolve(kind.run)(ctx)
             problem = _non_finite(output)
             if problem:
-                self._fail(job_id, ctx, f"the job's output is not finite ({problem}); nothing "
-                           "was stored")
+                self._fail(job_id, outcomes, f"the job's output is not finite ({problem}); "
+                           "nothing was stored")
                 return
             data = await asyncio.to_thread(encode_result, output.arrays, output.metadata)
             await asyncio.to_thread(self.store.save_result, job_id, data)
-            self.store.update_job(job_id, state="succeeded", sites=self._outcomes(ctx),
-                                  summary=dict(output.summary))
-            log.info("[JobManager._run] job=%s outcome=succeeded result=%d bytes", job_id,
-                     len(data))
+            self.store.update_job(job_id, state=JobState.SUCCEEDED,
+                                  sites=_sorted(outcomes), summary=dict(output.summary))
+            log.info("job=%s outcome=succeeded result=%d bytes", job_id, len(data))
             self._emit(job_id, "done", f"job succeeded; result {len(data)} bytes", 1.0,
-                       "succeeded")
+                       JobState.SUCCEEDED)
         except asyncio.CancelledError:
-            self.store.update_job(job_id, sites=self._outcomes(ctx))
-            raise
+            reason = self._cancelling.pop(job_id, None)
+            if reason is None:  # shutdown: the job stays unfinished and resumes at next start
+                self.store.update_job(job_id, sites=_sorted(outcomes))
+                raise
+            self._record_cancelled(job_id, reason, _sorted(outcomes))
         except (QuorumError, ValidationError, ProtocolError, DpfedError) as exc:
-            self._fail(job_id, ctx, str(exc))
+            self._fail(job_id, outcomes, str(exc))
         except Exception:
-            log.exception("[JobManager._run] job=%s crashed", job_id)
-            self._fail(job_id, ctx, "internal error in the coordinator (see its log)")
+            log.exception("job=%s crashed", job_id)
+            self._fail(job_id, outcomes, "internal error in the coordinator (see its log)")
 
-    def _outcomes(self, ctx: JobContext) -> tuple[Any, ...]:
-        return tuple(ctx.outcomes[s] for s in sorted(ctx.outcomes))
-
-    def _fail(self, job_id: str, ctx: JobContext, reason: str) -> None:
-        log.warning("[JobManager] job=%s outcome=failed: %s", job_id, reason)
-        self.store.update_job(job_id, state="failed", error=reason, sites=self._outcomes(ctx))
-        self._emit(job_id, "failed", reason, 1.0, "failed")
+    def _fail(self, job_id: str, outcomes: dict[str, Any], reason: str) -> None:
+        log.warning("job=%s outcome=failed: %s", job_id, reason)
+        self.store.update_job(job_id, state=JobState.FAILED, error=reason,
+                              sites=_sorted(outcomes))
+        self._emit(job_id, "failed", reason, 1.0, JobState.FAILED)
 
     # ------------------------------------------------------------------ events
-    def _emit(self, job_id: str, stage: str, message: str, progress: float, state: str) -> None:
+    def _emit(self, job_id: str, stage: str, message: str, progress: float,
+              state: JobState) -> None:
         event = JobEvent(job_id, utc_now(), stage, message, max(0.0, min(1.0, progress)), state)
         self.store.add_event(event)
-        if state in TERMINAL_STATES:
+        if state.finished:
             event = JobEvent(event.job_id, event.time, event.stage, event.message,
                              event.progress, event.state, self.store.get_job(job_id))
         for q in self._subscribers.get(job_id, ()):
@@ -230,17 +240,17 @@ class JobManager:
         past = self.store.events(job_id)
         try:
             for event in past:
-                if event.state in TERMINAL_STATES:
+                if JobState(event.state).finished:
                     yield JobEvent(event.job_id, event.time, event.stage, event.message,
                                    event.progress, event.state, self.store.get_job(job_id))
                     return
                 yield event
-            if job.state in TERMINAL_STATES:
+            if JobState(job.state).finished:
                 return
             while True:
                 event = await queue.get()
                 yield event
-                if event.state in TERMINAL_STATES:
+                if JobState(event.state).finished:
                     return
         finally:
             subs = self._subscribers.get(job_id)

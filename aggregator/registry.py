@@ -7,7 +7,8 @@ down it. When the stream ends, every pending task of that session fails with
 
 A session also bounds what the site can make the coordinator hold (docs/hardening.md):
 result chunks are accepted only for a task pending at this session, one transfer per task,
-each capped at the size the job expects for that task; a partial transfer is dropped when its
+each capped at the size the job expects for that task, and one transfer at a time (a result
+started while another is unfinished fails its task); a partial transfer is dropped when its
 task ends; budget reports are rate-limited (a token bucket).
 """
 
@@ -135,6 +136,14 @@ class SiteSession:
         fut = self.pending.get(task_id)
         if fut is None or fut.done():
             return None
+        unfinished = [t for t in self.transfers.in_progress() if t != task_id]
+        if unfinished:
+            # A site writes each answer whole under its stream's write lock: an honest one never
+            # interleaves two. So the session holds at most one partial result (within its cap).
+            self.fail(task_id, ProtocolError(
+                f"a result for {task_id[:80]!r} started while the result for "
+                f"{unfinished[0][:80]!r} is unfinished; a site sends one result at a time"))
+            return None
         if self.metrics is not None:
             self.metrics.received(self.site_id, len(chunk.data))
         try:
@@ -177,7 +186,7 @@ class SiteSession:
 
     def update_row_count(self, row_count: int) -> None:
         """Record the row count a site sends once it has counted (after connecting)."""
-        log.info("[SiteSession] site=%s rows=%d", self.site_id, row_count)
+        log.info("site=%s rows=%d", self.site_id, row_count)
         self.hello = replace(self.hello, row_count=row_count)
 
     def close(self, reason: str) -> None:
@@ -213,7 +222,7 @@ class SiteRegistry:
                 old.close("replaced by a newer connection from the same site")
             self._sessions[site_id] = session
             self._changed.notify_all()
-        log.info("[SiteRegistry.attach] site=%s rows=%d", site_id, hello.row_count)
+        log.info("site=%s rows=%d", site_id, hello.row_count)
         return session
 
     async def detach(self, session: SiteSession, reason: str) -> None:
@@ -223,9 +232,9 @@ class SiteRegistry:
             if self._sessions.get(session.site_id) is session:
                 del self._sessions[session.site_id]
             self._changed.notify_all()
-        log.info("[SiteRegistry.detach] site=%s reason=%s", session.site_id, reason)
+        log.info("site=%s reason=%s", session.site_id, reason)
         if session.budget_dropped:
-            log.warning("[SiteRegistry.detach] site=%s sent budget reports too fast: %d "
+            log.warning("site=%s sent budget reports too fast: %d "
                         "dropped, %d accepted", session.site_id, session.budget_dropped,
                         session.budget_accepted)
 
@@ -275,6 +284,21 @@ class SiteRegistry:
                 except TimeoutError:
                     break
             return count()
+
+    def cancel_tasks(self, prefix: str, reason: str) -> int:
+        """Tell every site to drop its pending tasks whose id starts with ``prefix``.
+
+        The waiters are left alone (the job that owns them is being cancelled); a site that
+        has not started such a task refuses it instead of charging it. Returns how many
+        task ids were named.
+        """
+        told = 0
+        for session in self.connected():
+            for task_id in [t for t in session.pending if t.startswith(prefix)]:
+                session.outbox.put_nowait(site_link_pb2.CoordinatorMessage(
+                    cancel=site_link_pb2.CancelTask(task_id=task_id, reason=reason[:500])))
+                told += 1
+        return told
 
     def close_all(self, reason: str) -> None:
         """Close every session (coordinator shutdown)."""

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dpfed.aggregator.access_control import AccessControl
+from dpfed.aggregator.access_control import AccessControl, JobAccess
 from dpfed.aggregator.config import AggregatorConfig
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.orchestrator import JobManager
@@ -50,12 +50,16 @@ class RunningCoordinator:
     health_server: grpc.aio.Server | None = None
     health_port: int | None = None
     metrics_server: MetricsServer | None = None
+    #: The planner's workers starting in the background (awaited at stop).
+    planner_warm_up: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Graceful stop: NOT_SERVING, cancel jobs, close streams, stop the server."""
         if self.access_watch is not None:
             self.access_watch.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.planner_warm_up is not None:
+            await asyncio.gather(self.planner_warm_up, return_exceptions=True)
         await self.jobs.shutdown()
         self.registry.close_all("coordinator shutting down")
         await self.server.stop(grace)
@@ -86,7 +90,8 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
     site_link = SiteLinkServicer(registry, store, federation, auth)
     site_link_pb2_grpc.add_SiteLinkServicer_to_server(site_link, server)
     analyst_pb2_grpc.add_AnalystServicer_to_server(
-        AnalystServicer(registry, store, jobs, federation, auth), server)
+        AnalystServicer(registry, store, jobs, federation, auth,
+                        JobAccess(groups=config.read_groups, admins=config.admins)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = (
@@ -121,6 +126,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
             await health_server.stop(0)
         store.close()
         raise
+    warming = asyncio.create_task(asyncio.to_thread(jobs.planner.warm_up))  # in the background
     resumed = await jobs.resume_unfinished()
     for name in ("", *service_names[:2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -129,7 +135,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
              resumed)
     watch = asyncio.create_task(_watch_access(access, site_link, config.access_reload_s))
     return RunningCoordinator(server, port, store, registry, jobs, health_servicer, watch,
-                              health_server, health_port, metrics_server)
+                              health_server, health_port, metrics_server, warming)
 
 
 async def _watch_access(access: AccessControl, site_link: SiteLinkServicer,

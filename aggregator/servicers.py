@@ -1,9 +1,16 @@
 """gRPC servicers of the coordinator: thin -- authenticate, decode, call, encode.
 
 Identity comes only from the verified client certificate (``context.auth_context()``); a
-site certificate cannot call analyst methods and vice versa. Errors are mapped to status
-codes in one place (``dpfed.common.transport.grpc_errors``) and status messages never carry data
-values.
+site certificate cannot call analyst methods and vice versa. What an analyst may do with a
+job -- watch, fetch, list, cancel, continue its SVT session -- is decided by
+:class:`dpfed.aggregator.access_control.JobAccess`: its own jobs, unless the coordinator's
+``[access]`` grants more; another analyst's job answers NOT_FOUND like an unknown id. Errors
+are mapped to status codes in one place (``dpfed.common.transport.grpc_errors``) and status
+messages never carry data values.
+
+A job runs on the coordinator whether or not its submitter is still listening: a client
+whose ``SubmitJob`` stream ends (killed, network lost) leaves the job running, to be followed
+again with ``WatchJob`` and fetched with ``FetchResult``; ``CancelJob`` is how to stop it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 import grpc
 
 from dpfed import __version__
-from dpfed.aggregator.access_control import AccessControl
+from dpfed.aggregator.access_control import AccessControl, JobAccess
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.orchestrator import JobManager
 from dpfed.aggregator.registry import SiteRegistry, SiteSession
@@ -31,7 +38,13 @@ from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, sit
 from dpfed.common.transport.grpc_errors import details_for, status_for
 from dpfed.common.transport.grpc_options import CHUNK_BYTES
 from dpfed.common.transport.identity import Principal
-from dpfed.common.transport.protocol import PROTOCOL_VERSION, Refusal, SiteHello, SiteInfo
+from dpfed.common.transport.protocol import (
+    PROTOCOL_VERSION,
+    JobInfo,
+    Refusal,
+    SiteHello,
+    SiteInfo,
+)
 from dpfed.common.transport.tls import (
     peer_fingerprint,
     principal_from_auth_context,
@@ -44,7 +57,6 @@ from dpfed.common.transport.wire import (
     iter_chunks,
     job_event_to_proto,
     job_info_to_proto,
-    job_spec_from_proto,
     refusal_from_proto,
     result_from_bytes,
     site_info_to_proto,
@@ -54,11 +66,12 @@ log = logging.getLogger(__name__)
 
 #: How long a newly connected site has to send its Hello.
 HELLO_TIMEOUT_S = 30.0
-#: Longest refusal code / reason kept from a site (the rest is cut).
-MAX_REFUSAL_CODE = 64
+#: Longest refusal reason kept from a site (the rest is cut; the code is an enum).
 MAX_REFUSAL_REASON = 2000
 #: Metadata key naming the caller in --insecure mode only (development; never with TLS).
 INSECURE_PRINCIPAL_KEY = "x-dpfed-insecure-principal"
+#: Longest cancellation reason kept from an analyst.
+MAX_CANCEL_REASON = 500
 
 
 class Authenticator:
@@ -255,8 +268,7 @@ class SiteLinkServicer(site_link_pb2_grpc.SiteLinkServicer):
             elif which == "refusal":
                 refusal = refusal_from_proto(msg.refusal)
                 session.resolve(refusal.task_id, Refusal(
-                    refusal.task_id, refusal.code[:MAX_REFUSAL_CODE],
-                    refusal.reason[:MAX_REFUSAL_REASON]))
+                    refusal.task_id, refusal.code, refusal.reason[:MAX_REFUSAL_REASON]))
             elif which == "budget":
                 # The latest report is always what `dpfed budgets` shows (held in memory);
                 # the rate limit bounds only the durable store writes a site can cause.
@@ -286,12 +298,18 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
     """Sites, budgets, jobs and results for authenticated analysts."""
 
     def __init__(self, registry: SiteRegistry, store: JobStore, jobs: JobManager,
-                 federation: Federation, auth: Authenticator) -> None:
+                 federation: Federation, auth: Authenticator,
+                 job_access: JobAccess | None = None) -> None:
         self.registry = registry
         self.store = store
         self.jobs = jobs
         self.federation = federation
         self.auth = auth
+        self.job_access = job_access or JobAccess()
+
+    def _readable_job(self, principal: Principal, job_id: str) -> JobInfo:
+        """Return the job if ``principal`` may read it (else NotFoundError, as for no job)."""
+        return self.job_access.readable(principal, self.store.get_job(job_id))
 
     def _site_infos(self, include_disconnected: bool) -> list[SiteInfo]:
         live = {s.site_id: s for s in self.registry.connected()}
@@ -336,28 +354,43 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
                 refusal = self.auth.access.check(principal, fingerprint)
                 if refusal is not None:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-            yield job_event_to_proto(event)
+            if event.job is None:
+                yield job_event_to_proto(event)
+            else:  # the final event carries the job's parameters: encoded off the loop
+                yield await asyncio.to_thread(job_event_to_proto, event)
 
     async def SubmitJob(self, request: analyst_pb2.SubmitJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
         """Validate and start a job; stream its progress until it finishes."""
         principal = await self.auth.require(context, "analyst")
         try:
-            spec = job_spec_from_proto(request.spec)
-            job = self.jobs.submit(spec, submitted_by=str(principal),
-                                   request_id=request.request_id)
+            job = await self._submit(request, principal)
         except Exception as exc:  # noqa: BLE001 -- mapped to a status code
-            await _abort(context, exc)
+            # An aborted call's state and the frames of its abort form a reference cycle
+            # that only a garbage collection breaks: keep the request (up to 16 MiB) and the
+            # planner's frames out of it, or every refused large request stays in memory.
+            del request
+            await _abort(context, exc if not isinstance(exc, DpfedError)
+                         else exc.with_traceback(None))
             return
         async for event in self._stream_job(job.job_id, context, principal):
             yield event
+
+    async def _submit(self, request: analyst_pb2.SubmitJobRequest,
+                      principal: Principal) -> JobInfo:
+        fields = request.spec.params.fields
+        session = fields["session"].string_value if "session" in fields else ""
+        self.job_access.check_continuation(principal, request.spec.kind, session, self.store)
+        return await self.jobs.submit(request.spec.SerializeToString(),
+                                      submitted_by=str(principal),
+                                      request_id=request.request_id)
 
     async def WatchJob(self, request: analyst_pb2.WatchJobRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[analyst_pb2.JobEvent]:
         """Replay and follow a job's progress."""
         principal = await self.auth.require(context, "analyst")
         try:
-            self.store.get_job(request.job_id)
+            self._readable_job(principal, request.job_id)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
             return
@@ -367,25 +400,32 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
     async def GetJob(self, request: analyst_pb2.GetJobRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> analyst_pb2.JobInfo:
         """One job's state."""
-        await self.auth.require(context, "analyst")
+        principal = await self.auth.require(context, "analyst")
         try:
-            return job_info_to_proto(self.store.get_job(request.job_id))
+            return await asyncio.to_thread(
+                lambda: job_info_to_proto(self._readable_job(principal, request.job_id)))
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
             raise
 
     async def ListJobs(self, request: analyst_pb2.ListJobsRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> analyst_pb2.ListJobsResponse:
-        """Most recent jobs first."""
-        await self.auth.require(context, "analyst")
-        jobs = self.store.list_jobs(request.limit or 50)
-        return analyst_pb2.ListJobsResponse(jobs=[job_info_to_proto(j) for j in jobs])
+        """Most recent jobs first (those the caller may read)."""
+        principal = await self.auth.require(context, "analyst")
+
+        def listing() -> analyst_pb2.ListJobsResponse:  # decoding and encoding parameters
+            jobs = self.store.list_jobs(request.limit or 50,
+                                        submitted_by=self.job_access.readable_owners(principal))
+            return analyst_pb2.ListJobsResponse(jobs=[job_info_to_proto(j) for j in jobs])
+
+        return await asyncio.to_thread(listing)
 
     async def FetchResult(self, request: analyst_pb2.FetchResultRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Stream a finished job's result file in chunks."""
-        await self.auth.require(context, "analyst")
+        principal = await self.auth.require(context, "analyst")
         try:
+            self._readable_job(principal, request.job_id)
             path = self.store.result_path(request.job_id)
             data = await asyncio.to_thread(path.read_bytes)
         except Exception as exc:  # noqa: BLE001
@@ -393,3 +433,20 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
             return
         for chunk in iter_chunks(request.job_id, data, CHUNK_BYTES):
             yield chunk
+
+    async def CancelJob(self, request: analyst_pb2.CancelJobRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> analyst_pb2.JobInfo:
+        """Cancel an unfinished job (its submitter or an admin); return its final state."""
+        principal = await self.auth.require(context, "analyst")
+        try:
+            job = self._readable_job(principal, request.job_id)
+            if not self.job_access.may_cancel(principal, job):
+                raise PermissionDeniedError(f"job {job.job_id} was submitted by "
+                                            f"{job.submitted_by}; only its submitter or an "
+                                            "admin may cancel it")
+            why = request.reason.strip()[:MAX_CANCEL_REASON]
+            reason = f"cancelled by {principal}" + (f": {why}" if why else "")
+            return job_info_to_proto(await self.jobs.cancel(job.job_id, reason))
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+            raise

@@ -69,6 +69,7 @@ class SimulationOptions:
     synth_rows: int = 20_000
     synth_mode: str = "generative"
     composition: str = "basic"
+    omop: bool = False
     metrics: bool = False
 
 
@@ -95,6 +96,7 @@ JOB_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "synth_rows": ("--synth-rows", ("synth",)),
     "synth_mode": ("--synth-mode", ("synth",)),
     "composition": ("--composition", ("synth",)),
+    "omop": ("--omop", ("pca", "synth")),
 }
 #: Flags that shape the generated demo data: refused with --data (the files decide).
 DEMO_FLAGS = {"sites": "--sites", "rows": "--rows", "features": "--features",
@@ -155,7 +157,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--composition", choices=["basic", "zcdp"],
                    help="--job synth: how the rounds share the budget (default basic; zcdp: "
                    "shares of rho, the simulated sites then account in zcdp)")
-
+    p.add_argument("--omop", action="store_true", default=None,
+                   help="generate an OMOP CDM warehouse per site (PostgreSQL for the first, "
+                   "DuckDB for the others; --rows persons each, at most 5000) and run --job pca "
+                   "or synth on the schema's feature extraction (docs/data-sources.md)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics from the "
                    "coordinator and every site on free loopback ports (addresses printed; the "
                    "last scrape of each is saved in OUT/metrics/)")
@@ -211,7 +216,12 @@ def simulation_options_from_args(args: argparse.Namespace) -> SimulationOptions:
                              budget_epsilon=args.budget_epsilon, budget_delta=args.budget_delta,
                              deadline=args.deadline, job=args.job, synth_rows=args.synth_rows,
                              synth_mode=args.synth_mode.replace("-", "_"),
-                             composition=args.composition, metrics=args.metrics)
+                             composition=args.composition, metrics=args.metrics,
+                             omop=bool(getattr(args, "omop", None)))
+    if opts.omop:  # before anything is made
+        from dpfed.aggregator.simulate_omop import check_omop_options
+
+        check_omop_options(opts)
     if opts.job == "synth":  # before anything is made
         from dpfed.aggregator.simulate_synth import check_synth_options
 
@@ -289,10 +299,8 @@ def check_options(opts: SimulationOptions) -> None:
         Naming the internal field; ``dpfed simulate`` rewrites it to the flag.
     """
     from dpfed.aggregator.client import pca_params
-    from dpfed.aggregator.federation import Federation
-    from dpfed.aggregator.jobs import JOB_TYPES
     from dpfed.common.data.demo_data import demo_model
-    from dpfed.common.transport.protocol import JobSpec
+    from dpfed.common.jobs.registry import job_kind
     from dpfed.common.validation import check_delta, check_epsilon
 
     check_epsilon(opts.epsilon)
@@ -312,16 +320,18 @@ def check_options(opts: SimulationOptions) -> None:
         schema = check_data_files(opts)
     else:
         schema = demo_model(opts.features, seed=0).schema
-    spec = JobSpec("pca", opts.epsilon, opts.delta,
-                   pca_params(opts.k, rank=opts.rank, calibration=opts.calibration,
-                              clip_norm=opts.clip_norm, centering=opts.centering,
-                              site_weighting=opts.site_weighting,
-                              aggregation=opts.aggregation), opts.min_sites, opts.deadline)
-    JOB_TYPES["pca"].validate(spec, Federation(schema))
+    params = pca_params(opts.k, rank=opts.rank, calibration=opts.calibration,
+                        clip_norm=opts.clip_norm, centering=opts.centering,
+                        site_weighting=opts.site_weighting, aggregation=opts.aggregation)
+    job_kind("pca").canonical(params, opts.epsilon, opts.delta, schema)
 
 
 def run_simulation(opts: SimulationOptions) -> int:
     """Run the whole simulation; return an exit code (errors are raised, not printed)."""
+    if opts.omop:
+        from dpfed.aggregator.simulate_omop import run_omop_simulation
+
+        return run_omop_simulation(opts, run_simulation)
     if opts.job in ("svt", "query"):
         from dpfed.aggregator.simulate_queries import run_query_simulation
 

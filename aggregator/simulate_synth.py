@@ -26,8 +26,10 @@ from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import JobFailedError, ValidationError
-from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+from dpfed.common.job_params import SynthParams
+from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT
 from dpfed.common.transport.protocol import JobEvent
+from dpfed.common.validation import path_component
 
 if TYPE_CHECKING:
     from dpfed.aggregator.simulate import SimulationOptions
@@ -39,9 +41,8 @@ EVALUATION_ROWS = 5000
 def check_synth_options(opts: SimulationOptions) -> None:
     """Refuse --synth-mode / --aggregation / --composition combinations the job refuses."""
     try:
-        SynthParams.from_mapping({"mode": opts.synth_mode, "aggregation": opts.aggregation,
-                                  "composition": opts.composition},
-                                 latent_dim=SYNTH_MAX_LATENT_DIM)
+        SynthParams.parse({"mode": opts.synth_mode, "aggregation": opts.aggregation,
+                                  "composition": opts.composition}, None)
     except ValidationError as exc:
         raise ValidationError(str(exc).replace("--mode", "--synth-mode")) from None
 
@@ -97,7 +98,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
         budget_epsilon=opts.budget_epsilon or max(10.0, 2 * opts.epsilon),
         budget_delta=opts.budget_delta or min(0.5, 10 * opts.delta),
         noise_seed=opts.seed, allowed_jobs=("pca", "synth", "synth_rows", "synth_eval"),
-        accountant="zcdp" if opts.composition == "zcdp" else "basic")
+        accountant="zcdp" if opts.composition == "zcdp" else DEFAULT_ACCOUNTANT)
     fed = LocalFederation.create(out, n_sites=opts.sites, rows=opts.rows,
                                  features=opts.features, seed=seed, fmt=opts.data_format,
                                  data=opts.data or None, schema=opts.schema,
@@ -146,13 +147,14 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                        figures=figures)
     job_id = str(model.metadata.get("job_id", ""))
     for site_id in fed.site_ids:
-        path = fed.site_dir(site_id) / "evaluations" / job_id / "synth_evaluation.html"
+        path = (fed.site_dir(site_id) / "evaluations" / path_component(job_id)
+                / "synth_evaluation.html")
         state = "written by the site" if path.exists() else "MISSING"
         say("evaluate", f"{site_id}: site-local evaluation report {state}: {path}")
     print()
     print(f"dpfed simulate --job synth: {len(fed.site_ids)} sites, mode {model.mode}, "
           f"aggregation {opts.aggregation}, composition {opts.composition} (site ledgers: "
-          f"{'zcdp' if opts.composition == 'zcdp' else 'basic'} accountant), "
+          f"{'zcdp' if opts.composition == 'zcdp' else DEFAULT_ACCOUNTANT} accountant), "
           f"latent dimension {model.links.dim}, "
           f"rank {model.factor_model.rank}, column pairs "
           f"{0 if model.pair_correction is None else len(model.pair_correction.edges)}")

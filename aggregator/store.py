@@ -14,7 +14,7 @@ import os
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -23,15 +23,24 @@ from typing import Any
 
 from dpfed.common.errors import ConfigError, IdempotencyConflictError, NotFoundError
 from dpfed.common.privacy.accounting import PrivacyCost
-from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, SiteHello, SiteOutcome
+from dpfed.common.transport.protocol import (
+    JobEvent,
+    JobInfo,
+    JobSpec,
+    RefusalCode,
+    SiteHello,
+    SiteOutcome,
+    SiteStatus,
+)
+from dpfed.common.validation import path_component
 
-SCHEMA_VERSION = 1
+#: 2: request ids are unique per submitter (version 1 had one namespace for everybody).
+SCHEMA_VERSION = 2
 
-_DDL = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
+_JOBS_TABLE = """
+CREATE TABLE IF NOT EXISTS {name} (
     job_id TEXT PRIMARY KEY,
-    request_id TEXT UNIQUE,
+    request_id TEXT,
     kind TEXT NOT NULL,
     spec_json TEXT NOT NULL,
     state TEXT NOT NULL,
@@ -42,8 +51,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     summary_json TEXT NOT NULL DEFAULT '{}',
     submitted_by TEXT NOT NULL DEFAULT '',
     result_file TEXT NOT NULL DEFAULT '',
-    result_size INTEGER NOT NULL DEFAULT 0
+    result_size INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (submitted_by, request_id)
 );
+"""
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+""" + _JOBS_TABLE.replace("{name}", "jobs") + """
 CREATE TABLE IF NOT EXISTS job_events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id TEXT NOT NULL REFERENCES jobs(job_id),
@@ -96,9 +111,28 @@ def _outcomes_from_json(text: str) -> tuple[SiteOutcome, ...]:
     out = []
     for d in json.loads(text):
         spend = PrivacyCost(**d["spend"]) if d.get("spend") else None
-        out.append(SiteOutcome(d["site_id"], d["status"], d.get("reason", ""), spend,
-                               int(d.get("row_count", 0))))
+        reason = d.get("reason", "")
+        code, left_out = ((d["code"], d.get("left_out", False)) if "code" in d
+                          else _legacy_code(d["status"], reason))
+        out.append(SiteOutcome(d["site_id"], SiteStatus(d["status"]), reason, spend,
+                               int(d.get("row_count", 0)),
+                               RefusalCode(code) if code else None, bool(left_out)))
     return tuple(out)
+
+
+def _legacy_code(status: str, reason: str) -> tuple[str | None, bool]:
+    """Return the code and left-out mark of an outcome stored before outcomes carried them.
+
+    Such a refusal's reason was ``"<code>: <text>"``, and a site left out before the first
+    round for its budget said ``"budget_exceeded: the job needs ..."``.
+    """
+    if status != SiteStatus.REFUSED:
+        return None, False
+    code, _sep, text = reason.partition(": ")
+    if code not in set(RefusalCode):
+        return None, False
+    return code, code == RefusalCode.BUDGET_EXCEEDED and text.split(" ", 2)[:2] == ["the",
+                                                                                   "job"]
 
 
 def _spec_to_json(spec: JobSpec) -> str:
@@ -144,6 +178,18 @@ class JobStore:
         elif int(row[0]) > SCHEMA_VERSION:
             raise ConfigError(f"{self.path} was written by a newer dpfed (store schema {row[0]}); "
                               "upgrade this coordinator")
+        elif int(row[0]) == 1:
+            self._migrate_v1()
+
+    def _migrate_v1(self) -> None:
+        """Scope request ids to their submitter: rebuild ``jobs`` with the new constraint."""
+        with self._tx() as db:
+            db.execute(_JOBS_TABLE.replace("{name}", "jobs_v2"))
+            db.execute("INSERT INTO jobs_v2 SELECT * FROM jobs")
+            db.execute("DROP TABLE jobs")
+            db.execute("ALTER TABLE jobs_v2 RENAME TO jobs")
+            db.execute("UPDATE meta SET value=? WHERE key='schema_version'",
+                       (str(SCHEMA_VERSION),))
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -164,13 +210,17 @@ class JobStore:
     # ------------------------------------------------------------------ jobs
     def create_job(self, spec: JobSpec, *, submitted_by: str,
                    request_id: str = "") -> tuple[JobInfo, bool]:
-        """Create a pending job; return (job, created). A seen ``request_id`` returns its job."""
+        """Create a pending job; return (job, created).
+
+        A ``request_id`` this submitter already used returns its job; request ids of
+        different submitters never meet (another analyst's id starts a job of its own).
+        """
         now = utc_now()
         with self._tx() as db:
             row = None
             if request_id:
-                row = db.execute("SELECT job_id FROM jobs WHERE request_id=?",
-                                 (request_id,)).fetchone()
+                row = db.execute("SELECT job_id FROM jobs WHERE request_id=? AND submitted_by=?",
+                                 (request_id, submitted_by)).fetchone()
             if row is not None:
                 job_id, created = row[0], False
                 stored = db.execute("SELECT spec_json FROM jobs WHERE job_id=?",
@@ -204,11 +254,19 @@ class JobStore:
             raise NotFoundError(f"no job with id {job_id!r}")
         return self._row_to_job(row)
 
-    def list_jobs(self, limit: int = 50) -> list[JobInfo]:
-        """Most recent jobs first."""
+    def list_jobs(self, limit: int = 50, *,
+                  submitted_by: Collection[str] | None = None) -> list[JobInfo]:
+        """Most recent jobs first (only those of the given submitters, unless None)."""
+        where, args = "", []
+        if submitted_by is not None:
+            owners = sorted(set(submitted_by))
+            if not owners:
+                return []
+            where = f"WHERE submitted_by IN ({', '.join('?' * len(owners))}) "
+            args = owners
         with self._lock:
-            rows = self._db.execute("SELECT * FROM jobs ORDER BY created DESC, job_id DESC LIMIT ?",
-                                    (max(1, limit),)).fetchall()
+            rows = self._db.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, job_id "
+                                    "DESC LIMIT ?", (*args, max(1, limit))).fetchall()
         return [self._row_to_job(r) for r in rows]
 
     def job_counts(self) -> list[tuple[str, str, int]]:
@@ -265,7 +323,7 @@ class JobStore:
     # ------------------------------------------------------------------ results
     def save_result(self, job_id: str, data: bytes) -> Path:
         """Write a job's result file atomically and record it."""
-        final = self.results_dir / f"{job_id}.npz"
+        final = self.results_dir / f"{path_component(job_id)}.npz"
         tmp = final.with_suffix(".npz.tmp")
         with open(tmp, "wb") as fh:
             fh.write(data)

@@ -49,8 +49,10 @@ def write_progress(out: str, every: float = PROGRESS_SECONDS) -> Callable[[int, 
 
 def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str, float, float]]:
     from dpfed.aggregator.client import Coordinator
-    from dpfed.aggregator.jobs.synth_evaluation import SUMMARY_KIND
-    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+    from dpfed.aggregator.plan_cli import print_left_out, who_takes_part
+    from dpfed.common.job_params import SynthParams
+    from dpfed.common.jobs.registry import job_kind
+    from dpfed.common.jobs.synth_evaluation import EVALUATE_SUMMARY
     from dpfed.common.privacy.composition import rounds_rho
 
     spec = Coordinator.synth_spec(epsilon=args.epsilon, delta=args.delta, mode=args.mode,
@@ -58,11 +60,13 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
                                   evaluate_rows=args.evaluate_rows if args.evaluate else 0,
                                   evaluate_summary=_summary_budget(args), pairs=args.pairs,
                                   pair_groups=args.pair_groups, composition=args.composition)
-    params = SynthParams.from_mapping(spec.params, latent_dim=SYNTH_MAX_LATENT_DIM)
+    params = SynthParams.parse(spec.params, None)
     plan = params.plan(args.epsilon, args.delta)
-    sites = coord.sites()
-    print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site is "
-          "charged, per round:")
+    kind = job_kind("synth")
+    sites, left_out = who_takes_part(kind, params, kind.plan(params, args.epsilon, args.delta),
+                                     coord.sites(), args.epsilon, args.delta)
+    print(f"synth plan ({params.mode}, aggregation {params.aggregation}): every site taking "
+          "part is charged, per round:")
     if params.aggregation == "secure":
         print("  every round is a secure sum (Skellam noise shared among the sites, sized "
               "for the largest tolerated-colluders t among them); the coordinator sees only "
@@ -88,7 +92,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         for name, eps, dlt in plan:
             print(f"{site.site_id:<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {left:>13}")
         if params.summary_epsilon:
-            if SUMMARY_KIND in site.allowed_kinds:
+            if EVALUATE_SUMMARY.task_kind in site.allowed_kinds:
                 print(f"{site.site_id:<16} {'evaluate_summary':<11} "
                       f"{params.summary_epsilon:>10.4g} {params.summary_delta:>10.3g} {left:>13}")
             else:
@@ -97,6 +101,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
     if not sites:
         for name, eps, dlt in plan:
             print(f"{'(every site)':<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
+    print_left_out(left_out)
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     if params.composition == "zcdp":
@@ -133,14 +138,13 @@ def cmd_synth(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
     from dpfed.aggregator.client import Coordinator
     from dpfed.aggregator.synth_model import check_rows, output_format
     from dpfed.aggregator.synth_report import write_synth_report
-    from dpfed.common.job_params import SYNTH_MAX_LATENT_DIM, SynthParams
+    from dpfed.common.job_params import SynthParams
 
     mode = args.mode.replace("-", "_")
     # --mode / --aggregation combinations are refused here, before anything connects or runs
-    SynthParams.from_mapping(Coordinator.synth_spec(
+    SynthParams.parse(Coordinator.synth_spec(
         epsilon=args.epsilon, delta=args.delta, mode=mode, aggregation=args.aggregation,
-        pairs=args.pairs, pair_groups=args.pair_groups, composition=args.composition).params,
-        latent_dim=SYNTH_MAX_LATENT_DIM)
+        pairs=args.pairs, pair_groups=args.pair_groups, composition=args.composition).params, None)
     if mode == "row_aligned":
         if args.rows is not None:
             raise ValidationError("--rows: row-aligned mode releases exactly one noisy row per "

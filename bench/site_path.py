@@ -4,7 +4,7 @@ The floor is the least a site can do for one DPdisPCA release: stream the file w
 (Parquet ``iter_batches`` / CSV ``open_csv`` with float64 columns), copy each batch into a
 column-major float64 matrix, one BLAS ``dsyrk`` per batch, then the top-R eigenpairs of the
 p x p result. The site path is the real one: ``open_data_source`` (start-up checks), then
-``PCAHandler.prepare`` (schema validation, unit-ball map, Gram) and the release (noise,
+the ``pca`` round's ``prepare`` (schema validation, unit-ball map, Gram) and the release (noise,
 top-R eigenpairs), exactly as the site agent runs a task.
 
 Printed per format: floor seconds, site seconds, their ratio (goal <= 1.2 at 5M rows), and
@@ -39,8 +39,9 @@ from scipy.linalg import blas  # noqa: E402
 from dpfed.common.data.data_sources import open_data_source, spec_from_path  # noqa: E402
 from dpfed.common.data.demo_data import write_demo  # noqa: E402
 from dpfed.common.data.schema import Schema  # noqa: E402
+from dpfed.common.jobs.contract import Site  # noqa: E402
+from dpfed.common.jobs.pca import MOMENT  # noqa: E402
 from dpfed.common.transport.protocol import Task  # noqa: E402
-from dpfed.site_agent.handlers.pca import PCAHandler  # noqa: E402
 
 SEED = 20260101
 CHUNK_ROWS = 65536
@@ -132,8 +133,7 @@ def site_times(schema: Schema, path: Path, rank: int) -> tuple[float, float, flo
     # path the floor bounds. The centred default adds a mean and a norms round before it.
     task = Task("bench/pca", "bench", "pca", 1.0, 1e-5, {
         "n_components": rank // 2, "rank": rank, "centering": "none", "clip_norm": "schema"})
-    prepared = PCAHandler().prepare(task, source)
-    prepared.release(np.random.default_rng(0))
+    MOMENT.prepare(task, Site(source)).produce(np.random.default_rng(0))
     return startup, time.perf_counter() - t, time.process_time() - cpu
 
 

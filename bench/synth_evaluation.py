@@ -4,7 +4,7 @@ Part 1 -- cost at one site (demo mixed table, 12 columns, N rows in 65 536-row c
 against a floor measured in the same run: the links round's exact pass over every row
 (``LinkHistogramAccumulator``). Timed: the same pass through the holdout view
 (``TrainingRows``: the round of a job with ``--evaluate``), and the DP summary's exact
-statistic (``SynthEvaluationSummaryHandler.exact``: histograms of the training rows plus
+statistic (``exact_summary`` of the ``evaluate_summary`` round: histograms of the training rows plus
 nearest-synthetic-row queries for up to 20 000 training and 20 000 held-out rows, 2 000
 synthetic rows). Also the absolute time to draw the holdout positions at N = 10^7.
 
@@ -34,10 +34,11 @@ from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_tabl
 from dpfed.common.data.schema import Schema
 from dpfed.common.evaluation.dp_summary import excess_near_copies, release_summary
 from dpfed.common.evaluation.holdout import holdout_positions, job_key
+from dpfed.common.evaluation.site_holdout import KEY_FILE, TrainingRows, site_secret
+from dpfed.common.jobs.contract import Site
+from dpfed.common.jobs.synth_evaluation import exact_summary
 from dpfed.common.synth.link_release import LinkHistogramAccumulator
 from dpfed.common.transport.protocol import Task
-from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
-from dpfed.site_agent.synth_holdout import KEY_FILE, TrainingRows, site_secret
 
 CHUNK = 65_536
 N_BINS = 32
@@ -89,8 +90,7 @@ def main() -> None:
     data = Frame(schema, table)
     state = Path(tempfile.mkdtemp())
     (state / KEY_FILE).write_bytes(bytes(range(32)))  # a fixed secret: reproducible figures
-    handler = SynthEvaluationSummaryHandler().for_site(state / "ledger.sqlite")
-    assert isinstance(handler, SynthEvaluationSummaryHandler)
+    site = Site(data, state / "ledger.sqlite")
     key = job_key(site_secret(state), "bench")
 
     def floor() -> None:
@@ -109,7 +109,7 @@ def main() -> None:
                 {"schema_digest": schema.digest(), "n_bins": N_BINS}, sample)
     t_floor = best_of(floor)
     t_hold = best_of(holdout_pass)
-    t_summary = best_of(lambda: handler.exact(task, data), repeat=2)
+    t_summary = best_of(lambda: exact_summary(task, site), repeat=2)
     t_pos = best_of(lambda: holdout_positions(key, 10_000_000), repeat=2)
     print(f"Part 1 -- cost at one site, N = {table.n_rows}, {len(schema.columns)} columns")
     print(f"  floor (links pass over every row)        {t_floor * 1e3:8.1f} ms   1.00")
@@ -132,7 +132,7 @@ def main() -> None:
     for name, arrays in cases.items():
         t = Task("bench/evaluate_summary", "bench", "synth_eval_dp", 1.0, 1e-6,
                  {"schema_digest": schema.digest(), "n_bins": N_BINS}, arrays)
-        exact = handler.exact(t, data)
+        exact = exact_summary(t, site)
         a_t = exact.scaled[-2] / exact.n_compared
         a_h = exact.scaled[-1] / exact.n_holdout
         out, meta = release_summary(exact, epsilon=1.0, delta=1e-6,

@@ -8,9 +8,10 @@ same sites' rows in every run:
 * ``site``: the job's site-level rounds (each site's Gaussian histograms, each site's DP-PCA
   factor, combined) -- ``fit_federated`` of bench/synth_quality.py;
 * ``secure``: the job's secure rounds run in-process with the real code
-  (``fit_secure`` of bench/secure_synth_round.py): every site's ``synth_counts`` and
-  ``synth_latent`` sources, its Skellam share and its pairwise masks; the coordinator decodes
-  only the sums and post-processes them exactly as the job does;
+  (``fit_secure`` of bench/secure_synth_round.py): the job's own run, every site's
+  ``synth_counts`` and ``synth_latent`` sums from the rounds' code, its Skellam share and
+  its pairwise masks; the coordinator decodes only the sums and post-processes them exactly
+  as the job does;
 * ``1site``: the site-level pipeline on the pooled rows as ONE site (what a trusted curator
   running the same mechanism would get; the ceiling secure aggregation aims at);
 * ``indep``: every column from its own DP histogram (the floor: no joint structure).

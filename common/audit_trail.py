@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from dpfed.common.errors import AuthenticationError, ValidationError, VerificationError
 from dpfed.common.privacy.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
+from dpfed.common.privacy.spent import Spent
 from dpfed.common.transport.certs import fingerprint, is_signed_by, principal_from_certificate
 
 FORMAT = "dpfed-ledger-export"
@@ -111,7 +112,8 @@ class ChargeRecord:
     @property
     def cost(self) -> PrivacyCost:
         """The charged cost."""
-        return PrivacyCost(self.epsilon, self.delta, self.rho)
+        return PrivacyCost(self.epsilon, self.delta, self.rho, self.mechanism, self.sensitivity,
+                           self.noise_scale)
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,8 @@ class ExportSummary:
 
 def _totals(policy: BudgetPolicy, records: list[ChargeRecord]) -> tuple[PrivacyCost,
                                                                         BudgetStatus]:
-    total = PrivacyCost.total(r.cost for r in records)
-    return total, policy.status(total, len(records))
+    spent = Spent.of(r.cost for r in records)
+    return spent.basic, policy.status(spent)
 
 
 def _trailer(policy: BudgetPolicy, records: list[ChargeRecord]) -> dict[str, Any]:

@@ -107,19 +107,20 @@ def user_message(exc: BaseException, field_flags: Mapping[str, str] | None = Non
     Names with an underscore (``n_components``) are replaced wherever they appear;
     ``name=value`` becomes ``--flag value``; plain words (``rank``, ``epsilon``) are replaced
     only where they lead a validation message ("rank must be ..."), so prose such as "spent
-    epsilon 1.0" is left alone.
+    epsilon 1.0" is left alone. A dotted configuration key (``jobs.min_sites``, ``budget.delta``)
+    names a file's key, not a flag, and is never rewritten.
     """
     text = str(exc)
     flags = {**COMMON_FIELD_FLAGS, **(field_flags or {})}
     for name in sorted(flags, key=len, reverse=True):
         flag = flags[name]
         # name='value' / name=value  ->  --flag value
-        text = re.sub(rf"(?<![\w-]){re.escape(name)}=(['\"]?)([^\s'\",;)]*)\1",
+        text = re.sub(rf"(?<![\w.-]){re.escape(name)}=(['\"]?)([^\s'\",;)]*)\1",
                       rf"{flag} \2", text)
         if "_" in name:
-            text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, text)
+            text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?!\w)", flag, text)
         else:
-            text = re.sub(rf"(?<![\w-]){re.escape(name)}(?= must )", flag, text)
+            text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?= must )", flag, text)
     return text
 
 

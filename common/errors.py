@@ -46,6 +46,15 @@ class ProtocolError(DpfedError):
     """A peer sent a message that breaks the dpfed wire protocol."""
 
 
+class ImpossibleSumError(ProtocolError):
+    """A decoded secure sum no honest run can produce: a participant corrupted it.
+
+    Its message starts with :data:`REASON`, the name a job's status gives the failure.
+    """
+
+    REASON = "impossible_secure_sum"
+
+
 class IdempotencyConflictError(DpfedError):
     """A task id was reused with a different payload."""
 

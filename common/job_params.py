@@ -9,12 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
+from dpfed.common.jobs.params import (
+    Aggregation,
+    Params,
+    ParseContext,
+    Parser,
+    RoundShare,
+    choice,
+    integer,
+    param,
+)
 from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
+from dpfed.common.synth.column_cells import RESOLUTIONS
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS, MAX_GROUPS
 from dpfed.common.validation import (
     check_choice,
@@ -25,11 +36,8 @@ from dpfed.common.validation import (
     check_probability,
 )
 
-
-def _unknown(params: Mapping[str, Any], known: set[str], kind: str) -> None:
-    extra = sorted(set(params) - known)
-    if extra:
-        raise ValidationError(f"unknown {kind} parameter(s) {extra}; known: {sorted(known)}")
+if TYPE_CHECKING:
+    from dpfed.common.data.schema import Schema
 
 
 #: Share of a centred job's epsilon and delta spent on the DP mean (round ``mean``).
@@ -38,11 +46,38 @@ MEAN_SHARE = 0.1
 NORMS_SHARE = 0.1
 #: Default quantile of the row norms used as the clip radius by ``clip_norm="auto"``.
 DEFAULT_CLIP_QUANTILE = 0.9
-PCA_STAGES: tuple[str, ...] = ("mean", "norms", "pca")
+
+
+#: Largest number of features assumed where the schema is not at hand (a client's --plan).
+_ANY_FEATURES = 1 << 30
+
+
+def _n_features(ctx: ParseContext) -> int:
+    from dpfed.common.pca.features import feature_names
+
+    return _ANY_FEATURES if ctx.schema is None else len(feature_names(ctx.schema))
+
+
+def _clip_norm(value: Any, _ctx: ParseContext) -> float | str | None:
+    if value == "auto":
+        return "auto"
+    if value is None or value == "schema":
+        return None
+    if isinstance(value, str):
+        raise ValidationError(f"clip_norm must be 'auto', 'schema' or a number > 0, got "
+                              f"{value!r}")
+    return check_positive(value, "clip_norm")
+
+
+def _clip_quantile(value: Any, _ctx: ParseContext) -> float:
+    quantile = check_probability(value, "clip_quantile", open_interval=False)
+    if quantile == 0.0:
+        raise ValidationError("clip_quantile must be in (0, 1], got 0.0")
+    return quantile
 
 
 @dataclass(frozen=True)
-class PCAParams:
+class PCAParams(Params):
     """Parameters of a ``pca`` job (DPdisPCA).
 
     Attributes
@@ -53,11 +88,18 @@ class PCAParams:
         R, the number of eigenpairs each site sends (default 2K, as in DPdisPCA).
     calibration : {"analytic", "classic"}
         Gaussian calibration (classic only where it is DP).
+    aggregation : {"site", "secure"}
+        ``site`` (default): every site noises its own release (DPdisPCA); ``secure``: the
+        sites' Gram matrices (and row sums, when centred) are summed under secure aggregation
+        with distributed Skellam noise (``dpfed.common.secagg``), so the noise is that of one
+        row of the pooled data; centring then happens at the coordinator, and ``clip_norm``
+        is ``schema`` or a number.
     clip_norm : float, None or "auto"
         Public bound on the norm of the rows the PCA round decomposes, in the space where every
         column is scaled to [-1, 1] (centred at the DP mean when ``centering="mean"``).
-        ``"auto"`` (default): a DP quantile of the row norms (round ``norms``); None (the user
-        types ``schema``): the worst case the schema allows, nothing is clipped.
+        ``"auto"`` (default at site level): a DP quantile of the row norms (round ``norms``);
+        None (the user types ``schema``; the secure default): the worst case the schema
+        allows, nothing is clipped.
     centering : {"mean", "none"}
         ``"mean"`` (default): a DP mean round first, then the centred second moment;
         ``"none"``: the second moment around the schema's midpoint (DPdisPCA as published).
@@ -66,76 +108,57 @@ class PCAParams:
     site_weighting : {"size", "equal"}
         ``"size"`` (default): the sites' matrices weighted by ``N_s / N``; ``"equal"``: the
         paper's ``1/S``. Post-processing either way (``N_s`` is public).
-    aggregation : {"site", "secure"}
-        ``site`` (default): every site noises its own release (DPdisPCA); ``secure``: the
-        sites' Gram matrices (and row sums, when centred) are summed under secure aggregation
-        with distributed Skellam noise (``dpfed.common.secagg``), so the noise is that of one
-        row of the pooled data; centring then happens at the coordinator, and ``clip_norm``
-        is ``schema`` or a number.
     """
 
-    n_components: int
-    rank: int
-    calibration: str = "analytic"
-    clip_norm: float | str | None = "auto"
-    centering: str = "mean"
-    clip_quantile: float = DEFAULT_CLIP_QUANTILE
-    site_weighting: str = "size"
-    aggregation: str = "site"
+    kind: ClassVar[str] = "pca"
 
-    @classmethod
-    def from_mapping(cls, params: Mapping[str, Any], *, n_features: int) -> PCAParams:
-        """Validate raw parameters against a schema with ``n_features`` numeric features."""
-        _unknown(params, {"n_components", "rank", "calibration", "clip_norm", "centering",
-                          "clip_quantile", "site_weighting", "aggregation"}, "pca")
-        if "n_components" not in params:
-            raise ValidationError("pca needs n_components (K)")
-        k = check_int(params["n_components"], "n_components", minimum=1, maximum=n_features)
-        rank = params.get("rank")
-        r = min(2 * k, n_features) if rank is None else check_int(
-            rank, "rank", minimum=k, maximum=n_features)
-        calibration = check_choice(params.get("calibration", "analytic"), "calibration",
-                                   CALIBRATIONS)
-        aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
-                                   AGGREGATIONS)
-        clip = params.get("clip_norm", "auto" if aggregation == "site" else "schema")
-        clip_norm: float | str | None
-        if clip == "auto":
-            clip_norm = "auto"
-        elif clip is None or clip == "schema":
-            clip_norm = None
-        elif isinstance(clip, str):
-            raise ValidationError(f"clip_norm must be 'auto', 'schema' or a number > 0, "
-                                  f"got {clip!r}")
-        else:
-            clip_norm = check_positive(clip, "clip_norm")
-        centering = check_choice(params.get("centering", "mean"), "centering", CENTERINGS)
-        quantile = check_probability(params.get("clip_quantile", DEFAULT_CLIP_QUANTILE),
-                                     "clip_quantile", open_interval=False)
-        if quantile == 0.0:
-            raise ValidationError("clip_quantile must be in (0, 1], got 0.0")
-        weighting = check_choice(params.get("site_weighting", "size"), "site_weighting",
-                                 SITE_WEIGHTINGS)
-        if aggregation == "secure" and clip_norm == "auto":
+    n_components: int = param(
+        parse=lambda v, ctx: check_int(v, "n_components", minimum=1, maximum=_n_features(ctx)),
+        required="pca needs n_components (K)", flag="--k", help="number of components K")
+    rank: int = param(
+        derive_default=lambda ctx: min(2 * ctx.parsed["n_components"], _n_features(ctx)),
+        parse=lambda v, ctx: check_int(v, "rank", minimum=ctx.parsed["n_components"],
+                                       maximum=_n_features(ctx)),
+        flag="--rank", help="eigenpairs each site sends (default 2K)")
+    calibration: str = param("analytic", parse=choice("calibration", CALIBRATIONS),
+                             flag="--calibration")
+    aggregation: str = param("site", parse=choice("aggregation", AGGREGATIONS),
+                             flag="--aggregation")
+    clip_norm: float | str | None = param(
+        derive_default=lambda ctx: "auto" if ctx.parsed["aggregation"] == "site" else "schema",
+        parse=_clip_norm, wire=lambda v: "schema" if v is None else v, flag="--clip-norm")
+    centering: str = param("mean", parse=choice("centering", CENTERINGS), flag="--centering")
+    clip_quantile: float = param(DEFAULT_CLIP_QUANTILE, parse=_clip_quantile,
+                                 flag="--clip-quantile")
+    site_weighting: str = param("size", parse=choice("site_weighting", SITE_WEIGHTINGS),
+                                flag="--site-weighting")
+
+    def validate(self, schema: Schema | None) -> None:
+        """Refuse ``clip_norm="auto"`` with secure aggregation (its norms round is site level)."""
+        del schema
+        if self.secure and self.clip_norm == "auto":
             raise ValidationError("clip_norm 'auto' is not available with aggregation 'secure' "
                                   "(its norm histogram is a site-level release); use 'schema' "
                                   "or a number")
-        return cls(k, r, calibration, clip_norm, centering, quantile, weighting, aggregation)
+
+    def aggregation_mode(self) -> Aggregation:
+        """How the job's sums travel."""
+        return Aggregation(self.aggregation)
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if some round's (epsilon, delta, calibration) cannot be calibrated."""
-        rounds = self.rounds(epsilon, delta)
-        for name, eps, dl in rounds:
+        rounds = self.shares(epsilon, delta)
+        for r in rounds:
             try:
-                gaussian_sigma(eps, dl, 1.0, self.calibration)
+                gaussian_sigma(r.epsilon, r.delta, 1.0, self.calibration)
             except ValidationError as exc:
                 if len(rounds) == 1:
                     raise
                 raise ValidationError(
-                    f"the {name!r} round gets {eps:g} of the job's epsilon {epsilon:g} and "
-                    f"{dl:g} of its delta {delta:g}, and there: {exc}") from None
+                    f"the {r.name!r} round gets {r.epsilon:g} of the job's epsilon {epsilon:g} "
+                    f"and {r.delta:g} of its delta {delta:g}, and there: {exc}") from None
 
-    def rounds(self, epsilon: float, delta: float) -> list[tuple[str, float, float]]:
+    def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
         """Return the rounds in order, each with its (epsilon, delta) share (summing to the job's).
 
         ``mean`` (centred jobs) gets :data:`MEAN_SHARE`, ``norms`` (``clip_norm="auto"``)
@@ -147,17 +170,9 @@ class PCAParams:
         if self.clip_norm == "auto":
             shares.append(("norms", NORMS_SHARE))
         rest = 1.0 - sum(s for _, s in shares)
-        out = [(name, epsilon * s, delta * s) for name, s in shares]
-        out.append(("pca", epsilon * rest, delta * rest))
+        out = [RoundShare(name, epsilon * s, delta * s) for name, s in shares]
+        out.append(RoundShare("pca", epsilon * rest, delta * rest))
         return out
-
-    def to_mapping(self) -> dict[str, Any]:
-        """Return the canonical form sent to sites."""
-        return {"n_components": self.n_components, "rank": self.rank,
-                "calibration": self.calibration,
-                "clip_norm": "schema" if self.clip_norm is None else self.clip_norm,
-                "centering": self.centering, "clip_quantile": self.clip_quantile,
-                "site_weighting": self.site_weighting, "aggregation": self.aggregation}
 
 
 #: Rounds of a ``synth`` job per output mode, in order (without the pair rounds).
@@ -205,8 +220,64 @@ def _summary_budget(params: Mapping[str, Any], evaluate_rows: int) -> tuple[floa
     return eps, delta
 
 
+def _latent_dim(ctx: ParseContext) -> int:
+    from dpfed.common.synth.links import latent_dim
+
+    return SYNTH_MAX_LATENT_DIM if ctx.schema is None else latent_dim(ctx.schema)
+
+
+def _synth_mode(value: Any, _ctx: ParseContext) -> str:
+    return check_choice(str(value).replace("-", "_"), "mode", tuple(SYNTH_ROUNDS))
+
+
+def _synth_rank(value: Any, ctx: ParseContext) -> int | None:
+    dim = _latent_dim(ctx)
+    if dim < 1 or dim > SYNTH_MAX_LATENT_DIM:
+        raise ValidationError(f"the schema's latent dimension is {dim}; synth supports "
+                              f"1..{SYNTH_MAX_LATENT_DIM}")
+    return None if value is None else check_int(value, "rank", minimum=1, maximum=dim)
+
+
+def _info_threshold(value: Any, _ctx: ParseContext) -> float:
+    threshold = float(value)
+    if not 0.0 < threshold < 1.0:
+        raise ValidationError(f"info_threshold must be in (0, 1), got {threshold!r}")
+    return threshold
+
+
+def _synth_aggregation(value: Any, ctx: ParseContext) -> str:
+    aggregation = check_choice(value, "aggregation", AGGREGATIONS)
+    if aggregation == "secure" and ctx.parsed["mode"] == "row_aligned":
+        raise ValidationError(
+            "--mode row-aligned cannot run with --aggregation secure: its factors round "
+            "releases one noisy row per real row, which is not a sum; use --mode "
+            "generative with --aggregation secure, or --aggregation site")
+    return aggregation
+
+
+def _summary(index: int) -> Parser:
+    def parse(_value: Any, ctx: ParseContext) -> float:
+        return _summary_budget(ctx.raw, ctx.parsed["evaluate_rows"])[index]
+
+    return parse
+
+
+def _split_field(value: Any, ctx: ParseContext) -> tuple[tuple[str, float, float], ...]:
+    mode, pairs = ctx.parsed["mode"], ctx.parsed["pairs"]
+    with_pairs = (mode == "generative" and pairs != 0
+                  and not (pairs is None and isinstance(value, Mapping)
+                           and not any(r in value for r in PAIR_ROUNDS)))
+    return _split(mode, value, with_pairs)
+
+
+def _pair_gate(value: Any, ctx: ParseContext) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"pair_gate must be true or false, got {value!r}")
+    return value and PAIR_ROUNDS[0] in (name for name, _, _ in ctx.parsed["split"])
+
+
 @dataclass(frozen=True)
-class SynthParams:
+class SynthParams(Params):
     """Parameters of a ``synth`` job (federated factor-model synthesis).
 
     Attributes
@@ -225,16 +296,14 @@ class SynthParams:
         ``c`` of that rule.
     calibration : {"analytic", "classic"}
         Gaussian calibration of the DP-PCA round.
-    split : tuple of (round, epsilon share, delta share)
-        How the job's epsilon and delta are divided between the rounds (shares sum to 1).
     evaluate_rows : int
         When > 0, a final local-only round sends a synthetic sample of this many rows to
         every site for its site-local evaluation report (nothing is released or charged).
+        Every site then holds out ``holdout_size(N_s)`` rows from every round of the job.
     aggregation : {"site", "secure"}
         ``site`` (default): every site noises its own histograms and DP-PCA factor;
         ``secure``: the sites' exact count vectors and latent Gram matrices are summed under
         secure aggregation with distributed Skellam noise (generative mode only).
-        Every site then holds out ``holdout_size(N_s)`` rows from every round of the job.
     summary_epsilon, summary_delta : float
         When ``summary_epsilon > 0`` (needs ``evaluate_rows``), the sites whose policy allows
         it (``evaluation_summary = "dp"``) also release a DP summary of their evaluation,
@@ -249,17 +318,19 @@ class SynthParams:
     pair_groups : int
         Most groups an ordinal or continuous column's cells are merged into in a pair table
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
+    split : tuple of (round, epsilon share, delta share)
+        How the job's epsilon and delta are divided between the rounds (shares sum to 1).
     resolution : {"fine", "bins"}
         The cells of the continuous columns' 1-way releases and links
         (:mod:`dpfed.common.synth.column_cells`): ``fine`` -- whole numbers for small integer
         columns, else the bounds as point cells, ``n_bins`` bins and leaves inside them, with
         the estimate of :mod:`dpfed.common.synth.marginal_estimate` -- is what new jobs get
-        (:meth:`with_defaults`); ``bins`` (``n_bins`` equal-width bins only) is what a stored
+        (:attr:`NEW_JOB_DEFAULTS`); ``bins`` (``n_bins`` equal-width bins only) is what a stored
         job without the key means, so jobs made before it resume unchanged.
     pair_gate : bool
         Measure a column pair only when its noisy dependence score exceeds the noise its
         table would carry (:func:`dpfed.common.synth.pipeline.pair_forest`): True for new
-        jobs (:meth:`with_defaults`), False (every pair of the forest) for stored jobs
+        jobs (:attr:`NEW_JOB_DEFAULTS`), False (every pair of the forest) for stored jobs
         without the key.
     composition : {"basic", "zcdp"}
         How the split turns into each round's calibration
@@ -270,123 +341,67 @@ class SynthParams:
         rho is at most the round's share, :func:`dpfed.common.privacy.skellam.skellam_calibrate`).
     """
 
-    mode: str = "generative"
-    continuous_link: str = "quantile"
-    n_bins: int = 32
-    clip_norm: float | None = None
-    rank: int | None = None
-    info_threshold: float = 0.8
-    calibration: str = "analytic"
-    split: tuple[tuple[str, float, float], ...] = ()
-    evaluate_rows: int = 0
-    aggregation: str = "site"
-    summary_epsilon: float = 0.0
-    summary_delta: float = 0.0
-    pairs: int | None = None
-    pair_groups: int = DEFAULT_GROUPS
-    composition: str = "basic"
-    resolution: str = "bins"
-    pair_gate: bool = False
+    kind: ClassVar[str] = "synth"
 
-    @staticmethod
-    def with_defaults(params: Mapping[str, Any]) -> dict[str, Any]:
-        """Return a new job's parameters with the defaults of new jobs filled in.
+    mode: str = param("generative", parse=_synth_mode)
+    continuous_link: str = param("quantile", parse=choice("continuous_link",
+                                                          ("quantile", "identity")))
+    n_bins: int = param(32, parse=integer("n_bins", minimum=2, maximum=SYNTH_MAX_BINS))
+    clip_norm: float | None = param(
+        None, parse=lambda v, _ctx: None if v is None else check_positive(v, "clip_norm"),
+        omit=lambda p: p.clip_norm is None)
+    rank: int | None = param(None, parse=_synth_rank, omit=lambda p: p.rank is None)
+    info_threshold: float = param(0.8, parse=_info_threshold)
+    calibration: str = param("analytic", parse=choice("calibration", CALIBRATIONS))
+    evaluate_rows: int = param(0, parse=integer("evaluate_rows", minimum=0, maximum=50_000),
+                               omit=lambda p: not p.evaluate_rows)
+    aggregation: str = param("site", parse=_synth_aggregation,
+                             omit=lambda p: p.aggregation == "site")
+    summary_epsilon: float = param(0.0, parse=_summary(0),
+                                   omit=lambda p: not p.summary_epsilon)
+    summary_delta: float = param(0.0, parse=_summary(1), omit=lambda p: not p.summary_epsilon)
+    pairs: int | None = param(None, parse=lambda v, ctx: _pairs(v, ctx.parsed["mode"]),
+                              omit=lambda p: p.pairs is None)
+    pair_groups: int = param(DEFAULT_GROUPS, parse=integer("--pair-groups", minimum=2,
+                                                           maximum=MAX_GROUPS),
+                             omit=lambda p: not p.pair_rounds)
+    split: tuple[tuple[str, float, float], ...] = param(
+        None, parse=_split_field, wire=lambda split: {n: [e, d] for n, e, d in split})
+    composition: str = param(  # absent by default: older jobs resume unchanged
+        "basic", parse=lambda v, ctx: _composition(v, ctx.parsed["mode"],
+                                                   ctx.parsed["calibration"]),
+        omit=lambda p: p.composition == "basic")
+    resolution: str = param(  # absent when "bins": jobs made before the key resume unchanged
+        "bins", parse=choice("--resolution", RESOLUTIONS), omit=lambda p: p.resolution == "bins")
+    pair_gate: bool = param(False, parse=_pair_gate, omit=lambda p: not p.pair_gate)
 
-        ``resolution`` defaults to "fine" and ``pair_gate`` to True for a job being submitted
-        (a stored job without the keys is "bins" and False: :meth:`from_mapping`).
-        """
-        return {"resolution": "fine", "pair_gate": True, **params}
+    #: A job being submitted gets the fine cells and the pair gate; a stored job without the
+    #: keys parses as "bins" and no gate, so its canonical mapping keeps its bytes.
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {"resolution": "fine", "pair_gate": True}
 
-    @classmethod
-    def from_mapping(cls, params: Mapping[str, Any], *, latent_dim: int) -> SynthParams:
-        """Validate raw parameters (``latent_dim`` is the schema's latent dimension)."""
-        _unknown(params, {"mode", "continuous_link", "n_bins", "clip_norm", "rank",
-                          "info_threshold", "calibration", "split", "evaluate_rows",
-                          "aggregation", "summary_epsilon", "summary_delta", "pairs",
-                          "pair_groups", "composition", "resolution", "pair_gate"}, "synth")
-        mode = check_choice(str(params.get("mode", "generative")).replace("-", "_"), "mode",
-                            tuple(SYNTH_ROUNDS))
-        link = check_choice(params.get("continuous_link", "quantile"), "continuous_link",
-                            ("quantile", "identity"))
-        n_bins = check_int(params.get("n_bins", 32), "n_bins", minimum=2,
-                           maximum=SYNTH_MAX_BINS)
-        if latent_dim < 1 or latent_dim > SYNTH_MAX_LATENT_DIM:
-            raise ValidationError(f"the schema's latent dimension is {latent_dim}; synth "
-                                  f"supports 1..{SYNTH_MAX_LATENT_DIM}")
-        clip = params.get("clip_norm")
-        clip_norm = None if clip is None else check_positive(clip, "clip_norm")
-        rank_raw = params.get("rank")
-        rank = None if rank_raw is None else check_int(rank_raw, "rank", minimum=1,
-                                                       maximum=latent_dim)
-        threshold = float(params.get("info_threshold", 0.8))
-        if not 0.0 < threshold < 1.0:
-            raise ValidationError(f"info_threshold must be in (0, 1), got {threshold!r}")
-        calibration = check_choice(params.get("calibration", "analytic"), "calibration",
-                                   CALIBRATIONS)
-        evaluate_rows = check_int(params.get("evaluate_rows", 0), "evaluate_rows", minimum=0,
-                                  maximum=50_000)
-        aggregation = check_choice(params.get("aggregation", "site"), "aggregation",
-                                   AGGREGATIONS)
-        if aggregation == "secure" and mode == "row_aligned":
+    def validate(self, schema: Schema | None) -> None:
+        """Refuse unless A joint model of one column is its marginal: synth needs at least two."""
+        if schema is not None and len(schema.columns) < 2:
             raise ValidationError(
-                "--mode row-aligned cannot run with --aggregation secure: its factors round "
-                "releases one noisy row per real row, which is not a sum; use --mode "
-                "generative with --aggregation secure, or --aggregation site")
-        summary_eps, summary_delta = _summary_budget(params, evaluate_rows)
-        pairs = _pairs(params.get("pairs"), mode)
-        pair_groups = check_int(params.get("pair_groups", DEFAULT_GROUPS), "--pair-groups",
-                                minimum=2, maximum=MAX_GROUPS)
-        raw_split = params.get("split")
-        with_pairs = (mode == "generative" and pairs != 0
-                      and not (pairs is None and isinstance(raw_split, Mapping)
-                               and not any(r in raw_split for r in PAIR_ROUNDS)))
-        split = cls._split(mode, raw_split, with_pairs)
-        composition = _composition(params.get("composition", "basic"), mode,
-                                   calibration)
-        resolution = check_choice(params.get("resolution", "bins"), "--resolution",
-                                  ("fine", "bins"))
-        gate = params.get("pair_gate", False)
-        if not isinstance(gate, bool):
-            raise ValidationError(f"pair_gate must be true or false, got {gate!r}")
-        return cls(mode, link, n_bins, clip_norm, rank, threshold, calibration, split,
-                   evaluate_rows, aggregation, summary_eps, summary_delta, pairs, pair_groups,
-                   composition, resolution, gate and with_pairs)
+                f"the federation schema has {len(schema.columns)} column(s); synth needs at "
+                "least 2 (ordinal, nominal or continuous)")
 
-    @staticmethod
-    def _split(mode: str, raw: Any, with_pairs: bool) -> tuple[tuple[str, float, float], ...]:
-        rounds = synth_rounds(mode, with_pairs)
-        if raw is None:
-            chosen = SYNTH_PAIRS_DEFAULT_SPLIT if with_pairs else SYNTH_DEFAULT_SPLIT[mode]
-        else:
-            if not isinstance(raw, Mapping):
-                raise ValidationError("split must map round names to [epsilon share, "
-                                      "delta share]")
-            chosen = {}
-            for name, pair in raw.items():
-                if name in PAIR_ROUNDS and not with_pairs:
-                    raise ValidationError(f"split names round {name!r}, but this job has no "
-                                          "pair rounds (--pairs 0 or row-aligned mode); drop it "
-                                          "from the split")
-                check_choice(name, "split round", rounds)
-                if not isinstance(pair, list | tuple) or len(pair) != 2:
-                    raise ValidationError(f"split[{name!r}] must be [epsilon share, delta share]")
-                chosen[name] = (float(pair[0]), float(pair[1]))
-        out = []
-        for name in rounds:
-            e, d = chosen.get(name, (0.0, 0.0))
-            if not (e > 0.0 and 0.0 <= d <= 1.0):
-                hint = (" (--pairs 0 skips the pair rounds)" if name in PAIR_ROUNDS else "")
-                raise ValidationError(f"split gives round {name!r} epsilon share {e!r}; every "
-                                      f"round needs a positive share{hint}")
-            out.append((name, e, d))
-        e_total = sum(e for _, e, _ in out)
-        d_total = sum(d for _, _, d in out)
-        if abs(e_total - 1.0) > 1e-9 or (d_total > 0 and abs(d_total - 1.0) > 1e-9):
-            raise ValidationError(f"split shares must sum to 1 (epsilon {e_total:g}, "
-                                  f"delta {d_total:g})")
-        if out[1][2] <= 0.0:
-            raise ValidationError("the pca round is Gaussian and needs a positive delta share")
-        return tuple(out)
+    def aggregation_mode(self) -> Aggregation:
+        """How the job's sums travel."""
+        return Aggregation(self.aggregation)
+
+    @property
+    def zcdp(self) -> bool:
+        """Whether the rounds compose in zCDP."""
+        return self.composition == "zcdp"
+
+    def required_accountant(self, epsilon: float, delta: float) -> tuple[str, str] | None:
+        """Return A ``zcdp`` composed job runs only at sites whose ledger adds rho."""
+        if not self.zcdp:
+            return None
+        charged = sum(e for _, e, _ in self.plan(epsilon, delta))
+        return ("zcdp", f"--composition zcdp; a 'basic' ledger would be charged {charged:.3g} "
+                        f"epsilon for this epsilon={epsilon:g} job")
 
     @property
     def rounds(self) -> tuple[str, ...]:
@@ -417,8 +432,20 @@ class SynthParams:
         """
         return split_budget(epsilon, delta, self.split, self.composition)
 
+    def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
+        """Return the split's rounds, then the evaluation rounds (optional: only where allowed)."""
+        out = [RoundShare(n, e, d) for n, e, d in self.plan(epsilon, delta)]
+        if self.evaluate_rows:
+            out.append(RoundShare("evaluate", 0.0, 0.0, charged=False, optional=True))
+        if self.summary_epsilon:
+            out.append(RoundShare("evaluate_summary", self.summary_epsilon,
+                                  self.summary_delta, optional=True))
+        return out
+
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if a Gaussian round cannot be calibrated at its share of (epsilon, delta)."""
+        check_epsilon(epsilon)
+        check_delta(delta)
         for name, eps, dlt in self.plan(epsilon, delta):
             if name == "factors":
                 continue
@@ -427,34 +454,41 @@ class SynthParams:
                                       "positive --delta")
             gaussian_sigma(eps, dlt, 1.0, self.calibration if name == "pca" else "analytic")
 
-    def to_mapping(self) -> dict[str, Any]:
-        """Return the canonical form sent to sites (deterministic: resumed jobs resend it)."""
-        out: dict[str, Any] = {"mode": self.mode, "continuous_link": self.continuous_link,
-                               "n_bins": self.n_bins, "info_threshold": self.info_threshold,
-                               "calibration": self.calibration,
-                               "split": {n: [e, d] for n, e, d in self.split}}
-        if self.clip_norm is not None:
-            out["clip_norm"] = self.clip_norm
-        if self.rank is not None:
-            out["rank"] = self.rank
-        if self.evaluate_rows:
-            out["evaluate_rows"] = self.evaluate_rows
-        if self.aggregation != "site":
-            out["aggregation"] = self.aggregation
-        if self.summary_epsilon:
-            out["summary_epsilon"] = self.summary_epsilon
-            out["summary_delta"] = self.summary_delta
-        if self.pairs is not None:
-            out["pairs"] = self.pairs
-        if self.pair_rounds:
-            out["pair_groups"] = self.pair_groups
-        if self.composition != "basic":  # absent by default: older jobs resume unchanged
-            out["composition"] = self.composition
-        if self.resolution != "bins":  # absent: jobs made before the key resume unchanged
-            out["resolution"] = self.resolution
-        if self.pair_gate:  # absent: the same
-            out["pair_gate"] = True
-        return out
+
+def _split(mode: str, raw: Any, with_pairs: bool) -> tuple[tuple[str, float, float], ...]:
+    rounds = synth_rounds(mode, with_pairs)
+    if raw is None:
+        chosen = SYNTH_PAIRS_DEFAULT_SPLIT if with_pairs else SYNTH_DEFAULT_SPLIT[mode]
+    else:
+        if not isinstance(raw, Mapping):
+            raise ValidationError("split must map round names to [epsilon share, "
+                                  "delta share]")
+        chosen = {}
+        for name, pair in raw.items():
+            if name in PAIR_ROUNDS and not with_pairs:
+                raise ValidationError(f"split names round {name!r}, but this job has no "
+                                      "pair rounds (--pairs 0 or row-aligned mode); drop it "
+                                      "from the split")
+            check_choice(name, "split round", rounds)
+            if not isinstance(pair, list | tuple) or len(pair) != 2:
+                raise ValidationError(f"split[{name!r}] must be [epsilon share, delta share]")
+            chosen[name] = (float(pair[0]), float(pair[1]))
+    out = []
+    for name in rounds:
+        e, d = chosen.get(name, (0.0, 0.0))
+        if not (e > 0.0 and 0.0 <= d <= 1.0):
+            hint = (" (--pairs 0 skips the pair rounds)" if name in PAIR_ROUNDS else "")
+            raise ValidationError(f"split gives round {name!r} epsilon share {e!r}; every "
+                                  f"round needs a positive share{hint}")
+        out.append((name, e, d))
+    e_total = sum(e for _, e, _ in out)
+    d_total = sum(d for _, _, d in out)
+    if abs(e_total - 1.0) > 1e-9 or (d_total > 0 and abs(d_total - 1.0) > 1e-9):
+        raise ValidationError(f"split shares must sum to 1 (epsilon {e_total:g}, "
+                              f"delta {d_total:g})")
+    if out[1][2] <= 0.0:
+        raise ValidationError("the pca round is Gaussian and needs a positive delta share")
+    return tuple(out)
 
 
 def _composition(raw: Any, mode: str, calibration: str) -> str:
@@ -486,3 +520,265 @@ def _pairs(raw: Any, mode: str) -> int | None:
         raise ValidationError("--pairs applies to --mode generative only (row-aligned "
                               "rows are the sites' noisy factors); omit --pairs or pass 0")
     return pairs
+
+
+# --------------------------------------------------------------------------- query
+
+QUERY_NOISES: tuple[str, ...] = ("auto", "laplace", "gaussian")
+RECONSTRUCTIONS: tuple[str, ...] = ("least_squares", "nnls", "l1")
+
+
+def _domain(value: Any, ctx: ParseContext) -> dict[str, Any]:
+    from dpfed.common.queries.query_language import parse_domain
+
+    if not isinstance(value, dict):
+        raise ValidationError("query needs a domain: {columns = [...], bins = {...}}")
+    if ctx.schema is None:
+        return dict(value)
+    return parse_domain(ctx.schema, value.get("columns"), value.get("bins")).to_json()
+
+
+def _workload(value: Any, _ctx: ParseContext) -> dict[str, Any]:
+    w = {"kind": value} if isinstance(value, str) else value
+    if not isinstance(w, dict):
+        raise ValidationError(f"workload must be a name or an object, got {value!r}")
+    return w
+
+
+def _strategy(value: Any, _ctx: ParseContext) -> str:
+    from dpfed.common.queries.workload_spec import STRATEGY_CHOICES
+
+    if value not in STRATEGY_CHOICES:
+        raise ValidationError(f"strategy must be one of {list(STRATEGY_CHOICES)}, got "
+                              f"{value!r}")
+    return str(value)
+
+
+def _listed(name: str, choices: tuple[str, ...]) -> Parser:
+    def parse(value: Any, _ctx: ParseContext) -> str:
+        if value not in choices:
+            raise ValidationError(f"{name} must be one of {list(choices)}, got {value!r}")
+        return str(value)
+
+    return parse
+
+
+@dataclass(frozen=True)
+class QueryParams(Params):
+    """Parameters of a ``query`` job (the matrix mechanism over a public histogram domain).
+
+    Attributes
+    ----------
+    domain : dict
+        1-3 columns, continuous ones with public bins (canonical JSON of
+        :class:`dpfed.common.queries.query_language.Domain`).
+    workload : dict
+        The workload (``{"kind": ...}``; see :mod:`dpfed.common.queries.workload_spec`).
+    strategy : str
+        ``auto`` (the smallest expected RMSE) or a named strategy.
+    noise : {"auto", "laplace", "gaussian"}
+        The sites' noise at site level (``auto``: whichever ranks best).
+    reconstruction : {"least_squares", "nnls", "l1"}
+        How the coordinator reconstructs the histogram.
+    aggregation : {"site", "secure"}
+        ``secure``: one secure sum of ``Ã x_s`` with distributed Skellam noise.
+    """
+
+    kind: ClassVar[str] = "query"
+
+    domain: dict[str, Any] = param(parse=_domain, required="query needs a domain: "
+                                   "{columns = [...], bins = {...}}")
+    workload: dict[str, Any] = param("identity", parse=_workload)
+    strategy: str = param("auto", parse=_strategy)
+    noise: str = param("auto", parse=_listed("noise", QUERY_NOISES))
+    reconstruction: str = param("least_squares", parse=_listed("reconstruction",
+                                                               RECONSTRUCTIONS))
+    aggregation: str = param("site", parse=_listed("aggregation", AGGREGATIONS),
+                             omit=lambda p: p.aggregation == "site")  # older jobs unchanged
+
+    def validate(self, schema: Schema | None) -> None:
+        """Build the workload and check the strategy against the domain (with a schema)."""
+        if schema is not None:
+            from dpfed.common.queries.workload_spec import check_domain_for
+
+            self.workload_in(schema)  # sizes checked from the shape before any matrix
+            check_domain_for(self.strategy, self.domain_in(schema).n_cells)
+        if self.secure and self.noise == "laplace":
+            raise ValidationError("aggregation 'secure' sums the answers with distributed "
+                                  "Skellam noise, an (epsilon, delta) mechanism: use noise "
+                                  "'auto' or 'gaussian', not 'laplace'")
+
+    def domain_in(self, schema: Schema) -> Any:
+        """Return the :class:`~dpfed.common.queries.query_language.Domain` over ``schema``."""
+        from dpfed.common.queries.query_language import parse_domain
+
+        return parse_domain(schema, self.domain.get("columns"), self.domain.get("bins"))
+
+    def workload_in(self, schema: Schema) -> Any:
+        """Return the :class:`~dpfed.common.queries.workloads.Workload` over the domain."""
+        from dpfed.common.queries.workload_spec import build_workload
+
+        return build_workload(self.domain_in(schema), self.workload)
+
+    def aggregation_mode(self) -> Aggregation:
+        """How the job's sum travels."""
+        return Aggregation(self.aggregation)
+
+    def check_privacy(self, epsilon: float, delta: float) -> None:
+        """Laplace is pure epsilon-DP; Gaussian and secure sums need delta in (0, 1)."""
+        if self.secure and delta == 0.0:
+            raise ValidationError("aggregation 'secure' needs delta in (0, 1) (--delta): its "
+                                  "Skellam noise is an (epsilon, delta) mechanism")
+        check_epsilon(epsilon)
+        if self.noise == "laplace" and delta != 0.0:
+            raise ValidationError(f"Laplace noise is pure epsilon-DP: delta must be 0, got "
+                                  f"{delta!r}")
+        if self.noise == "gaussian" or (self.noise == "auto" and delta != 0.0):
+            check_delta(delta)
+
+    def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
+        """One round; its delta is charged only if Gaussian noise is chosen."""
+        return [RoundShare("query", epsilon, delta)]
+
+
+# --------------------------------------------------------------------------- svt
+
+SVT_ACTIONS: tuple[str, ...] = ("open", "batch", "close")
+_SVT_OPEN_KEYS = {"queries", "threshold", "cutoff", "numeric_epsilon", "monotonic"}
+
+
+def _analyst_svt(raw: Mapping[str, Any], schema: Schema | None) -> dict[str, Any]:
+    """Return an analyst's svt parameters in the canonical form.
+
+    The analyst gives ``session``, ``close`` and the session's settings; the canonical form
+    names the ``action``, with the queries compiled to their canonical form.
+    """
+    params = dict(raw)
+    session = params.get("session") or ""
+    close = params.get("close", False)
+    if not isinstance(close, bool):
+        raise ValidationError(f"close must be true or false, got {close!r}")
+    if not isinstance(session, str) or len(session) > 200:
+        raise ValidationError(f"session must be a job id, got {session!r}")
+    if close:
+        if not session:
+            raise ValidationError("close needs the session to close (its opening job id)")
+        extra = sorted(set(params) - {"session", "close"})
+        if extra:
+            raise ValidationError(f"closing a session takes no other parameters, got {extra}")
+        return {"action": "close", "session": session}
+    if session:
+        extra = sorted(set(params) - {"session", "queries", "close"})
+        if extra:
+            raise ValidationError(
+                f"parameter(s) {extra} are fixed when a session opens; a continuation takes "
+                "only session and queries")
+        return {"action": "batch", "session": session,
+                "queries": _canonical_queries(params.get("queries"), schema)}
+    extra = sorted(set(params) - _SVT_OPEN_KEYS - {"session", "close"})
+    if extra:
+        raise ValidationError(f"unknown svt parameter(s) {extra}; known: "
+                              f"{sorted(_SVT_OPEN_KEYS)}")
+    queries = _canonical_queries(params.get("queries"), schema)
+    if "threshold" not in params:
+        raise ValidationError("svt needs a threshold T")
+    return {"action": "open", **{k: params[k] for k in _SVT_OPEN_KEYS if k in params},
+            "queries": queries}
+
+
+def _canonical_queries(raw: Any, schema: Schema | None) -> Any:
+    """Return an analyst's query set, compiled to its canonical form (as given without a schema)."""
+    from dpfed.common.queries.query_language import compile_query_set
+
+    return raw if schema is None else list(compile_query_set(schema, raw).canonical)
+
+
+def _queries(value: Any, ctx: ParseContext) -> list[Any]:
+    from dpfed.common.queries.query_language import compile_query_set
+
+    if ctx.parsed["action"] == "close":
+        return []
+    if ctx.schema is None:
+        return list(value) if isinstance(value, list | tuple) else []
+    return list(compile_query_set(ctx.schema, value, canonical=True).canonical)
+
+
+def _flag(name: str) -> Parser:
+    def parse(value: Any, _ctx: ParseContext) -> bool:
+        if not isinstance(value, bool):
+            raise ValidationError(f"{name} must be true or false, got {value!r}")
+        return value
+
+    return parse
+
+
+def _threshold(value: Any, ctx: ParseContext) -> float | None:
+    if ctx.parsed["action"] != "open":
+        return None
+    from dpfed.common.queries.svt_stream import SVTSessionParams
+
+    return SVTSessionParams(value, 1, 1.0).threshold
+
+
+@dataclass(frozen=True)
+class SVTParams(Params):
+    """Parameters of an ``svt`` job: open, continue or close a session at every site.
+
+    The analyst gives ``session`` (a continuation's or close's opening job id), ``close``
+    and, to open, ``threshold``, ``cutoff``, ``numeric_epsilon`` and ``monotonic``; the
+    canonical form names the ``action``. A session's epsilon is the opening job's.
+    """
+
+    kind: ClassVar[str] = "svt"
+
+    action: str = param(parse=choice("action", SVT_ACTIONS), required="svt needs an action")
+    session: str = param("", omit=lambda p: p.action == "open")
+    threshold: float | None = param(None, parse=_threshold,
+                                    omit=lambda p: p.action != "open")
+    cutoff: int = param(1, parse=integer("cutoff", minimum=1),
+                        omit=lambda p: p.action != "open")
+    monotonic: bool = param(False, parse=_flag("monotonic"), omit=lambda p: p.action != "open")
+    numeric_epsilon: float | None = param(
+        None, parse=lambda v, _ctx: None if v is None else check_epsilon(v, "numeric_epsilon"),
+        omit=lambda p: p.action != "open" or p.numeric_epsilon is None)
+    queries: list[Any] = param(None, parse=_queries, omit=lambda p: p.action == "close")
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], schema: Schema | None) -> SVTParams:
+        """Accept the analyst's form and the canonical one (see the class docstring)."""
+        canonical = raw if "action" in raw else _analyst_svt(raw, schema)
+        return super().parse(canonical, schema)
+
+    def validate(self, schema: Schema | None) -> None:
+        """Refuse unless A monotonic session needs queries that provably move in one direction."""
+        if schema is None or self.action != "open" or not self.monotonic:
+            return
+        from dpfed.common.queries.query_language import compile_query_set
+
+        if not compile_query_set(schema, self.queries, canonical=True).one_directional(schema):
+            raise ValidationError("monotonic=true needs queries that provably move in one "
+                                  "direction under replace-one (a chain of nested predicates, "
+                                  "e.g. age >= 80, age >= 70, ...); these do not, so use the "
+                                  "default noise")
+
+    def session_params(self, epsilon: float) -> Any:
+        """Return the session's :class:`~dpfed.common.queries.svt_stream.SVTSessionParams`."""
+        from dpfed.common.queries.svt_stream import SVTSessionParams
+
+        if self.threshold is None:
+            raise ValidationError("svt needs a threshold T")
+        return SVTSessionParams(self.threshold, self.cutoff, epsilon, self.numeric_epsilon,
+                                self.monotonic)
+
+    def check_privacy(self, epsilon: float, delta: float) -> None:
+        """Pure epsilon-DP (Laplace noise); an opening's settings must fit its epsilon."""
+        if delta != 0.0:
+            raise ValidationError(f"svt is pure epsilon-DP (Laplace noise): delta must be 0, "
+                                  f"got {delta!r}")
+        check_epsilon(epsilon)
+        if self.action == "open":
+            self.session_params(epsilon)
+
+    def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
+        """One round; only the opening one is charged (it pays for the whole session)."""
+        return [RoundShare("svt", epsilon, 0.0, charged=self.action == "open")]

@@ -1,11 +1,14 @@
-"""Logging set-up shared by the binaries: one line per record, UTC timestamps, component tag.
+"""Logging set-up shared by the binaries: one line per record, UTC time, logger and function.
+
+The formatter names the function that logged, so code never types its own name into a message.
 
 Two formats (``--log-format`` of ``dpfed-aggregator`` and ``dpfed-site``, or ``[logging]
 format`` in their config files):
 
-- ``text`` (default): ``2026-01-02T03:04:05.678Z INFO    dpfed.site: message``;
-- ``json``: one JSON object per line with ``time``, ``level``, ``logger``, ``message`` and,
-  where the record knows them, ``job_id``, ``task_id``, ``site``, ``kind`` and ``outcome``
+- ``text`` (default): ``2026-01-02T03:04:05.678Z INFO    dpfed.site.start: message``;
+- ``json``: one JSON object per line with ``time``, ``level``, ``logger``, ``function``,
+  ``message`` and, where the record knows them, ``job_id``, ``task_id``, ``site``, ``kind``
+  and ``outcome``
   (docs/operations.md lists the fields). They come from the record's ``extra`` or, following
   the project's log convention, from ``job=``, ``task=``, ``site=``, ``kind=`` and
   ``outcome=`` tokens in the message, so every existing log line gains them without change.
@@ -21,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)-7s %(name)s: %(message)s"
+FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)-7s %(name)s.%(funcName)s: %(message)s"
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 
 #: message token -> JSON field
@@ -43,6 +46,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": message,
         }
+        if record.funcName:
+            out["function"] = record.funcName
         for token, value in _TOKEN_RE.findall(message):
             out.setdefault(_TOKENS[token], value)
         for field in _TOKENS.values():

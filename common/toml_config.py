@@ -103,27 +103,39 @@ class Section:
         return v
 
     def number(self, key: str, default: float | None = None, *, required: bool = False,
-               positive: bool = False) -> float | None:
-        """Return a finite number (optionally > 0)."""
+               positive: bool = False, minimum: float | None = None,
+               maximum: float | None = None, unit: str = "") -> float | None:
+        """Return a finite number (optionally > 0, and within ``[minimum, maximum]``).
+
+        The error names the key and the valid range (``unit``, e.g. ``" seconds"``, is added
+        to the message).
+        """
         v = self.get(key, default, required=required)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
             raise self._fail(key, "a finite number", v)
-        if positive and v <= 0:
-            raise self._fail(key, "> 0", v)
+        low = "> 0" if positive and minimum is None else (
+            f">= {minimum:g}" if minimum is not None else "")
+        if (positive and v <= 0) or (minimum is not None and v < minimum) or (
+                maximum is not None and v > maximum):
+            bounds = " and ".join(b for b in (low, "" if maximum is None else f"<= {maximum:g}")
+                                  if b)
+            raise self._fail(key, f"{bounds}{unit}", v)
         return float(v)
 
     def integer(self, key: str, default: int | None = None, *, required: bool = False,
-                minimum: int | None = None) -> int | None:
-        """Return an integer value (optionally >= ``minimum``)."""
+                minimum: int | None = None, maximum: int | None = None) -> int | None:
+        """Return an integer value (optionally within ``[minimum, maximum]``)."""
         v = self.get(key, default, required=required)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise self._fail(key, "an integer", v)
-        if minimum is not None and v < minimum:
-            raise self._fail(key, f">= {minimum}", v)
+        if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+            bounds = " and ".join(b for b in ("" if minimum is None else f">= {minimum}",
+                                              "" if maximum is None else f"<= {maximum}") if b)
+            raise self._fail(key, bounds, v)
         return v
 
     def boolean(self, key: str, default: bool = False) -> bool:

@@ -6,6 +6,7 @@ names the parameter, the value and what would be valid.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from typing import Any
@@ -40,6 +41,11 @@ def check_nonnegative(value: Any, name: str) -> float:
 def check_epsilon(epsilon: Any, name: str = "epsilon") -> float:
     """Return a privacy parameter epsilon (finite, > 0) as a float."""
     return check_positive(epsilon, name)
+
+
+#: The smallest positive delta anything is calibrated to: below it the Gaussian calibrations
+#: underflow in double precision (a budget or task delta under it is refused as invalid).
+MIN_DELTA = 1e-300
 
 
 def check_delta(delta: Any, name: str = "delta") -> float:
@@ -92,3 +98,19 @@ def check_finite_array(array: Any, name: str, *, ndim: int | None = None) -> np.
     if not np.all(np.isfinite(a)):
         raise ValidationError(f"{name} must contain only finite values (no NaN or inf)")
     return a
+
+
+def path_component(name: str) -> str:
+    """Return ``name`` as one safe file-name component (for ids that came over the wire).
+
+    Letters, digits, ``-``, ``_`` and ``.`` are kept; anything else becomes ``_``; the result is
+    never empty, ``.`` or ``..``, never starts with a dot and is at most 100 characters. A name
+    that had to change gets a short digest of the original appended, so two different ids
+    never share a file. Ids the coordinator makes (``20261122T101500-3fa9c2``) are unchanged.
+    """
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_"
+                   for c in name)[:100].lstrip(".")
+    if safe and safe == name:
+        return safe
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{safe[:80]}-{digest}" if safe else f"id-{digest}"

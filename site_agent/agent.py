@@ -26,6 +26,7 @@ import logging
 import random
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 import grpc
 
 from dpfed.common import exit_codes
-from dpfed.common.errors import ProtocolError
+from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.pb.v1 import site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport.grpc_errors import tls_hint
 from dpfed.common.transport.grpc_options import (
@@ -42,7 +43,7 @@ from dpfed.common.transport.grpc_options import (
     MAX_TRANSFER_BYTES,
     channel_options,
 )
-from dpfed.common.transport.protocol import Refusal, SiteHello
+from dpfed.common.transport.protocol import Refusal, RefusalCode, SiteHello, Task
 from dpfed.common.transport.wire import (
     Reassembler,
     budget_to_proto,
@@ -58,6 +59,8 @@ from dpfed.site_agent.runner import TaskRunner
 log = logging.getLogger(__name__)
 
 WELCOME_TIMEOUT_S = 30.0
+#: Cancelled task ids remembered (the oldest are forgotten first).
+MAX_CANCELLED_IDS = 4096
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
 _FATAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -126,6 +129,8 @@ class SiteAgent:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfed-task")
         self._stop = asyncio.Event()
         self._random = random.Random()
+        #: Task ids the coordinator cancelled (its job was cancelled): refused if not started.
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.connected_once = False
         #: Whether a session is open now (the agent's status file reports it).
         self.connected = False
@@ -281,8 +286,11 @@ class SiteAgent:
                         running.add(t)
                         t.add_done_callback(running.discard)
                     elif which == "cancel":
-                        log.info("[SiteAgent.session] coordinator cancelled task %s: %s",
+                        log.info("[SiteAgent.session] coordinator cancelled task %.80r: %.200s",
                                  msg.cancel.task_id, msg.cancel.reason)
+                        self._cancelled[msg.cancel.task_id] = None
+                        while len(self._cancelled) > MAX_CANCELLED_IDS:
+                            self._cancelled.popitem(last=False)
             finally:
                 self.connected = False
                 if self.metrics is not None:
@@ -323,13 +331,18 @@ class SiteAgent:
         """
         try:
             task = task_from_bytes(payload)
+        except ValidationError as exc:  # e.g. a delta no mechanism can be calibrated to
+            log.warning("[SiteAgent.task] invalid task %.80r: %s", transfer_id, exc)
+            await self._send(call, write_lock, [_refusal(transfer_id, str(exc)[:500])])
+            return
         except Exception as exc:  # noqa: BLE001 -- any decoding failure is refused, not dropped
             log.warning("[SiteAgent.task] undecodable task %.80r: %s", transfer_id, exc)
             await self._send(call, write_lock, [_refusal(
                 transfer_id, f"the task cannot be decoded: {str(exc)[:500]}")])
             return
         loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self._executor, self.runner.run, task, deadline)
+        outcome = await loop.run_in_executor(self._executor, self._run_unless_cancelled, task,
+                                             deadline)
         if self.metrics is not None:
             self.metrics.task(task.kind, len(payload), outcome)
         # The budget report goes first, in the same locked write as the answer: the
@@ -348,6 +361,15 @@ class SiteAgent:
             log.warning("[SiteAgent.task] could not send the answer to %.80r (stored in the "
                         "ledger, will be replayed on resend)", task.task_id)
 
+    def _run_unless_cancelled(self, task: Task, deadline: float | None) -> bytes | Refusal:
+        """Run ``task`` on the task thread, unless its job was cancelled while it queued."""
+        if task.task_id in self._cancelled:
+            log.info("[SiteAgent.task] %.80r was cancelled before it started: not run, nothing "
+                     "charged", task.task_id)
+            return Refusal(task.task_id, RefusalCode.CANCELLED, "the coordinator cancelled this "
+                           "task's job before the task started; nothing was charged")
+        return self.runner.run(task, deadline)
+
     @staticmethod
     async def _send(call: grpc.aio.StreamStreamCall, write_lock: asyncio.Lock,
                     messages: list[site_link_pb2.SiteMessage]) -> bool:
@@ -364,4 +386,4 @@ class SiteAgent:
 
 def _refusal(task_id: str, reason: str) -> site_link_pb2.SiteMessage:
     return site_link_pb2.SiteMessage(
-        refusal=refusal_to_proto(Refusal(task_id, "invalid", reason)))
+        refusal=refusal_to_proto(Refusal(task_id, RefusalCode.INVALID, reason)))

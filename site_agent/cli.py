@@ -6,7 +6,9 @@
     dpfed-site check --config site.toml [--timeout S]  check config, certificates, schema,
                                                        data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
-    dpfed-site health --config site.toml [--max-age S] is the running agent connected?
+    dpfed-site health --config site.toml [--max-age S] [--alive]
+                                                       is the running agent connected (or,
+                                                       with --alive, running at all)?
     dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only), asks
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help="seconds after which the agent's status counts as stale "
                         f"(default {DEFAULT_MAX_AGE_S:g})")
+    health.add_argument("--alive", action="store_true",
+                        help="a liveness verdict: healthy while the agent runs, connected or "
+                        "still trying to reach the coordinator")
     return p
 
 
@@ -145,21 +150,28 @@ def _prepare(config: SiteConfig) -> _Prepared:
     sample = source.check_sample()
     log.info("[Site.start] data %s: columns match the schema; first rows: %s",
              source.describe(), sample.summary())
-    return _Prepared(config, schema, source, CountedData(source))
+    return _Prepared(config, schema, source,
+                     CountedData(source, config.data.warn_dropped_fraction))
 
 
 def _handlers(config: SiteConfig) -> tuple[dict[str, TaskHandler], tuple[str, ...]]:
     """Return the handlers and the kinds the site advertises (secure rounds need its key)."""
-    from dpfed.site_agent.handlers import HANDLERS
+    import logging
+
+    from dpfed.site_agent.handlers import default_handlers
     from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 
-    handlers: dict[str, TaskHandler] = dict(HANDLERS)
+    handlers: dict[str, TaskHandler] = default_handlers()
     kinds = config.advertised_kinds
     if config.secure.mode != "off" and config.tls is not None:
         identity = SiteIdentity.load(config.tls.ca, config.tls.cert, config.tls.key)
         handlers["secagg"] = SecureAggregationHandler(identity, config.secure,
                                                       allowed_kinds=config.allowed_jobs)
         kinds = (*kinds, "secagg")
+        if config.revocation_list is None:
+            logging.getLogger("dpfed.site").warning(
+                "[Site.start] no tls.revocation_list: every secure round will be refused (the "
+                "site cannot tell the federation's sites from revoked or unlisted ones)")
     elif config.secure.mode == "required":
         raise ConfigError(f"{config.source}: policy.secure_aggregation = \"required\" needs TLS "
                           "certificates (secure rounds are signed with the site's key)")
@@ -171,6 +183,7 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     import logging
     import signal
 
+    from dpfed.common.jobs.registry import sum_kinds
     from dpfed.common.logs import add_log_context
     from dpfed.common.transport.access import WatchedAccessList
     from dpfed.common.transport.protocol import PROTOCOL_VERSION, SiteHello
@@ -181,7 +194,6 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     from dpfed.site_agent.ledger import Ledger
     from dpfed.site_agent.metrics import SiteMetrics, serving_metrics
     from dpfed.site_agent.runner import TaskRunner
-    from dpfed.site_agent.secure_policy import SUM_KINDS
 
     log = logging.getLogger("dpfed.site")
     if config.deterministic_noise_seed is not None:
@@ -201,7 +213,7 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
     handlers, allowed_kinds = _handlers(config)
     runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
-                        secure_required_kinds=(SUM_KINDS if config.secure.mode == "required"
+                        secure_required_kinds=(sum_kinds() if config.secure.mode == "required"
                                                else ()))
 
     def hello() -> SiteHello:
@@ -251,10 +263,15 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
 
 
 def _run_with_status(config: SiteConfig) -> int:
-    """Run the agent, its status file saying ``stopped`` with the exit code at the end."""
-    from dpfed.site_agent.agent_status import STOPPED, StatusWriter, status_path
+    """Run the agent, its status file saying ``stopped`` with the exit code at the end.
+
+    ``connecting`` is written first, before the data and ledger are opened, so that a probe
+    never reads the verdict of a previous (restarted) process.
+    """
+    from dpfed.site_agent.agent_status import CONNECTING, STOPPED, StatusWriter, status_path
 
     status_file = StatusWriter(status_path(config.ledger_path), config.coordinator_address)
+    status_file.update(CONNECTING)
     code = exit_codes.INTERNAL_ERROR
     try:
         code = _run(config, status_file)
@@ -403,6 +420,7 @@ def _check(config: SiteConfig, timeout: float) -> int:
     import os
 
     from dpfed.common.data.data_sources import open_data_source, scan
+    from dpfed.common.data.policy_counts import dropped_fraction_warning
     from dpfed.common.data.schema import Schema
     from dpfed.common.transport.access import read_access_list
     from dpfed.common.transport.tls import check_tls_files
@@ -433,6 +451,9 @@ def _check(config: SiteConfig, timeout: float) -> int:
     def data() -> str:
         source = open_data_source(data_spec(config), state["schema"])
         report = scan(source)
+        warning = dropped_fraction_warning(report, config.data.warn_dropped_fraction)
+        if warning is not None:
+            print(f"warning data: {warning}", flush=True)
         if report.rows_kept == 0:
             raise DataError(f"{source.describe()}: no valid rows after the row policy "
                             f"({report.summary()}); the agent would refuse every task. Fix "
@@ -507,11 +528,14 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
     return exit_codes.OK
 
 
-def _health(config: SiteConfig, max_age: float) -> int:
-    from dpfed.site_agent.agent_status import health, read_status, status_path
+def _health(config_file: str, ledger: str | None, max_age: float, alive: bool) -> int:
+    """Print the running agent's health; reads ``[ledger] path`` only, imports nothing heavy."""
+    from pathlib import Path
 
-    path = status_path(config.ledger_path)
-    code, line = health(read_status(path), path, max_age)
+    from dpfed.site_agent.agent_status import configured_status_path, health, read_status
+
+    path = configured_status_path(Path(config_file), ledger)
+    code, line = health(read_status(path), path, max_age, alive_is_enough=alive)
     print(f"{'healthy' if code == exit_codes.OK else 'unhealthy'}: {line}", flush=True)
     return code
 
@@ -525,12 +549,12 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.USAGE
 
     def go() -> int:
+        if command == "health":
+            return _health(args.config, args.ledger, args.max_age, args.alive)
         from dpfed.common.logs import configure_logging
         from dpfed.site_agent.config import load_site_config
 
         overrides: dict[str, Any] = {}
-        if command == "health":
-            overrides = {"ledger": args.ledger}
         if command == "run":
             overrides = {"coordinator": args.coordinator, "data": args.data,
                          "ledger": args.ledger, "log_level": args.log_level,
@@ -548,8 +572,6 @@ def main(argv: list[str] | None = None) -> int:
             return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
-        if command == "health":
-            return _health(config, args.max_age)
         return _run_with_status(config)
 
     return run_command(f"dpfed-site {command}" if command != "run" else "dpfed-site", go)

@@ -5,14 +5,15 @@ Example (paths are relative to the file)::
     [coordinator]
     address = "coordinator.example.org:50051"
     # server_name = "coordinator.example.org"   # TLS name, when dialling an IP address
-    connect_timeout_s = 120     # give up (exit 6) if never connected within this time
+    connect_timeout_s = 120     # give up (exit 6) if never connected within this (<= 30 days)
     keepalive_s = 10            # a silent coordinator link is dropped (and redialled) within this
 
     [tls]
     ca = "kit/ca.pem"
     cert = "kit/site.pem"
     key = "kit/site.key"
-    revocation_list = "kit/revoked.toml"  # from 'dpfed certs'; re-read when it changes
+    revocation_list = "kit/revoked.toml"  # from 'dpfed certs': revoked certificates and the
+                                          # federation's sites; re-read when it changes
 
     [data]
     path = "data/patients.csv"  # .csv/.tsv, .parquet, or an SQLite file with table/query
@@ -23,18 +24,20 @@ Example (paths are relative to the file)::
     # conninfo = "host=warehouse.example.org dbname=omop user=dpfed_reader sslmode=verify-full"
     # password_env = "DPFED_PG_PASSWORD"   # or password_file = "pg_password" (or ~/.pgpass)
     # table = "cdm.dpfed_features"         # or query = "SELECT ..."
-    chunk_rows = 65536
-    on_missing = "drop"         # drop | error
+    chunk_rows = 65536          # rows read at once (1 to 10 000 000)
+    on_missing = "error"        # error | drop: a missing value in a column the schema
+                                # declares complete (no 'missing' key) stops / drops the row
     on_invalid = "drop"         # drop | error
     on_out_of_range = "clip"    # clip | drop | error
+    warn_dropped_fraction = 0.01  # dpfed-site check and the log warn above this share dropped
 
     [ledger]
     path = "ledger.sqlite"
 
     [budget]
     epsilon = 10.0
-    delta = 1e-5
-    accountant = "basic"        # basic | zcdp
+    delta = 1e-5                # in [1e-300, 1)
+    accountant = "pld"          # pld (tight, default) | basic | zcdp
 
     [budget.analysts]           # optional: the most epsilon each analyst may spend here
     alice = 2.0                 # (same accountant and delta as the total; ids as certified)
@@ -72,9 +75,11 @@ from typing import Any
 from dpfed.common.cli_support import check_address
 from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
+from dpfed.common.jobs.registry import default_task_kinds, task_kinds
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.metrics import MetricsConfig, metrics_config
-from dpfed.common.privacy.accounting import BudgetPolicy
+from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT, BudgetPolicy
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.toml_config import Section, TlsConfig, read_toml, tls_from_section
 from dpfed.common.transport.grpc_options import (
     DEFAULT_KEEPALIVE_S,
@@ -82,21 +87,26 @@ from dpfed.common.transport.grpc_options import (
     MIN_KEEPALIVE_S,
 )
 from dpfed.common.transport.identity import check_principal_id
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
+from dpfed.common.validation import MIN_DELTA
+from dpfed.site_agent.agent_status import ledger_file
 
 log = logging.getLogger(__name__)
 
-#: Job kinds a site can run (the task handlers registered in ``dpfed.site_agent.handlers``).
-KNOWN_JOB_KINDS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_rows", "synth_eval")
-#: Kinds a site allows when its config has no ``allowed_jobs``: ``synth_rows`` (row-aligned
-#: synthesis, one noisy release per real row) must be listed explicitly.
-DEFAULT_ALLOWED_JOBS: tuple[str, ...] = ("pca", "svt", "query", "synth", "synth_eval")
-DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+DATA_FORMATS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: Values of ``policy.evaluation_summary``: "dp" lets the site release a DP summary of its
 #: synthetic-data evaluation (task kind ``synth_eval_dp``, charged to its ledger).
 EVALUATION_SUMMARY_CHOICES: tuple[str, ...] = ("none", "dp")
 #: The task kind a site runs (and advertises) when ``evaluation_summary = "dp"``.
 EVALUATION_SUMMARY_KIND = "synth_eval_dp"
+#: Ranges of numeric keys (besides the privacy parameters' own): beyond them a value passes
+#: start-up only to break every task later.
+MAX_CONNECT_TIMEOUT_S = 30 * 86400.0
+MAX_CHUNK_ROWS = 10_000_000
+MAX_PARTICIPANTS = 10_000
+
+
+#: Default of ``[data] warn_dropped_fraction``.
+DEFAULT_WARN_DROPPED_FRACTION = 0.01
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,8 @@ class DataConfig:
     conninfo: str | None = None
     password_env: str | None = None
     password_file: Path | None = None
+    #: Warn (log, ``dpfed-site check``) when more than this share of the rows read is dropped.
+    warn_dropped_fraction: float = DEFAULT_WARN_DROPPED_FRACTION
 
     def password(self) -> str | None:
         """Read the PostgreSQL password from its variable or file (None: libpq's own ways).
@@ -221,7 +233,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     where = "--coordinator" if overrides.get("coordinator") else f"{source}: coordinator.address"
     check_address(address, where)
     server_name = coord.string("server_name") or None
-    timeout = coord.number("connect_timeout_s", 120.0, positive=True)
+    timeout = coord.number("connect_timeout_s", 120.0, positive=True,
+                           maximum=MAX_CONNECT_TIMEOUT_S, unit=" seconds (30 days)")
     keepalive_s = coord.number("keepalive_s", DEFAULT_KEEPALIVE_S)
     if keepalive_s is None or not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:
         raise ConfigError(f"{source}: coordinator.keepalive_s must be between "
@@ -268,12 +281,16 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
                           "apply only to format = \"postgres\"")
     try:
         row_policy = RowPolicy(
-            missing=data.string("on_missing", "drop") or "drop",
+            missing=data.string("on_missing", "error") or "error",
             invalid=data.string("on_invalid", "drop") or "drop",
             out_of_range=data.string("on_out_of_range", "clip") or "clip",
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [data] {exc}") from None
+    warn_dropped = data.number("warn_dropped_fraction", DEFAULT_WARN_DROPPED_FRACTION)
+    if warn_dropped is None or not 0.0 <= warn_dropped <= 1.0:
+        raise ConfigError(f"{source}: data.warn_dropped_fraction must be a share between 0 and "
+                          f"1, got {warn_dropped!r}")
     delimiter = data.string("delimiter")
     if delimiter is not None and len(delimiter) != 1:
         raise ConfigError(f"{source}: data.delimiter must be one character, got {delimiter!r}")
@@ -281,13 +298,15 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data_cfg = DataConfig(
         path=data_path, schema=schema_path, format=fmt, table=data.string("table") or None,
         query=data.string("query") or None, delimiter=delimiter,
-        chunk_rows=data.integer("chunk_rows", 65536, minimum=1) or 65536, row_policy=row_policy,
+        chunk_rows=data.integer("chunk_rows", 65536, minimum=1, maximum=MAX_CHUNK_ROWS) or 65536,
+        row_policy=row_policy,
         conninfo=conninfo, password_env=password_env, password_file=password_file,
+        warn_dropped_fraction=warn_dropped,
     )
     data.check_unknown()
 
     ledger = root.section("ledger")
-    file_ledger = ledger.path("path", "ledger.sqlite")
+    file_ledger = ledger_file(ledger)
     ledger_path = Path(overrides["ledger"]) if overrides.get("ledger") else file_ledger
     ledger.check_unknown()
 
@@ -296,15 +315,17 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     try:
         budget_policy = BudgetPolicy(
             epsilon=budget.number("epsilon", required=True) or 0.0,
-            delta=budget.number("delta", required=True) or 0.0,
-            accountant=budget.string("accountant", "basic") or "basic",
+            delta=budget.number("delta", required=True, minimum=MIN_DELTA) or 0.0,
+            accountant=budget.string("accountant", DEFAULT_ACCOUNTANT) or DEFAULT_ACCOUNTANT,
             max_epsilon_per_task=policy.number("max_epsilon_per_task", None, positive=True),
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
-    allowed = policy.str_list("allowed_jobs", list(DEFAULT_ALLOWED_JOBS))
+    # The task kinds of the registered job kinds; the opt-in ones (``synth_rows``: one noisy
+    # release per real row) only when listed.
+    allowed = policy.str_list("allowed_jobs", list(default_task_kinds()))
     if EVALUATION_SUMMARY_KIND in allowed:
         raise ConfigError(f"{source}: policy.allowed_jobs: {EVALUATION_SUMMARY_KIND!r} is "
                           "enabled by policy.evaluation_summary = \"dp\", not by allowed_jobs")
@@ -312,15 +333,19 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     if summary not in EVALUATION_SUMMARY_CHOICES:
         raise ConfigError(f"{source}: policy.evaluation_summary must be one of "
                           f"{', '.join(EVALUATION_SUMMARY_CHOICES)}, got {summary!r}")
-    unknown_kinds = sorted(set(allowed) - set(KNOWN_JOB_KINDS))
+    known = [k for k in task_kinds() if k != EVALUATION_SUMMARY_KIND]
+    unknown_kinds = sorted(set(allowed) - set(known))
     if unknown_kinds:
         raise ConfigError(f"{source}: policy.allowed_jobs has unknown job kind(s) {unknown_kinds}; "
-                          f"known: {list(KNOWN_JOB_KINDS)}")
+                          f"known: {known}")
     try:
         secure = SecureAggregationPolicy(
             mode=policy.string("secure_aggregation", "allowed") or "allowed",
-            min_participants=policy.integer("secure_min_participants", 2, minimum=2) or 2,
-            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0) or 0,
+            min_participants=policy.integer("secure_min_participants", 2, minimum=2,
+                                            maximum=MAX_PARTICIPANTS) or 2,
+            tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0,
+                                     maximum=MAX_PARTICIPANTS) or 0,
+            federation_list=revocation_list,
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [policy] {exc}") from None

@@ -86,6 +86,7 @@ import logging
 import os
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -102,6 +103,8 @@ from dpfed.common.errors import (
     ValidationError,
 )
 from dpfed.common.privacy.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
+from dpfed.common.privacy.spent import Spent, event_loss
+from dpfed.common.transport.protocol import RefusalCode
 from dpfed.common.validation import check_nonnegative, check_positive
 
 logger = logging.getLogger(__name__)
@@ -301,6 +304,11 @@ class RefusalRecord:
     message: str
     created_at: str
 
+    @property
+    def code(self) -> RefusalCode:
+        """The refusal's code, as the site sent it to the coordinator."""
+        return RefusalCode.of_ledger(self.reason)
+
 
 @dataclass(frozen=True)
 class _Request:
@@ -364,6 +372,11 @@ class Ledger:
                 delta=policy.delta, accountant=policy.accountant)
             for name, cap in (analyst_budgets or {}).items()}
         self._closed = False
+        # Composed events, extended incrementally (events are append-only): the key is the
+        # seq and task id of the last event composed; None for the whole ledger, else an
+        # analyst's share.
+        self._composed: dict[str, tuple[int, str, Spent]] = {}
+        self._composed_lock = threading.Lock()
         if self._path.is_dir():
             raise ConfigError(f"ledger path {self._path} is a directory, expected a file")
         if not self._path.parent.is_dir():
@@ -606,7 +619,8 @@ class Ledger:
                 return self._replay(conn, request, *stored)
 
             _check_deadline(deadline_unix, request.task_id)
-            spent, n_events = _spent_from(conn)  # step 2: derived from events, under the lock
+            spent = self._spent(conn)  # step 2: derived from events, under the lock
+            n_events = spent.events
             try:
                 self._policy.check(spent, request.cost)
                 self._check_analyst_share(conn, analyst, request.cost)
@@ -656,7 +670,7 @@ class Ledger:
         if policy is None:
             return
         try:
-            policy.check(_analyst_spent_from(conn, analyst)[0], cost)
+            policy.check(self._spent(conn, analyst), cost)
         except BudgetExceededError as exc:
             raise BudgetExceededError(
                 f"analyst {analyst!r} would exceed the share of this site's budget the site "
@@ -669,8 +683,7 @@ class Ledger:
         if policy is None:
             return None
         with self._connection() as conn:
-            spent, n_events = _analyst_spent_from(conn, analyst)
-        return policy.status(spent, n_events)
+            return policy.status(self._spent(conn, analyst))
 
     def analyst_of(self, task_id: str) -> str:
         """Return the analyst a charged task was attributed to ("" if none)."""
@@ -731,15 +744,43 @@ class Ledger:
             return _select_events(conn)
 
     def spent(self) -> PrivacyCost:
-        """Return the composed cost of all events (derived, never a stored total)."""
+        """Return the basic-composition sums of all events (derived, never a stored total)."""
+        return self.composed().basic
+
+    def composed(self) -> Spent:
+        """Return every event composed (each by its dominating pair; see ``Spent``)."""
         with self._connection() as conn:
-            return _spent_from(conn)[0]
+            return self._spent(conn)
 
     def status(self) -> BudgetStatus:
         """Return spent and remaining budget under the policy's accountant."""
         with self._connection() as conn:
-            spent, n_events = _spent_from(conn)
-        return self._policy.status(spent, n_events)
+            return self._policy.status(self._spent(conn))
+
+    def _spent(self, conn: sqlite3.Connection, analyst: str = "") -> Spent:
+        """Compose the stored events (all, or ``analyst``'s), extending a cached composition.
+
+        Events are append-only (triggers refuse UPDATE and DELETE), so a composition of the
+        events up to seq ``n`` stays valid while the event at ``n`` is the one it ended with;
+        only later events are read and added. A ledger written by another process is seen
+        the same way: the cache is a prefix of whatever is on disk.
+        """
+        with self._composed_lock:
+            cached = self._composed.get(analyst)
+        last_seq, last_task, spent = cached if cached is not None else (0, "", Spent())
+        if last_seq:
+            row = conn.execute(f"SELECT task_id FROM {_EVENTS_TABLE} WHERE seq = ?",
+                               (last_seq,)).fetchone()
+            if row is None or row[0] != last_task:  # not a prefix of this file: start over
+                last_seq, last_task, spent = 0, "", Spent()
+        rows = _event_cost_rows(conn, analyst, after_seq=last_seq)
+        if not rows:
+            return spent
+        costs = [cost for _, _, cost in rows]
+        spent = Spent.of(costs) if last_seq == 0 else _extend(spent, costs)
+        with self._composed_lock:
+            self._composed[analyst] = (rows[-1][0], rows[-1][1], spent)
+        return spent
 
     def lookup(self, task_id: str) -> LedgerEvent | None:
         """Return the event charged for ``task_id``, or None if it was never charged.
@@ -911,19 +952,27 @@ def _select_refusals(conn: sqlite3.Connection) -> list[RefusalRecord]:
                           float(r[7]), r[8], r[9], r[10], r[11]) for r in rows]
 
 
-def _spent_from(conn: sqlite3.Connection) -> tuple[PrivacyCost, int]:
-    """Compose every stored event's cost, oldest first (the one definition of "spent")."""
-    rows = conn.execute(
-        f"SELECT epsilon, delta, rho FROM {_EVENTS_TABLE} ORDER BY seq").fetchall()
-    return PrivacyCost.total(PrivacyCost(e, d, r) for e, d, r in rows), len(rows)
+def _event_cost_rows(conn: sqlite3.Connection, analyst: str = "", *,
+                     after_seq: int = 0) -> list[tuple[int, str, PrivacyCost]]:
+    """``(seq, task id, cost)`` of the events after ``after_seq`` (``analyst``'s only if given)."""
+    columns = ("e.seq, e.task_id, e.epsilon, e.delta, e.rho, e.mechanism, e.sensitivity, "
+               "e.noise_scale")
+    if analyst:
+        rows = conn.execute(
+            f"SELECT {columns} FROM {_EVENTS_TABLE} e JOIN {_ANALYSTS_TABLE} a "
+            "ON a.task_id = e.task_id WHERE a.analyst = ? AND e.seq > ? ORDER BY e.seq",
+            (analyst, after_seq)).fetchall()
+    else:
+        rows = conn.execute(f"SELECT {columns} FROM {_EVENTS_TABLE} e WHERE e.seq > ? "
+                            "ORDER BY e.seq", (after_seq,)).fetchall()
+    return [(int(r[0]), str(r[1]), PrivacyCost(float(r[2]), float(r[3]), float(r[4]), str(r[5]),
+                                               float(r[6]), float(r[7]))) for r in rows]
 
 
-def _analyst_spent_from(conn: sqlite3.Connection, analyst: str) -> tuple[PrivacyCost, int]:
-    """Compose the cost of the events attributed to ``analyst``, oldest first."""
-    rows = conn.execute(
-        f"SELECT e.epsilon, e.delta, e.rho FROM {_EVENTS_TABLE} e JOIN {_ANALYSTS_TABLE} a "
-        "ON a.task_id = e.task_id WHERE a.analyst = ? ORDER BY e.seq", (analyst,)).fetchall()
-    return PrivacyCost.total(PrivacyCost(e, d, r) for e, d, r in rows), len(rows)
+def _extend(spent: Spent, costs: list[PrivacyCost]) -> Spent:
+    for cost in costs:
+        spent = spent.add(cost)
+    return spent
 
 
 def _next_seq(conn: sqlite3.Connection) -> int:
@@ -942,17 +991,19 @@ def format_ledger(ledger: Ledger) -> str:
     """Return the ledger as a readable table with totals and remaining budget.
 
     One line per event (time, task id, job id, kind, mechanism, epsilon, delta, rho, noise
-    scale), then the composed totals, the spent and remaining budget under the policy's
-    accountant, and the number of refused tasks. Used by ``dpfed-site ledger``.
+    scale, and the pair the tight accountant charges it as), then the composed totals, the
+    spent and remaining budget under the policy's accountant (with the tight figure beside
+    the others), and the number of refused tasks. Used by ``dpfed-site ledger``.
     """
     events, refusals = ledger.snapshot()
     policy = ledger.policy
-    spent = PrivacyCost.total(e.cost for e in events)
-    status = policy.status(spent, len(events))
+    spent = Spent.of(e.cost for e in events)
+    status = policy.status(spent)
     header = ("seq", "time (UTC)", "task id", "job id", "kind", "mechanism", "epsilon",
-              "delta", "rho", "noise scale")
+              "delta", "rho", "noise scale", "charged as")
     rows = [(str(e.seq), e.created_at[:19].replace("T", " "), e.task_id, e.job_id, e.kind,
-             e.mechanism, _fmt(e.epsilon), _fmt(e.delta), _fmt(e.rho), _fmt(e.noise_scale))
+             e.mechanism, _fmt(e.epsilon), _fmt(e.delta), _fmt(e.rho), _fmt(e.noise_scale),
+             event_loss(e.cost).method)
             for e in events]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     numeric = {0, 6, 7, 8, 9}
@@ -972,9 +1023,21 @@ def format_ledger(ledger: Ledger) -> str:
     else:
         out.append("(no events)")
     out.append("")
-    out.append(f"Total over {len(events)} events: epsilon {_fmt(spent.epsilon)}, "
-               f"delta {_fmt(spent.delta)}, rho {_fmt(spent.rho)}")
-    if policy.accountant == "zcdp":
+    out.append(f"Total over {len(events)} events: epsilon {_fmt(spent.epsilon_sum)}, "
+               f"delta {_fmt(spent.delta_sum)}, rho {_fmt(spent.rho_sum)}")
+    if events:
+        tight = spent.epsilon(policy.delta)
+        note = (f" (the discretised pairs may overstate it by up to "
+                f"{_fmt(spent.discretisation_error)})" if spent.loss is not None else "")
+        out.append(f"Tight composition at delta {_fmt(policy.delta)}: epsilon {_fmt(tight)}"
+                   f"{note}; {spent.fallbacks} event(s) charged by their (epsilon, delta) "
+                   "alone")
+    if policy.accountant == "pld":
+        out.append(f"Spent (tight composition at delta {_fmt(policy.delta)}): "
+                   f"epsilon {_fmt(status.epsilon_spent)}")
+        out.append(f"Remaining: epsilon {_fmt(status.epsilon_remaining)} of "
+                   f"{_fmt(status.epsilon_cap)}")
+    elif policy.accountant == "zcdp":
         out.append(f"Spent (zCDP, rho {_fmt(status.rho_spent)} at delta {_fmt(policy.delta)}): "
                    f"epsilon {_fmt(status.epsilon_spent)}")
         out.append(f"Remaining: epsilon {_fmt(status.epsilon_remaining)} of "
@@ -998,8 +1061,8 @@ def ledger_as_json(ledger: Ledger) -> dict[str, Any]:
     """
     events, refusals = ledger.snapshot()
     policy = ledger.policy
-    spent = PrivacyCost.total(e.cost for e in events)
-    status = policy.status(spent, len(events))
+    spent = Spent.of(e.cost for e in events)
+    status = policy.status(spent)
     return {
         "path": str(ledger.path),
         "schema_version": SCHEMA_VERSION,
@@ -1009,11 +1072,14 @@ def ledger_as_json(ledger: Ledger) -> dict[str, Any]:
             {"seq": e.seq, "created_at": e.created_at, "task_id": e.task_id, "job_id": e.job_id,
              "kind": e.kind, "mechanism": e.mechanism, "epsilon": e.epsilon, "delta": e.delta,
              "rho": e.rho, "sensitivity": e.sensitivity, "noise_scale": e.noise_scale,
-             "payload_digest": e.payload_digest, "result_digest": e.result_digest,
-             "result_size": e.result_size}
+             "charged_as": event_loss(e.cost).method, "payload_digest": e.payload_digest,
+             "result_digest": e.result_digest, "result_size": e.result_size}
             for e in events],
-        "totals": {"events": len(events), "epsilon": spent.epsilon, "delta": spent.delta,
-                   "rho": spent.rho},
+        "totals": {"events": len(events), "epsilon": spent.epsilon_sum,
+                   "delta": spent.delta_sum, "rho": spent.rho_sum,
+                   "tight_epsilon": spent.epsilon(policy.delta),
+                   "discretisation_error": spent.discretisation_error,
+                   "fallback_events": spent.fallbacks},
         "status": {"accountant": status.accountant, "epsilon_cap": status.epsilon_cap,
                    "delta_cap": status.delta_cap, "epsilon_spent": status.epsilon_spent,
                    "delta_spent": status.delta_spent, "rho_spent": status.rho_spent,
@@ -1064,12 +1130,12 @@ def read_status_readonly(path: str | Path, policy: BudgetPolicy) -> BudgetStatus
     try:
         tables = Ledger._table_names(conn)
         if not tables:
-            return policy.status(PrivacyCost(0.0, 0.0, 0.0), 0)
+            return policy.status(Spent())
         if _SCHEMA_TABLE not in tables or _EVENTS_TABLE not in tables:
             raise ConfigError(f"{p} is an SQLite database but not a dpfed ledger")
-        spent, n_events = _spent_from(conn)
+        spent = Spent.of(cost for _, _, cost in _event_cost_rows(conn))
     except sqlite3.Error as exc:
         raise ConfigError(f"ledger {p} cannot be read: {exc}") from None
     finally:
         conn.close()
-    return policy.status(spent, n_events)
+    return policy.status(spent)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from dpfed.common.data.data_sources import DataSource
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
+from dpfed.common.data.policy_counts import dropped_fraction_warning
 from dpfed.common.data.schema import Schema
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,14 @@ class CountedData:
     ----------
     source : DataSource
         The opened (column-checked) source.
+    warn_dropped_fraction : float
+        Log a warning when the first pass drops more than this share of the rows read
+        (``[data] warn_dropped_fraction``; counts stay in the local log).
     """
 
-    def __init__(self, source: DataSource) -> None:
+    def __init__(self, source: DataSource, warn_dropped_fraction: float = 0.01) -> None:
         self.source = source
+        self.warn_dropped_fraction = warn_dropped_fraction
         self._lock = threading.Lock()
         self._row_count: int | None = None
         self.report: EncodingReport | None = None
@@ -63,6 +68,9 @@ class CountedData:
             self.report = total
         if previous is None:
             log.info("[CountedData] data %s: %s", self.source.describe(), total.summary())
+            warning = dropped_fraction_warning(total, self.warn_dropped_fraction)
+            if warning is not None:
+                log.warning("[CountedData] %s", warning)
             if total.rows_kept == 0:
                 log.warning("[CountedData] no valid rows: every task will be refused until "
                             "the data is fixed")

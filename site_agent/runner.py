@@ -6,8 +6,10 @@ Order of operations (docs/privacy.md, invariants 2 and 4):
 2. A task id the ledger already holds returns the stored bytes (same payload digest) or is
    refused as a conflict (different digest) -- no recomputation, no fresh noise.
 3. The handler validates the parameters and computes the exact statistic (nothing drawn).
-4. ``Ledger.charge_and_release`` checks the budget and, only if it fits, calls the release
-   function (which draws the noise) inside the transaction that stores charge and bytes.
+4. One path for the three charges (:mod:`dpfed.common.jobs.contract`): a new charge goes
+   through ``Ledger.charge_and_release``, which checks the budget and, only if it fits, draws
+   the noise inside the transaction that stores charge and bytes; a release covered by an
+   earlier charge runs only if the ledger holds that charge; a free one charges nothing.
 5. Only the committed bytes leave the site.
 """
 
@@ -27,16 +29,11 @@ from dpfed.common.errors import (
     IdempotencyConflictError,
     ValidationError,
 )
+from dpfed.common.jobs.contract import CoveredBy, DataAccess, NewCharge, Release
 from dpfed.common.privacy.rng import production_rng
-from dpfed.common.transport.protocol import Refusal, Task
+from dpfed.common.transport.protocol import Refusal, RefusalCode, Task, TaskResult
 from dpfed.common.transport.wire import result_to_bytes
-from dpfed.site_agent.handlers import (
-    HANDLERS,
-    DataAccess,
-    PreparedContinuation,
-    PreparedRelease,
-    TaskHandler,
-)
+from dpfed.site_agent.handlers import TaskHandler, default_handlers
 from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 
 log = logging.getLogger(__name__)
@@ -85,7 +82,8 @@ class TaskRunner:
         # Bind the allowed kinds' handlers to this site (the svt handler opens its session
         # store beside the ledger); a kind the site does not allow is refused before lookup.
         self.handlers = {kind: h.for_site(ledger.path)
-                         for kind, h in (handlers if handlers is not None else HANDLERS).items()
+                         for kind, h in (handlers if handlers is not None
+                                         else default_handlers()).items()
                          if kind in allowed_kinds}
         self.noise_seed = deterministic_noise_seed
 
@@ -106,121 +104,101 @@ class TaskRunner:
         Nothing a coordinator sends makes this raise: a malformed task id, parameters or
         arrays are refused with a reason, anything unexpected with code "internal".
         """
-        try:
-            return self._run(task, deadline_unix)
-        except ValidationError as exc:
-            log.warning("[TaskRunner.run] task=%.80r refused as invalid: %s", task.task_id, exc)
-            return Refusal(task.task_id, "invalid", str(exc))
-        except Exception:
-            log.exception("[TaskRunner.run] task=%.80r failed", task.task_id)
-            return Refusal(task.task_id, "internal",
-                           "the site failed to run the task (see its log)")
-
-    def _run(self, task: Task, deadline_unix: float | None) -> bytes | Refusal:
         tag = (f"task={_loggable(task.task_id, 80)} job={_loggable(task.job_id, 80)} "
                f"kind={_loggable(task.kind, 40)}")
-        if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
-            log.warning("[TaskRunner.run] %s outcome=refused: kind not allowed by local policy",
-                        tag)
-            return Refusal(task.task_id, "not_allowed",
-                           f"this site does not run {task.kind!r} jobs "
-                           f"(allowed: {', '.join(self.allowed_kinds)})")
-        handler = self.handlers[task.kind]
-        if (task.kind in self.secure_required_kinds
-                and task.params.get("aggregation", "site") != "secure"):
-            log.warning("[TaskRunner.run] %s refused: policy requires secure aggregation", tag)
-            return Refusal(task.task_id, "not_allowed",
-                           f"this site's policy requires secure aggregation for {task.kind!r} "
-                           "jobs (--aggregation secure)")
-        if handler.responds_without_data(task):
-            try:
-                answer = handler.respond(task)
-            except ValidationError as exc:
-                log.warning("[TaskRunner.run] %s refused as invalid: %s", tag, exc)
-                return Refusal(task.task_id, "invalid", str(exc))
-            log.info("[TaskRunner.run] %s answered without data (nothing charged)", tag)
-            return result_to_bytes(answer)
-        digest = task.digest()
-        stored = self.ledger.lookup(task.task_id)
-        if stored is not None:
-            if (stored.payload_digest, stored.job_id, stored.kind) == (digest, task.job_id,
-                                                                      task.kind):
-                log.info("[TaskRunner.run] %s outcome=replayed from the ledger (no new charge)",
-                         tag)
-                return self.ledger.stored_result(task.task_id)
-            log.warning("[TaskRunner.run] %s outcome=refused: task id reused with a different "
-                        "payload", tag)
-            return Refusal(task.task_id, "conflict",
-                           "this task id was already used for a different request")
-        if deadline_unix is not None and time.time() > deadline_unix:
-            return Refusal(task.task_id, "deadline", "the task's deadline passed before it started")
         try:
-            prepared = handler.prepare(task, self.data)
-            if isinstance(prepared, PreparedContinuation):
-                return self._continue(task, prepared, tag)
-            if prepared.local_output is not None:
-                return self._run_local(task, prepared, tag)
-            rng = self._rng(task.kind)
-            outcome = self.ledger.charge_and_release(
-                task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
-                cost=prepared.cost,
-                release=lambda: result_to_bytes(prepared.release(rng)),
-                analyst=task.analyst_id,
-                deadline_unix=deadline_unix,
-            )
+            answer = self._run(task, deadline_unix, tag)
         except TaskExpiredError as exc:
-            log.warning("[TaskRunner.run] %s refused: %s", tag, exc)
-            return Refusal(task.task_id, "deadline", "the task's deadline passed before it "
-                           "could be charged; nothing was charged or released")
+            log.warning("%s refused: %s", tag, exc)
+            return Refusal(task.task_id, RefusalCode.DEADLINE, "the task's deadline passed "
+                           "before it could be charged; nothing was charged or released")
         except BudgetExceededError as exc:
-            log.warning("[TaskRunner.run] %s outcome=refused: %s", tag, exc)
-            return Refusal(task.task_id, "budget_exceeded", str(exc))
+            log.warning("%s outcome=refused: %s", tag, exc)
+            return Refusal(task.task_id, RefusalCode.BUDGET_EXCEEDED, str(exc))
         except IdempotencyConflictError as exc:
-            log.warning("[TaskRunner.run] %s outcome=refused: %s", tag, exc)
-            return Refusal(task.task_id, "conflict", str(exc))
+            log.warning("%s outcome=refused: %s", tag, exc)
+            return Refusal(task.task_id, RefusalCode.CONFLICT, str(exc))
         except DataError as exc:
             # Data problems (a bad row under on_invalid="error", no valid rows, ...) are facts
             # about the site's data: the details stay in the local log, never in the refusal.
-            log.error("[TaskRunner.run] %s outcome=refused: the data cannot be read: %s", tag, exc)
-            return Refusal(task.task_id, "invalid",
+            log.error("%s outcome=refused: the data cannot be read: %s", tag, exc)
+            return Refusal(task.task_id, RefusalCode.INVALID,
                            "the site's data cannot be read under its row policy (details are "
                            "in the site's log)")
         except ValidationError as exc:
             # Problems with the task's own parameters: safe to explain to the coordinator.
-            log.warning("[TaskRunner.run] %s outcome=refused as invalid: %s", tag, exc)
-            return Refusal(task.task_id, "invalid", str(exc))
+            log.warning("%s outcome=refused as invalid: %s", tag, exc)
+            return Refusal(task.task_id, RefusalCode.INVALID, str(exc))
         except Exception:
-            log.exception("[TaskRunner.run] %s outcome=failed", tag)
-            return Refusal(task.task_id, "internal",
+            log.exception("%s outcome=failed", tag)
+            return Refusal(task.task_id, RefusalCode.INTERNAL,
                            "the site failed to run the task (see its log)")
-        state = "replayed" if outcome.replayed else "charged"
-        assert not isinstance(prepared, PreparedContinuation)
-        log.info("[TaskRunner.run] %s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
-                 state, prepared.cost.epsilon, prepared.cost.delta, len(outcome.result))
-        return outcome.result
+        if isinstance(answer, Refusal):
+            log.warning("%s outcome=refused: %s", tag, answer.reason)
+        return answer
 
-    def _continue(self, task: Task, prepared: PreparedContinuation, tag: str) -> bytes | Refusal:
-        """Run a step of an already-charged release (nothing new is charged)."""
-        if self.ledger.lookup(prepared.charged_by) is None:
-            log.warning("[TaskRunner.run] %s refused: its opening task %s was never charged "
-                        "here", tag, prepared.charged_by)
-            return Refusal(task.task_id, "invalid",
-                           "this site never charged the release this task continues")
-        salt = json.dumps(dict(task.params), sort_keys=True, default=str)
-        result = prepared.run(self._rng(task.kind, salt))
-        log.info("[TaskRunner.run] %s continued %s (no new charge), %d bytes released", tag,
-                 prepared.charged_by, len(result))
-        return result
+    def _run(self, task: Task, deadline_unix: float | None, tag: str) -> bytes | Refusal:
+        if task.kind not in self.allowed_kinds or task.kind not in self.handlers:
+            return Refusal(task.task_id, RefusalCode.NOT_ALLOWED,
+                           f"this site does not run {task.kind!r} jobs "
+                           f"(allowed: {', '.join(self.allowed_kinds)})")
+        if (task.kind in self.secure_required_kinds
+                and task.params.get("aggregation", "site") != "secure"):
+            return Refusal(task.task_id, RefusalCode.NOT_ALLOWED,
+                           f"this site's policy requires secure aggregation for {task.kind!r} "
+                           "jobs (--aggregation secure)")
+        digest = task.digest()
+        stored = self.ledger.lookup(task.task_id)
+        if stored is not None:
+            if (stored.payload_digest, stored.job_id, stored.kind) != (digest, task.job_id,
+                                                                      task.kind):
+                return Refusal(task.task_id, RefusalCode.CONFLICT,
+                               "this task id was already used for a different request")
+            log.info("%s outcome=replayed from the ledger (no new charge)", tag)
+            return self.ledger.stored_result(task.task_id)
+        if deadline_unix is not None and time.time() > deadline_unix:
+            return Refusal(task.task_id, RefusalCode.DEADLINE,
+                           "the task's deadline passed before it started")
+        release = self.handlers[task.kind].prepare(task, self.data)
+        return self._release(task, release, digest, deadline_unix, tag)
 
-    def _run_local(self, task: Task, prepared: PreparedRelease, tag: str) -> bytes:
-        """Run a local-only task: write its output here; send back only that it was done."""
-        assert prepared.local_output is not None
-        if prepared.cost.epsilon != 0.0 or prepared.cost.delta != 0.0 or prepared.cost.rho != 0.0:
-            raise ValidationError("a local-only task must not spend budget")
-        where = prepared.local_output(self.local_dir)
-        result = prepared.release(self._rng(task.kind))
-        if result.arrays or result.spend.epsilon or result.spend.delta:
+    def _release(self, task: Task, release: Release, digest: str,
+                 deadline_unix: float | None, tag: str) -> bytes | Refusal:
+        """Charge what the release's charge says, then let it draw its noise."""
+        charge = release.charge
+        if isinstance(charge, NewCharge):
+            rng = self._rng(task.kind)
+            outcome = self.ledger.charge_and_release(
+                task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
+                cost=charge.cost, release=lambda: _as_bytes(release.produce(rng)),
+                analyst=task.analyst_id, deadline_unix=deadline_unix)
+            log.info("%s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
+                     "replayed" if outcome.replayed else "charged", charge.cost.epsilon,
+                     charge.cost.delta, len(outcome.result))
+            return outcome.result
+        if isinstance(charge, CoveredBy):
+            if self.ledger.lookup(charge.task_id) is None:
+                return Refusal(task.task_id, RefusalCode.INVALID,
+                               "this site never charged the release this task continues")
+            if self.ledger.analyst_of(charge.task_id) != task.analyst_id:
+                return Refusal(task.task_id, RefusalCode.NOT_ALLOWED, "this task continues a "
+                               "release another analyst opened (and paid for); only that "
+                               "analyst may")
+            salt = json.dumps(dict(task.params), sort_keys=True, default=str)
+            answer = _as_bytes(release.produce(self._rng(task.kind, salt)))
+            log.info("%s outcome=continued %s (no new charge), %d bytes released", tag,
+                     _loggable(charge.task_id, 80), len(answer))
+            return answer
+        where = charge.local_output(self.local_dir) if charge.local_output else "nothing"
+        result = release.produce(self._rng(task.kind))
+        if charge.local_output is not None and (
+                not isinstance(result, TaskResult) or result.arrays
+                or result.spend.epsilon or result.spend.delta or result.spend.rho):
             raise ValidationError("a local-only task must not release arrays or spend budget")
-        log.info("[TaskRunner.run] %s local-only: %s (nothing released, nothing charged)",
-                 tag, where)
-        return result_to_bytes(result)
+        log.info("%s outcome=free: %s written (nothing computed from rows released, "
+                 "nothing charged)", tag, where)
+        return _as_bytes(result)
+
+
+def _as_bytes(answer: TaskResult | bytes) -> bytes:
+    return answer if isinstance(answer, bytes) else result_to_bytes(answer)

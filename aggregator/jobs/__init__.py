@@ -1,15 +1,6 @@
-"""Job kinds the coordinator can run (coordinator side of each plug-in)."""
+"""The coordinator side of the job kinds: the dispatcher and each kind's run.
 
-from __future__ import annotations
-
-from dpfed.aggregator.jobs.base import JobContext, JobOutput, JobType
-from dpfed.aggregator.jobs.pca import PCAJob
-from dpfed.aggregator.jobs.query import QueryJob
-from dpfed.aggregator.jobs.svt import SVTJob
-from dpfed.aggregator.jobs.synth import SynthJob
-
-#: kind -> job type; adding a job kind means adding it here and a handler at the sites.
-JOB_TYPES: dict[str, JobType] = {j.kind: j for j in (PCAJob(), SVTJob(), QueryJob(),
-                                                      SynthJob())}
-
-__all__ = ["JOB_TYPES", "JobContext", "JobOutput", "JobType"]
+:mod:`dpfed.aggregator.jobs.job` runs rounds (site-level or as secure sums,
+:mod:`dpfed.aggregator.jobs.secure_rounds`); ``pca``, ``query``, ``svt`` and ``synth`` hold
+each kind's run, named by its descriptor in :mod:`dpfed.common.jobs.registry`.
+"""

@@ -40,6 +40,7 @@ import logging
 import re
 import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
-from dpfed.common.data.schema import ContinuousColumn, Schema
+from dpfed.common.data.schema import Column, ContinuousColumn, DateColumn, Schema
 from dpfed.common.data.source_base import (
     _BLOCK_BYTES,
     _BLOCK_ROWS,
@@ -193,7 +194,7 @@ class CsvSource(DataSource):
 
     def _open(self, typed: bool, malformed: _MalformedRows) -> Any:
         column_types = {
-            col.name: pa.float64() if typed and isinstance(col, ContinuousColumn) else pa.string()
+            col.name: pa.float64() if typed and _plain_number(col) else pa.string()
             for col in self.schema.columns
         }
         encoding = self.spec.encoding
@@ -216,7 +217,7 @@ class CsvSource(DataSource):
     def _arrow_batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         """Yield Arrow batches in file order, switching to text reading if a block fails."""
         malformed = _MalformedRows(fail=self.spec.policy.invalid == "error")
-        typed = self.typed_fast_path and bool(self.schema.of_type("continuous"))
+        typed = self.typed_fast_path and any(_plain_number(c) for c in self.schema.columns)
         delivered = 0  # well-formed data rows handed out so far
         while True:
             to_discard = delivered  # after a switch, rows the typed reader already delivered
@@ -284,6 +285,11 @@ class CsvSource(DataSource):
 
     def _batches(self) -> Iterator[tuple[pa.RecordBatch, int]]:
         return _split(self._arrow_batches(), self.chunk_rows)
+
+
+def _plain_number(col: Column) -> bool:
+    """Whether the CSV fast path reads the column as float64 (continuous, not a date)."""
+    return isinstance(col, ContinuousColumn) and not isinstance(col, DateColumn)
 
 
 class _MalformedRows:
@@ -422,13 +428,7 @@ class SqliteSource(DataSource):
             cursor = self._execute(conn, limit_zero=True)
             names = [d[0] for d in cursor.description]
             cursor.close()
-        missing = [n for n in schema.names if n not in names]
-        if missing:
-            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
-                            f"needs; its columns are {names}")
-        dupes = sorted(n for n in schema.names if names.count(n) > 1)
-        if dupes:
-            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
+        self._check_result_columns(list(names))
 
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
@@ -513,12 +513,24 @@ def open_data_source(spec: DataSourceSpec, schema: Schema) -> DataSource:
     if spec.kind == "csv":
         return CsvSource(spec, schema)
     if spec.kind == "parquet":
+        from dpfed.common.data.parquet_dataset import ParquetDatasetSource, is_dataset_path
+
+        if is_dataset_path(spec.path or Path()):
+            return ParquetDatasetSource(spec, schema)
         return ParquetSource(spec, schema)
     if spec.kind == "postgres":
         # Imported here: the driver is the optional extra ``dpfed[postgres]``.
         from dpfed.common.data.postgres import PostgresSource
 
         return PostgresSource(spec, schema)
+    if spec.kind == "duckdb":
+        from dpfed.common.data.duckdb_source import DuckDBSource
+
+        return DuckDBSource(spec, schema)
+    if spec.kind == "omop":
+        from dpfed.common.data.omop import OmopSource, inner_spec
+
+        return OmopSource(spec, schema, open_data_source(inner_spec(spec, schema), schema))
     return SqliteSource(spec, schema)
 
 

@@ -65,13 +65,7 @@ class PostgresSource(DataSource):
         self._psycopg = _driver()
         with self._connect() as conn:
             names = self._execute(conn.cursor(), limit_zero=True)
-        missing = [n for n in schema.names if n not in names]
-        if missing:
-            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
-                            f"needs; its columns are {names}")
-        dupes = sorted(n for n in schema.names if names.count(n) > 1)
-        if dupes:
-            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
+        self._check_result_columns(list(names))
 
     def _server(self) -> str:
         try:

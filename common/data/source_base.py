@@ -27,12 +27,15 @@ from dpfed.common.errors import ConfigError, DataError
 logger = logging.getLogger(__name__)
 
 
-DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres")
+DATA_SOURCE_KINDS: tuple[str, ...] = ("csv", "parquet", "sqlite", "postgres", "duckdb", "omop")
 #: File extensions :func:`spec_from_path` understands (a compression suffix such as ``.gz``
 #: may follow a CSV extension; Arrow decompresses it while streaming).
 CSV_EXTENSIONS: tuple[str, ...] = (".csv", ".tsv", ".txt")
 PARQUET_EXTENSIONS: tuple[str, ...] = (".parquet", ".pq")
 SQLITE_EXTENSIONS: tuple[str, ...] = (".sqlite", ".sqlite3", ".db")
+DUCKDB_EXTENSIONS: tuple[str, ...] = (".duckdb", ".ddb")
+#: A file describing an OMOP CDM extraction (dpfed.common.data.omop): ``site-a.omop.toml``.
+OMOP_SUFFIX = ".omop.toml"
 COMPRESSION_EXTENSIONS: tuple[str, ...] = (".gz", ".bz2", ".zst", ".lz4")
 DEFAULT_CHUNK_ROWS = 65536
 #: Key in ``EncodingReport.problems_by_column`` under which CSV rows with a wrong number of
@@ -45,6 +48,9 @@ _MAX_BLOCK_BYTES = 8 << 20
 _BLOCK_ROWS = 1024
 #: Cap on one chunk's float64 feature matrix: wide tables get fewer rows per chunk.
 MAX_CHUNK_BYTES = 128 << 20
+#: Below :data:`MAX_CHUNK_BYTES`, a chunk's matrix is kept to the size of one p x p matrix
+#: (the unit of a site's memory budget), but never below this.
+MIN_CHUNK_BYTES = 16 << 20
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _SQL_COMMENT = re.compile(r"\A\s*(?:--[^\n]*(?:\n|\Z)|/\*.*?\*/)", re.DOTALL)
 
@@ -56,15 +62,17 @@ class DataSourceSpec:
 
     Attributes
     ----------
-    kind : {"csv", "parquet", "sqlite"}
+    kind : {"csv", "parquet", "sqlite", "postgres", "duckdb", "omop"}
         The format.
     path : pathlib.Path
-        The file (a str is converted).
+        The file (a str is converted): a Parquet file or dataset directory, a database file,
+        or for ``omop`` the extraction's ``.omop.toml`` (:mod:`dpfed.common.data.omop`).
     table : str, optional
-        SQLite only: a table or view name (a plain identifier ``[A-Za-z_][A-Za-z0-9_]*``).
+        SQLite, PostgreSQL and DuckDB: a table or view name (a plain identifier
+        ``[A-Za-z_][A-Za-z0-9_]*``; ``schema.table`` for PostgreSQL and DuckDB).
     query : str, optional
-        SQLite only, instead of ``table``: one read-only ``SELECT``/``WITH`` statement whose
-        result has the schema's columns (by name).
+        Instead of ``table``: one read-only ``SELECT``/``WITH`` statement whose result has the
+        schema's columns (by name).
     delimiter : str
         CSV only: the one-character field separator (``","``; a tab for ``.tsv``).
     chunk_rows : int
@@ -119,8 +127,8 @@ class DataSourceSpec:
             raise ConfigError(f"chunk_rows must be an integer >= 1, got {self.chunk_rows!r}")
         if not isinstance(self.policy, RowPolicy):
             raise ConfigError(f"policy must be a RowPolicy, got {type(self.policy).__name__}")
-        if self.kind in ("sqlite", "postgres"):
-            where = self.path if self.kind == "sqlite" else "postgres"
+        if self.kind in ("sqlite", "postgres", "duckdb"):
+            where = "postgres" if self.kind == "postgres" else self.path
             if (self.table is None) == (self.query is None):
                 raise ConfigError(
                     f"an {self.kind} data source ({where}) needs exactly one of 'table' or "
@@ -132,8 +140,8 @@ class DataSourceSpec:
                 _check_select(self.query, self.kind)
         elif self.table is not None or self.query is not None:
             raise ConfigError(
-                f"'table' and 'query' apply only to sqlite and postgres data sources, not "
-                f"{self.kind} ({self.path})"
+                f"'table' and 'query' apply only to sqlite, postgres and duckdb data sources, "
+                f"not {self.kind} ({self.path})"
             )
         if (not isinstance(self.delimiter, str) or len(self.delimiter) != 1
                 or self.delimiter in "\"\r\n"):
@@ -157,7 +165,10 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
 
     ``.csv``/``.tsv``/``.txt`` (optionally followed by ``.gz``, ``.bz2``, ``.zst`` or
     ``.lz4``) are CSV (``.tsv`` defaults to a tab delimiter), ``.parquet``/``.pq`` Parquet,
-    and ``.sqlite``/``.sqlite3``/``.db`` SQLite, which also needs ``table`` or ``query``.
+    ``.sqlite``/``.sqlite3``/``.db`` SQLite and ``.duckdb``/``.ddb`` DuckDB, which also need
+    ``table`` or ``query``, and ``.omop.toml`` an OMOP CDM extraction (``omop``). An
+    existing directory (without a CSV or SQLite extension) is a Parquet dataset: every
+    Parquet file under it.
 
     Raises
     ------
@@ -169,7 +180,11 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
     if suffixes and suffixes[-1] in COMPRESSION_EXTENSIONS:
         suffixes = suffixes[:-1]
     ext = suffixes[-1] if suffixes else ""
-    if ext in CSV_EXTENSIONS:
+    if p.name.lower().endswith(OMOP_SUFFIX):
+        kind = "omop"
+    elif p.is_dir() and ext not in CSV_EXTENSIONS + SQLITE_EXTENSIONS:
+        kind = "parquet"
+    elif ext in CSV_EXTENSIONS:
         kind = "csv"
         if delimiter is None:
             delimiter = "\t" if ext == ".tsv" else ","
@@ -177,8 +192,11 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
         kind = "parquet"
     elif ext in SQLITE_EXTENSIONS and len(p.suffixes) == len(suffixes):
         kind = "sqlite"
+    elif ext in DUCKDB_EXTENSIONS and len(p.suffixes) == len(suffixes):
+        kind = "duckdb"
     else:
-        known = CSV_EXTENSIONS + PARQUET_EXTENSIONS + SQLITE_EXTENSIONS
+        known = (CSV_EXTENSIONS + PARQUET_EXTENSIONS + SQLITE_EXTENSIONS + DUCKDB_EXTENSIONS
+                 + (OMOP_SUFFIX,))
         raise ConfigError(
             f"cannot tell the format of data file {p} from its extension; use one of "
             f"{', '.join(known)} (CSV may be compressed: .csv.gz) or give the kind explicitly"
@@ -190,10 +208,11 @@ def spec_from_path(path: str | Path, *, table: str | None = None, query: str | N
 
 def _check_identifier(name: Any, kind: str = "sqlite") -> str:
     """Check a plain identifier; PostgreSQL also takes ``schema.table`` (OMOP CDM views)."""
-    parts = name.split(".") if isinstance(name, str) and kind == "postgres" else [name]
+    qualifies = kind in ("postgres", "duckdb")
+    parts = name.split(".") if isinstance(name, str) and qualifies else [name]
     if not isinstance(name, str) or len(parts) > 2 or not all(
             isinstance(p, str) and _IDENTIFIER.match(p) for p in parts):
-        qualified = " or schema.table" if kind == "postgres" else ""
+        qualified = " or schema.table" if qualifies else ""
         raise ConfigError(
             f"{kind} table must be a plain identifier{qualified} (letters, digits, underscore; "
             f"not starting with a digit), got {name!r}; use 'query' for anything else"
@@ -272,11 +291,31 @@ class DataSource(abc.ABC):
     def chunk_rows(self) -> int:
         """Rows per chunk: ``spec.chunk_rows``, fewer for wide tables.
 
-        A chunk's float64 matrix is kept under :data:`MAX_CHUNK_BYTES` (128 MiB): at
-        p = 5000 a 65536-row chunk would be 2.4 GiB, more than the p x p matrices of a PCA.
+        A chunk's float64 matrix is kept to ``8 p^2`` bytes -- one p x p matrix -- within
+        [:data:`MIN_CHUNK_BYTES`, :data:`MAX_CHUNK_BYTES`] (16 MiB to 128 MiB): at p = 5000 a
+        65536-row chunk would be 2.4 GiB, more than the p x p matrices of a PCA, and at
+        p = 1000 the 128 MiB chunks (and the copies a pass holds of them) were most of the
+        site's memory, 40 times the p x p matrices.
         """
-        width = 8 * max(1, len(self.schema.columns))
-        return max(1, min(self.spec.chunk_rows, MAX_CHUNK_BYTES // width))
+        p = max(1, len(self.schema.columns))
+        budget = min(max(8 * p * p, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        return max(1, min(self.spec.chunk_rows, budget // (8 * p)))
+
+    def _check_result_columns(self, names: list[str]) -> None:
+        """Check a table's or query's column names: every schema column, each once.
+
+        Raises
+        ------
+        DataError
+            Naming the missing or repeated columns and the ones there are.
+        """
+        missing = [n for n in self.schema.names if n not in names]
+        if missing:
+            raise DataError(f"{self.describe()}: has no column(s) {missing} that the schema "
+                            f"needs; its columns are {names}")
+        dupes = sorted(n for n in self.schema.names if names.count(n) > 1)
+        if dupes:
+            raise DataError(f"{self.describe()}: names column(s) {dupes} more than once")
 
     @abc.abstractmethod
     def describe(self) -> str:

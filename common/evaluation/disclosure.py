@@ -1,58 +1,16 @@
 """Disclosure-risk metrics for masked or synthetic rows (seed 003 and its usual companions).
 
-**These are evaluations, not DP releases.** Every function here reads real rows, so it runs at
-a site (only a site holds real rows). Its outputs are exact statistics of those rows: they stay
-at the site unless the site operator decides to share them, and they never travel through the
-DP release path or its ledger.
+**These are evaluations, not DP releases.** Every function reads real rows, so it runs at a
+site; its exact outputs stay there unless the operator shares them, never through the DP
+release path or its ledger.
 
-Contents
---------
-1. Seed 003 (Bocchinfuso, Renz, Saigre, Valencia, SIAM hackathon 2023): the distances of a row
-   from the mean -- ``d1`` (Mahalanobis), ``d2`` (scaled by the squared largest deviation of each
-   column), ``d3`` (their convex combination) -- the correlation-based re-identification
-   probability ``P(j | a_i¹)`` and the scores ``M(A, A¹)`` and ``M_best(A, A¹)``.
-2. Because the seed's authors call ``P`` a weak probability ("PROBABLY NOT" a good one), the
-   distance-based measures used by synthetic-data evaluators: distance to closest record (DCR)
-   against the training rows and against a holdout (SDV's DCR-overfitting style) and the
-   nearest-neighbour distance ratio (NNDR, rsdv / riskutility).
-
-Where this deviates from the seed (each is repeated where it is implemented)
--------------------------------------------------------------------------------
-* Eq. (7) writes ``d3² = θ d1 + (1−θ) d2``, mixing squared and unsquared distances. We use the
-  consistent form ``d3² = θ d1² + (1−θ) d2²``: a convex combination of the two quadratic forms,
-  i.e. the energy norm of ``θ Σ⁻¹ + (1−θ) M⁻¹``, so ``d3`` is again a (semi)norm.
-* Eq. (10) divides by ``‖(a_j − ā)ᵀ(a_i¹ − ā¹)‖`` (the norm of the numerator), which is ±1. The
-  product of norms ``‖a_j − ā‖ ‖a_i¹ − ā¹‖`` is meant: ``C_ij`` is a cosine.
-* The authors' code takes ``|C_ij|``. We default to the signed cosine, which is what makes the
-  seed's own sanity properties hold: for an exact copy the maximum is 1 and the other cosines
-  average about 0 (the centred rows sum to zero, so their directions largely cancel), so
-  ``P ≈ 1`` (measured: mean P 0.99997 for 300 rows × 20 columns). With ``|C_ij|`` the others average
-  ``E|cos| ≈ sqrt(2/(π N))`` for N columns -- negligible for the authors' thousands of mRNA
-  columns, but 0.18 at N = 20, so ``M(A, A)`` would not be ≈ 0. ``absolute=True`` reproduces the
-  authors. The signed ``P`` can exceed 1 slightly (an exact copy whose others average below 0);
-  it is clipped to [0, 1].
-* When ``Σ`` is singular (constant or collinear columns, e.g. one-hot blocks) ``d1`` uses the
-  Moore–Penrose pseudo-inverse, as the authors' code does (``pinv``), or optionally a small ridge.
-  Columns with zero largest deviation contribute 0 to ``d2`` (the pseudo-inverse of ``M``).
-* The authors' ``M_square.m`` scales ``d2`` by ``1/(max(A) − ā)`` (neither absolute nor squared);
-  we follow the seed's formula (6), ``M = diag(max_i |a_ij − ā_j|²)``.
-
-Speed and memory
-----------------
-Nearest-neighbour and correlation searches never form an n×m matrix: they run over blocks of at
-most ``max_block_bytes`` (default 4 MiB, which measured fastest as it stays in cache; at most
-256 MiB) and keep a running top-k per query row. Squared distances come from one BLAS product per
-block using augmented rows ``[−2q, 1] · [r, ‖r‖²]ᵀ = ‖r‖² − 2 q·r`` (``‖q‖²`` is the same for
-every candidate of a row, so the ranking does not need it). The search runs in float32 on rows
-centred at the reference mean (half the memory traffic of float64, and 1-4× faster in the bench);
-the k winners' distances are then recomputed exactly in float64 from the row differences, so
-exact copies give distance 0.0 exactly. float32 can only mis-order neighbours whose squared
-distances differ by less than about 1e-6 of the squared row norms (the bench found the same
-neighbours as float64 for every row at 10k and 50k rows).
-For few columns (``p ≤ 6`` by default) a ``scipy.spatial.cKDTree`` is faster and exact;
-``bench/metrics_speed.py`` measures the choice. During a blocked search OpenBLAS runs on one
-thread (its threads only add synchronisation to these small products, and stalled badly on a
-shared machine); ``n_jobs`` worker threads over query rows parallelise instead.
+1. Seed 003: the distances ``d1`` (Mahalanobis), ``d2`` (scaled by each column's squared
+   largest deviation), ``d3`` (their convex combination), the correlation-based
+   re-identification probability ``P(j | a_i¹)`` and the scores ``M`` and ``M_best``.
+2. Distance to closest record (DCR) against training rows and a holdout, and the
+   nearest-neighbour distance ratio (NNDR), since the seed's authors call ``P`` weak.
+Deviations from the seed, and how the blocked float32 searches stay exact:
+docs/algorithms.md, "Disclosure metric".
 """
 
 from __future__ import annotations

@@ -1,51 +1,14 @@
 """A DP summary of a site's evaluation of a synthetic sample (what may leave the site).
 
-The site-local evaluation (``synth_evaluation.html``) holds exact statistics of real rows and
-never leaves the site. A site whose policy allows it (``evaluation_summary = "dp"``) may in
-addition release this small summary, with Gaussian noise, charged to its ledger:
-
-* ``tvd[j]`` -- per column, the total variation distance between the site's *training* rows
-  and the synthetic sample, on the job's cells (levels, categories, or the ``n_bins`` public
-  bins of a continuous column);
-* ``near_train`` -- the share of a keyed subsample of the training rows (at most
-  :data:`MAX_COMPARED_ROWS`) whose closest synthetic row is within ``threshold``;
-* ``near_holdout`` -- the same share for the site's held-out rows
-  (:mod:`dpfed.common.evaluation.holdout`), which trained nothing.
-
-``near_train`` well above ``near_holdout`` means the model reproduces its training rows
-more closely than unseen rows of the same population: memorisation. Distances are Euclidean
-on the public schema scaling (every column to [-1, 1],
-:class:`dpfed.common.pca.features.UnitBallMap`); ``threshold`` is the 5th percentile of the
-distance of a synthetic row to its closest *other* synthetic row -- a function of the
-synthetic sample only, low enough that few fresh rows are "near" (so the copies a memorising
-model makes stand out), and 0 -- exact copies only -- when the sample repeats rows.
-
-The excess ``(near_train - near_holdout) * n_t / m`` (``m`` synthetic rows) estimates the
-share of synthetic rows that sit on a training row beyond what fresh rows of the same
-population would (about 1 for a model that copies its training rows, about 0 for one that
-does not): :func:`excess_near_copies`, post-processing of the release.
-
-Privacy
--------
-Relation: replace-one at the site, ``N_s`` public; the training count ``n_t``, the compared
-count ``k`` and the holdout count ``n_h`` are public functions of ``N_s``, and the held-out
-and compared positions are chosen without looking at any value. The synthetic sample is the
-coordinator's input (any sample: the bound holds for every one). Released vector, scaled so
-every coordinate moves by at most 1 when one row is replaced::
-
-    z = (n_t * tvd[0], ..., n_t * tvd[d-1], k * near_train, n_h * near_holdout)
-
-* ``n_t * tvd[j] = 1/2 sum_c |count_c - n_t q_c|``: one training row changing cell moves two
-  counts by one each, so the sum moves by at most 1 (attained when the row leaves an
-  over-represented cell for an under-represented one);
-* ``k * near_train`` and ``n_h * near_holdout`` are counts of rows whose own indicator
-  depends only on that row, the public scaling and the synthetic sample: at most 1;
-* a replaced row is either held out (only the last coordinate moves), or a training row
-  (the ``d`` TVD coordinates, and ``near_train`` when it is among the compared rows).
-
-L2 sensitivity: ``sqrt(d + 1)``. Calibration: analytic Gaussian for the job's (epsilon,
-delta) on every coordinate of ``z``; the released statistics are ``z`` divided by the public
-counts (post-processing), so each carries noise ``sigma / n`` for its own public ``n``.
+A site whose policy allows it (``evaluation_summary = "dp"``) releases, with Gaussian noise
+charged to its ledger, per column the TVD between its *training* rows and the sample
+(``tvd``), and the shares of keyed training rows (``near_train``) and of held-out rows
+(``near_holdout``, :mod:`dpfed.common.evaluation.holdout`) whose closest synthetic row is
+within a threshold computed from the sample alone. ``near_train`` well above ``near_holdout``
+is memorisation; :func:`excess_near_copies` estimates its share (post-processing).
+Privacy (replace-one, the scaled vector ``(n_t tvd, k near_train, n_h near_holdout)`` has L2
+sensitivity ``sqrt(d + 1)`` for any sample; analytic Gaussian): docs/synthesis.md, "A DP
+summary back to the coordinator".
 """
 
 from __future__ import annotations

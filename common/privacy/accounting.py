@@ -2,12 +2,19 @@
 
 A :class:`PrivacyCost` is what one release spends: its (epsilon, delta) and its zCDP rho
 (Bun & Steinke 2016), plus the descriptive fields a ledger event stores (mechanism,
-sensitivity, noise scale). Budgets are checked by a :class:`BudgetPolicy` against the *list of
-events* a ledger holds; totals are always derived from events, never stored.
+sensitivity, noise scale). Budgets are checked by a :class:`BudgetPolicy` against the *events*
+a ledger holds, composed by :class:`dpfed.common.privacy.spent.Spent`; totals are always
+derived from events, never stored.
 
-Two accountants:
+Three accountants:
 
-``basic`` (default)
+``pld`` (default)
+    Tight composition: every event's dominating pair (Gaussian, Skellam and discrete Gaussian
+    as GDP, Laplace as its privacy loss distribution, other pure releases as randomized
+    response, anything else as its generic (epsilon, delta) pair), composed exactly (GDP) or on
+    a pessimistic grid, read at the cap's delta; the least of that, basic composition and zCDP
+    (all three valid) is the spent epsilon. See docs/privacy.md, "Tight accounting".
+``basic``
     Basic sequential composition: sum of epsilons <= cap and sum of deltas <= cap.
 ``zcdp``
     Sum of rho, converted to (epsilon, delta_cap) with the conversion of Canonne, Kamath &
@@ -21,13 +28,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from scipy import optimize
 
 from dpfed.common.errors import BudgetExceededError, ValidationError
 from dpfed.common.validation import check_choice, check_delta, check_nonnegative, check_positive
 
-ACCOUNTANTS: tuple[str, ...] = ("basic", "zcdp")
+if TYPE_CHECKING:
+    from dpfed.common.privacy.spent import Spent
+
+ACCOUNTANTS: tuple[str, ...] = ("pld", "basic", "zcdp")
+#: The accountant a site uses when its configuration names none.
+DEFAULT_ACCOUNTANT = "pld"
 
 
 @dataclass(frozen=True)
@@ -122,9 +135,17 @@ def rho_for_epsilon(epsilon: float, delta: float) -> float:
     """Return the largest rho whose (epsilon, delta) conversion stays within ``epsilon``."""
     eps = check_positive(epsilon, "epsilon")
     dl = check_delta(delta)
-    hi = eps  # zcdp_to_epsilon(rho) >= rho, so rho <= eps
-    return float(optimize.brentq(lambda r: zcdp_to_epsilon(r, dl) - eps, 1e-300, hi,
-                                 xtol=1e-15, rtol=1e-12))
+    hi = eps  # the conversion is at least rho for delta below about 1/4 ...
+    while zcdp_to_epsilon(hi, dl) < eps:  # ... and grows without bound in rho
+        hi *= 2.0
+    # (a relative tolerance only: rho can be 1e-12 and smaller at tiny epsilon)
+    rho = float(optimize.brentq(lambda r: zcdp_to_epsilon(r, dl) - eps, 1e-300, hi,
+                                xtol=1e-300, rtol=1e-13))
+    step = 1e-13 * rho
+    while zcdp_to_epsilon(rho, dl) > eps:  # the root from below
+        rho -= step
+        step *= 2.0
+    return rho
 
 
 @dataclass(frozen=True)
@@ -160,16 +181,17 @@ class BudgetPolicy:
         Total epsilon cap (> 0).
     delta : float
         Total delta cap, in (0, 1).
-    accountant : {"basic", "zcdp"}
-        ``basic``: sums of epsilon and of delta are capped. ``zcdp``: the sum of rho,
-        converted at ``delta``, must stay <= ``epsilon`` (tighter for many Gaussian releases).
+    accountant : {"pld", "basic", "zcdp"}
+        ``pld`` (default): the tight epsilon of the composed events at ``delta`` must stay
+        <= ``epsilon``. ``basic``: sums of epsilon and of delta are capped. ``zcdp``: the sum
+        of rho, converted at ``delta``, must stay <= ``epsilon``.
     max_epsilon_per_task : float or None
         Largest epsilon a single task may spend; None means no per-task limit.
     """
 
     epsilon: float
     delta: float
-    accountant: str = "basic"
+    accountant: str = DEFAULT_ACCOUNTANT
     max_epsilon_per_task: float | None = None
 
     def __post_init__(self) -> None:
@@ -179,17 +201,24 @@ class BudgetPolicy:
         if self.max_epsilon_per_task is not None:
             check_positive(self.max_epsilon_per_task, "policy.max_epsilon_per_task")
 
-    def status(self, spent: PrivacyCost, events: int) -> BudgetStatus:
-        """Return the budget status for a composed ``spent`` cost."""
+    def spent_epsilon(self, spent: Spent) -> tuple[float, float]:
+        """Return ``(epsilon, delta)`` spent under this policy's accountant."""
+        if spent.events == 0:
+            return 0.0, 0.0
         if self.accountant == "zcdp":
-            eps_spent = zcdp_to_epsilon(spent.rho, self.delta) if spent.rho > 0 else 0.0
-            delta_spent = self.delta if spent.rho > 0 else 0.0
-        else:
-            eps_spent, delta_spent = spent.epsilon, spent.delta
-        return BudgetStatus(self.accountant, self.epsilon, self.delta, eps_spent, delta_spent,
-                            spent.rho, events)
+            return (zcdp_to_epsilon(spent.rho_sum, self.delta) if spent.rho_sum > 0 else 0.0,
+                    self.delta)
+        if self.accountant == "pld":
+            return spent.epsilon(self.delta), self.delta
+        return spent.epsilon_sum, spent.delta_sum
 
-    def check(self, spent: PrivacyCost, request: PrivacyCost) -> None:
+    def status(self, spent: Spent) -> BudgetStatus:
+        """Return the budget status of the composed events ``spent``."""
+        eps_spent, delta_spent = self.spent_epsilon(spent)
+        return BudgetStatus(self.accountant, self.epsilon, self.delta, eps_spent, delta_spent,
+                            spent.rho_sum, spent.events)
+
+    def check(self, spent: Spent, request: PrivacyCost) -> None:
         """Raise :class:`BudgetExceededError` unless ``request`` fits beside ``spent``.
 
         Pure arithmetic: no noise is drawn and nothing is released when this raises.
@@ -201,23 +230,33 @@ class BudgetPolicy:
             )
         # A tiny relative slack so that spending exactly the cap in floating point is allowed.
         slack = 1e-12
-        if self.accountant == "zcdp":
-            after = zcdp_to_epsilon(spent.rho + request.rho, self.delta)
-            if after > self.epsilon * (1 + slack):
-                before = zcdp_to_epsilon(spent.rho, self.delta) if spent.rho > 0 else 0.0
+        cap = self.epsilon * (1 + slack)
+        if self.accountant == "pld":
+            after = spent.add(request)
+            if not after.fits(cap, self.delta):
                 raise BudgetExceededError(
-                    f"zCDP budget exceeded: spent epsilon {before:.6g} (rho {spent.rho:.6g}) + "
-                    f"this task would reach epsilon {after:.6g} at delta {self.delta:g}, "
+                    f"budget exceeded: spent epsilon {spent.epsilon(self.delta):.6g} + this task "
+                    f"would reach epsilon {after.epsilon(self.delta):.6g} at delta "
+                    f"{self.delta:g} (tight composition), cap {self.epsilon:g}"
+                )
+            return
+        if self.accountant == "zcdp":
+            after_eps = zcdp_to_epsilon(spent.rho_sum + request.rho, self.delta)
+            if after_eps > cap:
+                before = zcdp_to_epsilon(spent.rho_sum, self.delta) if spent.rho_sum > 0 else 0.0
+                raise BudgetExceededError(
+                    f"zCDP budget exceeded: spent epsilon {before:.6g} (rho {spent.rho_sum:.6g}) "
+                    f"+ this task would reach epsilon {after_eps:.6g} at delta {self.delta:g}, "
                     f"cap {self.epsilon:g}"
                 )
             return
-        if spent.epsilon + request.epsilon > self.epsilon * (1 + slack):
+        if spent.epsilon_sum + request.epsilon > cap:
             raise BudgetExceededError(
-                f"epsilon budget exceeded: spent {spent.epsilon:.6g} + requested "
+                f"epsilon budget exceeded: spent {spent.epsilon_sum:.6g} + requested "
                 f"{request.epsilon:.6g} > cap {self.epsilon:g}"
             )
-        if spent.delta + request.delta > self.delta * (1 + slack):
+        if spent.delta_sum + request.delta > self.delta * (1 + slack):
             raise BudgetExceededError(
-                f"delta budget exceeded: spent {spent.delta:.6g} + requested "
+                f"delta budget exceeded: spent {spent.delta_sum:.6g} + requested "
                 f"{request.delta:.6g} > cap {self.delta:g}"
             )

@@ -42,6 +42,7 @@ from scipy import optimize
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.accounting import rho_for_epsilon
 from dpfed.common.privacy.mechanisms import gaussian_sigma
+from dpfed.common.privacy.pld import gaussian_epsilon
 from dpfed.common.validation import check_choice, check_delta, check_positive
 
 COMPOSITIONS: tuple[str, ...] = ("basic", "zcdp")
@@ -101,6 +102,32 @@ def split_budget(epsilon: float, delta: float, shares: Sequence[tuple[str, float
             raise ValidationError(f"round {name!r} needs positive epsilon and delta shares "
                                   f"under zCDP composition, got {e!r}, {d!r}")
         out.append((name, epsilon_for_rho(e * rho, dl * d), dl * d))
+    return out
+
+
+def gdp_split(epsilon: float, delta: float,
+              shares: Sequence[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """Return each Gaussian round's ``(name, epsilon_i, delta_i)`` from shares of ``mu^2``.
+
+    The job's ``(epsilon, delta)`` is read as the GDP parameter ``mu`` of the analytic
+    Gaussian calibrated to it (Dong, Roth & Su 2022: a ``mu``-GDP release is (epsilon,
+    delta)-DP exactly when the analytic Gaussian condition holds); round ``i`` gets
+    ``mu_i = sqrt(e_i) mu`` (shares ``e_i`` summing to 1), handed to the sites as the pair
+    ``(epsilon_i, d_i delta)`` whose analytic Gaussian has at least that round's noise.
+    Gaussian rounds compose by ``mu^2 = sum mu_i^2``, so a ``pld`` ledger is charged exactly the
+    job's ``(epsilon, delta)``; a ``basic`` ledger would add the ``epsilon_i`` (more than
+    ``epsilon``), a ``zcdp`` one their rhos (more than the job's rho). Not offered as a job
+    ``composition`` yet (the job wiring comes with the accountant-aware plans).
+    """
+    eps = check_positive(epsilon, "epsilon")
+    dl = check_delta(delta)
+    mu = (1.0 - _RHO_MARGIN) / gaussian_sigma(eps, dl, 1.0)
+    out = []
+    for name, e, d in shares:
+        if not (e > 0.0 and d > 0.0):
+            raise ValidationError(f"round {name!r} needs positive epsilon and delta shares, "
+                                  f"got {e!r}, {d!r}")
+        out.append((name, gaussian_epsilon(math.sqrt(e) * mu, dl * d), dl * d))
     return out
 
 

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Literal
 
 import numpy as np
-from scipy import optimize, special
+from scipy import optimize
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.linalg import mirror_upper
 from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.pld import gaussian_hockey_stick_upper
 from dpfed.common.validation import check_choice, check_delta, check_epsilon, check_positive
 
 Calibration = Literal["analytic", "classic"]
@@ -40,7 +42,11 @@ CALIBRATIONS: tuple[str, ...] = ("analytic", "classic")
 
 
 def laplace_scale(epsilon: float, sensitivity: float = 1.0) -> float:
-    """Return the Laplace scale ``b = sensitivity / epsilon`` for an epsilon-DP release.
+    """Return the Laplace scale ``b >= sensitivity / epsilon`` for an epsilon-DP release.
+
+    The quotient of two doubles is rounded to the nearest double, which may lie below the
+    exact ratio (and give a release of epsilon one ulp above the target); it is moved up one
+    ulp when it does, checked in exact rational arithmetic.
 
     Parameters
     ----------
@@ -49,7 +55,12 @@ def laplace_scale(epsilon: float, sensitivity: float = 1.0) -> float:
     sensitivity : float
         L1 sensitivity of the released quantity under the neighbouring relation in use.
     """
-    return check_positive(sensitivity, "sensitivity") / check_epsilon(epsilon)
+    eps = check_epsilon(epsilon)
+    sens = check_positive(sensitivity, "sensitivity")
+    scale = sens / eps
+    if Fraction(scale) * Fraction(eps) < Fraction(sens):
+        scale = math.nextafter(scale, math.inf)
+    return scale
 
 
 @dataclass(frozen=True)
@@ -61,8 +72,9 @@ class LaplaceMechanism:
     Neighbouring relation: whatever relation ``sensitivity`` was derived under (the caller
     states it). Sensitivity: the L1 norm of the largest change of the released vector between
     neighbours. Calibration: ``b = sensitivity / epsilon`` gives pure epsilon-DP (Dwork,
-    McSherry, Nissim & Smith 2006); as zCDP, rho = epsilon^2 / 2 (Bun & Steinke 2016, Prop.
-    1.4). Floating-point grade: outputs are IEEE doubles, not an exact sampler; see
+    McSherry, Nissim & Smith 2006), with ``b`` never below the exact ratio
+    (:func:`laplace_scale`); as zCDP, rho = epsilon^2 / 2 (Bun & Steinke 2016, Prop. 1.4).
+    Floating-point grade: outputs are IEEE doubles, not an exact sampler; see
     ``dpfed.common.privacy.exact_samplers`` for integer releases.
     """
 
@@ -73,7 +85,7 @@ class LaplaceMechanism:
     def __post_init__(self) -> None:
         object.__setattr__(self, "epsilon", check_epsilon(self.epsilon))
         object.__setattr__(self, "sensitivity", check_positive(self.sensitivity, "sensitivity"))
-        object.__setattr__(self, "scale", self.sensitivity / self.epsilon)
+        object.__setattr__(self, "scale", laplace_scale(self.epsilon, self.sensitivity))
 
     def cost(self) -> PrivacyCost:
         """Return the privacy cost of one release."""
@@ -90,19 +102,18 @@ class LaplaceMechanism:
 
 
 def gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
-    """Return the exact delta of the Gaussian mechanism (Balle & Wang 2018, Thm. 8).
+    """Return the exact delta of the Gaussian mechanism (Balle & Wang 2018, Thm. 8), from above.
 
-    ``delta(sigma) = Phi(D/(2s) - e s/D) - exp(e) Phi(-D/(2s) - e s/D)``, evaluated with the
-    second term in log space so it stays accurate for large epsilon.
+    ``delta(sigma) = Phi(D/(2s) - e s/D) - exp(e) Phi(-D/(2s) - e s/D)``, evaluated in log
+    space plus a bound on its floating-point error
+    (:func:`dpfed.common.privacy.pld.gaussian_hockey_stick_upper`): the two terms nearly
+    cancel at small epsilon, where a plain double evaluation can land below the exact value
+    (by 1.7e-10 relative at epsilon 0.0014, delta 3.4e-14). Never below the exact delta.
     """
     s = check_positive(sigma, "sigma")
     eps = check_epsilon(epsilon)
     d = check_positive(sensitivity, "sensitivity")
-    a = d / (2.0 * s)
-    b = eps * s / d
-    first = float(special.ndtr(a - b))
-    second = math.exp(eps + float(special.log_ndtr(-a - b)))
-    return max(first - second, 0.0)
+    return min(float(gaussian_hockey_stick_upper(eps, d / s)), 1.0)
 
 
 def classic_gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
@@ -145,9 +156,11 @@ def _analytic_sigma_unit(epsilon: float, delta: float) -> float:
         hi += 5.0
     root = optimize.brentq(gap, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
     sigma = math.exp(root)
-    # delta is decreasing in sigma: step up by ulps until the condition holds exactly.
+    # delta (from above) is decreasing in sigma: step up until the condition holds.
+    step = math.ulp(sigma)
     while gaussian_delta(sigma, epsilon) > delta:
-        sigma = math.nextafter(sigma, math.inf)
+        sigma += step
+        step *= 2.0
     return sigma
 
 

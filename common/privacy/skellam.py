@@ -3,38 +3,39 @@
 A symmetric Skellam variable ``Sk(mu)`` is the difference of two independent Poisson(mu/2)
 variables: integer-valued, mean 0, variance ``mu``. A sum of independent Skellams is a
 Skellam whose variance is the sum of the variances, so S sites that each add ``Sk(mu/S)`` to
-their integer contribution give a masked sum carrying exactly ``Sk(mu)`` — the property that
+their integer contribution give a masked sum carrying exactly ``Sk(mu)`` -- the property that
 lets every site add only a share of the noise when the coordinator sees nothing but the sum.
 
 Privacy
 -------
-Agarwal, Kairouz & Liu, *The Skellam Mechanism for Differentially Private Federated
-Learning*, NeurIPS 2021, Theorem 3.5 / Corollary 3.6: for an integer-valued query whose L2 and
-L1 sensitivities are ``l2`` and ``l1``, adding ``Sk(mu)`` to every coordinate is
-``(alpha, epsilon_alpha)``-RDP for every integer ``alpha > 1`` with
+Sensitivities and ``mu`` are in the *integer* domain (after the fixed-point scaling of
+:mod:`dpfed.common.secagg.fixed_point`); neighbouring sums differ by an integer vector ``v``
+with ``||v||_2 <= l2`` and ``||v||_1 <= l1``.
 
-    epsilon_alpha = alpha l2^2 / (2 mu) + min( ((2 alpha - 1) l2^2 + 6 l1) / (4 mu^2),
-                                              3 l1 / (2 mu) ).
+*(epsilon, delta)*: exact. ``Sk(mu)`` noise on such a query is dominated by the
+``unit(mu) l2``-GDP pair plus a negligible mass at ``+inf``
+(:func:`dpfed.common.privacy.lattice_gdp.skellam_gdp`: the probit increments of the exact
+Skellam pmf, verified over its whole window), and a ``mu``-GDP pair is (epsilon, delta)-DP
+exactly when the analytic Gaussian condition holds (Balle & Wang 2018, Thm. 8). So the
+Skellam is calibrated like the analytic Gaussian with ``sigma = sqrt(mu) / c(mu)``, where
+``c(mu) = unit(mu) sqrt(mu)`` is about ``1 + 1/(6 mu)`` (at most 1.007 for the variances secure
+sums use): the pooled noise is within 1 % of a central analytic Gaussian at the same
+(epsilon, delta). The tight ledger accountant charges exactly this pair.
 
-The first term is the Gaussian mechanism's; the second is the price of integer noise and
-vanishes as ``mu`` grows. Sensitivities and ``mu`` are in the *integer* domain (after the
-fixed-point scaling of :mod:`dpfed.common.secagg.fixed_point`). RDP is converted to
-``(epsilon, delta)`` with Canonne, Kamath & Steinke (2020, Prop. 12):
-``epsilon = epsilon_alpha + ln(1 - 1/alpha) - (ln delta + ln alpha) / (alpha - 1)``, minimised
-over the integer orders in :data:`ORDERS`.
-
-For the zCDP accountant the same bound gives a valid rho: for every ``alpha >= 1`` the
-surcharge is at most ``alpha`` times ``min((l2^2 + 3 l1) / (2 mu^2), 3 l1 / (2 mu))``, so the
+*zCDP rho* (for ``zcdp`` ledgers): Agarwal, Kairouz & Liu, *The Skellam Mechanism for
+Differentially Private Federated Learning*, NeurIPS 2021, Thm. 3.5: ``Sk(mu)`` is
+``(alpha, epsilon_alpha)``-RDP for every ``alpha > 1`` with
+``epsilon_alpha = alpha l2^2/(2 mu) + min(((2 alpha - 1) l2^2 + 6 l1)/(4 mu^2), 3 l1/(2 mu))``;
+the surcharge is at most ``alpha`` times ``min((l2^2 + 3 l1)/(2 mu^2), 3 l1/(2 mu))``, so the
 release is ``rho``-zCDP with ``rho = l2^2/(2 mu) + min((l2^2 + 3 l1)/(2 mu^2), 3 l1/(2 mu))``.
 
-Calibration (:func:`skellam_calibrate`) asks for both: the (epsilon, delta) target by the RDP
-conversion, and a rho no larger than that of the analytic Gaussian calibrated to the same
-(epsilon, delta) (:func:`dpfed.common.privacy.composition.round_rho`). The second makes a
-Skellam round interchangeable with the Gaussian round it stands for on a ``zcdp`` ledger: a job
-composed in zCDP hands every round the (epsilon_i, delta_i) whose Gaussian costs its share
-rho_i, so its secure rounds never charge more than the job's rho. It binds only when the
-integer surcharge is large against the Gaussian term: large per-round epsilon (about 2 and
-above) on small sensitivities (a few counts).
+Calibration (:func:`skellam_calibrate`) asks for both: the (epsilon, delta) target, and a rho
+no larger than that of the analytic Gaussian calibrated to the same (epsilon, delta)
+(:func:`dpfed.common.privacy.composition.round_rho`). The second makes a Skellam round
+interchangeable with the Gaussian round it stands for on a ``zcdp`` ledger: a job composed in
+zCDP hands every round the (epsilon_i, delta_i) whose Gaussian costs its share rho_i, so its
+secure rounds never charge more than the job's rho. It binds when the integer surcharge is
+large against the Gaussian term (small sensitivities, a few counts).
 
 Sampling uses numpy's Poisson sampler from a per-release generator: floating-point grade, like
 every other matrix release in dpfed (exact samplers are used for scalar counts only).
@@ -51,24 +52,22 @@ import numpy as np
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.composition import round_rho
+from dpfed.common.privacy.lattice_gdp import GRID_PER_OCTAVE, skellam_gdp
+from dpfed.common.privacy.mechanisms import gaussian_sigma
+from dpfed.common.privacy.pld import epsilon_at
 from dpfed.common.validation import check_delta, check_int, check_positive
 
 __all__ = [
-    "ORDERS",
     "SkellamCalibration",
     "skellam_calibrate",
     "skellam_epsilon",
+    "skellam_gaussian_mu",
+    "skellam_infinity_mass",
     "skellam_noise",
     "skellam_rdp",
     "skellam_rho",
     "skellam_share",
 ]
-
-#: Integer Renyi orders the (epsilon, delta) conversion minimises over.
-ORDERS: tuple[int, ...] = (tuple(range(2, 65)) + tuple(range(72, 257, 8))
-                           + (384, 512, 768, 1024, 1536, 2048, 4096))
-_ORDERS = np.asarray(ORDERS, dtype=np.float64)
-
 
 def _check_sensitivities(l2: float, l1: float) -> tuple[float, float]:
     l2 = check_positive(l2, "l2_sensitivity")
@@ -88,17 +87,31 @@ def skellam_rdp(alpha: int, mu: float, l2: float, l1: float) -> float:
     return a * l2 * l2 / (2 * m) + surcharge
 
 
-def skellam_epsilon(mu: float, delta: float, l2: float, l1: float) -> float:
-    """Return the epsilon at which ``Sk(mu)`` noise on a query of these sensitivities is DP."""
-    dl = check_delta(delta)
-    m = check_positive(mu, "mu")
+def skellam_gaussian_mu(mu: float, l2: float) -> float:
+    """Return the GDP parameter ``unit(mu) * l2`` that dominates ``Sk(mu)`` on this query."""
+    return skellam_gdp(check_positive(mu, "mu")).unit * check_positive(l2, "l2_sensitivity")
+
+
+def skellam_infinity_mass(mu: float, l2: float, l1: float) -> float:
+    """Return the ``+inf`` mass of the dominating pair (beyond the verified window).
+
+    At most ``min(l1, l2^2)`` coordinates move (each by an integer ``>= 1``), each by at most
+    ``min(l2, l1)``. Below 1e-200 for every variance a secure sum uses.
+    """
     l2, l1 = _check_sensitivities(l2, l1)
-    a = _ORDERS
-    # skellam_rdp at every order at once, then the conversion of the module docstring
-    surcharge = np.minimum(((2 * a - 1) * l2 * l2 + 6 * l1) / (4 * m * m), 3 * l1 / (2 * m))
-    rdp = a * l2 * l2 / (2 * m) + surcharge
-    eps = rdp + np.log1p(-1.0 / a) - (math.log(dl) + np.log(a)) / (a - 1)
-    return max(0.0, float(eps.min()))
+    return skellam_gdp(check_positive(mu, "mu")).tail_mass(min(l2, l1), min(l1, l2 * l2))
+
+
+def skellam_epsilon(mu: float, delta: float, l2: float, l1: float) -> float:
+    """Return the epsilon at which ``Sk(mu)`` noise on a query of these sensitivities is DP.
+
+    ``inf`` when ``delta`` is not above the dominating pair's ``+inf`` mass.
+    """
+    dl = check_delta(delta)
+    inf = skellam_infinity_mass(mu, l2, l1)
+    if inf >= dl:
+        return math.inf
+    return epsilon_at(dl, mu=skellam_gaussian_mu(mu, l2), loss=None, infinity=inf)
 
 
 def skellam_rho(mu: float, l2: float, l1: float) -> float:
@@ -121,7 +134,7 @@ class SkellamCalibration:
     l2_sensitivity, l1_sensitivity : float
         Sensitivities in the integer domain.
     achieved_epsilon : float
-        The accountant's epsilon at ``mu``.
+        The exact epsilon of ``Sk(mu)`` at ``delta`` (:func:`skellam_epsilon`).
     """
 
     mu: float
@@ -139,22 +152,56 @@ class SkellamCalibration:
 
 
 def skellam_calibrate(epsilon: float, delta: float, l2: float, l1: float) -> SkellamCalibration:
-    """Return the smallest variance ``mu`` (to 1e-9 relative) meeting both targets.
+    """Return the smallest variance ``mu`` meeting both targets.
 
-    ``epsilon(mu) <= epsilon`` at ``delta`` (:func:`skellam_epsilon`) and
-    ``skellam_rho(mu) <= round_rho(epsilon, delta)``, the rho of the analytic Gaussian
-    calibrated to the same pair (module docstring). Both decrease in ``mu``: the answer is the
-    larger of the two smallest variances.
+    ``epsilon(mu) <= epsilon`` at ``delta`` (:func:`skellam_epsilon`), found on the variance
+    grid of :func:`dpfed.common.privacy.lattice_gdp.skellam_grid_point` (the grid point itself
+    is the smallest variance with its unit), and ``skellam_rho(mu) <= round_rho(epsilon,
+    delta)``, the rho of the analytic Gaussian calibrated to the same pair (module docstring),
+    to 1e-10 relative. Both decrease in ``mu``: the answer is the larger of the two.
     """
     eps = check_positive(epsilon, "epsilon")
     dl = check_delta(delta)
     l2, l1 = _check_sensitivities(l2, l1)
     rho_cap = round_rho(eps, dl)
-    mu = max(_smallest_variance(lambda m: skellam_epsilon(m, dl, l2, l1) <= eps, l2,
-                                f"epsilon={eps:g} at delta={dl:g}"),
+    mu = max(_smallest_grid_variance(eps, dl, l2, l1),
              _smallest_variance(lambda m: skellam_rho(m, l2, l1) <= rho_cap, l2,
                                 f"rho={rho_cap:g}"))
     return SkellamCalibration(mu, eps, dl, l2, l1, skellam_epsilon(mu, dl, l2, l1))
+
+
+def _smallest_grid_variance(epsilon: float, delta: float, l2: float, l1: float) -> float:
+    """Smallest grid variance whose dominating pair is (epsilon, delta)-DP."""
+    def meets(k: int) -> bool:
+        return skellam_epsilon(2.0 ** (k / GRID_PER_OCTAVE), delta, l2, l1) <= epsilon
+
+    # A Gaussian with sigma = l2 / mu_G is the floor (the unit is >= 1/sqrt(mu)); the unit at
+    # that variance predicts the answer, usually exactly.
+    sigma2 = gaussian_sigma(epsilon, delta, l2) ** 2
+    floor_k = math.floor(math.log2(sigma2) * GRID_PER_OCTAVE) - 1
+    c = skellam_gaussian_mu(2.0 ** (floor_k / GRID_PER_OCTAVE), l2) / l2 * math.sqrt(
+        2.0 ** (floor_k / GRID_PER_OCTAVE))
+    guess = max(floor_k + 1, math.ceil(math.log2(sigma2 * c * c) * GRID_PER_OCTAVE))
+    if meets(guess):
+        if not meets(guess - 1):
+            return float(2.0 ** (guess / GRID_PER_OCTAVE))
+        lo, hi = floor_k, guess - 1
+    else:
+        lo, step = guess, 4
+        hi = lo + step
+        while not meets(hi):
+            lo, step = hi, step * 2
+            hi = lo + step
+            if hi > 4096 * GRID_PER_OCTAVE:
+                raise ValidationError(f"no Skellam variance reaches epsilon={epsilon:g} at "
+                                      f"delta={delta:g}")
+    while hi - lo > 1:  # meets(hi), not meets(lo)
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return float(2.0 ** (hi / GRID_PER_OCTAVE))
 
 
 def _smallest_variance(meets: Callable[[float], bool], l2: float, target: str) -> float:

@@ -1,48 +1,13 @@
 """A small declarative language of counting queries over the federation schema.
 
-Analysts describe *what to count*, never code: a query set is plain data (TOML or JSON), it is
+Analysts describe *what to count*, never code: a query set is plain data (TOML or JSON),
 validated against the public schema before anything is sent or charged, and each site turns
-it into counts over its own rows with vectorised numpy (no ``eval``, no SQL).
-
-Format
-------
-A query set is a list of entries under ``queries`` (TOML ``[[queries]]`` tables or a JSON
-list). Each entry is one of:
-
-* a **predicate query** ``{name = "...", where = PREDICATE}``: one count, the rows satisfying
-  the predicate (``where`` omitted: every row);
-* a **per-category / per-bin shorthand** ``{per = "COLUMN"}`` (nominal or ordinal: one count
-  per category/level) or ``{per = "COLUMN", bins = [e0, e1, ..., ek]}`` (continuous: one
-  count per public bin ``[e_i, e_{i+1})``, the last one closed; ``bins = k`` means ``k``
-  equal-width bins over the schema's ``[min, max]``);
-* a **contingency table** ``{cross = ["C1", "C2"(, "C3")], bins = {C = edges}}``: one count
-  per cell of the cross product of 2-3 columns (continuous ones need ``bins``).
-
-A shorthand may also carry ``where``: each of its counts is then restricted to rows that
-satisfy it. PREDICATE is one of:
-
-``{column = C, op = OP, value = V}``
-    ``OP`` in ``<, <=, >, >=, ==, !=`` on a continuous column (``V`` a number) or an ordinal
-    one (``V`` one of its levels; compared by level order); ``==``/``!=`` on a nominal one.
-``{column = C, in = [V, ...]}``
-    set membership on a nominal or ordinal column (``V`` categories/levels).
-``{column = C, between = [LO, HI]}``
-    ``LO <= value <= HI`` (continuous: numbers; ordinal: levels).
-``{all = [P, ...]}``, ``{any = [P, ...]}``, ``{not = P}``
-    conjunction, disjunction, negation (non-empty lists).
-
-Validation names the query, the column and what is valid; a predicate no schema-valid row can
-satisfy (e.g. ``age < 10 and age > 20``) is refused as contradictory. The check is exact: the
-predicates are piecewise constant on a finite grid of representative values per column (every
-category/level, every comparison constant and the points between them), so evaluating the
-predicate on that grid decides satisfiability.
-
-Evaluation
-----------
-:meth:`CompiledQuerySet.counts` streams over encoded chunks (``EncodedTable``): continuous
-columns are float64 (already clipped or filtered into the schema's bounds by the row policy),
-ordinal and nominal columns are int codes. Predicate queries become boolean masks; shorthands
-become one ``np.bincount`` over a cell index.
+it into counts over its own rows with vectorised numpy (no ``eval``, no SQL). The format
+(predicate queries, ``per`` and ``cross`` shorthands, predicates) and its limits:
+docs/queries.md, "The query language". A predicate no schema-valid row satisfies is refused
+as contradictory; the check is exact because predicates are piecewise constant on a finite
+grid of representative values per column. :meth:`CompiledQuerySet.counts` streams encoded
+chunks: predicate queries become boolean masks, shorthands one ``np.bincount``.
 """
 
 from __future__ import annotations
@@ -51,6 +16,7 @@ import itertools
 import json
 import math
 import tomllib
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +36,9 @@ from dpfed.common.errors import ValidationError
 
 __all__ = [
     "MAX_CELLS",
+    "MAX_GRID_WORK",
     "MAX_QUERIES",
+    "MAX_SET_NODES",
     "CompiledQuerySet",
     "Domain",
     "Predicate",
@@ -83,11 +51,29 @@ __all__ = [
 MAX_QUERIES = 20_000
 #: Most cells of one shorthand or domain (cross products grow fast).
 MAX_CELLS = 20_000
-#: Largest predicate nesting depth and number of nodes.
+#: Largest predicate nesting depth and number of nodes, and most nodes in one query set.
 MAX_DEPTH = 16
 MAX_NODES = 512
+MAX_SET_NODES = 10_000
 #: Representative grid points above which satisfiability is not decided (then accepted).
 _MAX_GRID = 200_000
+#: Most grid work (grid points x predicate nodes) spent deciding satisfiability or implication
+#: for one query set (about a second of numpy); the rest is not decided.
+MAX_GRID_WORK = 50_000_000
+
+
+class GridBudget:
+    """What is left of ``MAX_GRID_WORK`` for one query set (or one chain check)."""
+
+    def __init__(self, work: int = MAX_GRID_WORK) -> None:
+        self.left = work
+
+    def spend(self, work: int) -> bool:
+        """Take ``work`` if that much is left; False (and nothing taken) otherwise."""
+        if work > self.left:
+            return False
+        self.left -= work
+        return True
 
 OPS: tuple[str, ...] = ("<", "<=", ">", ">=", "==", "!=")
 _LOGIC = ("all", "any", "not")
@@ -111,6 +97,10 @@ class Predicate:
     value: float = 0.0
     codes: tuple[int, ...] = ()
     children: tuple[Predicate, ...] = ()
+
+    def size(self) -> int:
+        """Return the number of nodes (one evaluation costs that many array operations)."""
+        return 1 + sum(c.size() for c in self.children)
 
     def columns(self) -> set[str]:
         """Columns the predicate reads."""
@@ -183,6 +173,7 @@ class _Parser:
 
     def __init__(self, schema: Schema, query: str) -> None:
         self.schema = schema
+        self.by_name = {c.name: c for c in schema.columns}
         self.query = query
         self.nodes = 0
 
@@ -190,10 +181,10 @@ class _Parser:
         return ValidationError(f"query {self.query!r}: {msg}")
 
     def column(self, name: Any) -> Column:
-        if not isinstance(name, str) or name not in self.schema.names:
+        if not isinstance(name, str) or name not in self.by_name:
             raise self.fail(f"unknown column {name!r}; the schema's columns are "
                             f"{list(self.schema.names)}")
-        return self.schema.column(name)
+        return self.by_name[name]
 
     def label_code(self, col: OrdinalColumn | NominalColumn, value: Any) -> int:
         labels = col.levels if isinstance(col, OrdinalColumn) else col.categories
@@ -322,24 +313,31 @@ def _grid_table(axes: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], 
     return table, int(mesh[0].size)
 
 
-def satisfiable(schema: Schema, pred: Predicate) -> bool | None:
-    """True/False if some schema-valid row satisfies ``pred``; None if not decided (grid too big).
+def satisfiable(schema: Schema, pred: Predicate,
+                budget: GridBudget | None = None) -> bool | None:
+    """True/False if some schema-valid row satisfies ``pred``; None if not decided.
 
     Exact: on each continuous column the predicate only changes value at its comparison
     constants, so it is constant between consecutive grid points (and the grid holds those
-    points, the midpoints and the bounds); categorical columns are enumerated.
+    points, the midpoints and the bounds); categorical columns are enumerated. Not decided
+    when the grid is too big, or when its work (points x nodes) exceeds what is left of
+    ``budget``.
     """
     axes = _grid(schema, pred)
     if axes is None:
+        return None
+    points = math.prod(len(a) for a in axes.values()) if axes else 1
+    if budget is not None and not budget.spend(points * pred.size()):
         return None
     table, n = _grid_table(axes)
     return bool(pred.evaluate(table, n).any())
 
 
-def implies(schema: Schema, a: Predicate, b: Predicate) -> bool:
+def implies(schema: Schema, a: Predicate, b: Predicate,
+            budget: GridBudget | None = None) -> bool:
     """Return True only if every schema-valid row satisfying ``a`` satisfies ``b`` (exact)."""
     combined = Predicate("all", children=(a, Predicate("not", children=(b,))))
-    return satisfiable(schema, combined) is False
+    return satisfiable(schema, combined, budget) is False
 
 
 # --------------------------------------------------------------------------- domains
@@ -479,8 +477,9 @@ def parse_domain(schema: Schema, columns: Any, bins: Any = None, *,
             labels.append(tuple(labs))
     n = math.prod(shape)
     if n > max_cells:
-        raise ValidationError(f"{where}: the domain has {n} cells ({' x '.join(map(str, shape))}); "
-                              f"at most {max_cells} are allowed")
+        raise ValidationError(f"{where}: the domain has {n:,} cells ({' x '.join(map(str, shape))}"
+                              f"); at most {max_cells:,} are allowed (use fewer columns or fewer "
+                              "bins)")
     return Domain(tuple(columns), edges, tuple(shape), tuple(labels))
 
 
@@ -579,8 +578,9 @@ class CompiledQuerySet:
         preds = self.predicates()
         if len(preds) > 64:
             return False
+        budget = GridBudget()
         for a, b in itertools.combinations(preds, 2):
-            if not (implies(schema, a, b) or implies(schema, b, a)):
+            if not (implies(schema, a, b, budget) or implies(schema, b, a, budget)):
                 return False
         return True
 
@@ -594,7 +594,7 @@ def _check_name(raw: Any, default: str, where: str) -> str:
     return raw
 
 
-def _entry(schema: Schema, raw: Any, index: int) -> tuple[_Block, Any]:
+def _entry(schema: Schema, raw: Any, index: int, budget: GridBudget) -> tuple[_Block, Any]:
     where = f"queries[{index}]"
     if not isinstance(raw, Mapping):
         raise ValidationError(f"{where} must be a table/object, got {type(raw).__name__}")
@@ -609,7 +609,7 @@ def _entry(schema: Schema, raw: Any, index: int) -> tuple[_Block, Any]:
         name = _check_name(raw.get("name"), f"q{index}", where)
         parser = _Parser(schema, name)
         pred = TRUE if raw.get("where") is None else parser.parse(raw["where"])
-        if pred.kind != "true" and satisfiable(schema, pred) is False:
+        if pred.kind != "true" and satisfiable(schema, pred, budget) is False:
             raise ValidationError(f"query {name!r}: the predicate is contradictory (no "
                                   f"schema-valid row can satisfy it); columns: "
                                   f"{sorted(pred.columns())}")
@@ -633,7 +633,7 @@ def _entry(schema: Schema, raw: Any, index: int) -> tuple[_Block, Any]:
     pred = TRUE
     if raw.get("where") is not None:
         pred = _Parser(schema, label).parse(raw["where"])
-        if satisfiable(schema, pred) is False:
+        if satisfiable(schema, pred, budget) is False:
             raise ValidationError(f"query {label!r}: the 'where' predicate is contradictory "
                                   "(no schema-valid row can satisfy it)")
     canonical: dict[str, Any] = {"name": label, "domain": domain.to_json(),
@@ -645,7 +645,7 @@ def _from_canonical(schema: Schema, raw: Mapping[str, Any], index: int) -> tuple
     """Re-validate the canonical form (what a site receives)."""
     where = f"queries[{index}]"
     name = _check_name(raw.get("name"), f"q{index}", where)
-    pred = _canonical_predicate(schema, raw.get("where"), name, 0)
+    pred = _CanonicalParser(schema, name).parse(raw.get("where"), 0)
     if "domain" in raw:
         d = raw["domain"]
         if not isinstance(d, Mapping):
@@ -656,46 +656,56 @@ def _from_canonical(schema: Schema, raw: Mapping[str, Any], index: int) -> tuple
     return _Block(name, pred, None), {"name": name, "where": pred.to_json()}
 
 
-def _canonical_predicate(schema: Schema, raw: Any, query: str, depth: int) -> Predicate:
-    """Parse the canonical (code-based) predicate form, validating every field."""
-    if depth > MAX_DEPTH:
-        raise ValidationError(f"query {query!r}: predicate nested too deeply")
-    if raw is None:
-        return TRUE
-    if not isinstance(raw, Mapping):
-        raise ValidationError(f"query {query!r}: invalid predicate {raw!r}")
-    if raw.get("true") is True and len(raw) == 1:
-        return TRUE
-    for key in ("all", "any"):
-        if key in raw:
-            items = raw[key]
-            if not isinstance(items, list) or not items or len(raw) != 1:
-                raise ValidationError(f"query {query!r}: {key!r} needs a non-empty list")
-            return Predicate(key, children=tuple(
-                _canonical_predicate(schema, p, query, depth + 1) for p in items))
-    if "not" in raw and len(raw) == 1:
-        return Predicate("not", children=(_canonical_predicate(schema, raw["not"], query,
-                                                               depth + 1),))
-    name = raw.get("column")
-    if not isinstance(name, str) or name not in schema.names:
-        raise ValidationError(f"query {query!r}: unknown column {name!r}")
-    col = schema.column(name)
-    if "in_codes" in raw:
-        codes = raw["in_codes"]
-        size = (col.n_levels if isinstance(col, OrdinalColumn) else
-                col.n_categories if isinstance(col, NominalColumn) else 0)
-        if (not isinstance(codes, list) or not codes or
-                not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < size
-                        for c in codes)):
-            raise ValidationError(f"query {query!r}: invalid codes for column {name!r}")
-        return Predicate("in", name, codes=tuple(sorted(set(codes))))
-    op, value = raw.get("op"), raw.get("value")
-    if op not in OPS or isinstance(value, bool) or not isinstance(value, int | float) or (
-            not math.isfinite(value)):
-        raise ValidationError(f"query {query!r}: invalid comparison on column {name!r}")
-    if isinstance(col, NominalColumn) and op not in ("==", "!="):
-        raise ValidationError(f"query {query!r}: column {name!r} is nominal")
-    return Predicate("cmp", name, str(op), float(value))
+class _CanonicalParser:
+    """Parses the canonical (code-based) predicate form, validating every field and its size."""
+
+    def __init__(self, schema: Schema, query: str) -> None:
+        self.by_name = {c.name: c for c in schema.columns}
+        self.query = query
+        self.nodes = 0
+
+    def fail(self, msg: str) -> ValidationError:
+        return ValidationError(f"query {self.query!r}: {msg}")
+
+    def parse(self, raw: Any, depth: int) -> Predicate:
+        self.nodes += 1
+        if depth > MAX_DEPTH or self.nodes > MAX_NODES:
+            raise self.fail(f"the predicate is too large (at most {MAX_NODES} nodes, nesting "
+                            f"depth {MAX_DEPTH})")
+        if raw is None:
+            return TRUE
+        if not isinstance(raw, Mapping):
+            raise self.fail(f"invalid predicate {str(raw)[:80]!r}")
+        if raw.get("true") is True and len(raw) == 1:
+            return TRUE
+        for key in ("all", "any"):
+            if key in raw:
+                items = raw[key]
+                if not isinstance(items, list) or not items or len(raw) != 1:
+                    raise self.fail(f"{key!r} needs a non-empty list")
+                return Predicate(key, children=tuple(self.parse(p, depth + 1) for p in items))
+        if "not" in raw and len(raw) == 1:
+            return Predicate("not", children=(self.parse(raw["not"], depth + 1),))
+        name = raw.get("column")
+        if not isinstance(name, str) or name not in self.by_name:
+            raise self.fail(f"unknown column {name!r}")
+        col = self.by_name[name]
+        if "in_codes" in raw:
+            codes = raw["in_codes"]
+            size = (col.n_levels if isinstance(col, OrdinalColumn) else
+                    col.n_categories if isinstance(col, NominalColumn) else 0)
+            if (not isinstance(codes, list) or not codes or
+                    not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < size
+                            for c in codes)):
+                raise self.fail(f"invalid codes for column {name!r}")
+            return Predicate("in", name, codes=tuple(sorted(set(codes))))
+        op, value = raw.get("op"), raw.get("value")
+        if op not in OPS or isinstance(value, bool) or not isinstance(value, int | float) or (
+                not math.isfinite(value)):
+            raise self.fail(f"invalid comparison on column {name!r}")
+        if isinstance(col, NominalColumn) and op not in ("==", "!="):
+            raise self.fail(f"column {name!r} is nominal")
+        return Predicate("cmp", name, str(op), float(value))
 
 
 def compile_query_set(schema: Schema, raw: Any, *, canonical: bool = False,
@@ -728,18 +738,24 @@ def compile_query_set(schema: Schema, raw: Any, *, canonical: bool = False,
         raise ValidationError("the query set is empty: give at least one entry under 'queries'")
     blocks: list[_Block] = []
     canon: list[Any] = []
-    total = 0
+    total = nodes = 0
+    budget = GridBudget()
     for i, entry in enumerate(raw):
         if canonical:
             if not isinstance(entry, Mapping):
                 raise ValidationError(f"queries[{i}] must be an object")
             block, c = _from_canonical(schema, entry, i)
         else:
-            block, c = _entry(schema, entry, i)
+            block, c = _entry(schema, entry, i, budget)
         total += block.size
         if total > max_queries:
             raise ValidationError(f"the query set has more than {max_queries} counts (at "
                                   f"queries[{i}], {block.name!r})")
+        nodes += block.where.size()
+        if nodes > MAX_SET_NODES:
+            raise ValidationError(f"the query set's predicates have more than {MAX_SET_NODES} "
+                                  f"nodes in all (at queries[{i}], {block.name!r}); split it "
+                                  "into batches (dpfed svt --session continues a session)")
         blocks.append(block)
         canon.append(c)
     names: list[str] = []
@@ -748,7 +764,7 @@ def compile_query_set(schema: Schema, raw: Any, *, canonical: bool = False,
             names.append(b.name)
         else:
             names.extend(f"{b.name}: {c}" for c in b.domain.cell_names())
-    dupes = sorted({n for n in names if names.count(n) > 1}) if len(names) < 5000 else []
+    dupes = sorted(n for n, count in Counter(names).items() if count > 1)
     if dupes:
         raise ValidationError(f"query names must be unique; repeated: {dupes[:5]}")
     return CompiledQuerySet(tuple(names), tuple(canon), tuple(blocks))

@@ -1,69 +1,14 @@
 """The Sparse Vector Technique (SVT) with a cut-off, as in Lyu, Su & Li (VLDB 2017), Alg. 1.
 
-Given a stream of queries q_1, q_2, ... (each of sensitivity Delta) and a public threshold T,
-SVT reports which queries are above T while paying for at most ``c`` positive answers:
-
-1. Draw the threshold noise once: rho ~ Lap(Delta / epsilon_1).
-2. For each query i: draw nu_i ~ Lap(2 c Delta / epsilon_2) -- Lap(c Delta / epsilon_2) for
-   monotonic queries -- and answer "above" (top) iff q_i + nu_i >= T + rho, else "below".
-3. Stop after the c-th "above" answer (the cut-off).
-
-The whole transcript costs epsilon = epsilon_1 + epsilon_2, however many queries are asked
-(the privacy proof of Alg. 1 in Lyu et al.). A noisy numeric value for each positive query
-costs a further epsilon_3 and uses *fresh* noise Lap(c Delta / epsilon_3), never the
-comparison noise nu_i (releasing q_i + nu_i is Lyu's Alg. 3, which is not epsilon-DP for any
-finite epsilon). The default split is epsilon_1 : epsilon_2 = 1 : (2c)^(2/3), or
-1 : c^(2/3) for monotonic queries (Lyu et al.'s budget-allocation analysis), which minimises
-the variance of nu_i - rho. Comments in the code cite these steps as "Alg. 1 step k".
-
-Where seed 001 is wrong (docs/algorithms.md "Sparse vector technique")
-----------------------------------------------
-* "If only Yes/No is returned it costs only epsilon_1": false. Every Yes/No answer is a
-  function of q_i(D) through q_i + nu_i >= T + rho, and it is the query noise nu_i -- paid
-  for by epsilon_2 -- that hides q_i. Without it (Lyu's Alg. 5, "SVT without query noise")
-  the Yes/No transcript is not private at all. The Yes/No transcript costs epsilon_1 +
-  epsilon_2; numeric answers cost epsilon_3 on top.
-* "Multi-SVT with at most c positives costs c*epsilon_1 + epsilon_2": wrong. With rho drawn
-  once, rho is paid for once and what grows with c is the query-noise part: every positive
-  answer costs privacy through its nu_i, so with query noise Lap(2 Delta/epsilon_2) c
-  positives cost epsilon_1 + c*epsilon_2 (the seed's own proof sketch in section 6 says so,
-  contradicting section 5). Re-drawing rho after each positive (c independent AboveThreshold
-  runs) costs c*(epsilon_1 + epsilon_2), which c*epsilon_1 + epsilon_2 under-charges by
-  (c-1)*epsilon_2. The seed's formula matches neither algorithm. Alg. 1 instead scales the
-  query noise with c so that the total stays epsilon_1 + epsilon_2.
-* Its worked example releases "noisy count = 105" for the positive query, i.e. the
-  comparison-noised value -- Alg. 3's bug. We release fresh noise under epsilon_3.
-* It writes the threshold noise as Lap(Delta_T / epsilon_1) with a "threshold sensitivity".
-  T is a public constant (docs/privacy.md, invariant 3: it must not come from the data); rho's scale
-  is the *query* sensitivity Delta (Alg. 1), because rho must absorb a shift of Delta in the
-  queries.
-* Its section 5 suggestions (choosing T with the exponential mechanism, data-adaptive
-  thresholds, Gaussian noise) are not implemented; T is a parameter chosen by the analyst.
-
-Noise grade
------------
-Noise is drawn in IEEE doubles from a ``numpy.random.Generator`` (floating-point grade; see
-:mod:`dpfed.common.privacy.exact_samplers`). For the above/below transcript this is immaterial (a
-comparison
-does not expose low-order bits). Numeric answers are scalar floats and so carry the residual
-risk of floating-point attacks (Mironov 2012) documented in
-:mod:`dpfed.common.privacy.exact_samplers`.
-
-In the federation each site runs SVT over its own rows for the analyst's query stream (for
-example "which diagnoses exceed T cases this week") and returns only its outcomes; the
-coordinator combines them per query. Each site charges its own ledger epsilon (+ epsilon_3).
-
-Neighbouring relation and monotonicity
---------------------------------------
-dpfed's relation is replace-one record with the record count public (docs/privacy.md). A
-counting query still has ``Delta = 1`` under it, but a *set* of counting queries is not
-monotonic: replacing a record of diagnosis A by one of diagnosis B lowers count(A) and raises
-count(B). So the default is the non-monotonic query noise ``Lap(2 c Delta / epsilon_2)``.
-``monotonic=True`` is correct only for query sets that provably move one way for every
-replacement, for example nested counts ``#{age <= t_1} , #{age <= t_2}, ...`` (``S_1 c S_2
-c ...``): replacing a value ``v`` by ``w`` changes every one of them by ``1[w <= t] - 1[v <=
-t]``, which has the sign of ``v - w`` for all ``t``. The caller must be able to prove that;
-the library cannot check it.
+Given queries ``q_1, q_2, ...`` of sensitivity ``Delta`` and a public threshold ``T``:
+1. Draw the threshold noise once: ``rho ~ Lap(Delta / epsilon_1)``.
+2. For each query draw ``nu_i ~ Lap(2 c Delta / epsilon_2)`` (``c Delta`` for provably
+   monotonic queries) and answer "above" iff ``q_i + nu_i >= T + rho``.
+3. Stop after the ``c``-th "above" (the cut-off).
+The transcript costs ``epsilon_1 + epsilon_2``; a numeric value for each positive costs
+``epsilon_3`` with *fresh* noise ``Lap(c Delta / epsilon_3)``. Comments cite "Alg. 1 step k".
+Where seed 001 is wrong, the monotonicity argument under replace-one and the noise grade:
+docs/algorithms.md, "Sparse vector technique".
 """
 
 from __future__ import annotations

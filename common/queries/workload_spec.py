@@ -2,7 +2,10 @@
 
 An analyst's workload is one of ``identity``, ``all_range``, ``prefix`` (1-column ordered
 domains), ``marginals`` (``k``-way, over the domain's columns) or ``custom`` (an explicit
-``m x n`` matrix from a ``.npy``/CSV file). :func:`choose_strategy` ranks the candidate
+``m x n`` matrix from a ``.npy``/CSV file). :func:`build_workload` checks the request's shape --
+cells, queries, matrix entries -- against the limits below *before* it builds any matrix, so an
+oversized request is refused in microseconds, not after gigabytes of allocation
+(docs/hardening.md, "What an analyst may ask"). :func:`choose_strategy` ranks the candidate
 strategies by their closed-form expected RMSE under the replace-one sensitivities of
 :mod:`dpfed.common.queries.federated_matrix` (the library's ``best_strategy`` prices the
 add/remove-one sensitivity, which ranks strategies differently).
@@ -19,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dpfed.common.array_files import check_npy_header
 from dpfed.common.errors import ValidationError
 from dpfed.common.queries.federated_matrix import (
     MAX_CELLS_NAMED,
@@ -37,20 +41,45 @@ from dpfed.common.queries.workloads import (
     prefix_workload,
 )
 
-__all__ = ["MAX_CUSTOM_ENTRIES", "STRATEGY_CHOICES", "WORKLOAD_KINDS", "StrategyPick",
-           "build_workload", "choose_strategy", "load_workload_matrix", "query_names"]
+__all__ = ["MAX_CUSTOM_ENTRIES", "MAX_QUERY_CELLS", "STRATEGY_CHOICES", "WORKLOAD_KINDS",
+           "StrategyPick", "build_workload", "check_query_domain", "choose_strategy",
+           "load_workload_matrix", "marginal_query_count", "query_names"]
 
 WORKLOAD_KINDS: tuple[str, ...] = ("identity", "all_range", "prefix", "marginals", "custom")
 STRATEGY_CHOICES: tuple[str, ...] = ("auto", *NAMED_STRATEGIES, "optimized")
-#: Largest custom workload (m * n entries) accepted in a job's parameters.
-MAX_CUSTOM_ENTRIES = 1_000_000
+#: Largest custom workload (m * n entries) accepted in a job's parameters (it travels, is
+#: stored and is echoed in the job's state as JSON numbers: 200,000 is about 2 MB).
+MAX_CUSTOM_ENTRIES = 200_000
 #: Largest number of queries answered per job (all ranges over 1024 cells is 524800).
 MAX_WORKLOAD_QUERIES = 600_000
+#: Largest domain of a query job: the most cells any strategy supports (identity, h2, ...).
+MAX_QUERY_CELLS = MAX_CELLS_NAMED
+
+
+def marginal_query_count(shape: Sequence[int], k: int) -> int:
+    """Return how many queries all ``k``-way marginals over ``shape`` are (no matrix built)."""
+    return sum(math.prod(shape[a] for a in subset)
+               for subset in itertools.combinations(range(len(shape)), k))
+
+
+def check_query_domain(domain: Domain) -> None:
+    """Refuse a domain larger than any strategy supports, from its shape alone."""
+    n = domain.n_cells
+    if n > MAX_QUERY_CELLS:
+        shape = " x ".join(f"{c} ({s})" for c, s in zip(domain.columns, domain.shape,
+                                                          strict=True))
+        raise ValidationError(
+            f"domain: {shape} is {n:,} cells; a query job supports at most {MAX_QUERY_CELLS:,} "
+            "(the largest domain any strategy supports): use fewer --columns or fewer --bins")
 
 
 def build_workload(domain: Domain, spec: Mapping[str, Any]) -> Workload:
-    """Validate a workload spec against the domain (raises ValidationError naming the field)."""
+    """Validate a workload spec against the domain (raises ValidationError naming the field).
+
+    Every size is checked from the spec's shape before a matrix is built.
+    """
     kind = spec.get("kind")
+    check_query_domain(domain)
     n = domain.n_cells
     if kind not in WORKLOAD_KINDS:
         raise ValidationError(f"workload must be one of {list(WORKLOAD_KINDS)}, got {kind!r}")
@@ -76,8 +105,16 @@ def build_workload(domain: Domain, spec: Mapping[str, Any]) -> Workload:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= d:
             raise ValidationError(f"marginals needs k in 0..{d} (the domain has {d} column(s)), "
                                   f"got {k!r}")
+        m = marginal_query_count(domain.shape, k)
+        if m > MAX_WORKLOAD_QUERIES:
+            raise ValidationError(f"{k}-way marginals over {n} cells are {m} queries; at most "
+                                  f"{MAX_WORKLOAD_QUERIES} (use a smaller --k or fewer --bins)")
         return marginal_workload(domain.shape, k)
     raw = spec.get("matrix")
+    rows = len(raw) if isinstance(raw, list | tuple) else 0
+    if rows * n > MAX_CUSTOM_ENTRIES:  # from the request's shape, before any array is made
+        raise ValidationError(f"custom workload has {rows} rows over {n} cells ({rows * n} "
+                              f"entries); at most {MAX_CUSTOM_ENTRIES}")
     try:
         w = np.asarray(raw, dtype=np.float64)
     except (TypeError, ValueError):
@@ -98,6 +135,8 @@ def load_workload_matrix(path: str | Path) -> list[list[float]]:
     p = Path(path)
     try:
         if p.suffix.lower() == ".npy":
+            with open(p, "rb") as fh:  # the header's shape first: nothing big is allocated
+                check_npy_header(fh, f"--workload-file {p}", 8 * MAX_CUSTOM_ENTRIES)
             w = np.load(p, allow_pickle=False)
         else:
             w = np.loadtxt(p, delimiter=",", ndmin=2)

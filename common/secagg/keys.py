@@ -6,13 +6,16 @@ site checks every peer's certificate against the federation CA, that the certifi
 site id the key claims, and the signature over (domain tag, job, round, task, site id, public
 key). A coordinator that substitutes a key — to sit in the middle of a pair and unmask one
 site's contribution — cannot produce a valid signature, so the site refuses the round before it
-releases anything. Revocation of site certificates is enforced by the coordinator's connection
-checks; the signature check here is what protects the masks from the coordinator itself.
+releases anything. The coordinator may hold the kits of revoked sites (or a certificate the CA
+issued outside the federation's list): :func:`verify_participants` also refuses a peer whose
+certificate is on the site's own revocation list or whose id is not one of the federation's
+sites, so masks are only ever agreed with sites the site itself recognises.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -23,9 +26,11 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from dpfed.common.errors import AuthenticationError, ProtocolError
 from dpfed.common.secagg.masking import MaskContext
-from dpfed.common.transport.certs import is_signed_by, principal_from_certificate
+from dpfed.common.transport.access import AccessList
+from dpfed.common.transport.certs import fingerprint, is_signed_by, principal_from_certificate
 
-__all__ = ["SignedKey", "generate_ephemeral", "sign_ephemeral", "verify_signed_key"]
+__all__ = ["SignedKey", "generate_ephemeral", "sign_ephemeral", "verify_participants",
+           "verify_signed_key"]
 
 _TAG = b"dpfed-secagg-key-v1"
 
@@ -76,6 +81,63 @@ def verify_signed_key(signed: SignedKey, *, context: MaskContext, ca: x509.Certi
         The public key is malformed or the signature does not verify (e.g. a substituted key,
         or a key signed for another round).
     """
+    _verified_certificate(signed, context=context, ca=ca, now=now)
+    return signed.public_key
+
+
+def verify_participants(signed: Mapping[str, SignedKey], *, context: MaskContext,
+                        ca: x509.Certificate, federation: AccessList,
+                        now: dt.datetime | None = None) -> dict[str, bytes]:
+    """Verify every participant's key against the CA, the revocation list and the site list.
+
+    Parameters
+    ----------
+    signed : mapping of str to SignedKey
+        Participant id -> the signed key relayed for it.
+    federation : AccessList
+        The site's copy of the federation's lists (``revoked.toml``): revoked certificate
+        fingerprints and the federation's site ids.
+
+    Returns
+    -------
+    dict of str to bytes
+        Participant id -> verified raw public key.
+
+    Raises
+    ------
+    AuthenticationError
+        Naming every participant that is revoked, not on the federation's site list, whose
+        certificate does not chain to the CA or name it, or whose key's signature does not
+        verify.
+    """
+    problems: list[str] = []
+    verified: dict[str, bytes] = {}
+    for site_id in sorted(signed):
+        key = signed[site_id]
+        if key.site_id != site_id:
+            problems.append(f"the key relayed for {site_id!r} claims to be {key.site_id!r}")
+            continue
+        try:
+            cert = _verified_certificate(key, context=context, ca=ca, now=now)
+        except (AuthenticationError, ProtocolError) as exc:
+            problems.append(str(exc))
+            continue
+        fp = fingerprint(cert)
+        if federation.is_revoked(fp):
+            problems.append(f"{site_id!r} presents a revoked certificate (sha256 {fp[:23]}...)")
+        elif site_id not in federation.sites:
+            problems.append(f"{site_id!r} is not one of the federation's sites on this site's "
+                            "list")
+        else:
+            verified[site_id] = key.public_key
+    if problems:
+        raise AuthenticationError("; ".join(problems))
+    return verified
+
+
+def _verified_certificate(signed: SignedKey, *, context: MaskContext, ca: x509.Certificate,
+                          now: dt.datetime | None) -> x509.Certificate:
+    """Return the certificate of ``signed`` once it and the key's signature are verified."""
     try:
         cert = x509.load_pem_x509_certificate(signed.certificate_pem)
     except ValueError:
@@ -103,4 +165,4 @@ def verify_signed_key(signed: SignedKey, *, context: MaskContext, ca: x509.Certi
     except InvalidSignature:
         raise ProtocolError(f"the ephemeral key of {signed.site_id!r} is not signed by that "
                             "site for this round (substituted or replayed)") from None
-    return signed.public_key
+    return cert

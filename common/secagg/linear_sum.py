@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from dpfed.common.errors import DataError, ValidationError
+from dpfed.common.errors import DataError, ImpossibleSumError, ProtocolError, ValidationError
 from dpfed.common.privacy.skellam import skellam_calibrate
 from dpfed.common.queries.federated_matrix import replace_one_sensitivity
 from dpfed.common.secagg.fixed_point import SAFE_ABS, skellam_tail
@@ -47,6 +47,7 @@ from dpfed.common.validation import check_finite_array, check_int
 __all__ = [
     "SCALE_MAX",
     "LinearSumPlan",
+    "check_linear_decoded",
     "check_scale",
     "choose_linear_scale",
     "integer_sensitivities",
@@ -174,6 +175,39 @@ def sum_fits_ring(plan: LinearSumPlan, total_rows: int) -> bool:
     return _fits_ring(check_int(total_rows, "total_rows", minimum=0),
                       float(np.abs(plan.matrix).max()),
                       len(p.participants) * p.share, p.dim)
+
+
+def check_linear_decoded(total: np.ndarray, plan: LinearSumPlan, n_rows: int) -> None:
+    """Refuse a decoded ``Ã x + noise`` that no honest run over ``n_rows`` rows gives.
+
+    Every row lies in one cell, so ``x >= 0`` sums to ``n_rows`` and answer ``r`` lies in
+    ``[n_rows min_j ã_rj, n_rows max_j ã_rj]``; the noise adds at most the Skellam tail but
+    with probability ``2^-60``.
+
+    Raises
+    ------
+    ProtocolError
+        The reported rows exceed what the scale was chosen for (the sum may have wrapped).
+    ImpossibleSumError
+        An answer outside its range (``impossible_secure_sum``).
+    """
+    p = plan.plan
+    if not sum_fits_ring(plan, n_rows):
+        raise ProtocolError(f"the sites report {n_rows} rows, more than the scale "
+                            f"{p.scale:g} was chosen for: the secure sum may have wrapped; "
+                            "rerun the job (the sites' row counts are now known)")
+    t = np.asarray(total, dtype=np.float64)
+    tail = skellam_tail(p.pooled_variance, max(p.n_values, 1))
+    a = plan.matrix.astype(np.float64)
+    lo, hi = n_rows * a.min(axis=1) - tail, n_rows * a.max(axis=1) + tail
+    outside = np.flatnonzero((t < lo) | (t > hi))
+    if t.shape != (p.n_values,) or outside.size:
+        r = int(outside[0]) if outside.size else 0
+        raise ImpossibleSumError(
+            f"{ImpossibleSumError.REASON}: the decoded secure linear sum has answer {r} = "
+            f"{float(t[r]) if t.shape == (p.n_values,) else float('nan'):.4g} outside "
+            f"[{lo[r]:.4g}, {hi[r]:.4g}], which no honest run over {n_rows} rows can produce; "
+            "a participant corrupted its contribution, nothing was published")
 
 
 def choose_linear_scale(matrix: Any, *, total_rows: int, epsilon: float, delta: float,

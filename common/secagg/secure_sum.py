@@ -1,63 +1,19 @@
-"""A secure, distributed-noise sum of integer site statistics: the site step and the decode.
+"""A secure, distributed-noise sum of integer site statistics: plans, site step, decode.
 
-One secure round, as a job runs it:
-
-1. *Keys.* Every participating site makes an ephemeral X25519 key pair, signs the public half
-   with its certificate key (:mod:`dpfed.common.secagg.keys`) and sends it; the coordinator
-   relays all signed keys, the sorted participant list and the public :class:`SecureSumPlan`.
-2. *Contribution* (:func:`site_contribution`). Each site refuses unless the plan meets its
-   policy (enough verified participants, a collusion tolerance at least its own), verifies every
-   peer's signed key, computes its exact integer statistic, adds its share of Skellam noise and
-   its pairwise masks, and sends the masked vector — which on its own is uniform in Z_(2^64).
-3. *Decode* (:func:`decode_sum`). The coordinator adds the masked vectors; the masks cancel and
-   it learns only the noisy pooled statistic. A participant missing from step 3 leaves masks
-   uncancelled: the round is aborted and retried with fresh keys (see
-   :mod:`dpfed.common.secagg.masking`).
-
-Privacy
--------
-Replace-one at one site. With every row rounded into the public integer ball ``||z|| <= B``
-(:func:`dpfed.common.secagg.fixed_point.conditional_round`), the sensitivities of the pooled
-integer statistic are those of one row's contribution: a sum of rows has L2 ``2 B`` and L1
-``2 B sqrt(d)``; the upper triangle of a Gram matrix ``sum z z^T`` has L2 ``sqrt(2) B^2`` (two
-orthogonal rows on the sphere of radius B) and L1 ``(d + 1) B^2``. The plan's ``mu_total`` is
-calibrated with the Skellam accountant for those sensitivities; each site adds
-``Sk(mu_total / (n - t))`` so that the honest sites' shares alone, ``n - t`` of them, carry at
-least ``mu_total`` even if ``t`` other parties (the coordinator among them) pool what they know.
-Every site charges the pooled guarantee ``(epsilon, delta)`` to its own ledger.
-
-*Counts* (``statistic="counts"``, :func:`plan_counts`): each row adds exactly one to one cell
-of each of ``C`` public groups of cells (the per-column histograms of the ``synth`` job), so a
-row's contribution is an integer vector of norm ``sqrt(C)`` that needs neither scaling nor
-rounding (scale 1, ``B = sqrt(C)`` exactly). Replacing one row moves, in every group, one count
-down and another up (or nothing): L2 ``sqrt(2 C) = sqrt(2) B`` and L1 ``2 C = 2 B^2``. No
-wrap: every pooled cell lies in ``[0, N]`` (``N`` the public pooled row count), so the sum
-cannot wrap while ``N`` plus the noise's tail bound stays below ``2^62``.
-
-*Weighted counts* (``statistic="weighted_counts"``, :func:`plan_weighted_counts`): as counts,
-but every row adds a public integer weight ``m_j >= 1`` (instead of one) to one cell of group
-``j`` (the ``synth`` job's link histograms, weighted by their cells so that dividing the pooled
-sum by ``m_j`` leaves less noise on columns with more cells). One row's contribution has the
-exact norm ``B = sqrt(sum_j m_j^2)`` (``row_norm``; ``B^2`` an integer). Replacing one row moves,
-in every group, ``m_j`` down in one cell and up in another: L2 ``sqrt(2) B``; L1 ``2 sum_j m_j``,
-which the plan bounds by ``2 B^2`` (``m_j <= m_j^2`` for integers ``m_j >= 1``: a conservative
-L1, slightly more noise than needed). No wrap: every pooled cell lies in ``[0, N max_j m_j]``
-with ``max_j m_j <= B``, and the plan is refused unless ``N B`` plus the noise's tail bound
-stays below ``2^62``.
-
-*Scores* (``statistic="scores"``, :func:`plan_scores`): an integer vector whose every entry
-moves by at most a public ``b`` when one row is replaced and lies in ``[0, b N_s]`` at a site
-of ``N_s`` rows (the floored dependence scores of the ``synth`` job's column pairs, ``b = 2``:
-an L1 distance between a count table of total ``N_s`` and a fixed one). ``row_norm = b``
-(a positive integer); scale 1, no rounding, ``B = b``. L2 ``b sqrt(d)``, L1 ``b d``. No wrap:
-every pooled entry lies in ``[0, b N]``.
+A sum's public :class:`SecureSumPlan` (statistic, scale, row bound, Skellam variance,
+participants, tolerated colluders) is computed by the coordinator and recomputed by every
+site from the public scale, so a site's noise never depends on a number it cannot check.
+:func:`site_contribution` adds a site's Skellam share and pairwise masks to its exact
+statistic; :func:`decode_integer_sum` adds the masked vectors (the masks cancel) and
+:func:`check_decoded` refuses a decoded sum no honest run can produce. The protocol, every
+statistic's sensitivity and the no-wrap argument are in docs/secure-aggregation.md.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from scipy.linalg.blas import dsyrk
 
-from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.errors import ImpossibleSumError, ProtocolError, ValidationError
+from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
     SAFE_ABS,
@@ -84,8 +41,10 @@ __all__ = [
     "PLANNERS",
     "STATISTICS",
     "SecureSumPlan",
+    "check_decoded",
     "check_participants",
     "count_groups",
+    "decode_integer_sum",
     "decode_sum",
     "integer_gram_upper",
     "integer_row_sum",
@@ -151,6 +110,21 @@ class SecureSumPlan:
         """Length of the contributed vector."""
         d = self.dim
         return d * (d + 1) // 2 if self.statistic == "gram" else d
+
+    @property
+    def degree(self) -> int:
+        """The statistic's degree in the fixed-point scale (2 for a Gram matrix, else 1)."""
+        return STATISTICS[self.statistic]
+
+    def cost(self) -> PrivacyCost:
+        """Return what every participant's ledger is charged for the sum: the pooled guarantee.
+
+        The mechanism name records the mode, the number of participants and ``t``.
+        """
+        cal = self.calibration
+        return PrivacyCost(cal.epsilon, cal.delta, cal.cost().rho,
+                           f"secure-skellam[n={len(self.participants)},t={self.tolerated}]",
+                           cal.l2_sensitivity, self.share ** 0.5)
 
     @property
     def share(self) -> float:
@@ -367,7 +341,7 @@ def plan_scores(*, dim: int, total_rows: int, epsilon: float, delta: float,
     a site sums must satisfy (a) replacing one of its rows moves every entry by at most ``b``
     and (b) every entry lies in ``[0, b N_s]``, ``N_s`` the site's public row count — as a
     sum over rows of per-row terms in ``[0, b]`` does, and the ``synth`` job's floored
-    dependence scores do with ``b = 2`` (:mod:`dpfed.site_agent.handlers.synth_secure`, which
+    dependence scores do with ``b = 2`` (:mod:`dpfed.common.jobs.synth_pairs`, which
     clips into that range). The pooled entries then lie in ``[0, b N]``, ``N = total_rows``.
 
     Privacy
@@ -539,15 +513,116 @@ def site_contribution(statistic: np.ndarray, *, plan: SecureSumPlan, own_id: str
     return apply_masks(to_ring(noisy), own_id=own_id, seeds=seeds)
 
 
-def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndarray:
-    """Sum every participant's masked vector and decode the noisy pooled statistic (real units).
+def decode_integer_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndarray:
+    """Sum every participant's masked vector: the noisy pooled integer statistic (int64).
 
-    Returns the Gram's upper triangle divided by ``scale^2`` (or the row sum divided by
-    ``scale``; counts and scores as they are), i.e. in the units of the original rows.
+    Raises
+    ------
+    ProtocolError
+        A participant's contribution is missing (the masks cannot cancel).
+    ImpossibleSumError
+        The sum lies outside the ring's safe range (no honest run gets there).
     """
     if set(masked) != set(plan.participants):
         missing = sorted(set(plan.participants) - set(masked))
         raise ProtocolError(f"secure sum incomplete: no contribution from {missing}; the masks "
                             "cannot cancel, retry the round with fresh keys")
-    total = from_ring(sum_masked([masked[s] for s in plan.participants]))
-    return total.astype(np.float64) / plan.scale ** STATISTICS[plan.statistic]
+    try:
+        return from_ring(sum_masked([masked[s] for s in plan.participants]))
+    except ValidationError as exc:
+        raise ImpossibleSumError(f"{ImpossibleSumError.REASON}: {exc}") from None
+
+
+def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndarray:
+    """Return the noisy pooled statistic in the units of the original rows (float64).
+
+    The Gram's upper triangle divided by ``scale^2``, a row sum by ``scale``; counts and
+    scores as they are.
+    """
+    return decode_integer_sum(masked, plan).astype(np.float64) / plan.scale ** plan.degree
+
+
+def check_decoded(total: np.ndarray, plan: SecureSumPlan, n_rows: int, *,
+                  groups: Sequence[int] = (), weights: Sequence[int] = ()) -> None:
+    """Refuse a decoded integer sum that no honest run of ``plan`` over ``n_rows`` rows gives.
+
+    Honest sites sum rows within the plan's bound, so the exact pooled statistic lies in a
+    set the public row count and the statistic determine (docs/secure-aggregation.md,
+    "Decoded sums are checked"); the noise adds at most ``skellam_tail`` to an entry but with
+    probability ``2^-60``. Counts: every row adds ``weights[k]`` (default 1) to one cell of
+    each group of ``groups[k]`` cells, so each group sums to ``n_rows * weights[k]``.
+
+    Raises
+    ------
+    ImpossibleSumError
+        Naming the bound the sum breaks and ``impossible_secure_sum``.
+    """
+    t = np.asarray(total, dtype=np.float64)
+    n = float(n_rows)
+    var = plan.pooled_variance
+    tail = skellam_tail(var, max(plan.n_values, 1))
+
+    def refuse(what: str) -> None:
+        raise ImpossibleSumError(
+            f"{ImpossibleSumError.REASON}: the decoded secure {plan.statistic} sum {what}, "
+            f"which no honest run over {n_rows} rows can produce (the noise allows "
+            f"{tail:.4g}); a participant corrupted its contribution, nothing was published")
+
+    if t.shape != (plan.n_values,):
+        refuse(f"has shape {t.shape}")
+    b = plan.bound
+    if plan.statistic == "gram":
+        _check_gram(t, plan.dim, n * b * b, tail, skellam_tail(var * plan.dim, 1), refuse)
+    elif plan.statistic == "row_sum":
+        if float(np.max(np.abs(t))) > n * b + tail:
+            refuse(f"has an entry {float(np.max(np.abs(t))):.4g} above {n * b:.4g}")
+        if float(np.linalg.norm(t)) > n * b + math.sqrt(plan.dim) * tail:
+            refuse(f"has norm {float(np.linalg.norm(t)):.4g} above {n * b:.4g}")
+    elif plan.statistic in ("counts", "weighted_counts", "scores"):
+        top = n * (b if plan.statistic in ("weighted_counts", "scores") else 1.0)
+        if float(np.min(t)) < -tail or float(np.max(t)) > top + tail:
+            refuse(f"has entries in [{float(np.min(t)):.4g}, {float(np.max(t)):.4g}] outside "
+                   f"[0, {top:.4g}]")
+        _check_groups(t, n, groups, weights, var, refuse)
+
+
+def _check_gram(t: np.ndarray, dim: int, most: float, tail: float, trace_tail: float,
+                refuse: Callable[[str], None]) -> None:
+    """Refuse an upper triangle of ``sum z z^T`` (``||z|| <= B``) that no PSD matrix gives.
+
+    The exact matrix is PSD with trace at most ``N B^2`` (``most``), so every 2 x 2 minor
+    is PSD too.
+    """
+    g = np.zeros((dim, dim))
+    g[np.triu_indices(dim)] = t
+    diag = np.diag(g).copy()
+    if float(np.min(diag)) < -tail or float(np.max(diag)) > most + tail:
+        refuse(f"has a diagonal entry in [{float(np.min(diag)):.4g}, "
+               f"{float(np.max(diag)):.4g}] outside [0, {most:.4g}]")
+    trace = float(np.sum(diag))
+    if trace > most + trace_tail:
+        refuse(f"has trace {trace:.4g} above {most:.4g}")
+    upper = np.abs(np.triu(g, 1))
+    room = np.sqrt(np.outer(np.clip(diag, 0.0, None) + tail, np.clip(diag, 0.0, None) + tail))
+    over = upper > np.triu(np.minimum(room, most / 2.0 + tail), 1) + tail
+    if np.any(over):
+        i, j = (int(v[0]) for v in np.nonzero(over))
+        refuse(f"has an off-diagonal entry ({i}, {j}) of {float(upper[i, j]):.4g}, more than "
+               "its diagonal entries allow")
+
+
+def _check_groups(t: np.ndarray, n: float, groups: Sequence[int], weights: Sequence[int],
+                  var: float, refuse: Callable[[str], None]) -> None:
+    """Each group of counts sums to ``n`` times its weight."""
+    if not groups:
+        return
+    if sum(groups) != t.shape[0]:
+        refuse(f"has {t.shape[0]} cells, not the {sum(groups)} of its groups")
+    start = 0
+    for k, size in enumerate(groups):
+        weight = float(weights[k]) if weights else 1.0
+        total = float(np.sum(t[start:start + size]))
+        slack = skellam_tail(var * size, len(groups))
+        if abs(total - n * weight) > slack:
+            refuse(f"has a group of cells summing to {total:.4g}, not {n * weight:.4g}")
+        start += size

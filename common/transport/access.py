@@ -17,8 +17,9 @@ and re-read by the processes that use them whenever they change (no restart):
     reason = "replaced by 'dpfed certs issue --force'"
 
 ``sites/<id>/revoked.toml`` (in every site kit, and ``revoked.toml`` at the federation root):
-the same ``[[revoked]]`` entries without the lists; a site refuses a coordinator whose
-certificate is listed there.
+the same ``[[revoked]]`` entries and the ``sites`` list (not the analysts): a site refuses a
+coordinator whose certificate is revoked, and a secure round with a peer that is revoked or
+not one of the federation's ``sites`` (:mod:`dpfed.common.secagg.policy`).
 
 ``dpfed certs init`` writes both with every id it issues; ``issue`` adds the new id (and
 revokes the certificate it replaces under ``--force``); ``revoke`` adds the current
@@ -83,7 +84,7 @@ class Revoked:
 
 @dataclass(frozen=True)
 class AccessList:
-    """The content of ``access.toml`` (or of ``revoked.toml``: lists left empty).
+    """The content of ``access.toml`` (or of ``revoked.toml``: no analysts list).
 
     Attributes
     ----------
@@ -191,11 +192,17 @@ def read_access_list(path: str | os.PathLike[str]) -> AccessList:
     return parse_access_list(text, str(p))
 
 
-def format_access_list(access: AccessList, *, lists: bool = True) -> str:
-    """Return the TOML text of ``access`` (``lists=False``: the revocation list only)."""
+#: The id lists of ``access.toml``; a site's ``revoked.toml`` carries only ``sites``.
+ALL_LISTS: tuple[str, ...] = ("sites", "analysts")
+SITE_LISTS: tuple[str, ...] = ("sites",)
+
+
+def format_access_list(access: AccessList, *, lists: tuple[str, ...] = ALL_LISTS) -> str:
+    """Return the TOML text of ``access`` with the id lists named in ``lists`` (and revocations)."""
     out = ["# Maintained by 'dpfed certs init/issue/revoke'; read again whenever it changes."]
-    if lists:
+    if "sites" in lists:
         out.append(f"sites = {json.dumps(list(access.sites))}")
+    if "analysts" in lists:
         out.append(f"analysts = {json.dumps(list(access.analysts))}")
     for r in access.revoked:
         out += ["", "[[revoked]]", f"fingerprint = {json.dumps(r.fingerprint)}",
@@ -205,7 +212,7 @@ def format_access_list(access: AccessList, *, lists: bool = True) -> str:
 
 
 def write_access_list(path: str | os.PathLike[str], access: AccessList, *,
-                      lists: bool = True) -> None:
+                      lists: tuple[str, ...] = ALL_LISTS) -> None:
     """Write ``access`` to ``path`` atomically (a reader never sees half a file)."""
     p = Path(path)
     tmp = p.parent / f".{p.name}.{secrets.token_hex(6)}.tmp"
@@ -302,7 +309,8 @@ def publish_federation_access(root: str | os.PathLike[str], access: AccessList) 
     """Write ``access`` to every file of the federation directory that carries it.
 
     ``coordinator/access.toml`` gets the lists and the revocations; ``revoked.toml`` at the
-    root and in every site kit gets the revocations. Returns the paths written.
+    root and in every site kit gets the revocations and the site list (what a site checks its
+    secure-round peers against). Returns the paths written.
     """
     base = Path(root)
     written = []
@@ -310,12 +318,12 @@ def publish_federation_access(root: str | os.PathLike[str], access: AccessList) 
     if coordinator_dir.is_dir():
         write_access_list(coordinator_dir / ACCESS_FILE, access)
         written.append(coordinator_dir / ACCESS_FILE)
-    write_access_list(base / REVOCATION_FILE, access, lists=False)
+    write_access_list(base / REVOCATION_FILE, access, lists=SITE_LISTS)
     written.append(base / REVOCATION_FILE)
     sites_dir = base / "sites"
     if sites_dir.is_dir():
         for kit in sorted(p for p in sites_dir.iterdir() if p.is_dir()):
-            write_access_list(kit / REVOCATION_FILE, access, lists=False)
+            write_access_list(kit / REVOCATION_FILE, access, lists=SITE_LISTS)
             written.append(kit / REVOCATION_FILE)
     return written
 

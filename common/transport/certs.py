@@ -23,7 +23,7 @@ Layout written by :func:`init_federation` (and extended by :func:`issue_certific
             analyst.key               0600
             ca.pem                    copy of the CA certificate
         coordinator/access.toml       allow-lists (site and analyst ids) and revocations
-        revoked.toml                  the revocation list, also copied to sites/<id>/
+        revoked.toml                  revocations and site ids, also copied to sites/<id>/
 
 The two access files are described in :mod:`dpfed.common.transport.access`: ``init`` writes
 them with the ids it issues, ``issue`` adds its id (and under ``force`` revokes the

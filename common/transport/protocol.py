@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,59 @@ from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
 #: Bumped when a change to the messages is not backwards compatible.
 PROTOCOL_VERSION = 1
 
-JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed")
+
+
+class JobState(StrEnum):
+    """Where a job is: submitted, running, or finished one way or the other."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        """Whether the job has reached its final state."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class SiteStatus(StrEnum):
+    """How a site took part in a job (its outcome's status)."""
+
+    OK = "ok"
+    REFUSED = "refused"
+    TIMEOUT = "timeout"
+    DISCONNECTED = "disconnected"
+    ERROR = "error"
+
+
+class RefusalCode(StrEnum):
+    """Why a site refused a task, or why the coordinator left a site out of a job.
+
+    The site sends the code with its refusal; the coordinator records it with the site's
+    outcome, so nothing downstream parses a reason string.
+    """
+
+    BUDGET_EXCEEDED = "budget_exceeded"
+    NOT_ALLOWED = "not_allowed"
+    INVALID = "invalid"
+    CONFLICT = "conflict"
+    DEADLINE = "deadline"
+    INTERNAL = "internal"
+    #: The coordinator cancelled the task's job before the task started (nothing charged).
+    CANCELLED = "cancelled"
+    #: A code this version does not know (a newer site's): still a refusal, counted apart.
+    OTHER = "other"
+
+    @classmethod
+    def of_ledger(cls, reason: str) -> RefusalCode:
+        """Return the code of a refusal reason the site's ledger stored.
+
+        The ledger's stored reasons predate the codes: ``idempotency_conflict`` is
+        :attr:`CONFLICT`.
+        """
+        return cls.CONFLICT if reason == "idempotency_conflict" else cls(reason)
 
 
 def _canonical(value: Any) -> Any:
@@ -81,7 +134,7 @@ class Refusal:
     """A site declined a task; nothing was charged."""
 
     task_id: str
-    code: str
+    code: RefusalCode
     reason: str
 
 
@@ -135,13 +188,20 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class SiteOutcome:
-    """How one site took part in a job."""
+    """How one site took part in a job.
+
+    ``code`` says why a site that is not "ok" was refused (None for the other statuses);
+    ``left_out`` marks a site the coordinator left out before the job's first round (a
+    decision a resumed job re-applies instead of taking it again).
+    """
 
     site_id: str
-    status: str
+    status: SiteStatus
     reason: str = ""
     spend: PrivacyCost | None = None
     row_count: int = 0
+    code: RefusalCode | None = None
+    left_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +210,7 @@ class JobInfo:
 
     job_id: str
     spec: JobSpec
-    state: str
+    state: JobState
     created: str
     updated: str
     error: str = ""
@@ -169,5 +229,5 @@ class JobEvent:
     stage: str
     message: str
     progress: float
-    state: str
+    state: JobState
     job: JobInfo | None = None

@@ -16,24 +16,27 @@ from typing import Any
 import numpy as np
 from google.protobuf import struct_pb2
 
-from dpfed.common.errors import ProtocolError
+from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.pb.v1 import analyst_pb2, site_link_pb2, types_pb2
 from dpfed.common.pb.v1.analyst_pb2 import JobInfo as ProtoJobInfo
 from dpfed.common.pb.v1.types_pb2 import Chunk as ProtoChunk
 from dpfed.common.pb.v1.types_pb2 import NDArray as ProtoNDArray
 from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
 from dpfed.common.transport.protocol import (
-    JOB_STATES,
     JobEvent,
     JobInfo,
     JobSpec,
+    JobState,
     Refusal,
+    RefusalCode,
     SiteHello,
     SiteInfo,
     SiteOutcome,
+    SiteStatus,
     Task,
     TaskResult,
 )
+from dpfed.common.validation import MIN_DELTA
 
 #: dtypes allowed on the wire (little-endian numerics and booleans only: no objects, no strings).
 ALLOWED_DTYPES = frozenset({"<f8", "<f4", "<i8", "<i4", "<i2", "|i1", "|u1", "<u2", "<u4",
@@ -194,8 +197,23 @@ def task_from_bytes(data: bytes) -> Task:
         raise ProtocolError(f"task payload is not a TaskSpec: {exc}") from None
     if not msg.task_id or not msg.kind:
         raise ProtocolError("task payload lacks task_id or kind")
+    check_task_privacy(msg.epsilon, msg.delta)
     return Task(msg.task_id, msg.job_id, msg.kind, msg.epsilon, msg.delta,
                 struct_from_proto(msg.params), arrays_from_proto(msg.arrays), msg.analyst_id)
+
+
+def check_task_privacy(epsilon: float, delta: float) -> None:
+    """Refuse a task's (epsilon, delta) that no mechanism can be calibrated to.
+
+    Raises ValidationError (the site refuses the task as ``invalid``): epsilon must be finite
+    and >= 0; delta 0 or in [MIN_DELTA, 1) -- a subnormal delta such as 1e-320 would overflow
+    the Gaussian calibrations.
+    """
+    if not math.isfinite(epsilon) or epsilon < 0.0:
+        raise ValidationError(f"the task's epsilon must be finite and >= 0, got {epsilon!r}")
+    if not (delta == 0.0 or MIN_DELTA <= delta < 1.0):
+        raise ValidationError(f"the task's delta must be 0 or in [{MIN_DELTA:g}, 1), got "
+                              f"{delta!r}")
 
 
 def result_to_bytes(result: TaskResult) -> bytes:
@@ -288,6 +306,10 @@ class Reassembler:
         """Number of transfers in progress."""
         return len(self._parts)
 
+    def in_progress(self) -> list[str]:
+        """Ids of the transfers in progress."""
+        return list(self._parts)
+
 
 # --------------------------------------------------------------------------- site link
 
@@ -327,28 +349,34 @@ def refusal_to_proto(refusal: Refusal) -> site_link_pb2.Refusal:
 
 def refusal_from_proto(msg: site_link_pb2.Refusal) -> Refusal:
     """Decode a refusal."""
-    return Refusal(msg.task_id, msg.code, msg.reason)
+    try:
+        code = RefusalCode(msg.code)
+    except ValueError:  # a newer site's code: the task is refused all the same
+        code = RefusalCode.OTHER
+    return Refusal(msg.task_id, code, msg.reason)
 
 
 # --------------------------------------------------------------------------- analyst
 
 _STATE_TO_PROTO = {
-    "pending": analyst_pb2.JOB_STATE_PENDING,
-    "running": analyst_pb2.JOB_STATE_RUNNING,
-    "succeeded": analyst_pb2.JOB_STATE_SUCCEEDED,
-    "failed": analyst_pb2.JOB_STATE_FAILED,
+    JobState.PENDING: analyst_pb2.JOB_STATE_PENDING,
+    JobState.RUNNING: analyst_pb2.JOB_STATE_RUNNING,
+    JobState.SUCCEEDED: analyst_pb2.JOB_STATE_SUCCEEDED,
+    JobState.FAILED: analyst_pb2.JOB_STATE_FAILED,
+    JobState.CANCELLED: analyst_pb2.JOB_STATE_CANCELLED,
 }
 _STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
 
 
 def state_to_proto(state: str) -> analyst_pb2.JobState.ValueType:
-    """Map a job state name to its enum value."""
-    if state not in JOB_STATES:
-        raise ProtocolError(f"unknown job state {state!r}")
-    return _STATE_TO_PROTO[state]
+    """Map a job state to its enum value."""
+    try:
+        return _STATE_TO_PROTO[JobState(state)]
+    except ValueError:
+        raise ProtocolError(f"unknown job state {state!r}") from None
 
 
-def state_from_proto(value: int) -> str:
+def state_from_proto(value: int) -> JobState:
     """Map a job state enum value to its name."""
     try:
         return _STATE_FROM_PROTO[value]  # type: ignore[index]
@@ -372,7 +400,8 @@ def job_spec_from_proto(msg: analyst_pb2.JobSpec) -> JobSpec:
 def site_outcome_to_proto(o: SiteOutcome) -> analyst_pb2.SiteOutcome:
     """Serialize a site's outcome in a job."""
     msg = analyst_pb2.SiteOutcome(site_id=o.site_id, status=o.status, reason=o.reason,
-                                  row_count=o.row_count)
+                                  row_count=o.row_count, code=o.code or "",
+                                  left_out=o.left_out)
     if o.spend is not None:
         msg.spend.CopyFrom(cost_to_proto(o.spend))
     return msg
@@ -381,7 +410,14 @@ def site_outcome_to_proto(o: SiteOutcome) -> analyst_pb2.SiteOutcome:
 def site_outcome_from_proto(msg: analyst_pb2.SiteOutcome) -> SiteOutcome:
     """Decode a site's outcome in a job."""
     spend = cost_from_proto(msg.spend) if msg.HasField("spend") else None
-    return SiteOutcome(msg.site_id, msg.status, msg.reason, spend, msg.row_count)
+    try:
+        status = SiteStatus(msg.status)
+        code = RefusalCode(msg.code) if msg.code else None
+    except ValueError:
+        raise ProtocolError(f"unknown site status {msg.status[:40]!r} or code "
+                            f"{msg.code[:40]!r}") from None
+    return SiteOutcome(msg.site_id, status, msg.reason, spend, msg.row_count, code,
+                       msg.left_out)
 
 
 def job_info_to_proto(job: JobInfo) -> ProtoJobInfo:

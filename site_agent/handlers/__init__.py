@@ -1,33 +1,22 @@
-"""Task handlers: one plug-in per job kind, looked up by ``Task.kind``.
+"""What answers each task kind at the site.
 
-A handler turns a task into a :class:`~dpfed.site_agent.handlers.base.PreparedRelease`: it validates
-the parameters, does the exact (non-private) computation over the site's rows, and returns the
-release's privacy cost together with a function that draws the noise. The runner charges the
-ledger with that cost *before* calling the function, inside the same transaction that stores
-the released bytes.
+The rounds of the registered job kinds answer their task kinds
+(:class:`~dpfed.site_agent.handlers.base.RoundsHandler`); the secure sums' ``secagg`` kind
+is :class:`~dpfed.site_agent.handlers.secagg.SecureAggregationHandler`, which needs the
+site's certificate. A handler validates a task, computes the exact statistic and returns the
+release with its charge; the runner charges the ledger before the noise is drawn.
 """
 
 from __future__ import annotations
 
-from dpfed.site_agent.handlers.base import (
-    DataAccess,
-    PreparedContinuation,
-    PreparedRelease,
-    TaskHandler,
-)
-from dpfed.site_agent.handlers.pca import PCAHandler
-from dpfed.site_agent.handlers.query import QueryHandler
-from dpfed.site_agent.handlers.svt import SVTHandler
-from dpfed.site_agent.handlers.synth import (
-    SynthEvaluationHandler,
-    SynthHandler,
-    SynthRowsHandler,
-)
-from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
+from dpfed.common.jobs.contract import DataAccess, Release
+from dpfed.common.jobs.registry import task_kinds
+from dpfed.site_agent.handlers.base import RoundsHandler, TaskHandler
 
-#: kind -> handler; adding a job kind means adding a handler here.
-HANDLERS: dict[str, TaskHandler] = {h.kind: h for h in (
-    PCAHandler(), SVTHandler(), QueryHandler(), SynthHandler(), SynthRowsHandler(),
-    SynthEvaluationHandler(), SynthEvaluationSummaryHandler())}
 
-__all__ = ["HANDLERS", "DataAccess", "PreparedContinuation", "PreparedRelease", "TaskHandler"]
+def default_handlers() -> dict[str, TaskHandler]:
+    """One handler for every task kind of the registered job kinds (not ``secagg``)."""
+    return {kind: RoundsHandler() for kind in task_kinds()}
+
+
+__all__ = ["DataAccess", "Release", "RoundsHandler", "TaskHandler", "default_handlers"]

@@ -1,39 +1,15 @@
 """Site step of secure aggregation: sign an ephemeral key, then send a noised and masked sum.
 
-Two stages of the kind ``secagg`` (see :mod:`dpfed.common.secagg.secure_sum` for the protocol
-and its privacy argument):
-
-``keys``
-    Make a fresh X25519 key pair for the sum task named in the parameters, sign its public half
-    with this site's certificate key, and return it with the certificate and the site's policy
-    (minimum participants, tolerated colluders). Nothing here depends on the data, so nothing is
-    charged; a retried keys task gets the same key back (kept in memory, never on disk — a site
-    restarted after the key exchange refuses the sum, and the coordinator retries the round with
-    fresh keys).
-``contribute``
-    Verify every participant's signed key against the federation CA, recompute the plan (bound,
-    sensitivity, noise variance) from the public scale and (epsilon, delta) — so the noise never
-    depends on a number the site cannot check — compute the exact integer statistic of the
-    task's ``source`` (:data:`CONTRIBUTION_SOURCES`: ``pca``, the default, ``query``,
-    ``synth_counts``, ``synth_latent``, ``synth_pair_scores`` or ``synth_pairs``; see
-    :mod:`dpfed.site_agent.handlers.secagg_sources`),
-    add this site's Skellam share and its
-    pairwise masks. Charged to the ledger with the pooled guarantee; the ledger's mechanism name
-    records the mode, the number of participants and the tolerated colluders. A source serving
-    a job kind the site does not allow is refused.
-
-Privacy
--------
-Replace-one at this site. ``pca``: rows are the PCA feature map's unit-ball rows (clip norm
-from the task), clipped to the public radius ``row_norm`` (centring happens at the coordinator,
-from a secure row sum); :func:`dpfed.common.secagg.secure_sum.plan_from_scale` derives the
-sensitivity of the pooled integer statistic from the rounded-row bound and calibrates the
-Skellam variance. ``query``: :mod:`dpfed.site_agent.handlers.secagg_query`. ``synth_counts``
-and ``synth_latent``: :mod:`dpfed.site_agent.handlers.synth_secure` (the synth job's exact
-per-column counts, L2 ``sqrt(2 C)`` and L1 ``2 C``, and its unit-ball latent rows);
-``synth_pair_scores`` and ``synth_pairs``: the same module (floored dependence scores, per-entry
-bound 2, L2 ``2 sqrt(P)``; the chosen pairs' tables, L2 ``sqrt(2 K)``). This site adds
-``mu / (n - t)``.
+Two stages of the kind ``secagg`` (docs/secure-aggregation.md has the protocol and its
+privacy argument). ``keys`` signs a fresh X25519 key for the sum task named in the
+parameters with the site's certificate key and returns it with the site's policy; nothing is
+read or charged, and a retried keys task gets the same key back (held in memory only: a site
+restarted after the key exchange refuses the sum, and the coordinator retries with fresh
+keys). ``contribute`` finds the round the task names (``source``, ``statistic``), lets it
+recompute the plan and bind its exact statistic, verifies every participant's signed key
+and that every participant is a listed, unrevoked site (``SecureAggregationPolicy.check_round``),
+and adds this site's Skellam share ``mu / (n - t)`` and its pairwise masks; the ledger charges
+the pooled guarantee first.
 """
 
 from __future__ import annotations
@@ -42,7 +18,7 @@ import copy
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,18 +28,16 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from dpfed.common.errors import AuthenticationError, DataError, ProtocolError, ValidationError
-from dpfed.common.pca.features import UnitBallMap
+from dpfed.common.errors import ValidationError
+from dpfed.common.jobs.contract import DataAccess, Free, NewCharge, Release, Site
+from dpfed.common.jobs.registry import secure_round
+from dpfed.common.jobs.release import require_rows
 from dpfed.common.privacy.accounting import PrivacyCost
-from dpfed.common.secagg.keys import (
-    SignedKey,
-    generate_ephemeral,
-    sign_ephemeral,
-    verify_signed_key,
-)
+from dpfed.common.secagg.keys import SignedKey, generate_ephemeral, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import site_contribution
+from dpfed.common.secagg.policy import SecureAggregationPolicy
+from dpfed.common.secagg.secure_sum import SecureSumPlan, site_contribution
 from dpfed.common.transport.certs import (
     parse_certificates,
     parse_private_key,
@@ -71,22 +45,8 @@ from dpfed.common.transport.certs import (
     read_pem_file,
 )
 from dpfed.common.transport.protocol import Task, TaskResult
-from dpfed.common.validation import check_choice, check_int, check_positive
-from dpfed.site_agent.handlers.base import DataAccess, PreparedRelease, TaskHandler
-from dpfed.site_agent.handlers.secagg_query import QUERY_SOURCE
-from dpfed.site_agent.handlers.secagg_sources import (
-    Contribution,
-    ContributionSource,
-    planned_contribution,
-    row_statistic,
-)
-from dpfed.site_agent.handlers.synth_secure import (
-    SYNTH_COUNTS_SOURCE,
-    SYNTH_LATENT_SOURCE,
-    SYNTH_PAIR_SCORES_SOURCE,
-    SYNTH_PAIRS_SOURCE,
-)
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
+from dpfed.common.validation import check_int
+from dpfed.site_agent.handlers.base import TaskHandler
 
 log = logging.getLogger(__name__)
 
@@ -120,37 +80,39 @@ class SiteIdentity:
 class SecureAggregationHandler(TaskHandler):
     """The ``secagg`` kind: the ``keys`` and ``contribute`` stages of one secure sum."""
 
-    kind = "secagg"
-
     def __init__(self, identity: SiteIdentity, policy: SecureAggregationPolicy,
                  allowed_kinds: tuple[str, ...] | None = None) -> None:
         self.identity = identity
         self.policy = policy
-        #: The site's allowed job kinds; a source serving another kind is refused (None: any).
+        #: The site's allowed job kinds; a round of another kind is refused (None: any).
         self.allowed_kinds = allowed_kinds
         self._pending: OrderedDict[str, tuple[X25519PrivateKey, SignedKey]] = OrderedDict()
         self._lock = threading.Lock()
-        #: The site's state directory (the ledger's), set by :meth:`for_site`; sources that
-        #: keep site secrets there (the synth evaluation holdout) read it.
-        self.state_dir: Path | None = None
+        #: The site's ledger, set by :meth:`for_site`; rounds that keep site secrets beside it
+        #: (the synth evaluation holdout) read them.
+        self.ledger_path: Path | None = None
 
     def for_site(self, ledger_path: Path) -> TaskHandler:
-        """Return a copy bound to the directory of ``ledger_path`` (pending keys shared)."""
+        """Return a copy bound to the site whose ledger is ``ledger_path`` (keys shared)."""
         bound = copy.copy(self)
-        bound.state_dir = Path(ledger_path).parent
+        bound.ledger_path = Path(ledger_path)
         return bound
 
-    # ------------------------------------------------------------------ keys (no data)
-    def responds_without_data(self, task: Task) -> bool:
-        """Return True for the ``keys`` stage (no data read, nothing charged)."""
-        return task.params.get("stage") == "keys"
-
-    def respond(self, task: Task) -> TaskResult:
-        """Answer the ``keys`` stage: sign a fresh ephemeral key for the named sum task."""
+    def prepare(self, task: Task, data: DataAccess) -> Release:
+        """Prepare the ``keys`` stage (free) or the ``contribute`` stage (charged)."""
         if self.policy.mode == "off":
             raise ValidationError("this site's policy does not take part in secure aggregation")
-        if task.params.get("stage") != "keys":
-            raise ValidationError("a secagg task without data must be the 'keys' stage")
+        stage = task.params.get("stage")
+        if stage == "keys":
+            answer = self._keys(task)
+            return Release(Free(), lambda _rng: answer)
+        if stage != "contribute":
+            raise ValidationError("stage must be 'keys' or 'contribute' for a secagg task")
+        return self._contribute(task, data)
+
+    # ------------------------------------------------------------------ keys (no data)
+    def _keys(self, task: Task) -> TaskResult:
+        """Sign a fresh ephemeral key for the named sum task (the same one on a retry)."""
         context = self._context(task.params)
         with self._lock:
             held = self._pending.get(context.task_id)
@@ -163,8 +125,7 @@ class SecureAggregationHandler(TaskHandler):
                 while len(self._pending) > _MAX_PENDING:
                     self._pending.popitem(last=False)
                 held = (key, signed)
-        log.info("[SecureAggregationHandler.keys] task=%s signed an ephemeral key for %s",
-                 task.task_id, context.task_id)
+        log.info("task=%s signed an ephemeral key for %s", task.task_id, context.task_id)
         return TaskResult(task.task_id, PrivacyCost(0.0, 0.0, 0.0, "secagg-keys"),
                           signed_key_arrays(held[1]),
                           {"min_participants": self.policy.min_participants,
@@ -180,13 +141,9 @@ class SecureAggregationHandler(TaskHandler):
         return MaskContext(str(job_id), str(round_name), str(sum_task))
 
     # ------------------------------------------------------------------ contribute
-    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
-        """Prepare the ``contribute`` stage: verify every key, plan, and price the release."""
+    def _contribute(self, task: Task, data: DataAccess) -> Release:
+        """Verify every key, let the round plan and bind its statistic, price the release."""
         p = task.params
-        if p.get("stage") != "contribute":
-            raise ValidationError("stage must be 'contribute' for a charged secagg task")
-        if self.policy.mode == "off":
-            raise ValidationError("this site's policy does not take part in secure aggregation")
         context = MaskContext(task.job_id, str(p.get("sum_round", "")), task.task_id)
         with self._lock:
             held = self._pending.get(task.task_id)
@@ -197,15 +154,14 @@ class SecureAggregationHandler(TaskHandler):
         if not isinstance(participants, list) or not all(isinstance(s, str)
                                                          for s in participants):
             raise ValidationError("participants must be a list of site ids")
-        source = check_choice(p.get("source", "pca"), "source", tuple(CONTRIBUTION_SOURCES))
-        registered = CONTRIBUTION_SOURCES[source]
-        if self.allowed_kinds is not None and registered.job_kind not in self.allowed_kinds:
+        source = p.get("source", "pca")
+        kind, rnd = secure_round(str(source), str(p.get("statistic")))
+        if self.allowed_kinds is not None and kind.name not in self.allowed_kinds:
             raise ValidationError(f"secure round refused: this site does not run "
-                                  f"{registered.job_kind!r} jobs (allowed: "
+                                  f"{kind.name!r} jobs (allowed: "
                                   f"{', '.join(self.allowed_kinds)})")
-        contribution = registered.build(task, data, participants,
-                                        check_int(p.get("tolerated"), "tolerated", minimum=0),
-                                        site_dir=self.state_dir)
+        contribution = rnd.contribution(task, Site(data, self.ledger_path), participants,
+                                        check_int(p.get("tolerated"), "tolerated", minimum=0))
         plan = contribution.plan
         try:
             signed = {s: signed_key_from_arrays(task.arrays, s) for s in plan.participants}
@@ -215,74 +171,34 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError("secure round refused: the relayed key of this site is not "
                                   "the one it signed")
 
-        if len(plan.participants) < self.policy.min_participants:
-            raise ValidationError(f"secure round refused: {len(plan.participants)} participants; "
-                                  f"this site's policy requires at least "
-                                  f"{self.policy.min_participants}")
         if plan.tolerated < self.policy.tolerated:
             raise ValidationError(f"secure round refused: noise sized for {plan.tolerated} "
                                   f"colluding parties; this site's policy requires "
                                   f"{self.policy.tolerated}")
-        cost = PrivacyCost(plan.calibration.epsilon, plan.calibration.delta,
-                           plan.calibration.cost().rho,
-                           f"secure-skellam[n={len(plan.participants)},t={plan.tolerated}]",
-                           plan.calibration.l2_sensitivity, plan.share ** 0.5)
-        try:  # every peer's key is checked before the ledger is touched
-            for s in plan.participants:
-                verify_signed_key(signed[s], context=context, ca=self.identity.ca)
-        except (ProtocolError, AuthenticationError) as exc:
-            log.warning("[SecureAggregationHandler.prepare] task=%s refused: %s",
-                        task.task_id, exc)
-            raise ValidationError(f"secure round refused: {exc}") from None
+        cost = plan.cost()
+        try:  # every peer is verified, listed and unrevoked before the ledger is touched
+            self.policy.check_round(plan.participants, signed, context=context,
+                                    ca=self.identity.ca)
+        except ValidationError as exc:
+            log.warning("task=%s %s", task.task_id, exc)
+            raise
 
-        def release(rng: np.random.Generator) -> TaskResult:
+        def produce(rng: np.random.Generator) -> TaskResult:
             stat, n_rows = contribution.compute(rng)
-            if n_rows == 0:  # raised inside the ledger's transaction: nothing is charged
-                raise DataError("the site has no valid rows to compute a summary from")
-            masked = site_contribution(stat, plan=plan, own_id=self.identity.site_id,
-                                       own_key=held[0], signed_keys=signed, context=context,
-                                       ca=self.identity.ca,
-                                       min_participants=self.policy.min_participants,
-                                       tolerated=self.policy.tolerated, rng=rng)
+            require_rows(n_rows)  # raised inside the ledger's transaction: nothing is charged
+            masked = self.masked(stat, plan, held[0], signed, context, rng)
             return TaskResult(task.task_id, cost, {"masked": masked},
                               {"n_rows": n_rows, "statistic": plan.statistic, "source": source,
                                **contribution.metadata})
 
-        return PreparedRelease(cost, release)
+        return Release(NewCharge(cost), produce)
 
-
-def pca_contribution(task: Task, data: DataAccess, participants: list[str],
-                     tolerated: int, *, site_dir: Path | None = None) -> Contribution:
-    """Build the ``pca`` source: the exact integer Gram or row sum of the feature map's rows.
-
-    Rows are the unit-ball rows of :class:`dpfed.common.pca.features.UnitBallMap` (clip norm
-    from the task), scaled onto the public radius ``row_norm`` where longer, and rounded into
-    the plan's ball.
-    """
-    del site_dir  # no site state: the statistic depends on the task and the rows only
-    unit = UnitBallMap(data.schema, clip_norm=task.params.get("clip_norm"))
-    row_norm = check_positive(task.params.get("row_norm", 1.0), "row_norm")
-
-    def rows(_rng: np.random.Generator) -> Iterator[np.ndarray]:
-        for table, _report in data.iter_chunks():
-            x, _clipped = unit.transform(table)
-            norms = np.linalg.norm(x, axis=1)
-            over = norms > row_norm
-            if np.any(over):
-                x[over] *= (row_norm / norms[over])[:, None]
-            yield x
-
-    return planned_contribution(task, participants, tolerated, statistics=("gram", "row_sum"),
-                                dim=unit.n_features, row_norm=row_norm,
-                                compute=row_statistic(rows))
-
-
-#: ``source`` name -> what a contribution sums (the task parameter; ``"pca"`` when absent).
-CONTRIBUTION_SOURCES: dict[str, ContributionSource] = {
-    "pca": ContributionSource("pca", pca_contribution),
-    "query": QUERY_SOURCE,
-    "synth_counts": SYNTH_COUNTS_SOURCE,
-    "synth_latent": SYNTH_LATENT_SOURCE,
-    "synth_pair_scores": SYNTH_PAIR_SCORES_SOURCE,
-    "synth_pairs": SYNTH_PAIRS_SOURCE,
-}
+    def masked(self, statistic: np.ndarray, plan: SecureSumPlan, own_key: X25519PrivateKey,
+               signed: Mapping[str, SignedKey], context: MaskContext,
+               rng: np.random.Generator) -> np.ndarray:
+        """Return this site's noised and masked vector (see :func:`site_contribution`)."""
+        return site_contribution(statistic, plan=plan, own_id=self.identity.site_id,
+                                 own_key=own_key, signed_keys=signed, context=context,
+                                 ca=self.identity.ca,
+                                 min_participants=self.policy.min_participants,
+                                 tolerated=self.policy.tolerated, rng=rng)

@@ -49,7 +49,7 @@ from dpfed.common.transport.wire import (
 )
 from dpfed.site_agent.agent import SiteAgent
 from dpfed.site_agent.config import load_site_config
-from dpfed.site_agent.handlers import HANDLERS, TaskHandler
+from dpfed.site_agent.handlers import TaskHandler, default_handlers
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
 
@@ -118,7 +118,7 @@ async def start_agent(fed: LocalFederation, site_id: str, *,
     rows = scan(source).rows_kept
     ledger = Ledger(cfg.ledger_path, cfg.budget)
     kinds = (*cfg.allowed_jobs, *extra_kinds)
-    runner = TaskRunner(source, ledger, kinds, handlers={**HANDLERS, **(handlers or {})})
+    runner = TaskRunner(source, ledger, kinds, handlers={**default_handlers(), **(handlers or {})})
     assert cfg.tls is not None
     agent = SiteAgent(
         address=fed.address,
@@ -141,6 +141,8 @@ async def harness(tmp_path: Path, *, honest: tuple[str, ...] = ("hospital-1", "h
     config = dataclasses.replace(load_aggregator_config(fed.aggregator_config),
                                  listen="127.0.0.1:0")
     coordinator = await start_coordinator(config)
+    if coordinator.planner_warm_up is not None:  # timings below measure jobs, not start-up
+        await coordinator.planner_warm_up
     fed.port = coordinator.port
     h = Harness(fed, coordinator, {}, {})
     try:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JOB_TYPES
 from dpfed.aggregator.orchestrator import JobManager
 from dpfed.aggregator.query_cli import parse_bins
 from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
@@ -18,6 +17,7 @@ from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.result_reports import report_for_result
 from dpfed.common.data.demo_data import demo_model
 from dpfed.common.errors import ValidationError
+from dpfed.common.jobs.registry import job_kind
 from dpfed.common.queries.query_language import parse_domain
 from dpfed.common.queries.workload_spec import build_workload, choose_strategy, query_names
 from dpfed.common.transport.protocol import JobSpec
@@ -27,17 +27,22 @@ FED = Federation(SCHEMA)
 Q = [{"per": "ward"}, {"name": "old", "where": {"column": "age", "op": ">=", "value": 70}}]
 
 
+def validate(kind: str, spec: JobSpec, federation: Federation) -> dict[str, object]:
+    """The canonical parameters of ``spec`` (what the coordinator stores and sends)."""
+    return job_kind(kind).canonical(spec.params, spec.epsilon, spec.delta, federation.schema)
+
+
 def spec(kind: str, params: dict[str, Any], eps: float = 1.0, delta: float = 0.0) -> JobSpec:
     return JobSpec(kind, eps, delta, params)
 
 
 def test_svt_canonical_parameters() -> None:
-    p = JOB_TYPES["svt"].validate(spec("svt", {"queries": Q, "threshold": 10, "cutoff": 2}),
+    p = validate("svt", spec("svt", {"queries": Q, "threshold": 10, "cutoff": 2}),
                                   FED)
     assert p["action"] == "open" and p["cutoff"] == 2 and len(p["queries"]) == 2
-    c = JOB_TYPES["svt"].validate(spec("svt", {"queries": Q, "session": "job-1"}), FED)
+    c = validate("svt", spec("svt", {"queries": Q, "session": "job-1"}), FED)
     assert c["action"] == "batch" and c["session"] == "job-1"
-    z = JOB_TYPES["svt"].validate(spec("svt", {"session": "job-1", "close": True}), FED)
+    z = validate("svt", spec("svt", {"session": "job-1", "close": True}), FED)
     assert z == {"action": "close", "session": "job-1"}
 
 
@@ -57,13 +62,13 @@ def test_svt_canonical_parameters() -> None:
 ])
 def test_svt_bad_input(params: dict[str, Any], eps: float, delta: float, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
-        JOB_TYPES["svt"].validate(spec("svt", params, eps, delta), FED)
+        validate("svt", spec("svt", params, eps, delta), FED)
 
 
 def test_monotonic_chains_are_accepted() -> None:
     chain = [{"name": f"a{v}", "where": {"column": "age", "op": ">=", "value": v}}
              for v in (80, 70)]
-    p = JOB_TYPES["svt"].validate(spec("svt", {"queries": chain, "threshold": 3,
+    p = validate("svt", spec("svt", {"queries": chain, "threshold": 3,
                                                "monotonic": True}), FED)
     assert p["monotonic"] is True
 
@@ -72,7 +77,7 @@ def test_monotonic_chains_are_accepted() -> None:
     ({"domain": {"columns": ["nope"]}}, 0.0, "unknown column 'nope'"),
     ({"domain": {"columns": ["age"]}}, 0.0, "needs public bins"),
     ({"domain": {"columns": ["age"], "bins": {"age": 2000}}, "strategy": "h2"}, 0.0,
-     "supports at most 1024 because each site builds"),
+     r"is 2,000 cells; a query job supports at most 1,024 .* fewer --columns or fewer --bins"),
     ({"domain": {"columns": ["age"], "bins": {"age": 600}}, "strategy": "optimized"}, 0.0,
      "supports at most 512"),
     ({"domain": {"columns": ["ward", "severity"]}, "workload": "all_range"}, 0.0,
@@ -88,7 +93,7 @@ def test_monotonic_chains_are_accepted() -> None:
 ])
 def test_query_bad_input(params: dict[str, Any], delta: float, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
-        JOB_TYPES["query"].validate(spec("query", params, 1.0, delta), FED)
+        validate("query", spec("query", params, 1.0, delta), FED)
 
 
 def test_pure_epsilon_jobs_may_have_zero_delta_but_pca_may_not() -> None:

@@ -8,17 +8,22 @@ from typing import Any
 import pytest
 
 from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs import JOB_TYPES
 from dpfed.common.data.demo_data import demo_model
 from dpfed.common.errors import ValidationError
+from dpfed.common.jobs.registry import job_kind
 from dpfed.common.transport.protocol import JobSpec
 
 FED = Federation(demo_model(12, seed=0, mixed=True).schema)
 BASE: dict[str, Any] = {"domain": {"columns": ["ward"]}, "workload": "identity"}
 
 
+def validate(kind: str, spec: JobSpec, federation: Federation) -> dict[str, object]:
+    """The canonical parameters of ``spec`` (what the coordinator stores and sends)."""
+    return job_kind(kind).canonical(spec.params, spec.epsilon, spec.delta, federation.schema)
+
+
 def _validate(params: dict[str, Any], delta: float) -> dict[str, Any]:
-    return JOB_TYPES["query"].validate(JobSpec("query", 1.0, delta, params), FED)
+    return validate("query", JobSpec("query", 1.0, delta, params), FED)
 
 
 def test_secure_is_recorded_in_the_canonical_parameters_and_site_level_unchanged() -> None:

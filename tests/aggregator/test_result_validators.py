@@ -1,4 +1,4 @@
-"""The release bounds of ``dpfed.aggregator.jobs.validators`` on real site releases."""
+"""The release bounds of ``dpfed.common.jobs.results`` on real site releases."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from dpfed.aggregator.jobs.validators import (
+from dpfed.common.errors import ProtocolError
+from dpfed.common.jobs.results import (
     check_finite_values,
     check_gram_factor,
     symmetric_gaussian_norm_bound,
 )
-from dpfed.common.errors import ProtocolError
 from dpfed.common.pca.dppca import pca_mechanism, site_release
 from dpfed.common.privacy.mechanisms import symmetric_gaussian_noise
 from dpfed.common.privacy.rng import production_rng

@@ -3,16 +3,16 @@ DP evaluation summary's parameters, and what the report shows of rounds and summ
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from dpfed.aggregator.federation import Federation
-from dpfed.aggregator.jobs.synth import SynthJob
 from dpfed.aggregator.synth_report import synth_report
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_params import SynthParams
-from dpfed.common.transport.protocol import JobSpec
+from dpfed.common.jobs.registry import job_kind
 from tests.aggregator.test_synth_model import build
 from tests.common.synth.test_link_release import SCHEMA
 
@@ -20,7 +20,7 @@ ONE_COLUMN = Schema.from_toml('[[columns]]\nname = "age"\ntype = "continuous"\nm
 
 
 def validate(schema: Schema, epsilon: float, delta: float, **params: object) -> dict[str, object]:
-    return SynthJob().validate(JobSpec("synth", epsilon, delta, params), Federation(schema))
+    return job_kind("synth").canonical(params, epsilon, delta, schema)
 
 
 @pytest.mark.parametrize("schema, epsilon, delta, params, match", [
@@ -47,9 +47,49 @@ def test_summary_budget_is_part_of_the_canonical_parameters() -> None:
     out = validate(SCHEMA, 1.0, 1e-6, evaluate_rows=100, summary_epsilon=0.5,
                    summary_delta=1e-7)
     assert out["summary_epsilon"] == 0.5 and out["summary_delta"] == 1e-7
-    again = SynthParams.from_mapping(out, latent_dim=50)
+    again = SynthParams.parse(out, None)
     assert (again.summary_epsilon, again.evaluate_rows) == (0.5, 100)
     assert "summary_epsilon" not in validate(SCHEMA, 1.0, 1e-6, evaluate_rows=100)
+
+
+#: A job's canonical parameters as a coordinator stored them before ``resolution`` and
+#: ``pair_gate`` existed (ledgers and resumed jobs carry these bytes).
+STORED = {"mode": "generative", "continuous_link": "quantile", "n_bins": 32,
+          "info_threshold": 0.8, "calibration": "analytic", "pair_groups": 6,
+          "split": {"links": [0.6, 0.4], "pca": [0.25, 0.3], "pair_scores": [0.03, 0.1],
+                    "pairs": [0.12, 0.2]}}
+
+
+def test_a_new_job_gets_the_fine_cells_and_the_pair_gate() -> None:
+    out = validate(SCHEMA, 1.0, 1e-6)
+    assert out["resolution"] == "fine" and out["pair_gate"] is True
+    parsed = SynthParams.parse(out, SCHEMA)
+    assert (parsed.resolution, parsed.pair_gate) == ("fine", True)
+    assert parsed.to_mapping() == out  # what the sites parse is what was stored
+
+
+def test_the_analyst_may_ask_for_the_former_layout_and_no_gate() -> None:
+    out = validate(SCHEMA, 1.0, 1e-6, resolution="bins", pair_gate=False)
+    assert "resolution" not in out and "pair_gate" not in out
+
+
+def test_without_pair_rounds_there_is_no_gate() -> None:
+    out = validate(SCHEMA, 1.0, 1e-6, pairs=0)
+    assert "pair_gate" not in out and out["resolution"] == "fine"
+
+
+def test_a_stored_job_without_the_keys_parses_as_before_and_keeps_its_bytes() -> None:
+    stored = SynthParams.parse(STORED, SCHEMA)
+    assert (stored.resolution, stored.pair_gate) == ("bins", False)
+    assert json.dumps(stored.to_mapping(), sort_keys=True) == json.dumps(STORED, sort_keys=True)
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"resolution": "coarse"}, "--resolution"), ({"pair_gate": "yes"}, "pair_gate"),
+    ({"pair_gate": 1}, "pair_gate")])
+def test_bad_resolution_or_gate_is_refused(params: dict[str, object], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        validate(SCHEMA, 1.0, 1e-6, **params)
 
 
 def test_report_shows_the_rounds_and_the_sites_dp_summaries() -> None:
@@ -96,27 +136,25 @@ def test_bad_pair_parameters_are_refused_naming_the_flag(params: dict[str, objec
 
 
 def test_plan_has_the_pair_rounds_by_default_and_the_old_split_without_them() -> None:
-    four = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5), latent_dim=50)
+    four = SynthParams.parse(validate(SCHEMA, 2.0, 1e-5), None)
     assert four.rounds == ("links", "pca", "pair_scores", "pairs") and four.pairs is None
     assert four.max_pairs(len(SCHEMA.columns)) == len(SCHEMA.columns) - 1
     assert [(n, round(e, 9), round(d, 12)) for n, e, d in four.plan(2.0, 1e-5)] == [
         ("links", 1.2, 4e-6), ("pca", 0.5, 3e-6), ("pair_scores", 0.06, 1e-6),
         ("pairs", 0.24, 2e-6)]
-    two = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5, pairs=0), latent_dim=50)
+    two = SynthParams.parse(validate(SCHEMA, 2.0, 1e-5, pairs=0), None)
     assert [n for n, _, _ in two.plan(2.0, 1e-5)] == ["links", "pca"]
     assert two.plan(2.0, 1e-5)[0][1] == pytest.approx(1.6)
-    capped = SynthParams.from_mapping(validate(SCHEMA, 2.0, 1e-5, pairs=99, pair_groups=4),
-                                      latent_dim=50)
+    capped = SynthParams.parse(validate(SCHEMA, 2.0, 1e-5, pairs=99, pair_groups=4), None)
     assert capped.max_pairs(4) == 3 and capped.to_mapping()["pair_groups"] == 4
-    custom = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6, split={
+    custom = SynthParams.parse(validate(SCHEMA, 1.0, 1e-6, split={
         "links": [0.5, 0.25], "pca": [0.2, 0.25], "pair_scores": [0.1, 0.25],
-        "pairs": [0.2, 0.25]}), latent_dim=50)
+        "pairs": [0.2, 0.25]}), None)
     assert {n: e for n, e, _ in custom.plan(1.0, 1e-6)}["pairs"] == pytest.approx(0.2)
     # Secure aggregation has them too (secure sums); row-aligned mode runs without them.
-    secure = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, aggregation="secure"),
-                                      latent_dim=50)
+    secure = SynthParams.parse(validate(SCHEMA, 4.0, 1e-5, aggregation="secure"), None)
     assert secure.pair_rounds and secure.rounds == four.rounds
-    p = SynthParams.from_mapping(validate(SCHEMA, 4.0, 1e-5, mode="row_aligned"), latent_dim=50)
+    p = SynthParams.parse(validate(SCHEMA, 4.0, 1e-5, mode="row_aligned"), None)
     assert not p.pair_rounds and p.max_pairs(4) == 0 and "pair_scores" not in p.rounds
     assert "pairs" not in p.to_mapping() and "pair_groups" not in p.to_mapping()
 
@@ -128,7 +166,7 @@ def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> 
     old = {"mode": "generative", "continuous_link": "quantile", "n_bins": 32,
            "info_threshold": 0.8, "calibration": "analytic",
            "split": {"links": [0.8, 0.5], "pca": [0.2, 0.5]}}
-    p = SynthParams.from_mapping(old, latent_dim=50)
+    p = SynthParams.parse(old, None)
     assert p.rounds == ("links", "pca") and not p.pair_rounds and p.max_pairs(4) == 0
     assert p.to_mapping() == old
     # Submitted anew it gets the defaults of new jobs (the fine 1-way cells) and nothing else.
@@ -139,8 +177,8 @@ def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> 
     np.array([1.0, np.nan, 2.0]), np.array([1.0, 1e308, 2.0]), np.zeros(4), np.zeros((3, 1)),
     np.zeros(3, dtype=np.float32), [1.0, 2.0, 3.0], None])
 def test_pair_vectors_from_sites_are_checked(bad: object) -> None:
-    from dpfed.aggregator.jobs.synth_pairs import check_vector
     from dpfed.common.errors import ProtocolError
+    from dpfed.common.jobs.synth_pairs import check_pooled as check_vector
 
     with pytest.raises(ProtocolError, match="finite float64 pair scores of shape"):
         check_vector(bad, 3, "pair scores")
@@ -148,7 +186,7 @@ def test_pair_vectors_from_sites_are_checked(bad: object) -> None:
 
 
 def test_report_lists_the_chosen_pairs_with_heat_maps_and_their_budget() -> None:
-    from dpfed.aggregator.jobs.synth_pairs import PairRounds
+    from dpfed.aggregator.jobs.synth import PairsFitted
     from dpfed.common.data.encoding import encode_table
     from dpfed.common.synth.pair_marginals import (
         PairTableAccumulator,
@@ -170,7 +208,7 @@ def test_report_lists_the_chosen_pairs_with_heat_maps_and_their_budget() -> None
     tables_acc.add(table)
     joint = fit_pair_tables(tables_acc.counts.astype(float), grid, edges, model.proportions,
                             table.n_rows)
-    rounds = PairRounds(grid, cands, edges, joint, ["h1"], table.n_rows, 0.0)
+    rounds = PairsFitted(grid, cands, edges, joint, table.n_rows, 0.0)
     model = model.with_pairs(grid, edges, joint, np.random.default_rng(4))
     model.metadata.update(rounds.metadata(SCHEMA))
     model.metadata["plan"] += [{"round": "pair_scores", "epsilon": 0.05, "delta": 1e-7},
@@ -192,35 +230,34 @@ def test_report_lists_the_chosen_pairs_with_heat_maps_and_their_budget() -> None
 
 
 def test_pair_rounds_are_skipped_without_a_candidate_pair() -> None:
-    from dpfed.aggregator.jobs.synth_pairs import plan_pairs
+    from dpfed.aggregator.jobs.synth import plan_pairs
     from dpfed.common.synth.link_release import histogram_sizes, proportions_from_histograms
-    from dpfed.common.synth.links import latent_dim
 
     cats = ", ".join(f'"c{i}"' for i in range(70))
     wide = Schema.from_toml("".join(
         f'[[columns]]\nname = "{n}"\ntype = "nominal"\ncategories = [{cats}]\n'
         for n in ("a", "b")))
     props = proportions_from_histograms(np.ones(sum(histogram_sizes(wide, 8))), wide, 8)
-    params = SynthParams.from_mapping({"n_bins": 8}, latent_dim=latent_dim(wide))
+    params = SynthParams.parse({"n_bins": 8}, wide)
     assert plan_pairs(wide, params, props) is None  # 70 x 70 cells > 4096
-    small = SynthParams.from_mapping({"n_bins": 8}, latent_dim=50)
+    small = SynthParams.parse({"n_bins": 8}, None)
     props = proportions_from_histograms(np.ones(sum(histogram_sizes(SCHEMA, 8))), SCHEMA, 8)
     planned = plan_pairs(SCHEMA, small, props)
     assert planned is not None and planned[2] == len(SCHEMA.columns) - 1
     assert len(planned[1]) == len(SCHEMA.columns) * (len(SCHEMA.columns) - 1) // 2
-    off = SynthParams.from_mapping({"n_bins": 8, "pairs": 0}, latent_dim=50)
+    off = SynthParams.parse({"n_bins": 8, "pairs": 0}, None)
     assert plan_pairs(SCHEMA, off, props) is None
 
 
 def test_the_job_warns_when_its_pair_tables_would_be_mostly_noise() -> None:
-    from dpfed.aggregator.jobs.synth import pair_noise_note
+    from dpfed.common.jobs.synth import pair_noise_note
     from dpfed.common.synth.pair_marginals import (
         expected_pair_table_error,
         pair_table_mechanism,
         typical_pair_cells,
     )
 
-    params = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6), latent_dim=50)
+    params = SynthParams.parse(validate(SCHEMA, 1.0, 1e-6), None)
     # Small sites, site-level: the summed noise swamps the tables.
     note = pair_noise_note(SCHEMA, params, 1.0, 1e-6, [500] * 4)
     assert note is not None and "--pairs 0" in note and "--aggregation secure" in note
@@ -232,10 +269,9 @@ def test_the_job_warns_when_its_pair_tables_would_be_mostly_noise() -> None:
     assert f"{err:.2f}" in note and err > 1.0
     # Large sites, or no pair rounds: no warning.
     assert pair_noise_note(SCHEMA, params, 1.0, 1e-6, [10**7] * 4) is None
-    off = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6, pairs=0), latent_dim=50)
+    off = SynthParams.parse(validate(SCHEMA, 1.0, 1e-6, pairs=0), None)
     assert pair_noise_note(SCHEMA, off, 1.0, 1e-6, [500] * 4) is None
     # Secure aggregation adds the noise once: less error for the same rows.
-    secure = SynthParams.from_mapping(validate(SCHEMA, 1.0, 1e-6, aggregation="secure"),
-                                      latent_dim=50)
+    secure = SynthParams.parse(validate(SCHEMA, 1.0, 1e-6, aggregation="secure"), None)
     secure_note = pair_noise_note(SCHEMA, secure, 1.0, 1e-6, [500] * 4)
     assert secure_note is None or "--aggregation secure" not in secure_note

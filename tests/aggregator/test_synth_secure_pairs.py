@@ -1,5 +1,5 @@
-"""The coordinator's secure pair rounds (``secure_pair_scores``, ``secure_pair_tables``) over a
-real federation: a real coordinator on loopback, three real site agents over mTLS with their
+"""The synth job's secure pair rounds (``pair_scores``, ``pairs``) over a real federation:
+a real coordinator on loopback, three real site agents over mTLS with their
 own certificates, secure-aggregation handlers and SQLite ledgers, the real ``secagg`` key
 exchange and contributions. At a large epsilon the decoded sums equal the pooled exact
 floored scores (candidate-pair order) and the pooled exact tables (edge order) computed from
@@ -15,22 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpfed.aggregator.jobs.base import JobContext
-from dpfed.aggregator.jobs.synth_secure import (
-    SECURE_SYNTH_ROUNDS,
-    secure_metadata,
-    secure_pair_scores,
-    secure_pair_tables,
-)
+from dpfed.aggregator.jobs.job import Job
+from dpfed.aggregator.jobs.records import secure_record
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
 from dpfed.common.job_params import SynthParams
+from dpfed.common.jobs.contract import Ask, Budget
+from dpfed.common.jobs.registry import job_kind
+from dpfed.common.jobs.synth_pairs import PAIR_SCORES, PAIRS, PairInput
+from dpfed.common.jobs.synth_rounds import LinksInput
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.synth.link_release import (
     histogram_sizes,
     links_digest,
     proportions_from_histograms,
 )
-from dpfed.common.synth.links import latent_dim
 from dpfed.common.synth.pair_marginals import (
     PairGrid,
     PairTableAccumulator,
@@ -38,12 +37,13 @@ from dpfed.common.synth.pair_marginals import (
 )
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 from tests.aggregator.hardening_harness import Harness, harness, start_agent
 
 pytestmark = pytest.mark.timeout(180)
 
 GROUPS = 4
+SPLIT = {"links": [0.005, 0.25], "pca": [0.005, 0.25], "pair_scores": [0.5, 0.25],
+         "pairs": [0.49, 0.25]}
 
 
 async def _start_secure_sites(h: Harness, sites: list[str]) -> None:
@@ -51,7 +51,8 @@ async def _start_secure_sites(h: Harness, sites: list[str]) -> None:
         kit = h.fed.certs / "sites" / site_id
         handler = SecureAggregationHandler(
             SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-            SecureAggregationPolicy(min_participants=2, tolerated=1),
+            SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"),
             allowed_kinds=("pca", "svt", "query", "synth"))
         agent, ledger, task = await start_agent(h.fed, site_id, handlers={"secagg": handler},
                                                 extra_kinds=("synth", "secagg"))
@@ -76,24 +77,27 @@ def test_secure_pair_rounds_decode_the_pooled_scores_and_tables(tmp_path: Path) 
         async with harness(tmp_path, honest=(), n_sites=3) as h:
             await _start_secure_sites(h, ["hospital-1", "hospital-2", "hospital-3"])
             schema = Schema.load(h.fed.schema_path)
-            params = SynthParams.from_mapping({"aggregation": "secure", "n_bins": 16,
-                                               "pair_groups": GROUPS},
-                                              latent_dim=latent_dim(schema))
-            base = {"job": params.to_mapping(), "schema_digest": schema.digest()}
+            # the job's budget split gives the pair rounds epsilon 200 and 196
+            params = SynthParams.parse({"aggregation": "secure", "n_bins": 16,
+                                        "pair_groups": GROUPS, "split": SPLIT}, None)
             sizes = histogram_sizes(schema, params.n_bins)
             counts = np.random.default_rng(3).integers(5, 60, sum(sizes)).astype(np.float64)
             props = proportions_from_histograms(counts, schema, params.n_bins)
             digest = links_digest(schema, props, params.n_bins, params.continuous_link)
-            ctx = JobContext(job_id="pairs-job", spec=JobSpec("synth", 400.0, 1e-5, base["job"]),
-                             params=base["job"], federation=h.coordinator.jobs.federation,
-                             registry=h.coordinator.registry, emit=lambda *_a: None)
+            job = Job(job_id="pairs-job", spec=JobSpec("synth", 400.0, 1e-5,
+                                                       params.to_mapping()),
+                      kind=job_kind("synth"), params=params,
+                      federation=h.coordinator.jobs.federation,
+                      registry=h.coordinator.registry, emit=lambda *_a: None)
             among = ["hospital-1", "hospital-2", "hospital-3"]
             grid = PairGrid.from_proportions(schema, props, params.n_bins, GROUPS)
             cands = grid.candidate_pairs()
+            asked = PairInput(LinksInput(props, digest), grid, cands, [])
 
-            scores, out = await secure_pair_scores(
-                ctx, schema=schema, base=base, digest=digest, proportions=props,
-                pair_groups=GROUPS, epsilon=200.0, delta=1e-6, among=among)
+            first = await job.release(PAIR_SCORES, asked, among=among)
+            scores = first.value
+            out = first.secure
+            assert out is not None
             assert scores.dtype == np.float64 and scores.shape == (len(cands),)
             assert out.plan.statistic == "scores" and out.plan.bound == 2.0
             assert sorted(out.plan.participants) == among
@@ -101,10 +105,10 @@ def test_secure_pair_rounds_decode_the_pooled_scores_and_tables(tmp_path: Path) 
             assert np.max(np.abs(scores - pooled)) <= 4.0  # epsilon 200: noise sd ~ 0.2
 
             edges = [(1, 0), (0, 2), (3, 2)]
-            tables, out2 = await secure_pair_tables(
-                ctx, schema=schema, base=base, digest=digest, proportions=props,
-                pair_groups=GROUPS, edges=edges, epsilon=200.0, delta=1e-6,
-                among=among[:2])
+            second = await job.release(PAIRS, asked.with_edges(edges), among=among[:2])
+            tables = second.value.total
+            out2 = second.secure
+            assert out2 is not None
             assert tables.shape == (sum(grid.cells(e) for e in edges),)
             assert out2.plan.statistic == "counts"
             assert out2.plan.calibration.l2_sensitivity == pytest.approx(6.0 ** 0.5)
@@ -119,8 +123,8 @@ def test_secure_pair_rounds_decode_the_pooled_scores_and_tables(tmp_path: Path) 
                 if site_id != "hospital-3":
                     expected.append(("pairs-sum-1", "secure-skellam[n=2,t=1]"))
                 assert charged == expected, (site_id, charged)
-            meta = secure_metadata({"pair_scores": out, "pairs": out2})
-            assert meta["rounds"]["pair_scores"]["releases"] == SECURE_SYNTH_ROUNDS["pair_scores"]
+            meta = secure_record(first, second)["secure"]
+            assert meta["rounds"]["pair_scores"]["releases"] == PAIR_SCORES.secure_releases
             assert meta["rounds"]["pairs"]["l2_sensitivity_integer"] == pytest.approx(6 ** 0.5)
 
     asyncio.run(scenario())
@@ -132,13 +136,12 @@ def test_pair_rounds_refuse_a_schema_without_candidates_and_an_empty_forest() ->
     wide = Schema.from_toml("\n".join(
         f'[[columns]]\nname = "{n}"\ntype = "nominal"\ncategories = '
         f'[{", ".join(repr(str(i)) for i in range(70))}]' for n in ("code", "code2")))
-    params = SynthParams.from_mapping({"aggregation": "secure"}, latent_dim=latent_dim(wide))
-    base = {"job": params.to_mapping(), "schema_digest": wide.digest()}
+    params = SynthParams.parse({"aggregation": "secure"}, wide)
     props = proportions_from_histograms(np.full(140, 3.0), wide, params.n_bins)
-    common = {"schema": wide, "base": base, "digest": "d", "proportions": props,
-              "pair_groups": GROUPS, "epsilon": 1.0, "delta": 1e-6, "among": ["a", "b"]}
-    # refused before any site is asked (no context needed)
+    grid = PairGrid.from_proportions(wide, props, params.n_bins, GROUPS)
+    asked = PairInput(LinksInput(props, "d"), grid, grid.candidate_pairs(), [])
+    # refused before any site is asked: the secure sums cannot even be planned
     with pytest.raises(ValidationError, match="no candidate column pair"):
-        asyncio.run(secure_pair_scores(None, **common))  # type: ignore[arg-type]
+        PAIR_SCORES.encoding(Ask(params, wide, asked, Budget(1.0, 1e-6)))
     with pytest.raises(ValidationError, match="at least one edge"):
-        asyncio.run(secure_pair_tables(None, edges=[], **common))  # type: ignore[arg-type]
+        PAIRS.encoding(Ask(params, wide, asked, Budget(1.0, 1e-6)))

@@ -37,6 +37,17 @@ def running(federation: LocalFederation) -> Iterator[LocalFederation]:
         federation.stop_all()
 
 
+def with_keepalive(fed: LocalFederation, seconds: float) -> None:
+    """Set ``keepalive_s`` in the coordinator's and every site's config file."""
+    text = fed.aggregator_config.read_text()
+    fed.aggregator_config.write_text(text.replace("[server]\n",
+                                                  f"[server]\nkeepalive_s = {seconds}\n"))
+    for site_id in fed.site_ids:
+        path = fed.site_config(site_id)
+        path.write_text(path.read_text().replace("[coordinator]\n",
+                                                 f"[coordinator]\nkeepalive_s = {seconds}\n"))
+
+
 def charged_events(fed: LocalFederation, site_id: str) -> list[LedgerEvent]:
     """Every event in a site's ledger, in the order it was charged (read-only look)."""
     with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:

@@ -101,8 +101,9 @@ def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederatio
     assert all(ledger_events(fed, s) == 1 for s in fed.site_ids)
     with fed.analyst() as coord:
         budgets = {site: b for site, _c, b in coord.budgets()}
-    assert all(b is not None and b.epsilon_spent == pytest.approx(1000.0) for b in
-               budgets.values())
+    # the job's rounds composed tightly (the default pld ledger): at most the job's epsilon
+    assert all(b is not None and b.accountant == "pld" and 0.0 < b.epsilon_spent <= 1000.0
+               for b in budgets.values())
 
 
 def test_cli_commands_against_a_running_federation(fed: LocalFederation, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from dpfed.common.transport.grpc_options import channel_options
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, JobInfo, JobSpec, SiteHello
 from dpfed.common.transport.tls import load_channel_credentials
 from dpfed.common.transport.wire import hello_to_proto
-from tests.e2e.federations import roomy_settings, running
+from tests.e2e.federations import roomy_settings, running, with_keepalive
 
 #: One-round pca tasks (the default job adds a DP mean and a norm round first).
 ONE_ROUND = {"centering": "none", "clip_norm": "schema"}
@@ -32,17 +32,6 @@ ONE_ROUND = {"centering": "none", "clip_norm": "schema"}
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 KEEPALIVE_S = 2.0
-
-
-def with_keepalive(fed: LocalFederation, seconds: float) -> None:
-    """Set ``keepalive_s`` in the coordinator's and every site's config file."""
-    text = fed.aggregator_config.read_text()
-    fed.aggregator_config.write_text(text.replace("[server]\n",
-                                                  f"[server]\nkeepalive_s = {seconds}\n"))
-    for site_id in fed.site_ids:
-        path = fed.site_config(site_id)
-        path.write_text(path.read_text().replace("[coordinator]\n",
-                                                 f"[coordinator]\nkeepalive_s = {seconds}\n"))
 
 
 @pytest.fixture

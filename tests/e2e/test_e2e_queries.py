@@ -23,8 +23,8 @@ from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.queries.query_language import compile_query_set
+from dpfed.common.queries.svt_sessions import sessions_path
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.site_agent.svt_sessions import sessions_path
 from tests.e2e.federations import (
     charged_events,
     killed_and_resumed,

@@ -160,11 +160,12 @@ def test_coordinator_killed_during_the_pairs_round_resumes_with_the_same_pairs_t
     assert model.metadata["rounds"]["pairs"] == fed.site_ids
 
 
-def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None:
+def test_site_without_budget_for_every_round_is_left_out_before_any_charge(
+        tmp_path: Path) -> None:
     # hospital-3's budget covers rounds 1-3 only (links 1.2, pca 0.5, pair_scores 0.06 of
-    # epsilon 2): it refuses the pairs round (budget exceeded). The job continues with the
-    # quorum (min_sites=2): the pair tables of two sites, their public row count; the earlier
-    # charges stay in hospital-3's ledger.
+    # epsilon 2): it would refuse the pairs round after paying for three. It is left out
+    # before the first charge instead (its remaining budget is checked against every round),
+    # and the job runs with the quorum (min_sites=2): every round from two sites.
     fed = LocalFederation.create(
         tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=6, min_sites=2,
         task_deadline_s=60, mixed=True,
@@ -183,19 +184,19 @@ def test_site_dropping_out_between_rounds_follows_quorum(tmp_path: Path) -> None
         assert statuses["hospital-1"][0] == statuses["hospital-2"][0] == "ok"
         assert statuses["hospital-3"][0] == "refused"
         assert "budget" in statuses["hospital-3"][1]
-        assert [t.split("/")[-1] for t in ledger_tasks(fed, "hospital-3")] == [
-            "links", "pca", "pair_scores"]
+        assert ledger_tasks(fed, "hospital-3") == []
         with fed.analyst() as coord:
             model = coord.synth_result(job)
         two = ["hospital-1", "hospital-2"]
-        assert model.metadata["rounds"] == {"links": fed.site_ids, "pca": fed.site_ids,
-                                            "pair_scores": fed.site_ids, "pairs": two}
+        assert model.metadata["rounds"] == {"links": two, "pca": two, "pair_scores": two,
+                                            "pairs": two}
         assert model.metadata["n_rows_total"] == 3000  # the sites of the last round
         assert job.summary["sites"] == 2 and model.pair_correction is not None
         # With min_sites=3 the same situation fails the job (quorum), naming the quorum.
         with fed.analyst() as coord:
             failed = coord.submit(JobSpec("synth", 2.0, 1e-5, {}, min_sites=3))
         assert failed.state == "failed" and "min_sites=3" in failed.error
+        assert "nothing was charged" in failed.error and ledger_tasks(fed, "hospital-3") == []
     finally:
         fed.stop_all()
 
@@ -206,7 +207,7 @@ def test_late_site_gets_no_later_round_and_policy_sites_send_a_dp_summary(
     # for it): it must not be sent round 2, computed from sums it took no part in. hospital-1's
     # policy allows DP evaluation summaries; hospital-2's does not.
     from dpfed.aggregator.synth_report import synth_report
-    from dpfed.site_agent.synth_holdout import KEY_FILE
+    from dpfed.common.evaluation.site_holdout import KEY_FILE
 
     settings = roomy_settings(allowed_jobs=("pca", "synth", "synth_eval"))
     fed = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=1500, features=8, seed=7,
@@ -349,7 +350,11 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     assert zcdp.returncode == 0, zcdp.stderr
     assert "--composition zcdp" in zcdp.stdout and "(2, 1e-05)-DP by zCDP composition" in (
         zcdp.stdout)
-    rows = [line.split() for line in zcdp.stdout.splitlines() if line.startswith("hospital")]
+    # these sites' ledgers use the basic accountant: none would take part, each is named
+    assert zcdp.stdout.count("not taking part: hospital-") == 3
+    assert "'zcdp' accountant" in zcdp.stdout
+    rows = [line.split()[1:] for line in zcdp.stdout.splitlines()
+            if line.startswith("(every site)")]
     assert [r[1] for r in rows[:4]] == ["links", "pca", "pair_scores", "pairs"]
     assert sum(float(r[2]) for r in rows[:4]) > 3.0  # each round's own epsilon; rho adds
     secure_zcdp = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--composition",
@@ -384,7 +389,7 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     assert more.returncode == 0, more.stderr
     assert pq.read_table(tmp_path / "more.parquet").num_rows == 7777
     nomodel = run("synth-sample", "missing.npz", "--rows", "5", "--out", "x.parquet")
-    assert nomodel.returncode != 0 and "does not exist" in nomodel.stderr
+    assert nomodel.returncode == 4 and "no such model file" in nomodel.stderr, nomodel.stderr
 
 
 def test_simulate_job_synth_leaves_every_output(tmp_path: Path) -> None:

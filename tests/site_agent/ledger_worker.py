@@ -163,7 +163,8 @@ def main() -> None:
     if ns.mode == "loop":
         run_loop(ns.db, ns.args[0], int(ns.args[1]), ns.retry, emit)
         return
-    ledger = Ledger(ns.db, BudgetPolicy(ns.epsilon, ns.delta), busy_timeout_s=60.0)
+    ledger = Ledger(ns.db, BudgetPolicy(ns.epsilon, ns.delta, accountant="basic"),
+                    busy_timeout_s=60.0)
     if ns.mode == "same":
         run_same(ledger, ns.args[0], int(ns.args[1]))
     else:

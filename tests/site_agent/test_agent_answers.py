@@ -16,12 +16,13 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+from dpfed.common.jobs.contract import DataAccess, NewCharge, Release
 from dpfed.common.pb.v1 import site_link_pb2, types_pb2
 from dpfed.common.pb.v1.types_pb2 import Chunk
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.transport.protocol import Refusal, Task, TaskResult
 from dpfed.common.transport.wire import struct_to_proto, task_to_bytes
-from dpfed.site_agent.handlers import DataAccess, PreparedRelease, TaskHandler
+from dpfed.site_agent.handlers import TaskHandler
 from tests.aggregator.hardening_harness import harness
 
 #: One-round pca tasks (the default job adds a DP mean and a norm round first).
@@ -35,10 +36,10 @@ class SlowHandler(TaskHandler):
 
     kind: ClassVar[str] = "slow"
 
-    def prepare(self, task: Task, data: DataAccess) -> PreparedRelease:
+    def prepare(self, task: Task, data: DataAccess) -> Release:
         time.sleep(float(task.params["seconds"]))
         cost = PrivacyCost(task.epsilon, task.delta, 0.01, "gaussian", 1.0, 1.0)
-        return PreparedRelease(cost, lambda rng: TaskResult(
+        return Release(NewCharge(cost), lambda rng: TaskResult(
             task.task_id, cost, {"x": rng.normal(size=2)}, {}))
 
 

@@ -18,6 +18,7 @@ from dpfed.common import exit_codes
 from dpfed.common.audit_trail import encode_line, genesis, line_hash, verify_export
 from dpfed.common.errors import ConfigError, VerificationError
 from dpfed.common.privacy.accounting import BudgetPolicy, PrivacyCost
+from dpfed.common.privacy.spent import Spent
 from dpfed.common.transport.certs import fingerprint, init_federation
 from dpfed.site_agent.audit_export import export_ledger
 from dpfed.site_agent.cli import main as site_main
@@ -166,8 +167,10 @@ def test_a_recomputed_chain_without_the_key_fails_at_the_signature(world: dict[s
     for n, obj in enumerate(objs[1:4], start=1):
         obj["seq"] = n
     kept = [o for o in objs if o["type"] == "charge"]
-    total = PrivacyCost.total(PrivacyCost(o["epsilon"], o["delta"], o["rho"]) for o in kept)
-    status = BudgetPolicy(10.0, 1e-4).status(total, len(kept))
+    spent = Spent.of(PrivacyCost(o["epsilon"], o["delta"], o["rho"], o["mechanism"],
+                                 o["sensitivity"], o["noise_scale"]) for o in kept)
+    total = spent.basic
+    status = BudgetPolicy(10.0, 1e-4, "basic").status(spent)
     trailer = objs[-2]
     trailer["count"] = len(kept)
     trailer["totals"] = {"epsilon": total.epsilon, "delta": total.delta, "rho": total.rho}

@@ -30,6 +30,7 @@ from dpfed.common.errors import (
 )
 from dpfed.common.privacy.accounting import BudgetPolicy, PrivacyCost, zcdp_to_epsilon
 from dpfed.common.privacy.mechanisms import gaussian_sigma
+from dpfed.common.transport.protocol import RefusalCode
 from dpfed.site_agent import ledger as ledger_module
 from dpfed.site_agent.ledger import (
     SCHEMA_VERSION,
@@ -88,7 +89,7 @@ def db(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def ledger(db: Path) -> Ledger:
-    return Ledger(db, BudgetPolicy(CAP, 1e-5))
+    return Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
 
 
 # ---------------------------------------------------------------------- charging and replay
@@ -167,7 +168,7 @@ def test_concurrent_process_retries_charge_once(db: Path) -> None:
     assert len(results) == 40
     assert releases == 1
     assert sum(1 for _, replayed in results if not replayed) == 1
-    ledger = Ledger(db, BudgetPolicy(CAP, 1e-5))
+    ledger = Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
     events = ledger.events()
     assert len(events) == 1
     assert {d for d, _ in results} == {events[0].result_digest}
@@ -187,6 +188,7 @@ def test_same_task_id_with_a_different_payload_is_refused(ledger: Ledger) -> Non
     assert ledger.spent().epsilon == 0.25
     refusals = ledger.refusals()
     assert [r.reason for r in refusals] == ["idempotency_conflict"] * 3
+    assert {r.code for r in refusals} == {RefusalCode.CONFLICT}  # the wire's code
     assert refusals[0].payload_digest == digest("payload B")
     # The original payload still replays.
     assert charge(ledger, "task-1", 0.25, payload="payload A").result == first.result
@@ -228,7 +230,7 @@ def test_spending_exactly_the_cap_is_allowed(ledger: Ledger) -> None:
 
 
 def test_max_epsilon_per_task_is_enforced(db: Path) -> None:
-    ledger = Ledger(db, BudgetPolicy(5.0, 1e-5, max_epsilon_per_task=0.5))
+    ledger = Ledger(db, BudgetPolicy(5.0, 1e-5, accountant="basic", max_epsilon_per_task=0.5))
     release = Recorder()
     with pytest.raises(BudgetExceededError, match="max_epsilon_per_task"):
         charge(ledger, "task-1", 0.6, release=release)
@@ -285,7 +287,7 @@ def test_zcdp_accountant_admits_what_basic_composition_would_refuse(tmp_path: Pa
     epsilon, delta = 0.25, 1e-9
     gaussian = PrivacyCost.gaussian(epsilon, delta, sigma=gaussian_sigma(epsilon, delta),
                                     sensitivity=1.0)
-    basic = Ledger(tmp_path / "basic.sqlite", BudgetPolicy(5.0, 1e-6))
+    basic = Ledger(tmp_path / "basic.sqlite", BudgetPolicy(5.0, 1e-6, accountant="basic"))
     zcdp = Ledger(tmp_path / "zcdp.sqlite", BudgetPolicy(5.0, 1e-6, accountant="zcdp"))
     refused_basic = 0
     for i in range(40):
@@ -319,7 +321,7 @@ def test_concurrent_spends_from_threads_and_processes_never_exceed_the_cap(db: P
              for k in range(4)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline() == "READY\n", p.stderr
-    ledger = Ledger(db, BudgetPolicy(cap, 1e-5))
+    ledger = Ledger(db, BudgetPolicy(cap, 1e-5, accountant="basic"))
     charged: set[str] = set()
     refused: dict[str, float] = {}
     lock = threading.Lock()
@@ -374,7 +376,7 @@ class CheckOutsideTheLockLedger(Ledger):
         self.gate = gate
 
     def charge_and_release(self, **kwargs: Any) -> ledger_module.LedgerOutcome:
-        self.real_policy.check(self.spent(), kwargs["cost"])  # check ...
+        self.real_policy.check(self.composed(), kwargs["cost"])  # check ...
         self.gate.wait()  # ... another request checks too ...
         return super().charge_and_release(**kwargs)  # ... then both spend
 
@@ -382,7 +384,7 @@ class CheckOutsideTheLockLedger(Ledger):
 @pytest.mark.parametrize("broken", [False, True])
 def test_the_cap_check_catches_a_ledger_that_checks_outside_the_lock(
         tmp_path: Path, broken: bool) -> None:
-    policy = BudgetPolicy(CAP, 1e-5)
+    policy = BudgetPolicy(CAP, 1e-5, accountant="basic")
     gate = threading.Barrier(2)
     ledger = (CheckOutsideTheLockLedger(tmp_path / "l.sqlite", policy, gate) if broken
               else Ledger(tmp_path / "l.sqlite", policy))
@@ -447,7 +449,7 @@ def test_every_connection_is_wal_and_synchronous_full(
 
 
 def test_reopening_keeps_events_and_replays_after_restart(db: Path) -> None:
-    policy = BudgetPolicy(CAP, 1e-5)
+    policy = BudgetPolicy(CAP, 1e-5, accountant="basic")
     with Ledger(db, policy) as first:
         outs = [charge(first, f"task-{i}", 0.2) for i in range(3)]
     second = Ledger(db, policy)
@@ -468,7 +470,7 @@ def test_concurrent_first_open_creates_the_schema_once(db: Path) -> None:
     def open_it() -> None:
         try:
             barrier.wait()
-            Ledger(db, BudgetPolicy(CAP, 1e-5))
+            Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
         except BaseException as exc:
             errors.append(exc)
 
@@ -488,7 +490,7 @@ def test_a_foreign_sqlite_file_is_refused_and_left_untouched(db: Path) -> None:
     conn.commit()
     conn.close()
     with pytest.raises(ConfigError, match="not a dpfed ledger.*patients"):
-        Ledger(db, BudgetPolicy(CAP, 1e-5))
+        Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
     assert raw_rows(db, "PRAGMA journal_mode") == [("delete",)]  # not switched to WAL
     assert raw_rows(db, "SELECT name FROM sqlite_master") == [("patients",)]
 
@@ -496,7 +498,7 @@ def test_a_foreign_sqlite_file_is_refused_and_left_untouched(db: Path) -> None:
 def test_a_file_that_is_not_sqlite_is_refused(db: Path) -> None:
     db.write_text("site_id = 'hospital-a'\n" * 100)
     with pytest.raises(ConfigError, match="cannot be used as an SQLite database"):
-        Ledger(db, BudgetPolicy(CAP, 1e-5))
+        Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
 
 
 @pytest.mark.parametrize(("sql", "message"), [
@@ -505,17 +507,17 @@ def test_a_file_that_is_not_sqlite_is_refused(db: Path) -> None:
     ("DROP TABLE ledger_refusals", "damaged"),
 ])
 def test_newer_or_damaged_ledgers_are_refused(db: Path, sql: str, message: str) -> None:
-    Ledger(db, BudgetPolicy(CAP, 1e-5))
+    Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
     conn = sqlite3.connect(str(db))
     conn.execute(sql)
     conn.commit()
     conn.close()
     with pytest.raises(ConfigError, match=message):
-        Ledger(db, BudgetPolicy(CAP, 1e-5))
+        Ledger(db, BudgetPolicy(CAP, 1e-5, accountant="basic"))
 
 
 def test_unusable_paths_are_config_errors(tmp_path: Path) -> None:
-    policy = BudgetPolicy(CAP, 1e-5)
+    policy = BudgetPolicy(CAP, 1e-5, accountant="basic")
     with pytest.raises(ConfigError, match="is a directory"):
         Ledger(tmp_path, policy)
     with pytest.raises(ConfigError, match="does not exist"):
@@ -645,7 +647,12 @@ def test_ledger_as_json_is_serialisable_and_consistent(ledger: Ledger) -> None:
     assert event["task_id"] == "task-1" and event["result_digest"] == out.event.result_digest
     assert event["result_size"] == len(b"secret-ish bytes")
     assert "result" not in event  # the listing never carries the released bytes
-    assert data["totals"] == {"events": 1, "epsilon": 0.25, "delta": 0.0,
-                              "rho": PrivacyCost.pure(0.25).rho}
+    totals = dict(data["totals"])
+    tight = totals.pop("tight_epsilon")
+    assert totals == {"events": 1, "epsilon": 0.25, "delta": 0.0,
+                      "rho": PrivacyCost.pure(0.25).rho, "fallback_events": 0,
+                      "discretisation_error": 2.0 ** -14}
+    assert 0.25 - 1e-4 < tight <= 0.25  # randomized response at 0.25, read at delta 1e-5
+    assert event["charged_as"] == "pure"
     assert data["status"]["epsilon_remaining"] == 0.75
     assert [r["task_id"] for r in data["refusals"]] == ["task-2"]

@@ -12,7 +12,7 @@ from dpfed.common.errors import ConfigError
 from dpfed.common.privacy.accounting import BudgetPolicy, PrivacyCost
 from dpfed.site_agent.ledger import Ledger, read_status_readonly
 
-POLICY = BudgetPolicy(10.0, 1e-3)
+POLICY = BudgetPolicy(10.0, 1e-3, accountant="basic")
 
 
 def files(directory: Path) -> dict[str, bytes]:

@@ -3,86 +3,40 @@
 Sensitivity is SEARCHED, not assumed: tables that differ in one row (replace-one), the row
 taken from every combination of extreme schema-valid values (each continuous column at
 min/mid/max, every ordinal level, every category), under several clip norms and centres. The
-handler's statistic is read by releasing it with a zero-noise generator (the real
-``PreparedRelease.release``, whose noise term is then exactly 0), and the largest change found
-must stay within the sensitivity the handler's ``PreparedRelease.cost`` claims -- and a planted
+round's statistic is read by releasing it with a zero-noise generator (the real
+``Release.produce``, whose noise term is then exactly 0), and the largest change found
+must stay within the sensitivity the release's charge claims -- and a planted
 copy that under-states it must be caught by the same search.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
-from dpfed.common.data.schema import Schema
+from dpfed.common.data.encoding import encode_table
 from dpfed.common.errors import ValidationError
+from dpfed.common.jobs import pca as handler_module
 from dpfed.common.pca import centring
 from dpfed.common.pca.clipping import norm_grid
 from dpfed.common.pca.features import max_feature_norm
 from dpfed.common.privacy.mechanisms import SymmetricGaussianMechanism, gaussian_sigma
 from dpfed.common.transport.protocol import Task
-from dpfed.site_agent.handlers import pca as handler_module
-from dpfed.site_agent.handlers.pca import PCAHandler
+from dpfed.site_agent.handlers.base import site_release
+from tests.support.records import extreme_records
+from tests.support.schemas import MIXED as SCHEMA
+from tests.support.tables import FrameData, ZeroNoise, cost_of, produced
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "a"
-type = "continuous"
-min = -10
-max = 10
-[[columns]]
-name = "b"
-type = "continuous"
-min = 0
-max = 4
-[[columns]]
-name = "lvl"
-type = "ordinal"
-levels = ["x", "y", "z"]
-[[columns]]
-name = "cat"
-type = "nominal"
-categories = ["p", "q", "r"]
-""")
 P = 6  # a, b, lvl, cat=p, cat=q, cat=r
 B = max_feature_norm(SCHEMA)
 
 
-class FrameData:
-    """The DataAccess a handler sees, over an in-memory frame (validated like a file)."""
-
-    def __init__(self, frame: pd.DataFrame) -> None:
-        self.frame = frame
-
-    @property
-    def schema(self) -> Schema:
-        return SCHEMA
-
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        for start in range(0, len(self.frame), 7):  # several chunks
-            yield encode_table(SCHEMA, self.frame.iloc[start:start + 7])
-
-
-class ZeroNoise:
-    """A generator stand-in whose every normal draw is 0: the release IS the statistic."""
-
-    def standard_normal(self, size: Any = None) -> np.ndarray:
-        return np.zeros(size)
-
-
 def extreme_rows() -> list[dict[str, Any]]:
-    """Every combination of extreme schema-valid values."""
-    rows = []
-    for a, b, lvl, cat in itertools.product((-10.0, 0.0, 10.0), (0.0, 2.0, 4.0),
-                                            ("x", "y", "z"), ("p", "q", "r")):
-        rows.append({"a": a, "b": b, "lvl": lvl, "cat": cat})
-    return rows
+    """Every combination of extreme schema-valid values (bounds and midpoints)."""
+    return list(extreme_records(SCHEMA, quarters=False, outside=False).to_dict("records"))
 
 
 def base_frame(n: int = 20) -> pd.DataFrame:
@@ -102,8 +56,8 @@ def task(stage: str, *, clip: float | str = "schema", centering: str = "mean",
 
 def statistic(t: Task, frame: pd.DataFrame) -> tuple[np.ndarray, float]:
     """The exact released statistic (zero noise) and the sensitivity the handler claims."""
-    prepared = PCAHandler().prepare(t, FrameData(frame))
-    result = prepared.release(cast(np.random.Generator, ZeroNoise()))
+    prepared = site_release(t, FrameData(SCHEMA, frame))
+    result = produced(prepared, ZeroNoise())
     n = len(frame)
     if "factor" in result.arrays:
         f = result.arrays["factor"]  # rank = p and PSD statistic: P P^T = G / N exactly
@@ -111,7 +65,7 @@ def statistic(t: Task, frame: pd.DataFrame) -> tuple[np.ndarray, float]:
     else:
         stat = next(iter(result.arrays.values()))
     assert result.metadata["n_rows"] == n
-    return stat, prepared.cost.sensitivity
+    return stat, cost_of(prepared).sensitivity
 
 
 def search(t: Task) -> tuple[float, float]:
@@ -185,9 +139,9 @@ def test_planted_wrong_histogram_sensitivity_is_caught(monkeypatch: pytest.Monke
 def test_round_statistics_and_costs_are_what_the_docs_say() -> None:
     frame = base_frame(40)
     # mean: sum of u / B, cost calibrated to sensitivity 2 at the task's own (eps, delta)
-    prepared = PCAHandler().prepare(task("mean", epsilon=0.1), FrameData(frame))
-    assert prepared.cost.epsilon == 0.1
-    assert prepared.cost.noise_scale == pytest.approx(gaussian_sigma(0.1, 1e-5, 2.0))
+    prepared = site_release(task("mean", epsilon=0.1), FrameData(SCHEMA, frame))
+    assert cost_of(prepared).epsilon == 0.1
+    assert cost_of(prepared).noise_scale == pytest.approx(gaussian_sigma(0.1, 1e-5, 2.0))
     s, _ = statistic(task("mean"), frame)
     enc, _ = encode_table(SCHEMA, frame)
     from dpfed.common.pca.features import UnitBallMap
@@ -213,15 +167,15 @@ def test_round_statistics_and_costs_are_what_the_docs_say() -> None:
 ])
 def test_hostile_centre_is_refused(bad: np.ndarray | None, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
-        PCAHandler().prepare(task("pca", clip=1.0, center=bad), FrameData(base_frame()))
+        site_release(task("pca", clip=1.0, center=bad), FrameData(SCHEMA, base_frame()))
 
 
 def test_pca_round_refuses_an_unresolved_auto_clip_and_unknown_stage() -> None:
     with pytest.raises(ValidationError, match="resolved clip_norm"):
-        PCAHandler().prepare(task("pca", clip="auto", center=np.zeros(P)),
-                             FrameData(base_frame()))
+        site_release(task("pca", clip="auto", center=np.zeros(P)),
+                     FrameData(SCHEMA, base_frame()))
     with pytest.raises(ValidationError, match="stage"):
-        PCAHandler().prepare(task("everything"), FrameData(base_frame()))
+        site_release(task("everything"), FrameData(SCHEMA, base_frame()))
 
 
 
@@ -233,7 +187,7 @@ def test_rank_is_post_processing_it_does_not_change_the_cost() -> None:
         t = task("pca", clip=1.0, center=CENTRES[2])
         t = Task(t.task_id, t.job_id, t.kind, t.epsilon, t.delta, {**t.params, "rank": rank},
                  t.arrays)
-        prepared = PCAHandler().prepare(t, FrameData(frame))
-        assert prepared.release(np.random.default_rng(0)).arrays["factor"].shape == (P, rank)
-        costs.append(prepared.cost)
+        prepared = site_release(t, FrameData(SCHEMA, frame))
+        assert produced(prepared, np.random.default_rng(0)).arrays["factor"].shape == (P, rank)
+        costs.append(cost_of(prepared))
     assert len(set(costs)) == 1

@@ -1,7 +1,7 @@
 """Statistical tests of the noise the pca handler's rounds add, each with a planted wrong copy.
 
-The releases go through the real site path (``PCAHandler.prepare`` then
-``PreparedRelease.release`` with a real generator). For the centred ``pca`` round the table's
+The releases go through the real site path (the round's ``prepare`` then
+``Release.produce`` with a real generator). For the centred ``pca`` round the table's
 rows all equal the centre, so the exact statistic is 0 and the released factor is the positive
 part of the noise matrix; its energy is compared with the same quantity sampled from noise of
 the calibrated scale ``gaussian_sigma(eps, delta, sqrt(2)) / N``. A copy calibrated to the old
@@ -14,15 +14,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpfed.common.jobs import pca as handler_module
 from dpfed.common.privacy.mechanisms import (
     GaussianMechanism,
     SymmetricGaussianMechanism,
     gaussian_sigma,
     symmetric_gaussian_noise,
 )
-from dpfed.site_agent.handlers import pca as handler_module
-from dpfed.site_agent.handlers.pca import PCAHandler
-from tests.site_agent.test_pca_rounds import FrameData, P, task
+from dpfed.site_agent.handlers.base import site_release
+from tests.site_agent.test_pca_rounds import SCHEMA, P, task
+from tests.support.tables import FrameData, produced
 
 N = 50
 EPS, DELTA = 1.0, 1e-5
@@ -38,11 +39,11 @@ def positive_energy(m: np.ndarray) -> float:
 
 def handler_energy(seed: int) -> np.ndarray:
     frame = pd.DataFrame([ROW] * N)
-    prepared = PCAHandler().prepare(task("pca", clip=1.0, center=CENTRE), FrameData(frame))
+    prepared = site_release(task("pca", clip=1.0, center=CENTRE), FrameData(SCHEMA, frame))
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(REPS):
-        f = prepared.release(rng).arrays["factor"]
+        f = produced(prepared, rng).arrays["factor"]
         out.append(float(np.sum(f * f)))  # tr(P P^T) = sum of the positive eigenvalues
     return np.array(out)
 
@@ -76,10 +77,10 @@ def test_planted_add_remove_calibration_is_caught(monkeypatch: pytest.MonkeyPatc
 def vector_noise(stage: str, clip: float | str, centre: np.ndarray | None) -> np.ndarray:
     """Released minus exact, over many releases of one prepared task."""
     frame = pd.DataFrame([ROW] * N)
-    prepared = PCAHandler().prepare(task(stage, clip=clip, center=centre), FrameData(frame))
-    exact = next(iter(prepared.release(_Zero()).arrays.values()))  # type: ignore[arg-type]
+    prepared = site_release(task(stage, clip=clip, center=centre), FrameData(SCHEMA, frame))
+    exact = next(iter(produced(prepared, _Zero()).arrays.values()))
     rng = np.random.default_rng(7)
-    return np.concatenate([next(iter(prepared.release(rng).arrays.values())) - exact
+    return np.concatenate([next(iter(produced(prepared, rng).arrays.values())) - exact
                            for _ in range(REPS // 4)])
 
 

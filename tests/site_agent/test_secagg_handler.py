@@ -16,15 +16,15 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg.keys import generate_ephemeral
 from dpfed.common.secagg.messages import plan_params
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import plan_gram
 from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers import HANDLERS
+from dpfed.site_agent.handlers import default_handlers
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.secure_policy import SecureAggregationPolicy
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
@@ -52,10 +52,11 @@ def _runner(tmp_path: Path, site: str, fed: Path) -> TaskRunner:
     kit = fed / "sites" / site
     handler = SecureAggregationHandler(
         SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-        SecureAggregationPolicy(min_participants=2, tolerated=1))
+        SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"))
     ledger = Ledger(tmp_path / f"{site}.sqlite", BudgetPolicy(10.0, 1e-3))
     return TaskRunner(source, ledger, ("pca", "secagg"),
-                      handlers={**HANDLERS, "secagg": handler})
+                      handlers={**default_handlers(), "secagg": handler})
 
 
 @pytest.fixture

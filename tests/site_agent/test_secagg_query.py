@@ -8,7 +8,6 @@ site-level query at a site that requires secure aggregation are refused before a
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,9 @@ import pandas as pd
 import pytest
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
-from dpfed.common.data.schema import Schema
+from dpfed.common.jobs.contract import Site
+from dpfed.common.jobs.query import QUERY
+from dpfed.common.jobs.registry import sum_kinds
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.queries.federated_matrix import strategy_digest
 from dpfed.common.queries.matrix_mechanism import optimize_strategy, strategy
@@ -26,28 +26,18 @@ from dpfed.common.queries.query_language import compile_query_set, parse_domain
 from dpfed.common.queries.workloads import all_range_workload
 from dpfed.common.secagg.linear_sum import integer_strategy, plan_linear
 from dpfed.common.secagg.messages import plan_params
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import decode_sum
 from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers import HANDLERS
+from dpfed.site_agent.handlers import default_handlers
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
-from dpfed.site_agent.handlers.secagg_query import query_contribution
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.secure_policy import SUM_KINDS, SecureAggregationPolicy
+from tests.support.schemas import AGE_WARD as SCHEMA
+from tests.support.tables import FrameData
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "ward"
-type = "nominal"
-categories = ["general", "icu", "surgery"]
-""")
 SITES = ("hospital-a", "hospital-b", "hospital-c")
 JOB = "job-7"
 SUM = "query-sum-1"
@@ -68,9 +58,10 @@ def _runner(tmp_path: Path, site: str, fed: Path, allowed: tuple[str, ...]) -> T
     kit = fed / "sites" / site
     handler = SecureAggregationHandler(
         SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-        SecureAggregationPolicy(min_participants=2, tolerated=1), allowed_kinds=allowed)
+        SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"), allowed_kinds=allowed)
     ledger = Ledger(tmp_path / f"{site}.sqlite", BudgetPolicy(100.0, 1e-2))
-    return TaskRunner(source, ledger, (*allowed, "secagg"), handlers={**HANDLERS,
+    return TaskRunner(source, ledger, (*allowed, "secagg"), handlers={**default_handlers(),
                                                                       "secagg": handler})
 
 
@@ -135,20 +126,6 @@ def test_an_honest_secure_query_is_charged_once_and_decodes_to_the_pooled_answer
     assert np.max(np.abs(decoded - expected)) < 6 * linear.answer_variance ** 0.5
 
 
-class FrameData:
-    """A site table held in memory, encoded by the site's own encoder (clipping included)."""
-
-    def __init__(self, frame: pd.DataFrame) -> None:
-        self.frame = frame
-
-    @property
-    def schema(self) -> Schema:
-        return SCHEMA
-
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        yield encode_table(SCHEMA, self.frame)
-
-
 #: Extreme schema-valid records: every bin edge, both bounds, values outside them (clipped).
 EXTREMES = [(age, ward) for age in (-40.0, 0.0, 12.5, 49.999, 50.0, 100.0, 250.0)
             for ward in ("general", "surgery")]
@@ -164,10 +141,11 @@ def test_replace_one_sensitivity_search_through_the_site_code_path(name: str) ->
         spec["shape"] = list(a.shape)
     arrays = {"strategy": a} if name == "optimized" else {}
     base = pd.DataFrame(EXTREMES, columns=["age", "ward"])
-    table = FrameData(base)
+    table = FrameData(SCHEMA, base, chunk_rows=None)
     # the plan once (it depends on public inputs only); then the site's own counting and
     # integer answers on every neighbouring table
-    c = query_contribution(_contribute({}, a, spec=spec, extra=arrays), table, list(SITES), 1)
+    c = QUERY.contribution(_contribute({}, a, spec=spec, extra=arrays), Site(table), list(SITES),
+                           1)
     stat0, n0 = c.compute(np.random.default_rng(0))
     assert n0 == len(base)
     worst2 = worst1 = 0.0
@@ -213,10 +191,10 @@ def test_a_tampered_strategy_or_a_site_without_query_jobs_is_refused_before_any_
 
 def test_a_site_that_requires_secure_aggregation_refuses_site_level_query_answers(
         tmp_path: Path, fed: Path) -> None:
-    assert "query" in SUM_KINDS and "svt" not in SUM_KINDS  # SVT stays per site
+    assert "query" in sum_kinds() and "svt" not in sum_kinds()  # SVT stays per site
     r = _runner(tmp_path, "hospital-a", fed, ("query", "svt"))
     strict = TaskRunner(r.data, r.ledger, r.allowed_kinds, handlers=r.handlers,
-                        secure_required_kinds=SUM_KINDS)
+                        secure_required_kinds=sum_kinds())
     answer = strict.run(Task("job-1/query", "job-1", "query", 1.0, 0.0,
                              {"domain": DOMAIN, "noise": "laplace",
                               "strategy": {"name": "identity", "n": 8}}))

@@ -22,11 +22,16 @@ import pytest
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.jobs import synth_rounds as synth_secure
+from dpfed.common.jobs.contract import Contribution, DataAccess, Site
+from dpfed.common.jobs.registry import secure_round, sum_kinds
+from dpfed.common.jobs.synth_rounds import LATENT, LINKS
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg import secure_sum
 from dpfed.common.secagg.fixed_point import from_ring
 from dpfed.common.secagg.masking import sum_masked
 from dpfed.common.secagg.messages import plan_params
+from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import SecureSumPlan, plan_for
 from dpfed.common.synth import link_release
 from dpfed.common.synth.link_release import LinkHistogramAccumulator, links_digest
@@ -34,19 +39,10 @@ from dpfed.common.synth.links import latent_dim
 from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers import HANDLERS, synth_secure
-from dpfed.site_agent.handlers.secagg import (
-    CONTRIBUTION_SOURCES,
-    SecureAggregationHandler,
-    SiteIdentity,
-)
-from dpfed.site_agent.handlers.synth_secure import (
-    synth_counts_contribution,
-    synth_latent_contribution,
-)
+from dpfed.site_agent.handlers import default_handlers
+from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.secure_policy import SUM_KINDS, SecureAggregationPolicy
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,
@@ -60,6 +56,19 @@ from tests.site_agent.test_synth_handler import (
 
 SITES = ("hospital-a", "hospital-b", "hospital-c")
 C = len(SCHEMA.columns)
+
+
+def synth_counts_contribution(task: Task, data: DataAccess, participants: list[str],
+                              tolerated: int, *, site_dir: Path | None = None) -> Contribution:
+    """The ``links`` round's secure contribution at a site (bound to ``site_dir`` if given)."""
+    return LINKS.contribution(task, Site(data, None if site_dir is None
+                                         else site_dir / "ledger.sqlite"), participants, tolerated)
+
+
+def synth_latent_contribution(task: Task, data: DataAccess, participants: list[str],
+                              tolerated: int) -> Contribution:
+    """The ``pca`` round's secure contribution at a site."""
+    return LATENT.contribution(task, Site(data), participants, tolerated)
 
 
 def search_records() -> list[dict[str, object]]:
@@ -209,7 +218,6 @@ def test_latent_gram_sensitivity_within_the_plans_bound(clip_norm: float | None)
 def test_latent_rows_outside_the_ball_are_refused_not_summed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from dpfed.common.errors import ValidationError
-    from dpfed.site_agent.handlers import synth_secure
 
     def no_clip(latent: np.ndarray, clip_norm: float) -> tuple[np.ndarray, int]:
         return np.asarray(latent, dtype=np.float64) / clip_norm, 0  # planted bug: no clip
@@ -229,10 +237,11 @@ def _runner(tmp_path: Path, site: str, fed: Path, seed: int) -> TaskRunner:
     kit = fed / "sites" / site
     handler = SecureAggregationHandler(
         SiteIdentity.load(kit / "ca.pem", kit / "site.pem", kit / "site.key"),
-        SecureAggregationPolicy(min_participants=2, tolerated=1))
+        SecureAggregationPolicy(min_participants=2, tolerated=1,
+                                federation_list=kit / "revoked.toml"))
     ledger = Ledger(tmp_path / f"{site}.sqlite", BudgetPolicy(1e4, 0.1))
     return TaskRunner(source, ledger, ("synth", "synth_eval", "secagg"),
-                      handlers={**HANDLERS, "secagg": handler})
+                      handlers={**default_handlers(), "secagg": handler})
 
 
 @pytest.fixture
@@ -315,12 +324,14 @@ def test_a_tampered_links_digest_is_refused_before_any_charge(
 
 def test_required_sites_refuse_site_level_synth_and_no_site_runs_a_secure_jobs_round(
         runners: dict[str, TaskRunner]) -> None:
-    assert "synth" in SUM_KINDS and "synth_eval" not in SUM_KINDS
-    assert {"pca", "query", "synth_counts", "synth_latent"} <= set(CONTRIBUTION_SOURCES)
-    assert CONTRIBUTION_SOURCES["synth_counts"].job_kind == "synth"
+    assert "synth" in sum_kinds() and "synth_eval" not in sum_kinds()
+    for source, statistic in (("pca", "gram"), ("query", "linear"),
+                              ("synth_counts", "weighted_counts"), ("synth_latent", "gram")):
+        kind, _round = secure_round(source, statistic)
+        assert kind.name == source.split("_")[0]
     r = runners["hospital-a"]
     strict = TaskRunner(r.data, r.ledger, r.allowed_kinds, handlers=r.handlers,
-                        secure_required_kinds=SUM_KINDS)
+                        secure_required_kinds=sum_kinds())
     links = Task("j/links", "j", "synth", 1.0, 1e-6, {**params(), "round": "links"})
     answer = strict.run(links)
     assert isinstance(answer, Refusal) and answer.code == "not_allowed"

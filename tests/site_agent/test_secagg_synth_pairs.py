@@ -26,6 +26,10 @@ import pytest
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
+from dpfed.common.jobs import synth_pairs as synth_secure
+from dpfed.common.jobs.contract import Contribution, DataAccess, Site
+from dpfed.common.jobs.registry import secure_round
+from dpfed.common.jobs.synth_pairs import PAIR_SCORES, PAIRS, SCORE_BOUND, floored_scores
 from dpfed.common.secagg import secure_sum
 from dpfed.common.secagg.fixed_point import from_ring
 from dpfed.common.secagg.masking import sum_masked
@@ -39,14 +43,6 @@ from dpfed.common.synth.pair_marginals import (
 )
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers import synth_secure
-from dpfed.site_agent.handlers.secagg import CONTRIBUTION_SOURCES
-from dpfed.site_agent.handlers.synth_secure import (
-    SCORE_BOUND,
-    floored_scores,
-    synth_pair_scores_contribution,
-    synth_pairs_contribution,
-)
 from dpfed.site_agent.runner import TaskRunner
 from tests.site_agent.test_secagg_synth import (
     SITES,
@@ -100,6 +96,21 @@ def pair_task(source: str, *, groups: object = 4, edges: object = None,
 
 def grid(groups: int = 4) -> PairGrid:
     return PairGrid.from_proportions(SCHEMA, uneven_proportions(), N_BINS, groups)
+
+
+def synth_pair_scores_contribution(task: Task, data: DataAccess, participants: list[str],
+                                   tolerated: int, *,
+                                   site_dir: Path | None = None) -> Contribution:
+    """The ``pair_scores`` round's secure contribution (bound to ``site_dir`` if given)."""
+    return PAIR_SCORES.contribution(task, Site(data, None if site_dir is None
+                                               else site_dir / "ledger.sqlite"),
+                                    participants, tolerated)
+
+
+def synth_pairs_contribution(task: Task, data: DataAccess, participants: list[str],
+                             tolerated: int) -> Contribution:
+    """The ``pairs`` round's secure contribution at a site."""
+    return PAIRS.contribution(task, Site(data), participants, tolerated)
 
 
 # --------------------------------------------------------------------------- scores
@@ -357,8 +368,8 @@ def _exact(seed: int, edges: list[tuple[int, int]] | None) -> np.ndarray:
 
 def test_secure_pair_rounds_decode_to_the_pooled_statistics(
         runners: dict[str, TaskRunner]) -> None:
-    assert CONTRIBUTION_SOURCES["synth_pair_scores"].job_kind == "synth"
-    assert CONTRIBUTION_SOURCES["synth_pairs"].job_kind == "synth"
+    assert secure_round("synth_pair_scores", "scores")[0].name == "synth"
+    assert secure_round("synth_pairs", "counts")[0].name == "synth"
     answers, plan = _secure_round(runners, pair_task("synth_pair_scores"), "scores", 6,
                                   float(SCORE_BOUND), 200.0)
     masked = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sqlite3
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,44 +13,35 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
-from dpfed.common.data.schema import Schema
+from dpfed.common.jobs.contract import DataAccess, Release, Site
+from dpfed.common.jobs.svt import BATCH
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.privacy.audit import audit, threshold_events
+from dpfed.common.queries.svt_sessions import StoredSession, SVTSessionStore, sessions_path
 from dpfed.common.queries.svt_stream import SessionState, SVTSessionParams, open_session
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes, result_to_bytes
-from dpfed.site_agent.handlers.svt import SVTHandler
+from dpfed.site_agent.handlers import TaskHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.svt_sessions import StoredSession, SVTSessionStore, sessions_path
-
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "ward"
-type = "nominal"
-categories = ["general", "icu", "surgery"]
-""")
+from tests.support.schemas import AGE_WARD as SCHEMA
+from tests.support.tables import FrameData
 
 
-class Table:
-    """A site's rows in memory (the DataAccess the handlers read)."""
+class SVTHandler(TaskHandler):
+    """The svt round with a session store the test opens and re-opens (a site restart)."""
+
+    def __init__(self, store: SVTSessionStore) -> None:
+        self.store = store
+
+    def prepare(self, task: Task, data: DataAccess) -> Release:
+        return BATCH.prepare_with(task, Site(data), self.store)
+
+class Table(FrameData):
+    """A site's rows in memory (the DataAccess the rounds read), in one chunk."""
 
     def __init__(self, frame: pd.DataFrame) -> None:
-        self.frame = frame
-        self.encoded = encode_table(SCHEMA, frame)
-
-    @property
-    def schema(self) -> Schema:
-        return SCHEMA
-
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        yield self.encoded
+        super().__init__(SCHEMA, frame, chunk_rows=None)
 
 
 def table(n_icu: int, n: int = 10) -> Table:

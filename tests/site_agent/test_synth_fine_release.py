@@ -6,8 +6,8 @@ cells and the bins -- and the leaves inside the bins, each level with its own pu
 The search replaces one row of a table by extreme schema-valid records (bounds, values just
 inside them, interior values in different bins and in different leaves of one bin, values far
 outside the bounds, every level and category) and measures how far the released vector moves
-before noise, through the handler's own code path (``SynthHandler.exact`` for the site-level
-round, the ``synth_counts`` source for the secure sum). Each search also runs against a
+before noise, through the round's own code path (the ``links`` round's site-level statistic,
+its secure contribution for the secure sum). Each search also runs against a
 planted broken copy, which it must catch.
 """
 
@@ -27,11 +27,9 @@ from dpfed.common.job_params import SynthParams
 from dpfed.common.synth import link_release
 from dpfed.common.synth.column_cells import schema_cells
 from dpfed.common.synth.link_release import LinkHistogramAccumulator, link_histogram_sensitivity
-from dpfed.common.synth.links import latent_dim
 from dpfed.common.transport.protocol import Task
-from dpfed.site_agent.handlers.synth import SynthHandler
-from dpfed.site_agent.handlers.synth_secure import synth_counts_contribution
-from tests.site_agent.test_synth_handler import TableAccess, neighbour
+from tests.site_agent.test_secagg_synth import synth_counts_contribution
+from tests.site_agent.test_synth_handler import TableAccess, exact, neighbour
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
@@ -85,8 +83,8 @@ def records() -> list[dict[str, Any]]:
 
 
 def job(**extra: object) -> dict[str, object]:
-    return SynthParams.from_mapping({"n_bins": N_BINS, "resolution": "fine", **extra},
-                                    latent_dim=latent_dim(SCHEMA)).to_mapping()
+    return SynthParams.parse({"n_bins": N_BINS, "resolution": "fine", **extra},
+                             SCHEMA).to_mapping()
 
 
 def test_the_search_schema_has_every_kind_of_fine_column() -> None:
@@ -104,7 +102,7 @@ def search_site_level() -> float:
     base = base_frame()
     task = Task("j/links", "j", "synth", 1.0, 1e-6,
                 {**job(), "schema_digest": SCHEMA.digest(), "round": "links"})
-    stats = [SynthHandler().exact(task, TableAccess(neighbour(base, r), schema=SCHEMA))[3]
+    stats = [exact(task, TableAccess(neighbour(base, r), schema=SCHEMA))[3]
              for r in records()]
     # The noise is added to the weighted vector: its change is what the sensitivity bounds.
     weighted = [link_release.weighted_histograms(s, SCHEMA, N_BINS, "fine") for s in stats]
@@ -204,8 +202,8 @@ def test_fine_secure_search_catches_leaf_weights_the_plan_does_not_count(
         m = link_release.secure_link_weights(schema, n_bins, resolution)
         return math.sqrt(float((m * m).sum()))
 
-    from dpfed.site_agent.handlers import synth_secure
+    from dpfed.common.jobs import synth_rounds
 
-    monkeypatch.setattr(synth_secure, "secure_link_row_norm", coarse_only)
+    monkeypatch.setattr(synth_rounds, "secure_link_row_norm", coarse_only)
     worst2, _, plan = search_secure()
     assert worst2 > plan.calibration.l2_sensitivity * 1.02

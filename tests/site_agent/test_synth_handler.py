@@ -3,8 +3,8 @@ digest and schema refusals through the real task runner and SQLite ledger.
 
 The sensitivity search replaces one row of a table by extreme schema-valid records (every
 continuous column at min/mid/max, every level and category) and measures how far each
-round's exact statistic moves -- computed by the handler's own code path
-(``SynthHandler.exact``), with the links' latent draws coupled between the two neighbouring
+round's exact statistic moves -- computed by the rounds' own code path
+(:func:`exact`), with the links' latent draws coupled between the two neighbouring
 tables. Each search also runs against a deliberately broken copy and must catch it.
 """
 
@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
+from dpfed.common.data.encoding import EncodedTable, encode_table
 from dpfed.common.data.schema import Schema
 from dpfed.common.job_params import SynthParams
+from dpfed.common.jobs import synth_rounds
+from dpfed.common.jobs.contract import DataAccess, Site
+from dpfed.common.jobs.synth_pairs import exact_scores, exact_tables
+from dpfed.common.jobs.synth_rounds import factor_rows, latent_gram, link_counts, site_params
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.synth import link_release
 from dpfed.common.synth.link_release import (
@@ -34,51 +38,57 @@ from dpfed.common.synth.links import latent_dim
 from dpfed.common.synth.quantile_link import bin_codes
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers.synth import SynthEvaluationHandler, SynthHandler, SynthRowsHandler
+from dpfed.site_agent.handlers.base import RoundsHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
+from tests.support.schemas import SYNTH as SCHEMA
+from tests.support.tables import FrameData
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "lab"
-type = "continuous"
-min = -5
-max = 5
-[[columns]]
-name = "stage"
-type = "ordinal"
-levels = ["I", "II", "III", "IV"]
-[[columns]]
-name = "ward"
-type = "nominal"
-categories = ["a", "b", "c"]
-""")
 N_BINS = 8
 
 
-class TableAccess:
-    """The site's rows as the handlers see them (schema + chunked pass), from a DataFrame."""
+class TableAccess(FrameData):
+    """The site's rows as the rounds see them (schema + chunked pass), from a DataFrame."""
 
     def __init__(self, frame: pd.DataFrame, chunk: int = 7, schema: Schema = SCHEMA) -> None:
-        self._schema = schema
-        self._table, _ = encode_table(schema, frame)
-        self._chunk = chunk
+        super().__init__(schema, frame, chunk)
 
-    @property
-    def schema(self) -> Schema:
-        return self._schema
 
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        t = self._table
-        for s in range(0, t.n_rows, self._chunk):
-            cols = {k: v[s:s + self._chunk] for k, v in t.columns.items()}
-            yield (EncodedTable(self._schema, cols, min(self._chunk, t.n_rows - s)),
-                   EncodingReport())
+class SiteRounds:
+    """The synth rounds' exact statistics at a site (bound to a ledger's directory, or not)."""
+
+    def __init__(self, ledger_path: Path | None = None) -> None:
+        self.ledger_path = ledger_path
+
+    def exact(self, task: Task, data: DataAccess, latent_rng: np.random.Generator | None = None
+              ) -> tuple[str, SynthParams, int, Any]:
+        """A site-level synth task's exact statistic, through the rounds' own code path.
+
+        (round, params, N_s, statistic): the histograms (links), the Gram matrix of the
+        unit-ball latent rows (pca), (latent rows, loadings) (factors), the scores
+        (pair_scores) or (the edges' tables, edges) (pairs). ``latent_rng`` couples the links'
+        latent draws.
+        """
+        site = Site(data, self.ledger_path)
+        extra, p = site_params(task, site)
+        rnd = str(extra["round"])
+        if rnd == "links":
+            acc = link_counts(synth_rounds.training_rows(task, site, p), p)
+            return rnd, p, acc.n_rows, acc.counts
+        if rnd == "pca":
+            n, gram = latent_gram(task, site, p, extra.get("links_digest"), latent_rng)
+            return rnd, p, n, gram
+        if rnd == "factors":
+            unit, v = factor_rows(task, site, p, extra.get("links_digest"), latent_rng)
+            return rnd, p, unit.shape[0], (unit, v)
+        if rnd == "pair_scores":
+            n, scores = exact_scores(task, site, p, extra.get("links_digest"))
+            return rnd, p, n, scores
+        n, tables, edges = exact_tables(task, site, p, extra)
+        return rnd, p, n, (tables, edges)
+
+
+exact = SiteRounds().exact
 
 
 def base_frame(n: int = 25, seed: int = 0) -> pd.DataFrame:
@@ -104,8 +114,7 @@ def neighbour(frame: pd.DataFrame, record: dict[str, object]) -> pd.DataFrame:
 
 
 def params(**extra: object) -> dict[str, object]:
-    p = SynthParams.from_mapping({"n_bins": N_BINS, **extra},
-                                 latent_dim=latent_dim(SCHEMA)).to_mapping()
+    p = SynthParams.parse({"n_bins": N_BINS, **extra}, SCHEMA).to_mapping()
     return {**p, "schema_digest": SCHEMA.digest()}
 
 
@@ -130,10 +139,10 @@ def upper_l2(a: np.ndarray) -> float:
 # --------------------------------------------------------------------------- links round
 
 
-def search_links(handler: SynthHandler) -> float:
+def search_links() -> float:
     base = base_frame()
     task = Task("j/links", "j", "synth", 1.0, 1e-6, {**params(), "round": "links"})
-    stats = [handler.exact(task, TableAccess(neighbour(base, x)))[3] for x in extreme_records()]
+    stats = [exact(task, TableAccess(neighbour(base, x)))[3] for x in extreme_records()]
     # The noise is added to the weighted vector (less noise on columns with more cells):
     # that vector's change is what the stated sensitivity bounds.
     return max(float(np.linalg.norm(link_release.weighted_histograms(a - b, SCHEMA, N_BINS)))
@@ -142,7 +151,7 @@ def search_links(handler: SynthHandler) -> float:
 
 def test_links_round_sensitivity_search_attains_the_stated_bound() -> None:
     stated = link_histogram_sensitivity(SCHEMA)
-    observed = search_links(SynthHandler())
+    observed = search_links()
     assert observed <= stated + 1e-12
     assert observed == pytest.approx(stated)  # tight: every column changes cell
 
@@ -161,7 +170,7 @@ def test_links_search_catches_a_broken_histogram(monkeypatch: pytest.MonkeyPatch
             start += size
 
     monkeypatch.setattr(link_release.LinkHistogramAccumulator, "add", doubled)
-    assert search_links(SynthHandler()) > link_histogram_sensitivity(SCHEMA) * 1.05
+    assert search_links() > link_histogram_sensitivity(SCHEMA) * 1.05
 
 
 def test_links_search_catches_unnormalised_noise_weights(monkeypatch: pytest.MonkeyPatch
@@ -173,20 +182,20 @@ def test_links_search_catches_unnormalised_noise_weights(monkeypatch: pytest.Mon
                                   dtype=float))
 
     monkeypatch.setattr(link_release, "link_noise_weights", unnormalised)
-    assert search_links(SynthHandler()) > link_histogram_sensitivity(SCHEMA) * 1.05
+    assert search_links() > link_histogram_sensitivity(SCHEMA) * 1.05
 
 
 # --------------------------------------------------------------------------- pca round
 
 
-def search_pca(handler: SynthHandler, clip_norm: float | None) -> tuple[float, int]:
+def search_pca(clip_norm: float | None) -> tuple[float, int]:
     base = base_frame()
     props = public_proportions()
     extra = {} if clip_norm is None else {"clip_norm": clip_norm}
     task = link_task(params(**extra), props, "pca")
     # The same generator seed for every neighbour couples the links' latent draws: only the
     # replaced row's latent values differ.
-    runs = [handler.exact(task, TableAccess(neighbour(base, x)), np.random.default_rng(7))
+    runs = [exact(task, TableAccess(neighbour(base, x)), np.random.default_rng(7))
             for x in extreme_records()]
     n = runs[0][2]
     return max(upper_l2((a[3] - b[3]) / n) for a, b in itertools.combinations(runs, 2)), n
@@ -194,18 +203,16 @@ def search_pca(handler: SynthHandler, clip_norm: float | None) -> tuple[float, i
 
 @pytest.mark.parametrize("clip_norm", [0.5, 1.0, None, 10.0])
 def test_pca_round_gram_sensitivity_within_replace_one_bound(clip_norm: float | None) -> None:
-    worst, n = search_pca(SynthHandler(), clip_norm)
+    worst, n = search_pca(clip_norm)
     assert 0 < worst <= math.sqrt(2.0) / n + 1e-12
 
 
 def test_pca_search_catches_missing_clipping(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpfed.site_agent.handlers import synth as synth_handler
-
     def no_clip(latent: np.ndarray, clip_norm: float) -> tuple[np.ndarray, int]:
         return np.asarray(latent, dtype=np.float64) / clip_norm, 0  # planted bug: no clip
 
-    monkeypatch.setattr(synth_handler, "clip_to_unit_ball", no_clip)
-    worst, n = search_pca(SynthHandler(), 0.5)
+    monkeypatch.setattr(synth_rounds, "clip_to_unit_ball", no_clip)
+    worst, n = search_pca(0.5)
     assert worst > math.sqrt(2.0) / n * 1.5
 
 
@@ -220,8 +227,8 @@ def test_factors_round_row_sensitivity_within_bounds() -> None:
         v = np.linalg.qr(np.random.default_rng(r).standard_normal((dim, r)))[0]
         task = link_task(params(mode="row_aligned"), props, "factors", {"loadings": v})
         worst_l2 = worst_l1 = 0.0
-        units = [SynthRowsHandler().exact(task, TableAccess(neighbour(base, x)),
-                                      np.random.default_rng(3))[3][0] for x in extreme_records()]
+        units = [exact(task, TableAccess(neighbour(base, x)), np.random.default_rng(3))[3][0]
+                 for x in extreme_records()]
         for ua, ub in itertools.combinations(units, 2):
             d = (ua - ub) @ v
             assert np.count_nonzero(np.abs(d).sum(axis=1) > 1e-12) <= 1  # one row moves
@@ -301,7 +308,7 @@ def test_site_local_evaluation_writes_a_report_and_charges_nothing(tmp_path: Pat
     base_frame(200).to_csv(csv, index=False)
     source = open_data_source(spec_from_path(csv), SCHEMA)
     runner = TaskRunner(source, Ledger(tmp_path / "ledger.sqlite", BudgetPolicy(10.0, 1e-3)),
-                        ("synth_eval",), handlers={"synth_eval": SynthEvaluationHandler()})
+                        ("synth_eval",), handlers={"synth_eval": RoundsHandler()})
     task = Task("j/evaluate", "j", "synth_eval", 0.0, 0.0,
                 {"schema_digest": SCHEMA.digest()}, eval_arrays())
     out = runner.run(task)

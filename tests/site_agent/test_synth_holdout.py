@@ -1,6 +1,6 @@
 """The evaluation holdout at a site: its secret, the training-rows view, and the rounds.
 
-Through the real handler code path (``SynthHandler.exact`` bound to a site directory): a job
+Through the real round code path (bound to a site directory): a job
 that evaluates reads only its training rows; a replaced held-out row moves no round's
 statistic, a replaced training row moves it by at most the round's stated sensitivity, and
 the local evaluation compares the same training rows with the same holdout.
@@ -28,6 +28,7 @@ from dpfed.common.evaluation.holdout import (
     job_key,
     training_count,
 )
+from dpfed.common.evaluation.site_holdout import KEY_FILE, TrainingRows, site_secret, split_rows
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.synth.link_release import (
     LinkHistogramAccumulator,
@@ -36,13 +37,13 @@ from dpfed.common.synth.link_release import (
 )
 from dpfed.common.transport.protocol import Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers.synth import SynthEvaluationHandler, SynthHandler
+from dpfed.site_agent.handlers.base import RoundsHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.synth_holdout import KEY_FILE, TrainingRows, site_secret, split_rows
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,
+    SiteRounds,
     TableAccess,
     base_frame,
     eval_arrays,
@@ -63,10 +64,8 @@ def replaced(frame: pd.DataFrame, position: int, record: dict[str, object]) -> p
     return out
 
 
-def bound(tmp_path: Path) -> SynthHandler:
-    handler = SynthHandler().for_site(tmp_path / "ledger.sqlite")
-    assert isinstance(handler, SynthHandler)
-    return handler
+def bound(tmp_path: Path) -> SiteRounds:
+    return SiteRounds(tmp_path / "ledger.sqlite")
 
 
 def test_site_secret_is_created_once_private_and_checked(tmp_path: Path) -> None:
@@ -89,7 +88,7 @@ def test_training_rows_leave_out_the_same_positions_whatever_the_chunking(
     for name in SCHEMA.names:
         assert np.array_equal(ta.columns[name], tb.columns[name])
         assert np.array_equal(ha.columns[name], hb.columns[name])
-    whole = TableAccess(frame, chunk=N)._table
+    whole = next(TableAccess(frame, chunk=N).iter_chunks())[0]
     held = holdout_positions(key, N)
     assert np.array_equal(ha.columns["age"], whole.columns["age"][held])
     # Another job holds out other rows.
@@ -130,7 +129,7 @@ def test_rounds_of_an_evaluating_job_read_only_the_training_rows(tmp_path: Path)
     plain = Task("j/links", "j", "synth", 1.0, 1e-6, {**params(), "round": "links"})
     assert bound(tmp_path).exact(plain, TableAccess(frame))[2] == N
     with pytest.raises(ValidationError, match="not bound"):
-        SynthHandler().exact(task, TableAccess(frame))
+        SiteRounds().exact(task, TableAccess(frame))
 
 
 def test_a_replaced_held_out_row_moves_no_round_statistic(tmp_path: Path) -> None:
@@ -161,7 +160,7 @@ def test_local_evaluation_compares_the_training_rows_with_the_holdout(tmp_path: 
     base_frame(200).to_csv(csv, index=False)
     runner = TaskRunner(open_data_source(spec_from_path(csv), SCHEMA),
                         Ledger(tmp_path / "ledger.sqlite", BudgetPolicy(10.0, 1e-3)),
-                        ("synth_eval",), handlers={"synth_eval": SynthEvaluationHandler()})
+                        ("synth_eval",), handlers={"synth_eval": RoundsHandler()})
     out = runner.run(Task("j/evaluate", "j", "synth_eval", 0.0, 0.0,
                           {"schema_digest": SCHEMA.digest()}, eval_arrays()))
     assert isinstance(out, bytes) and result_from_bytes(out).arrays == {}

@@ -1,6 +1,6 @@
 """The ``synth`` site handler's pair rounds (``pair_scores``, ``pairs``).
 
-Worst-case sensitivity search through the real site path (``SynthHandler.exact``): one row
+Worst-case sensitivity search through the real site path (the rounds' exact statistics): one row
 of the table is replaced by extreme schema-valid records (every continuous column at
 min/mid/max, every level and category) under several pair grids; each search also runs
 against a deliberately broken copy and must catch it. Refusals (links digest, bad edges, a
@@ -18,24 +18,26 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpfed.common.jobs import synth_pairs as synth_handler
 from dpfed.common.privacy.mechanisms import GaussianMechanism, gaussian_sigma
 from dpfed.common.synth import pair_marginals
 from dpfed.common.synth.pair_marginals import PairGrid
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers import synth as synth_handler
-from dpfed.site_agent.handlers.synth import SynthHandler
+from dpfed.site_agent.handlers.base import site_release
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,
     TableAccess,
     base_frame,
+    exact,
     link_task,
     make_runner,
     neighbour,
     params,
     public_proportions,
 )
+from tests.support.tables import produced
 
 GROUPS = (2, 3, 6)
 EDGES = [[2, 0], [2, 3], [0, 1]]
@@ -58,10 +60,9 @@ def pair_task(rnd: str, groups: int = 6, edges: object = None, **extra: object) 
 
 
 def neighbours_stats(task: Task, frame: pd.DataFrame) -> list[np.ndarray]:
-    handler = SynthHandler()
     out = []
     for x in extreme_records():
-        stat = handler.exact(task, TableAccess(neighbour(frame, x)))[3]
+        stat = exact(task, TableAccess(neighbour(frame, x)))[3]
         out.append(np.asarray(stat[0] if isinstance(stat, tuple) else stat, dtype=np.float64))
     return out
 
@@ -215,21 +216,21 @@ def test_released_noise_matches_the_stated_calibration(monkeypatch: pytest.Monke
     sens = 2.0 * math.sqrt(6) if rnd == "pair_scores" else math.sqrt(2.0 * len(EDGES))
     stated = gaussian_sigma(task.epsilon, task.delta, sens)
 
-    def noise_sd(handler: SynthHandler) -> float:
-        exact = handler.exact(task, data)[3]
-        exact = np.asarray(exact[0] if isinstance(exact, tuple) else exact, dtype=np.float64)
-        prepared = handler.prepare(task, data)
+    def noise_sd() -> float:
+        stat = exact(task, data)[3]
+        stat = np.asarray(stat[0] if isinstance(stat, tuple) else stat, dtype=np.float64)
+        prepared = site_release(task, data)
         rng = np.random.default_rng(11)
         name = "pair_scores" if rnd == "pair_scores" else "pair_tables"
-        noise = np.concatenate([prepared.release(rng).arrays[name] - exact
+        noise = np.concatenate([produced(prepared, rng).arrays[name] - stat
                                 for _ in range(300)])
         return float(noise.std())
 
-    assert noise_sd(SynthHandler()) == pytest.approx(stated, rel=0.05)
+    assert noise_sd() == pytest.approx(stated, rel=0.05)
     # Broken copy: a mechanism calibrated to half the sensitivity must be caught.
     # (scores: the L2 sensitivity of one score instead of all P; tables: sqrt(K) / 2)
     monkeypatch.setattr(synth_handler, "score_mechanism",
                         lambda p, e, d: GaussianMechanism(e, d, 2.0))
     monkeypatch.setattr(synth_handler, "pair_table_mechanism",
                         lambda k, e, d: GaussianMechanism(e, d, math.sqrt(k) / 2))
-    assert noise_sd(SynthHandler()) < stated * 0.8
+    assert noise_sd() < stated * 0.8

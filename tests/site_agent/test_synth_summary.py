@@ -1,7 +1,7 @@
 """The DP evaluation summary (kind ``synth_eval_dp``): sensitivity search, noise, ledger.
 
 The sensitivity search goes through the real site code path
-(``SynthEvaluationSummaryHandler.exact``, bound to a site directory with its holdout secret):
+(:func:`exact_summary`, bound to a site directory with its holdout secret):
 one row -- held out, or a training row -- is replaced by every extreme schema-valid record
 (every continuous column at min/mid/max, levels and categories), against several synthetic
 samples (random, copies of real rows, the extreme records themselves); the scaled summary
@@ -32,15 +32,16 @@ from dpfed.common.evaluation.dp_summary import (
     summary_sensitivity,
 )
 from dpfed.common.evaluation.holdout import holdout_positions, job_key
+from dpfed.common.evaluation.site_holdout import KEY_FILE, site_secret
+from dpfed.common.jobs.contract import Site
+from dpfed.common.jobs.synth_evaluation import exact_summary
 from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.privacy.mechanisms import gaussian_sigma
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.handlers.synth_summary import SynthEvaluationSummaryHandler
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-from dpfed.site_agent.synth_holdout import KEY_FILE, site_secret
 from tests.site_agent.test_synth_handler import (
     N_BINS,
     SCHEMA,
@@ -76,8 +77,7 @@ def samples() -> list[dict[str, np.ndarray]]:
 def search(tmp_path: Path) -> tuple[float, float]:
     """Return the worst L2 move of the scaled vector: (held-out row replaced, training row)."""
     (tmp_path / KEY_FILE).write_bytes(bytes([2]) * 32)  # a fixed secret: a reproducible split
-    handler = SynthEvaluationSummaryHandler().for_site(tmp_path / "ledger.sqlite")
-    assert isinstance(handler, SynthEvaluationSummaryHandler)
+    ledger = tmp_path / "ledger.sqlite"
     base = base_frame(N)
     held = holdout_positions(job_key(site_secret(tmp_path), "j"), N)
     trained = [p for p in range(N) if p not in set(held.tolist())][:1]
@@ -85,7 +85,7 @@ def search(tmp_path: Path) -> tuple[float, float]:
     for arrays in samples():
         task = summary_task(arrays)
         for position in (int(held[0]), *trained):
-            z = [handler.exact(task, TableAccess(replaced(base, position, x))).scaled
+            z = [exact_summary(task, Site(TableAccess(replaced(base, position, x)), ledger)).scaled
                  for x in extreme_records()]
             move = max(float(np.linalg.norm(a - b)) for a, b in itertools.combinations(z, 2))
             key = position in set(held.tolist())

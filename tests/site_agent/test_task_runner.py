@@ -9,25 +9,12 @@ import pytest
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.encoding import RowPolicy
-from dpfed.common.data.schema import Schema
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
-
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "bmi"
-type = "continuous"
-min = 10
-max = 60
-""")
+from tests.support.schemas import AGE_BMI as SCHEMA
 
 
 def make_runner(tmp_path: Path, rows: list[tuple[str, str]], *, on_invalid: str = "drop",

@@ -34,6 +34,7 @@ class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.Val
     JOB_STATE_RUNNING: _JobState.ValueType  # 2
     JOB_STATE_SUCCEEDED: _JobState.ValueType  # 3
     JOB_STATE_FAILED: _JobState.ValueType  # 4
+    JOB_STATE_CANCELLED: _JobState.ValueType  # 5
 
 class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper): ...
 
@@ -42,6 +43,7 @@ JOB_STATE_PENDING: JobState.ValueType  # 1
 JOB_STATE_RUNNING: JobState.ValueType  # 2
 JOB_STATE_SUCCEEDED: JobState.ValueType  # 3
 JOB_STATE_FAILED: JobState.ValueType  # 4
+JOB_STATE_CANCELLED: JobState.ValueType  # 5
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
 @_typing.final
@@ -265,11 +267,17 @@ class SiteOutcome(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     SPEND_FIELD_NUMBER: _builtins.int
     ROW_COUNT_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    LEFT_OUT_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     status: _builtins.str
     """ok | refused | timeout | disconnected | error"""
     reason: _builtins.str
     row_count: _builtins.int
+    code: _builtins.str
+    """why a site is not ok: budget_exceeded | not_allowed | invalid | conflict | deadline | internal"""
+    left_out: _builtins.bool
+    """left out by the coordinator before the job's first round"""
     @_builtins.property
     def spend(self) -> _types_pb2.PrivacySpend: ...
     def __init__(
@@ -280,10 +288,12 @@ class SiteOutcome(_message.Message):
         reason: _builtins.str = ...,
         spend: _types_pb2.PrivacySpend | None = ...,
         row_count: _builtins.int = ...,
+        code: _builtins.str = ...,
+        left_out: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spend", b"spend"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "row_count", b"row_count", "site_id", b"site_id", "spend", b"spend", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "left_out", b"left_out", "reason", b"reason", "row_count", b"row_count", "site_id", b"site_id", "spend", b"spend", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -474,3 +484,26 @@ class FetchResultRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchResultRequest: _TypeAlias = FetchResultRequest  # noqa: Y015
+
+@_typing.final
+class CancelJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    reason: _builtins.str
+    """optional, recorded in the job's error (at most 500 characters kept)"""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelJobRequest: _TypeAlias = CancelJobRequest  # noqa: Y015

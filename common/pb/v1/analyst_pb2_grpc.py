@@ -70,6 +70,11 @@ class AnalystStub:
                 request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.SerializeToString,
                 response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/dpfed.v1.Analyst/CancelJob',
+                request_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.FromString,
+                _registered_method=True)
 
 
 class AnalystServicer:
@@ -120,6 +125,15 @@ class AnalystServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelJob(self, request, context):
+        """Cancels an unfinished job (its submitter, or an admin): no further task is sent, the
+        outstanding ones are abandoned (what sites already charged stays charged), and the job
+        ends in JOB_STATE_CANCELLED. Returns the job's final state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AnalystServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +171,11 @@ def add_AnalystServicer_to_server(servicer, server):
                     servicer.FetchResult,
                     request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.FromString,
                     response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2.Chunk.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.CancelJobRequest.FromString,
+                    response_serializer=dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +367,33 @@ class Analyst:
             '/dpfed.v1.Analyst/FetchResult',
             dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.FetchResultRequest.SerializeToString,
             dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfed.v1.Analyst/CancelJob',
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.CancelJobRequest.SerializeToString,
+            dpfed_dot_common_dot_pb_dot_v1_dot_analyst__pb2.JobInfo.FromString,
             options,
             channel_credentials,
             insecure,

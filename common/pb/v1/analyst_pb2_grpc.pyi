@@ -44,6 +44,11 @@ class AnalystStub:
     ListJobs: _grpc.UnaryUnaryMultiCallable[_analyst_pb2.ListJobsRequest, _analyst_pb2.ListJobsResponse]
     FetchResult: _grpc.UnaryStreamMultiCallable[_analyst_pb2.FetchResultRequest, _types_pb2.Chunk]
     """Streams a finished job's result file (an .npz) in chunks."""
+    CancelJob: _grpc.UnaryUnaryMultiCallable[_analyst_pb2.CancelJobRequest, _analyst_pb2.JobInfo]
+    """Cancels an unfinished job (its submitter, or an admin): no further task is sent, the
+    outstanding ones are abandoned (what sites already charged stays charged), and the job
+    ends in JOB_STATE_CANCELLED. Returns the job's final state.
+    """
 
 @_typing.type_check_only
 class AnalystAsyncStub(AnalystStub):
@@ -58,6 +63,11 @@ class AnalystAsyncStub(AnalystStub):
     ListJobs: _aio.UnaryUnaryMultiCallable[_analyst_pb2.ListJobsRequest, _analyst_pb2.ListJobsResponse]  # type: ignore[assignment]
     FetchResult: _aio.UnaryStreamMultiCallable[_analyst_pb2.FetchResultRequest, _types_pb2.Chunk]  # type: ignore[assignment]
     """Streams a finished job's result file (an .npz) in chunks."""
+    CancelJob: _aio.UnaryUnaryMultiCallable[_analyst_pb2.CancelJobRequest, _analyst_pb2.JobInfo]  # type: ignore[assignment]
+    """Cancels an unfinished job (its submitter, or an admin): no further task is sent, the
+    outstanding ones are abandoned (what sites already charged stays charged), and the job
+    ends in JOB_STATE_CANCELLED. Returns the job's final state.
+    """
 
 class AnalystServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -111,5 +121,16 @@ class AnalystServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_types_pb2.Chunk], _abc.AsyncIterator[_types_pb2.Chunk]]:
         """Streams a finished job's result file (an .npz) in chunks."""
+
+    @_abc_1.abstractmethod
+    def CancelJob(
+        self,
+        request: _analyst_pb2.CancelJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_analyst_pb2.JobInfo, _abc.Awaitable[_analyst_pb2.JobInfo]]:
+        """Cancels an unfinished job (its submitter, or an admin): no further task is sent, the
+        outstanding ones are abandoned (what sites already charged stays charged), and the job
+        ends in JOB_STATE_CANCELLED. Returns the job's final state.
+        """
 
 def add_AnalystServicer_to_server(servicer: AnalystServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -35,6 +35,9 @@ SCHEMA = Schema((
     NominalColumn("ward", ("icu", "surgery", "general")),
 ))
 NUMERIC = Schema((ContinuousColumn("a", -100, 100), ContinuousColumn("b", -100, 100)))
+#: The row policy that drops rows with a missing value in a column declared complete (the
+#: default, "error", stops instead).
+DROP = RowPolicy(missing="drop")
 # A value that must never appear in an error message.
 SECRET = "987654.321"
 
@@ -113,9 +116,9 @@ def test_formats_agree_on_problem_rows(tmp_path: Path) -> None:
     db = write_sqlite(tmp_path / "p.db", frame)
     pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp_path / "p.parquet")
     results = [read_all(open_data_source(spec, SCHEMA)) for spec in (
-        spec_from_path(write_csv(tmp_path / "p.csv", frame)),
-        spec_from_path(tmp_path / "p.parquet"),
-        spec_from_path(db, table="admissions"),
+        spec_from_path(write_csv(tmp_path / "p.csv", frame), policy=DROP),
+        spec_from_path(tmp_path / "p.parquet", policy=DROP),
+        spec_from_path(db, table="admissions", policy=DROP),
     )]
     for table, report in results:
         frames_equal(table, results[0][0])
@@ -137,10 +140,10 @@ def test_chunk_size_does_not_change_results(tmp_path: Path, chunk_rows: int) -> 
                    row_group_size=97)
     db = write_sqlite(tmp_path / "c.sqlite", frame)
     for path, table in ((csv, None), (tmp_path / "c.parquet", None), (db, "admissions")):
-        whole, whole_report = read_all(open_data_source(spec_from_path(path, table=table),
-                                                        SCHEMA))
-        source = open_data_source(spec_from_path(path, chunk_rows=chunk_rows, table=table),
-                                  SCHEMA)
+        whole, whole_report = read_all(open_data_source(
+            spec_from_path(path, table=table, policy=DROP), SCHEMA))
+        source = open_data_source(spec_from_path(path, chunk_rows=chunk_rows, table=table,
+                                                 policy=DROP), SCHEMA)
         chunks = list(source.iter_chunks())
         assert all(r.rows_read <= chunk_rows for _, r in chunks)
         assert sum(r.rows_read for _, r in chunks) == 1000
@@ -191,7 +194,7 @@ def test_scan_counts_without_keeping_rows(tmp_path: Path) -> None:
     frame = clean_frame(60).astype({"bmi": str})
     frame.loc[5, "bmi"] = "NA"
     path = write_csv(tmp_path / "s.csv", frame)
-    source = open_data_source(spec_from_path(path, chunk_rows=1), SCHEMA)
+    source = open_data_source(spec_from_path(path, chunk_rows=1, policy=DROP), SCHEMA)
     report = scan(source)
     assert report_counts(report) == report_counts(read_all(source)[1])
     assert (report.rows_read, report.rows_kept, report.dropped_missing) == (60, 59, 1)
@@ -226,11 +229,14 @@ def test_wrong_field_count_is_an_error_with_its_row_number_when_asked(tmp_path: 
 
 def test_missing_values_follow_the_policy(tmp_path: Path) -> None:
     path = write_text(tmp_path / "n.csv", "a,b\n1,2\nNA,3\n,4\nNaN,5\nnull,6\n7,8\n")
-    _, report = read_all(csv_source(path, NUMERIC))
+    _, report = read_all(csv_source(path, NUMERIC, policy=DROP))
     assert (report.rows_kept, report.dropped_missing) == (2, 4)
     assert report.problems_by_column == {"a": {"missing": 4}}
-    with pytest.raises(DataError, match=r"data row 2 has missing values .*\['a'\]"):
-        read_all(csv_source(path, NUMERIC, policy=RowPolicy(missing="error")))
+    # The default stops: no row is dropped unless the site or the schema says so.
+    for policy in (RowPolicy(), RowPolicy(missing="error")):
+        with pytest.raises(DataError, match=r"data row 2 has missing values .*\['a'\], which "
+                           r"the schema declares complete.*missing = \"category\""):
+            read_all(csv_source(path, NUMERIC, policy=policy))
 
 
 def test_unparsable_numbers_and_unknown_categories_are_invalid(tmp_path: Path) -> None:
@@ -469,8 +475,8 @@ def test_sqlite_mixed_type_columns_follow_the_policy(tmp_path: Path) -> None:
         ])
     conn.close()
     schema = Schema((*NUMERIC.columns, OrdinalColumn("level", ("1", "2"))))
-    table, report = read_all(open_data_source(spec_from_path(db, table="t", chunk_rows=2),
-                                              schema))
+    table, report = read_all(open_data_source(spec_from_path(db, table="t", chunk_rows=2,
+                                                             policy=DROP), schema))
     assert list(table.columns["a"]) == [1.5, 2.5]
     assert list(table.columns["level"]) == [0, 0]
     # Rows 2 and 4 missing; row 3 invalid "x"; row 5 level 3 unknown.
@@ -534,7 +540,11 @@ def test_wide_tables_get_fewer_rows_per_chunk(tmp_path: Path) -> None:
         pq.write_table(pa.table({n: [0.5] for n in schema.names}), path)
         return open_data_source(spec_from_path(path, chunk_rows=chunk_rows), schema).chunk_rows
 
-    assert rows_per_chunk(50, 65536) == 65536
-    # A chunk's float64 matrix stays under 128 MiB: 3355 rows at p = 5000, not 65536 (2.4 GiB).
+    # A chunk's float64 matrix is one p x p matrix, within [16 MiB, 128 MiB].
+    assert rows_per_chunk(20, 65536) == 65536
+    assert rows_per_chunk(50, 65536) == (16 << 20) // (8 * 50)
+    assert rows_per_chunk(1000, 65536) == (16 << 20) // (8 * 1000)
+    assert rows_per_chunk(2000, 65536) == 2000
+    # 3355 rows at p = 5000, not 65536 (2.4 GiB).
     assert rows_per_chunk(5000, 65536) == (128 << 20) // (8 * 5000)
     assert rows_per_chunk(5000, 100) == 100

@@ -20,9 +20,10 @@ from dpfed.common.errors import ConfigError, DataError
 from dpfed.common.transport.protocol import Task
 from dpfed.site_agent.cli import data_spec
 from dpfed.site_agent.config import load_site_config
-from dpfed.site_agent.handlers.pca import PCAHandler
+from dpfed.site_agent.handlers.base import site_release
 from tests.common.data.test_data_sources import SCHEMA, SECRET, clean_frame, frames_equal, write_csv
 from tests.postgres_server import PostgresServer, start
+from tests.support.tables import cost_of
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg 3 is not installed "
                               "(pip install 'dpfed[postgres]')")
@@ -93,12 +94,14 @@ def test_schema_qualified_table_and_query(server: PostgresServer) -> None:
 
 
 def test_row_policy_applies_as_for_files(server: PostgresServer) -> None:
-    table, report = read_all(open_data_source(pg_spec(server, table="secret_rows"), SCHEMA))
+    table, report = read_all(open_data_source(
+        pg_spec(server, table="secret_rows", policy=RowPolicy(missing="drop")), SCHEMA))
     # Row 1 invalid age, row 2 missing age (and an unknown ward), row 3 age clipped to 110.
     assert (report.rows_read, report.rows_kept, report.dropped_invalid,
             report.dropped_missing, report.values_clipped) == (3, 1, 1, 1, 1)
     assert table.columns["age"].tolist() == [110.0]
-    strict = pg_spec(server, table="secret_rows", policy=RowPolicy(invalid="error"))
+    strict = pg_spec(server, table="secret_rows",
+                     policy=RowPolicy(missing="drop", invalid="error"))
     with pytest.raises(DataError, match="data row 1 has invalid values") as err:
         read_all(open_data_source(strict, SCHEMA))
     assert SECRET not in str(err.value)
@@ -169,8 +172,8 @@ def test_site_config_reads_the_password_from_env_or_file(
     # The site's PCA task runs on it like on a file.
     task = Task("j/pca", "j", "pca", 1.0, 1e-5,
                 {"n_components": 2, "centering": "none", "clip_norm": "schema"})
-    prepared = PCAHandler().prepare(task, source)
-    assert math.isclose(prepared.cost.epsilon, 1.0)
+    prepared = site_release(task, source)
+    assert math.isclose(cost_of(prepared).epsilon, 1.0)
     secret = tmp_path / "pg_password"
     secret.write_text(READER_PASSWORD + "\n")
     secret.chmod(0o600)

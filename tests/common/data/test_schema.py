@@ -13,6 +13,8 @@ from dpfed.common.data.encoding import RowPolicy, encode_table
 from dpfed.common.data.schema import ContinuousColumn, NominalColumn, OrdinalColumn, Schema
 from dpfed.common.errors import DataError, SchemaError
 
+DROP = RowPolicy(missing="drop")
+
 MIXED = """
 name = "demo"
 [[columns]]
@@ -107,7 +109,7 @@ def test_encoding_policies_count_and_never_leak_values() -> None:
         "ward": ["oncology", "surgery", "cardiology", "oncology", "surgery", "surgery"],
         "stage": [1, 2, 3, 4, 2, 2.0],
     })
-    enc, report = encode_table(s, df)
+    enc, report = encode_table(s, df, policy=DROP)
     assert enc.n_rows == 3 and report.rows_read == 6
     assert report.dropped_missing == 1 and report.dropped_invalid == 2
     assert report.values_clipped == 2
@@ -117,12 +119,12 @@ def test_encoding_policies_count_and_never_leak_values() -> None:
     assert list(frame["severity"]) == ["mild", "severe", "moderate"]
     assert frame["severity"].cat.ordered and not frame["ward"].cat.ordered
     with pytest.raises(DataError) as info:
-        encode_table(s, df, policy=RowPolicy(invalid="error"), source="site.csv")
+        encode_table(s, df, policy=RowPolicy(missing="drop", invalid="error"), source="site.csv")
     assert "site.csv: data row 4 has invalid values" in str(info.value)
     assert "secret-value" not in str(info.value)
     with pytest.raises(DataError, match="out of range"):
         encode_table(s, df.iloc[[0, 1]], policy=RowPolicy(out_of_range="error"))
-    dropped, rep = encode_table(s, df, policy=RowPolicy(out_of_range="drop"))
+    dropped, rep = encode_table(s, df, policy=RowPolicy(missing="drop", out_of_range="drop"))
     assert dropped.n_rows == 1 and rep.dropped_out_of_range == 2
 
 
@@ -130,7 +132,7 @@ def test_encoding_arrow_text_and_missing_column() -> None:
     s = Schema.from_toml(MIXED)
     t = pa.table({"age": ["1.5", " 2 ", "NA", "1e1"], "severity": ["mild"] * 4,
                   "ward": ["surgery"] * 4, "stage": ["1", "2", "3", "4"]})
-    enc, rep = encode_table(s, t)
+    enc, rep = encode_table(s, t, policy=DROP)
     np.testing.assert_array_equal(enc.columns["age"], [1.5, 2.0, 10.0])
     assert rep.dropped_missing == 1
     with pytest.raises(DataError, match=r"missing column\(s\) \['ward'\]"):

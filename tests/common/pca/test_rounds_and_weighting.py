@@ -19,6 +19,9 @@ from dpfed.common.pca.clipping import (
     norm_histogram_mechanism,
 )
 from dpfed.common.pca.dppca import captured_energy, combine, site_weights, top_components
+from tests.support.schemas import continuous
+
+TEN = continuous(10)
 
 
 def test_norm_grid_is_public_and_geometric() -> None:
@@ -84,7 +87,7 @@ def test_rounds_split_the_job_budget_and_sum_to_it() -> None:
              ("none", "auto"): ["norms", "pca"], ("none", None): ["pca"]}
     for (centering, clip), names in cases.items():
         params = PCAParams(3, 6, clip_norm=clip, centering=centering)
-        rounds = params.rounds(2.0, 1e-5)
+        rounds = [(r.name, r.epsilon, r.delta) for r in params.shares(2.0, 1e-5)]
         assert [r[0] for r in rounds] == names
         assert sum(r[1] for r in rounds) == pytest.approx(2.0)
         assert sum(r[2] for r in rounds) == pytest.approx(1e-5)
@@ -94,13 +97,13 @@ def test_rounds_split_the_job_budget_and_sum_to_it() -> None:
 
 
 def test_params_defaults_and_parsing() -> None:
-    params = PCAParams.from_mapping({"n_components": 3}, n_features=10)
+    params = PCAParams.parse({"n_components": 3}, TEN)
     assert (params.rank, params.centering, params.clip_norm, params.site_weighting) == (
         6, "mean", "auto", "size")
-    assert PCAParams.from_mapping({"n_components": 6}, n_features=10).rank == 10  # min(2K, p)
-    again = PCAParams.from_mapping(params.to_mapping(), n_features=10)
+    assert PCAParams.parse({"n_components": 6}, TEN).rank == 10  # min(2K, p)
+    again = PCAParams.parse(params.to_mapping(), TEN)
     assert again == params
-    schema = PCAParams.from_mapping({"n_components": 3, "clip_norm": "schema"}, n_features=10)
+    schema = PCAParams.parse({"n_components": 3, "clip_norm": "schema"}, TEN)
     assert schema.clip_norm is None and schema.to_mapping()["clip_norm"] == "schema"
     for bad, match in [({"clip_norm": "big"}, "clip_norm"), ({"clip_norm": -1}, "clip_norm"),
                        ({"centering": "median"}, "centering"),
@@ -108,7 +111,7 @@ def test_params_defaults_and_parsing() -> None:
                        ({"clip_quantile": 0}, "clip_quantile"),
                        ({"clip_quantile": 1.5}, "clip_quantile")]:
         with pytest.raises(ValidationError, match=match):
-            PCAParams.from_mapping({"n_components": 2, **bad}, n_features=10)
+            PCAParams.parse({"n_components": 2, **bad}, TEN)
     assert parse_clip_norm("auto") == "auto" and parse_clip_norm("2.5") == 2.5
     for bad_text in ("0", "-1", "nan", "inf", "big"):
         with pytest.raises(argparse.ArgumentTypeError, match="auto"):

@@ -13,6 +13,7 @@ from dpfed.common.privacy.accounting import (
     rho_for_epsilon,
     zcdp_to_epsilon,
 )
+from dpfed.common.privacy.spent import Spent
 
 
 def test_costs_compose_by_addition() -> None:
@@ -50,34 +51,34 @@ def test_zcdp_conversion_matches_reference_and_is_tighter_than_standard() -> Non
 
 
 def test_basic_policy_caps_epsilon_and_delta() -> None:
-    policy = BudgetPolicy(epsilon=2.0, delta=1e-5)
-    spent = PrivacyCost.total([PrivacyCost.pure(1.5)])
+    policy = BudgetPolicy(epsilon=2.0, delta=1e-5, accountant="basic")
+    spent = Spent.of([PrivacyCost.pure(1.5)])
     policy.check(spent, PrivacyCost.pure(0.5))  # exactly at the cap is allowed
     with pytest.raises(BudgetExceededError, match="epsilon budget exceeded"):
         policy.check(spent, PrivacyCost.pure(0.51))
     g = PrivacyCost.gaussian(0.1, 6e-6, sigma=10.0, sensitivity=1.0)
-    policy.check(PrivacyCost.total([]), g)
+    policy.check(Spent(), g)
     with pytest.raises(BudgetExceededError, match="delta budget exceeded"):
-        policy.check(g, g)
+        policy.check(Spent.of([g]), g)
 
 
 def test_zcdp_policy_allows_more_gaussian_releases_than_basic() -> None:
     g = PrivacyCost.gaussian(1.0, 1e-6, sigma=4.3, sensitivity=1.0)
-    basic = BudgetPolicy(epsilon=5.0, delta=1e-5)
+    basic = BudgetPolicy(epsilon=5.0, delta=1e-5, accountant="basic")
     zcdp = BudgetPolicy(epsilon=5.0, delta=1e-5, accountant="zcdp")
 
     def count(policy: BudgetPolicy) -> int:
         events: list[PrivacyCost] = []
         while True:
             try:
-                policy.check(PrivacyCost.total(events), g)
+                policy.check(Spent.of(events), g)
             except BudgetExceededError:
                 return len(events)
             events.append(g)
 
     assert count(basic) == 5
     assert count(zcdp) > 2 * count(basic)
-    status = zcdp.status(PrivacyCost.total([g] * 3), 3)
+    status = zcdp.status(Spent.of([g] * 3))
     assert status.rho_spent == pytest.approx(3 * g.rho, rel=1e-12)
     assert status.epsilon_spent == pytest.approx(zcdp_to_epsilon(3 * g.rho, 1e-5))
 
@@ -85,7 +86,7 @@ def test_zcdp_policy_allows_more_gaussian_releases_than_basic() -> None:
 def test_per_task_limit_and_policy_validation() -> None:
     policy = BudgetPolicy(epsilon=10.0, delta=1e-5, max_epsilon_per_task=1.0)
     with pytest.raises(BudgetExceededError, match="max_epsilon_per_task"):
-        policy.check(PrivacyCost.total([]), PrivacyCost.pure(1.5))
+        policy.check(Spent(), PrivacyCost.pure(1.5))
     with pytest.raises(ValidationError, match="budget.accountant"):
         BudgetPolicy(1.0, 1e-5, accountant="rdp")
     with pytest.raises(ValidationError, match="budget.delta"):
@@ -93,5 +94,5 @@ def test_per_task_limit_and_policy_validation() -> None:
 
 
 def test_status_remaining() -> None:
-    s = BudgetPolicy(3.0, 1e-5).status(PrivacyCost.pure(1.0), 1)
+    s = BudgetPolicy(3.0, 1e-5, accountant="basic").status(Spent.of([PrivacyCost.pure(1.0)]))
     assert s.epsilon_remaining == pytest.approx(2.0) and s.delta_remaining == pytest.approx(1e-5)

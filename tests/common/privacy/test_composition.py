@@ -106,15 +106,15 @@ def test_zcdp_split_validation() -> None:
 def test_synth_params_refuse_what_zcdp_composition_cannot_run(params: dict[str, object],
                                                               match: str) -> None:
     with pytest.raises(ValidationError, match=match):
-        SynthParams.from_mapping(params, latent_dim=10)
+        SynthParams.parse(params, None)
 
 
 def test_synth_params_plan_and_mapping() -> None:
-    basic = SynthParams.from_mapping({}, latent_dim=10)
-    zcdp = SynthParams.from_mapping({"composition": "zcdp"}, latent_dim=10)
+    basic = SynthParams.parse({}, None)
+    zcdp = SynthParams.parse({"composition": "zcdp"}, None)
     assert "composition" not in basic.to_mapping()  # older jobs resume with the same payload
     assert zcdp.to_mapping()["composition"] == "zcdp"
-    again = SynthParams.from_mapping(zcdp.to_mapping(), latent_dim=10)
+    again = SynthParams.parse(zcdp.to_mapping(), None)
     assert again == zcdp and again.plan(1.0, 1e-6) == zcdp.plan(1.0, 1e-6)
     assert basic.plan(1.0, 1e-6) == split_budget(1.0, 1e-6, basic.split)
     assert zcdp.plan(1.0, 1e-6) == split_budget(1.0, 1e-6, zcdp.split, "zcdp")

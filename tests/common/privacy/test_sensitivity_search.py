@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
+from dpfed.common.data.encoding import EncodedTable, encode_table
 from dpfed.common.data.schema import ContinuousColumn, NominalColumn, OrdinalColumn, Schema
 from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.queries import matrix_mechanism as mm
@@ -47,48 +46,13 @@ from dpfed.common.synth import dp_marginals as dm
 from dpfed.common.synth import factor_model as fm
 from dpfed.common.synth import links as lk
 from dpfed.common.transport.protocol import Task
-from dpfed.site_agent.handlers.pca import PCAHandler
+from dpfed.site_agent.handlers.base import site_release
+from tests.support.records import extreme_records, random_rows
+from tests.support.schemas import CONT_ORD, MIXED
+from tests.support.tables import FrameData, ZeroNoise, cost_of, produced
 
 N_ROWS = 30  # rows per neighbouring table (the base has N - 1 of them)
 REL = 1e-9  # floating-point slack on "never exceeds"
-
-CONT_ORD = Schema.from_toml("""
-[[columns]]
-name = "a"
-type = "continuous"
-min = -10
-max = 10
-[[columns]]
-name = "b"
-type = "continuous"
-min = 0
-max = 4
-[[columns]]
-name = "lvl"
-type = "ordinal"
-levels = ["x", "y", "z"]
-""")
-
-MIXED = Schema.from_toml("""
-[[columns]]
-name = "a"
-type = "continuous"
-min = -10
-max = 10
-[[columns]]
-name = "b"
-type = "continuous"
-min = 0
-max = 4
-[[columns]]
-name = "lvl"
-type = "ordinal"
-levels = ["x", "y", "z"]
-[[columns]]
-name = "cat"
-type = "nominal"
-categories = ["p", "q", "r"]
-""")
 
 CLIP_NORMS: tuple[float | None, ...] = (0.5, 1.0, None, 5.0)
 
@@ -96,46 +60,10 @@ CLIP_NORMS: tuple[float | None, ...] = (0.5, 1.0, None, 5.0)
 # --------------------------------------------------------------------------- records
 
 
-def column_values(col: ContinuousColumn | OrdinalColumn | NominalColumn, *,
-                  fine: bool = False) -> list[Any]:
-    """Extreme values of one column: bounds, mid, quarters, out of range; all levels/categories."""
-    if isinstance(col, ContinuousColumn):
-        lo, hi = col.min, col.max
-        width = hi - lo
-        values = [lo, lo + 0.25 * width, lo + 0.5 * width, lo + 0.75 * width, hi,
-                  lo - width, hi + 3 * width]  # the last two are clipped by the encoding
-        if fine:
-            values += list(np.linspace(lo, hi, 17))
-        return values
-    if isinstance(col, OrdinalColumn):
-        return list(col.levels)
-    return list(col.categories)
-
-
-def extreme_records(schema: Schema, *, fine: bool = False) -> pd.DataFrame:
-    """Every combination of every column's extreme values (the search space)."""
-    grids = [column_values(c, fine=fine) for c in schema.columns]
-    return pd.DataFrame(list(itertools.product(*grids)), columns=[c.name for c in schema.columns])
-
-
-def base_rows(schema: Schema, n: int, seed: int) -> pd.DataFrame:
-    """``n`` random schema-valid rows shared by both tables of a neighbouring pair."""
-    rng = np.random.default_rng(seed)
-    data: dict[str, Any] = {}
-    for col in schema.columns:
-        if isinstance(col, ContinuousColumn):
-            data[col.name] = rng.uniform(col.min, col.max, n)
-        elif isinstance(col, OrdinalColumn):
-            data[col.name] = rng.choice(list(col.levels), n)
-        else:
-            data[col.name] = rng.choice(list(col.categories), n)
-    return pd.DataFrame(data)
-
-
 def neighbours(schema: Schema, records: pd.DataFrame, i: int, j: int,
                seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Two tables of N rows: the same N - 1 base rows, then record i, resp. record j."""
-    base = base_rows(schema, N_ROWS - 1, seed)
+    base = random_rows(schema, N_ROWS - 1, seed)
     return (pd.concat([base, records.iloc[[i]]], ignore_index=True),
             pd.concat([base, records.iloc[[j]]], ignore_index=True))
 
@@ -172,29 +100,6 @@ def random_pairs(n: int, count: int, seed: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------- DP-PCA
 
 
-class ZeroNoise:
-    """A noise source whose normal draws are all 0: the release is then the exact statistic."""
-
-    def standard_normal(self, size: Any = None) -> np.ndarray:
-        return np.zeros(size)
-
-
-class FrameData:
-    """The handler's view of a site table (``DataAccess``), encoded in chunks of 7 rows."""
-
-    def __init__(self, schema: Schema, frame: pd.DataFrame) -> None:
-        self._schema = schema
-        self._frame = frame
-
-    @property
-    def schema(self) -> Schema:
-        return self._schema
-
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        for start in range(0, len(self._frame), 7):
-            yield encode_table(self._schema, self._frame.iloc[start:start + 7])
-
-
 def pca_site_statistic(schema: Schema, frame: pd.DataFrame,
                        clip_norm: float | None) -> tuple[np.ndarray, float, int]:
     """Run the PCA handler with zero noise: (upper triangle of G/N, stated sensitivity, N)."""
@@ -202,12 +107,12 @@ def pca_site_statistic(schema: Schema, frame: pd.DataFrame,
     # The uncentred release (the centred one has its own search in tests/common/pca).
     params: dict[str, Any] = {"n_components": 1, "rank": p, "centering": "none",
                               "clip_norm": "schema" if clip_norm is None else clip_norm}
-    prepared = PCAHandler().prepare(Task("job/pca", "job", "pca", 1.0, 1e-5, params),
-                                    FrameData(schema, frame))
-    result = prepared.release(cast(np.random.Generator, ZeroNoise()))
+    prepared = site_release(Task("job/pca", "job", "pca", 1.0, 1e-5, params),
+                            FrameData(schema, frame))
+    result = produced(prepared, ZeroNoise())
     factor = result.arrays["factor"]
     a = factor @ factor.T  # P P^T = G/N exactly when R = p and nothing was noised
-    return a[np.triu_indices(p)], prepared.cost.sensitivity, int(result.metadata["n_rows"])
+    return a[np.triu_indices(p)], cost_of(prepared).sensitivity, int(result.metadata["n_rows"])
 
 
 def pca_search(schema: Schema, clip_norm: float | None, *, fine: bool = False,
@@ -403,7 +308,7 @@ def factor_search(schema: Schema, loadings: np.ndarray, clip_norm: float, *,
     epsilon = 1.0
     stated = fm.factor_mechanism(loadings.shape[1], epsilon).sensitivity
     base = lk.clip_to_unit_ball(
-        links.to_latent(encoded(schema, base_rows(schema, N_ROWS - 1, 3)),
+        links.to_latent(encoded(schema, random_rows(schema, N_ROWS - 1, 3)),
                         np.random.default_rng(6)), clip_norm)[0]
     for a, b in [(i, j), *random_pairs(unit.shape[0], verify, seed=unit.shape[0])]:
         w1, cost = fm.factor_release(np.vstack([base, unit[a]]), loadings, epsilon=epsilon,
@@ -443,7 +348,7 @@ def test_factor_release_mixed_schema_random_loadings(clip_norm: float | None) ->
 
 def test_row_aligned_synthesizer_charges_its_replace_one_cost() -> None:
     # The whole pipeline's advertised cost is the replace-one cost: no hidden doubling.
-    frame = base_rows(MIXED, 200, 11)
+    frame = random_rows(MIXED, 200, 11)
     synth = fm.FactorModelSynthesizer(MIXED, epsilon=1.0, mode="row_aligned",
                                       rng=np.random.default_rng(0)).fit(frame)
     costs = synth.privacy_costs_

@@ -4,15 +4,12 @@ site code path), strategy verification, and closed-form errors against simulatio
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpfed.common.data.encoding import EncodedTable, EncodingReport, encode_table
-from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.queries import federated_matrix as fm
 from dpfed.common.queries.federated_matrix import (
@@ -24,23 +21,9 @@ from dpfed.common.queries.federated_matrix import (
 from dpfed.common.queries.matrix_mechanism import reconstruct, strategy
 from dpfed.common.queries.workloads import all_range_workload, prefix_workload
 from dpfed.common.transport.protocol import Task
-from dpfed.site_agent.handlers.query import QueryHandler
-
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "ward"
-type = "nominal"
-categories = ["general", "icu", "surgery"]
-[[columns]]
-name = "severity"
-type = "ordinal"
-levels = ["mild", "moderate", "severe"]
-""")
+from dpfed.site_agent.handlers.base import site_release
+from tests.support.schemas import AGE_WARD_SEVERITY as SCHEMA
+from tests.support.tables import FrameData, cost_of, produced
 
 
 def brute_force(a: np.ndarray, norm: str) -> float:
@@ -73,16 +56,8 @@ def test_large_signed_matrices_fall_back_to_the_upper_bound(monkeypatch: Any) ->
     assert value >= brute_force(a, "l1")
 
 
-class Table:
-    def __init__(self, frame: pd.DataFrame) -> None:
-        self.encoded = encode_table(SCHEMA, frame)
-
-    @property
-    def schema(self) -> Schema:
-        return SCHEMA
-
-    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
-        yield self.encoded
+def table(frame: pd.DataFrame) -> FrameData:
+    return FrameData(SCHEMA, frame, chunk_rows=None)
 
 
 # Extreme schema-valid records (every column at min/mid/max, every category) and clipped ones.
@@ -95,8 +70,8 @@ BASE = pd.DataFrame({"age": [20.0, 70.0, 45.0], "ward": ["icu", "general", "surg
 def _release(frame: pd.DataFrame, params: dict[str, Any], eps: float, delta: float,
              seed: int) -> tuple[np.ndarray, float]:
     task = Task("t/query", "t", "query", eps, delta, params)
-    prepared = QueryHandler().prepare(task, Table(frame))
-    out = prepared.release(np.random.default_rng(seed))
+    prepared = site_release(task, table(frame))
+    out = produced(prepared, np.random.default_rng(seed))
     return out.arrays["y"], float(out.metadata["sensitivity"])
 
 
@@ -127,12 +102,11 @@ def test_the_site_verifies_the_strategy() -> None:
     a = np.random.default_rng(2).random((12, 9))
     good = {"name": "matrix", "digest": strategy_digest(a), "shape": [12, 9]}
     domain = {"columns": ["ward", "severity"]}
-    h = QueryHandler()
-    data = Table(BASE)
-    ok = h.prepare(Task("t/q", "t", "query", 1.0, 0.0, {"domain": domain, "noise": "laplace",
+    data = table(BASE)
+    ok = site_release(Task("t/q", "t", "query", 1.0, 0.0, {"domain": domain, "noise": "laplace",
                                                          "strategy": good},
                         {"strategy": a}), data)
-    assert ok.cost.epsilon == 1.0
+    assert cost_of(ok).epsilon == 1.0
     cases = [
         ({**good, "digest": "0" * 64}, {"strategy": a}, "does not match its digest"),
         (good, {"strategy": a[:, :8].copy()}, "shape"),
@@ -143,8 +117,9 @@ def test_the_site_verifies_the_strategy() -> None:
     ]
     for spec, arrays, match in cases:
         with pytest.raises(ValidationError, match=match):
-            h.prepare(Task("t/q", "t", "query", 1.0, 0.0, {"domain": domain, "noise": "laplace",
-                                                           "strategy": spec}, arrays), data)
+            site_release(Task("t/q", "t", "query", 1.0, 0.0,
+                              {"domain": domain, "noise": "laplace", "strategy": spec}, arrays),
+                         data)
     with pytest.raises(ValidationError, match="delta must be 0"):
         SiteMatrixRelease(np.eye(3), 1.0, 1e-5, "laplace")
     with pytest.raises(ValidationError, match="delta"):

@@ -171,10 +171,10 @@ def test_tolerating_colluders_raises_each_share() -> None:
 def test_a_zcdp_round_is_planned_to_spend_its_rho_share_and_no_more(
         statistic: str, dim: int, row_norm: float) -> None:
     """``plan_within_rho``: the charge (the zCDP rho of the planned noise) is within 0.1 % below
-    the round's share; the sites, given only the plan's epsilon, recompute the same noise. Where
-    the plan at the Gaussian's epsilon for the share is charged ~85 % of it (its RDP target
-    binds) the epsilon is raised; where its rho cap binds already (large epsilon, few counts)
-    it is kept."""
+    the round's share; the sites, given only the plan's epsilon, recompute the same noise. The
+    plan at the Gaussian's epsilon for the share is charged 95-100 % of it (the exact
+    calibration costs what the Gaussian costs; 85 % with the former RDP calibration); the
+    epsilon is raised by what is left."""
     shares = [(n, e, d) for n, (e, d) in SYNTH_PAIRS_DEFAULT_SPLIT.items()]
     for eps in (0.5, 2.0, 8.0):
         for _name, e, d in split_budget(eps, 1e-6, shares, "zcdp"):
@@ -187,8 +187,9 @@ def test_a_zcdp_round_is_planned_to_spend_its_rho_share_and_no_more(
             at_e = plan_for(statistic, epsilon=e, **kw).calibration.cost().rho
             if at_e < 0.95 * rho:
                 assert plan.calibration.epsilon > e
-            else:  # the rho cap of the calibration binds at e already
-                assert plan.calibration.epsilon == e and at_e >= 0.999 * rho
+            else:  # at e the charge is already close to the share (the exact calibration,
+                # or its rho cap): epsilon is kept or raised by the last per cent
+                assert plan.calibration.epsilon >= e and at_e >= 0.95 * rho
             again = plan_from_scale(statistic, dim=dim, scale=plan.scale, row_norm=row_norm,
                                     epsilon=plan.calibration.epsilon, delta=d,
                                     participants=SITES, tolerated=1)

@@ -297,12 +297,12 @@ def test_fine_sample_matches_its_released_marginal_at_a_generous_epsilon() -> No
 
 
 def test_the_parameter_is_bins_for_stored_jobs_and_fine_for_new_ones() -> None:
-    stored = SynthParams.from_mapping({}, latent_dim=4)
+    stored = SynthParams.parse({}, None)
     assert stored.resolution == "bins" and "resolution" not in stored.to_mapping()
-    new = SynthParams.from_mapping(SynthParams.with_defaults({}), latent_dim=4)
+    new = SynthParams.parse(SynthParams.submitted({}), None)
     assert new.resolution == "fine" and new.to_mapping()["resolution"] == "fine"
     with pytest.raises(ValidationError, match="--resolution"):
-        SynthParams.from_mapping({"resolution": "coarse"}, latent_dim=4)
+        SynthParams.parse({"resolution": "coarse"}, None)
 
 
 def test_a_fine_model_file_round_trips_and_a_legacy_one_is_bins(tmp_path: object) -> None:

@@ -41,16 +41,10 @@ from dpfed.common.synth.link_release import (
     histogram_sizes,
     proportions_from_histograms,
 )
-from tests.common.privacy.test_sensitivity_search import (
-    CONT_ORD,
-    MIXED,
-    REL,
-    base_rows,
-    encoded,
-    extreme_records,
-    random_pairs,
-    worst_pair,
-)
+from tests.common.privacy.test_sensitivity_search import REL, encoded, random_pairs, worst_pair
+from tests.support.records import extreme_records
+from tests.support.records import random_rows as base_rows
+from tests.support.schemas import CONT_ORD, MIXED
 
 BINS = 16
 #: Rows of the adversarial neighbouring tables: enough that every cell of a 16 x 16 table

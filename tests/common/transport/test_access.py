@@ -30,8 +30,9 @@ def test_round_trip_and_lookups() -> None:
     assert again.admits(Principal("analyst", "alice"))
     assert not again.admits(Principal("coordinator", "coordinator"))
     assert again.is_revoked(FP)
-    only_revoked = parse_access_list(format_access_list(access, lists=False), "x")
-    assert only_revoked.sites == () and only_revoked.is_revoked(FP)
+    site_copy = parse_access_list(format_access_list(access, lists=("sites",)), "x")
+    assert site_copy.sites == ("a", "b") and site_copy.analysts == ()
+    assert site_copy.is_revoked(FP)
 
 
 def test_fingerprints_are_normalised_and_checked() -> None:

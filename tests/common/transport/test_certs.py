@@ -278,7 +278,10 @@ def test_issue_a_new_site_touches_only_its_kit_and_the_allow_list(fed: Path) -> 
     assert new == {"sites/c/site.pem", "sites/c/site.key", "sites/c/ca.pem",
                    "sites/c/revoked.toml"}
     changed = {k for k in before if before[k] != after[k]}
-    assert changed == {"coordinator/access.toml"}  # every other file byte-identical
+    # The allow-list and the site lists every kit's revoked.toml carries; nothing else.
+    assert changed == {"coordinator/access.toml", "revoked.toml", "sites/a/revoked.toml",
+                       "sites/b/revoked.toml"}
+    assert 'sites = ["a", "b", "c"]' in (fed / "sites" / "a" / "revoked.toml").read_text()
     assert _mode(issued.key_path) == 0o600 and _mode(issued.kit_dir) == 0o700
     ca = _load(fed / "ca.pem")
     store = Store([ca])
@@ -582,8 +585,10 @@ def test_cli_init_issue_show(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     printed = capsys.readouterr()
     assert "site/d" in printed.out and "PRIVATE KEY" not in printed.out
     after = _hashes(out)
-    assert {k: after[k] for k in before if k != "coordinator/access.toml"} == {
-        k: v for k, v in before.items() if k != "coordinator/access.toml"}
+    lists = {"coordinator/access.toml", "revoked.toml",
+             *(f"sites/{s}/revoked.toml" for s in "abc")}
+    assert {k: after[k] for k in before if k not in lists} == {
+        k: v for k, v in before.items() if k not in lists}
 
     assert certs_main(["certs", "show", str(out / "sites" / "d" / "site.pem")]) == exit_codes.OK
     shown = capsys.readouterr().out

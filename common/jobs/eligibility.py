@@ -1,0 +1,157 @@
+"""Which sites can take part in a job: every limit a site advertises, against every round.
+
+A site's hello advertises the task kinds it allows, its per-task epsilon cap, its secure
+aggregation policy, its accountant and its remaining budget. The coordinator checks all of
+them against every round of a job's plan before the first charge, so that a site that would
+refuse a later round is left out before it pays for an earlier one; ``dpfed <kind> --plan``
+runs the same check on what ``dpfed sites`` reports, so the plan lists only the sites that
+would take part. The site's ledger stays the authority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dpfed.common.errors import ValidationError
+from dpfed.common.jobs.contract import PlannedRound
+from dpfed.common.jobs.registry import SECURE_TASK_KIND
+from dpfed.common.privacy.accounting import BudgetStatus, zcdp_to_epsilon
+from dpfed.common.secagg.policy import SecureAggregationPolicy
+from dpfed.common.transport.protocol import RefusalCode
+
+#: Relative slack on budget comparisons (the site's ledger decides at the margin).
+_SLACK = 1e-9
+
+
+class SiteView(Protocol):
+    """What a site advertises (a :class:`SiteHello` or a :class:`SiteInfo` reads as one)."""
+
+    @property
+    def allowed_kinds(self) -> tuple[str, ...]:
+        """Task kinds the site runs."""
+
+    @property
+    def max_epsilon_per_task(self) -> float | None:
+        """Its per-task epsilon cap."""
+
+    @property
+    def budget(self) -> BudgetStatus | None:
+        """Its last reported budget."""
+
+    @property
+    def secure_policy(self) -> str:
+        """Its secure-aggregation policy summary ("" for none)."""
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """Why a site cannot take part; ``reason`` reads ``"<code>: <explanation>"``."""
+
+    code: RefusalCode
+    reason: str
+
+
+def _excluded(code: RefusalCode, text: str) -> Exclusion:
+    return Exclusion(code, f"{code}: {text}")
+
+
+def secure_policy(site: SiteView) -> SecureAggregationPolicy:
+    """Return the site's secure-aggregation policy: ``off`` unless it runs ``secagg`` tasks.
+
+    A site that runs them without saying more (an older site's hello) is taken as
+    ``allowed`` with the least strict limits: its key exchange states its real ones.
+    """
+    if SECURE_TASK_KIND not in site.allowed_kinds:
+        return SecureAggregationPolicy("off")
+    try:
+        if site.secure_policy:
+            return SecureAggregationPolicy.from_summary(site.secure_policy)
+    except ValidationError:
+        pass
+    return SecureAggregationPolicy("allowed", 2, 0)
+
+
+def exclusion(site: SiteView, kind: str, plan: Sequence[PlannedRound], *, sums: bool,
+              accountant: tuple[str, str] | None = None,
+              whole_budget: bool = True) -> Exclusion | None:
+    """Return why ``site`` cannot take part in every round of a ``kind`` job, or None.
+
+    ``sums``: the kind has a secure mode (a site whose policy requires secure aggregation
+    refuses its site-level releases). ``accountant`` = (name, why): the job needs sites whose
+    ledger uses that accountant. ``whole_budget``: check that the remaining budget covers the
+    charged rounds together (a job with one charged round leaves that to the site's ledger,
+    which refuses it without spending anything).
+    """
+    budget = site.budget
+    if accountant is not None:
+        name, why = accountant
+        if budget is None or budget.accountant != name:
+            reported = "no budget" if budget is None else f"a {budget.accountant!r} accountant"
+            return _excluded(RefusalCode.NOT_ALLOWED,
+                             f"this job needs sites whose ledger uses the {name!r} accountant "
+                             f"({why}); the site reports {reported}")
+    policy = secure_policy(site)
+    for r in plan:
+        if r.optional:
+            continue
+        found = _round_exclusion(site, kind, r, policy, sums)
+        if found is not None:
+            return found
+    charged = [r for r in plan if r.charged and not r.optional]
+    if whole_budget and len(charged) > 1 and budget is not None:
+        return _budget_exclusion(budget, charged)
+    return None
+
+
+def _round_exclusion(site: SiteView, kind: str, r: PlannedRound,
+                     policy: SecureAggregationPolicy, sums: bool) -> Exclusion | None:
+    if r.secure:
+        if policy.mode == "off":
+            return _excluded(RefusalCode.NOT_ALLOWED, "the site does not take part in secure "
+                             "aggregation (its policy is off)")
+        if kind not in site.allowed_kinds:
+            return _excluded(RefusalCode.NOT_ALLOWED,
+                             f"the site's policy does not allow {kind!r} jobs")
+    else:
+        if r.task_kind not in site.allowed_kinds:
+            return _excluded(RefusalCode.NOT_ALLOWED,
+                             f"the site's policy does not allow {r.task_kind!r} jobs")
+        if sums and policy.mode == "required":
+            return _excluded(RefusalCode.NOT_ALLOWED,
+                             f"this site's policy requires secure aggregation for {kind!r} "
+                             "jobs (--aggregation secure)")
+    cap = site.max_epsilon_per_task
+    if r.charged and cap is not None and r.epsilon > cap * (1 + _SLACK):
+        return _excluded(RefusalCode.BUDGET_EXCEEDED,
+                         f"round {r.name!r} asks epsilon={r.epsilon:g}; the site's policy "
+                         f"allows at most {cap:g} per task")
+    return None
+
+
+def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclusion | None:
+    if b.accountant == "zcdp":
+        rho = sum(r.rho for r in charged)
+        after = zcdp_to_epsilon(b.rho_spent + rho, b.delta_cap)
+        if after > b.epsilon_cap * (1 + _SLACK):
+            return _excluded(RefusalCode.BUDGET_EXCEEDED,
+                             f"the job needs rho={rho:.4g} over all its rounds; with the "
+                             f"site's rho {b.rho_spent:.4g} already spent that is epsilon "
+                             f"{after:.4g} at delta {b.delta_cap:g}, above its cap "
+                             f"{b.epsilon_cap:g}")
+        return None
+    eps = sum(r.epsilon for r in charged)
+    delta = sum(r.delta for r in charged)
+    if eps > b.epsilon_remaining * (1 + _SLACK) or delta > b.delta_remaining * (1 + _SLACK):
+        return _excluded(RefusalCode.BUDGET_EXCEEDED,
+                         f"the job needs epsilon={eps:g}, delta={delta:g} over all its rounds; "
+                         f"the site reports {b.epsilon_remaining:g}, {b.delta_remaining:g} "
+                         "left")
+    return None
+
+
+def secure_quorum(policies: Sequence[SecureAggregationPolicy], min_sites: int) -> int:
+    """Return the fewest participants a secure sum among sites with these policies can have."""
+    return max([min_sites, 2] + [p.min_participants for p in policies]
+               + [p.tolerated + 1 for p in policies])

@@ -1,0 +1,269 @@
+"""What a sequence of releases has spent together: each event's dominating pair, composed.
+
+A ledger event records its mechanism, its (epsilon, delta), its zCDP rho, its sensitivity and
+its noise scale. :func:`event_loss` turns that into the tightest dominating pair dpfed can
+justify for the mechanism (docs/privacy.md, "Tight accounting"):
+
+=================================  ============================================================
+mechanism                          dominating pair
+=================================  ============================================================
+Gaussian (plain, symmetric,        ``Delta/sigma``-GDP: exact (Balle & Wang 2018)
+matrix)
+Skellam (pooled, or a secure       ``unit(mu) Delta``-GDP plus a ``+inf`` mass below 1e-200
+round's share)                     (:mod:`dpfed.common.privacy.lattice_gdp`)
+discrete Gaussian                  likewise, with the discrete Gaussian's unit
+Laplace (real-valued, matrix)      the 1-D Laplace pair at ``Delta_1/b``: exact, and it
+                                   dominates every multivariate Laplace of L1 sensitivity
+                                   ``Delta_1``
+SVT, discrete Laplace, any pure    randomized response at epsilon (Kairouz, Oh & Viswanath 2015)
+epsilon release
+anything else                      the generic (epsilon, delta) pair (KOV 2015): never looser than
+                                   basic composition
+=================================  ============================================================
+
+A pair is used only when the event's stored (epsilon, delta) follows from it (a consistency
+check on the stored sensitivity and noise scale); otherwise the event falls back to its
+(epsilon, delta). :class:`Spent` composes the pairs: Gaussian parts by adding ``mu^2``, the
+rest as a pessimistic :class:`~dpfed.common.privacy.pld.LossDistribution`, and reports the
+smallest of three valid figures at a delta: the composed pairs, basic composition and zCDP.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from dpfed.common.errors import ValidationError
+from dpfed.common.privacy import pld
+from dpfed.common.privacy.accounting import PrivacyCost, zcdp_to_epsilon
+from dpfed.common.privacy.lattice_gdp import (
+    SIGMA2_MAX,
+    discrete_gaussian_gdp,
+    skellam_gdp,
+)
+from dpfed.common.privacy.mechanisms import gaussian_delta
+from dpfed.common.validation import check_delta
+
+GAUSSIAN_MECHANISMS = frozenset({"gaussian", "symmetric-gaussian", "matrix-gaussian"})
+LAPLACE_MECHANISMS = frozenset({"laplace", "matrix-laplace"})
+_SECURE_SKELLAM = re.compile(r"secure-skellam\[n=(\d{1,6}),t=(\d{1,6})\]")
+#: Relative tolerance of the consistency check between a pair and the event's (epsilon, delta).
+_CONSISTENCY = 1e-6
+
+
+@dataclass(frozen=True)
+class EventLoss:
+    """The dominating pair charged for one event.
+
+    Attributes
+    ----------
+    method : str
+        ``"gaussian"``, ``"skellam"``, ``"discrete-gaussian"``, ``"laplace"``, ``"pure"`` or
+        ``"approximate"`` (the generic (epsilon, delta) pair).
+    mu : float
+        GDP parameter of the Gaussian part (0 if none).
+    infinity : float
+        ``+inf`` mass beside the Gaussian part.
+    kernel : tuple or None
+        Key of the discretised part (``("laplace", eps)``, ``("pure", eps)`` or
+        ``("approximate", eps, delta)``); None for a Gaussian-type pair.
+    """
+
+    method: str
+    mu: float = 0.0
+    infinity: float = 0.0
+    kernel: tuple[Hashable, ...] | None = None
+
+
+@lru_cache(maxsize=1024)
+def _kernel(key: tuple[Hashable, ...]) -> pld.LossDistribution:
+    kind = key[0]
+    if kind == "laplace":
+        return pld.laplace_loss(float(key[1]))  # type: ignore[arg-type]
+    if kind == "pure":
+        return pld.pure_loss(float(key[1]))  # type: ignore[arg-type]
+    return pld.approximate_loss(float(key[1]), float(key[2]))  # type: ignore[arg-type]
+
+
+def _fallback(cost: PrivacyCost) -> EventLoss:
+    if cost.delta == 0.0:
+        return EventLoss("pure", kernel=("pure", cost.epsilon))
+    return EventLoss("approximate", kernel=("approximate", cost.epsilon, cost.delta))
+
+
+def _gdp_consistent(cost: PrivacyCost, mu: float, infinity: float) -> bool:
+    """Whether the stored (epsilon, delta) follows from the GDP pair (then the pair is used)."""
+    if cost.delta <= 0.0 or infinity >= cost.delta:
+        return False
+    claimed = pld.delta_at(cost.epsilon, mu=mu, loss=None, infinity=infinity)
+    return claimed <= cost.delta * (1.0 + _CONSISTENCY)
+
+
+def _skellam_variance(mechanism: str, noise_scale: float) -> float | None:
+    """Return the pooled Skellam variance protecting the site (None: another mechanism).
+
+    ``skellam``: ``noise_scale`` is the pooled standard deviation. A secure round's event
+    (``secure-skellam[n=N,t=T]``) stores the standard deviation of the site's own share
+    ``mu / (N - T)``: the ``N - T`` honest shares carry ``mu``.
+    """
+    if mechanism == "skellam":
+        return noise_scale * noise_scale
+    match = _SECURE_SKELLAM.fullmatch(mechanism)
+    if match is None:
+        return None
+    n, t = int(match.group(1)), int(match.group(2))
+    if not 0 <= t < n:
+        return None
+    return noise_scale * noise_scale * (n - t)
+
+
+@lru_cache(maxsize=65536)
+def event_loss(cost: PrivacyCost) -> EventLoss:
+    """Return the dominating pair of one charged release (module docstring; cached per cost)."""
+    name, sens, scale = cost.mechanism, cost.sensitivity, cost.noise_scale
+    if not (sens > 0.0 and scale > 0.0 and math.isfinite(sens) and math.isfinite(scale)):
+        return _fallback(cost)
+    if name in GAUSSIAN_MECHANISMS:
+        mu = sens / scale
+        if (cost.delta > 0.0
+                and gaussian_delta(scale, cost.epsilon, sens) <= cost.delta * (1 + _CONSISTENCY)):
+            return EventLoss("gaussian", mu=mu)
+        return _fallback(cost)
+    variance = _skellam_variance(name, scale)
+    if variance is not None:
+        noise = skellam_gdp(variance)
+        mu, inf = noise.unit * sens, noise.tail_mass(sens, sens * sens)
+        if _gdp_consistent(cost, mu, inf):
+            return EventLoss("skellam", mu=mu, infinity=inf)
+        return _fallback(cost)
+    if name == "discrete-gaussian" and scale * scale <= SIGMA2_MAX:
+        noise = discrete_gaussian_gdp(scale * scale)
+        mu, inf = noise.unit * sens, noise.tail_mass(sens, sens * sens)
+        if _gdp_consistent(cost, mu, inf):
+            return EventLoss("discrete-gaussian", mu=mu, infinity=inf)
+        return _fallback(cost)
+    if name in LAPLACE_MECHANISMS:
+        ratio = sens / scale
+        if ratio <= cost.epsilon * (1 + 1e-12):
+            return EventLoss("laplace", kernel=("laplace", ratio))
+    return _fallback(cost)
+
+
+@dataclass(frozen=True)
+class Spent:
+    """The composed cost of a ledger's events (immutable; :meth:`add` returns a new one).
+
+    Attributes
+    ----------
+    events : int
+        Number of events composed.
+    epsilon_sum, delta_sum, rho_sum : float
+        Basic-composition sums and the zCDP rho.
+    mu_squared : float
+        Sum of the squared GDP parameters of the Gaussian-type pairs.
+    infinity : float
+        Sum of their ``+inf`` masses.
+    loss : LossDistribution or None
+        The composed discretised pairs.
+    fallbacks : int
+        Events charged by their (epsilon, delta) alone (no usable mechanism description).
+    """
+
+    events: int = 0
+    epsilon_sum: float = 0.0
+    delta_sum: float = 0.0
+    rho_sum: float = 0.0
+    mu_squared: float = 0.0
+    infinity: float = 0.0
+    loss: pld.LossDistribution | None = None
+    fallbacks: int = 0
+
+    @staticmethod
+    def of(costs: Iterable[PrivacyCost]) -> Spent:
+        """Compose ``costs`` (identical discretised pairs by repeated squaring)."""
+        eps = delta = rho = mu2 = inf = 0.0
+        n = fallbacks = 0
+        kernels: Counter[tuple[Hashable, ...]] = Counter()
+        for cost in costs:
+            n += 1
+            eps += cost.epsilon
+            delta += cost.delta
+            rho += cost.rho
+            pair = event_loss(cost)
+            fallbacks += pair.method == "approximate"
+            mu2 += pair.mu * pair.mu
+            inf += pair.infinity
+            if pair.kernel is not None:
+                kernels[pair.kernel] += 1
+        loss: pld.LossDistribution | None = None
+        for key in sorted(kernels, key=repr):
+            part = _kernel(key).power(kernels[key])
+            loss = part if loss is None else loss.compose(part)
+        return Spent(n, eps, delta, rho, mu2, inf, loss, fallbacks)
+
+    def add(self, cost: PrivacyCost) -> Spent:
+        """Return the composition of these events and ``cost``."""
+        pair = event_loss(cost)
+        loss = self.loss
+        if pair.kernel is not None:
+            part = _kernel(pair.kernel)
+            loss = part if loss is None else loss.compose(part)
+        return replace(self, events=self.events + 1, epsilon_sum=self.epsilon_sum + cost.epsilon,
+                       delta_sum=self.delta_sum + cost.delta, rho_sum=self.rho_sum + cost.rho,
+                       mu_squared=self.mu_squared + pair.mu * pair.mu,
+                       infinity=self.infinity + pair.infinity, loss=loss,
+                       fallbacks=self.fallbacks + (pair.method == "approximate"))
+
+    @property
+    def basic(self) -> PrivacyCost:
+        """The basic-composition sums as a cost."""
+        return PrivacyCost(self.epsilon_sum, self.delta_sum, self.rho_sum, "composed")
+
+    @property
+    def discretisation_error(self) -> float:
+        """How much the composed-pairs epsilon may overstate the pairs' exact one."""
+        return 0.0 if self.loss is None else self.loss.error
+
+    def pairs_delta(self, epsilon: float) -> float:
+        """``delta(epsilon)`` of the composed pairs (an upper bound on the true one)."""
+        return pld.delta_at(epsilon, mu=math.sqrt(self.mu_squared), loss=self.loss,
+                            infinity=self.infinity)
+
+    def pairs_epsilon(self, delta: float) -> float:
+        """Return the composed pairs' epsilon at ``delta`` (``inf`` past their ``+inf`` mass)."""
+        if self.events == 0:
+            return 0.0
+        return pld.epsilon_at(delta, mu=math.sqrt(self.mu_squared), loss=self.loss,
+                              infinity=self.infinity)
+
+    def epsilon(self, delta: float) -> float:
+        """Return the tight epsilon at ``delta``: the least of composed pairs, basic and zCDP.
+
+        Each is a valid bound for the whole sequence, so the least is too.
+        """
+        dl = check_delta(delta)
+        if self.events == 0:
+            return 0.0
+        best = self.pairs_epsilon(dl)
+        if self.delta_sum <= dl:
+            best = min(best, self.epsilon_sum)
+        if self.rho_sum > 0.0:
+            best = min(best, zcdp_to_epsilon(self.rho_sum, dl))
+        return best
+
+    def fits(self, epsilon: float, delta: float) -> bool:
+        """Whether the sequence is (epsilon, delta)-DP by one of the three figures."""
+        dl = check_delta(delta)
+        if epsilon < 0.0:
+            raise ValidationError(f"epsilon must be >= 0, got {epsilon!r}")
+        if self.events == 0:
+            return True
+        if self.delta_sum <= dl and self.epsilon_sum <= epsilon:
+            return True
+        if self.rho_sum > 0.0 and zcdp_to_epsilon(self.rho_sum, dl) <= epsilon:
+            return True
+        return self.pairs_delta(epsilon) <= dl

@@ -1,0 +1,1 @@
+"""What tests share: schemas, in-memory site tables, extreme-record builders."""
