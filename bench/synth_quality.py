@@ -264,7 +264,7 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
         acc2.add(t)
         exact = pm.dependence_scores(acc2.counts, grid, cands, props, t.n_rows)
         scores += pm.score_mechanism(len(cands), es, ds).release(exact, rng)
-    # coordinator: the job's step (aggregator/jobs/synth_pairs.py), with its gate
+    # coordinator: the job's step (aggregator/jobs/synth.py), with its gate
     edges = pair_forest(scores, grid, max_pairs, lambda k: pm.pair_table_mechanism(
         k, eq, dq).sigma * np.sqrt(len(tables)))
     if not edges:
