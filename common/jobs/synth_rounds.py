@@ -59,8 +59,8 @@ from dpfed.common.synth.link_release import (
     release_link_histograms,
     release_noise_sd,
     secure_cell_weights,
+    secure_link_groups,
     secure_link_row_norm,
-    secure_link_weights,
     secure_pooled_counts,
     sum_histograms,
 )
@@ -294,14 +294,18 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
                                              sigma * math.sqrt(len(order)), params.resolution))
 
     def encoding(self, ask: Ask[SynthParams, None]) -> SumEncoding:
-        """Return the weighted counts: every row adds ``m_j`` to one cell of each column."""
+        """Return the weighted counts: every row adds ``m_j`` to one cell of each column.
+
+        Under "fine" a column's leaves are a group of their own, which only the rows inside
+        its bins add to (:func:`dpfed.common.synth.link_release.secure_link_groups`).
+        """
         n_bins, resolution = ask.params.n_bins, ask.params.resolution
+        groups, weights, partial = secure_link_groups(ask.schema, n_bins, resolution)
         return SumEncoding(
             dim=sum(histogram_sizes(ask.schema, n_bins, resolution)),
             row_norm=secure_link_row_norm(ask.schema, n_bins, resolution),
-            params=secure_base(ask.params, ask.schema, self.source),
-            groups=histogram_sizes(ask.schema, n_bins, resolution),
-            weights=tuple(int(w) for w in secure_link_weights(ask.schema, n_bins, resolution)))
+            params=secure_base(ask.params, ask.schema, self.source), groups=groups,
+            weights=weights, partial=partial)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, None]) -> PooledCounts:
         """Return the pooled counts, each column divided by its weight, and their noise."""

@@ -165,6 +165,29 @@ def secure_link_weights(schema: Schema, n_bins: int, resolution: str = "bins") -
                     dtype=np.int64)
 
 
+def secure_link_groups(schema: Schema, n_bins: int, resolution: str = "bins"
+                       ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+    """Return the secure link sum's groups of cells, their integer weights, and which are partial.
+
+    Every row adds its column's coarse weight to one coarse cell (a group that sums to ``N``
+    times it); under "fine" a row inside a bin also adds the leaf weight to one released leaf,
+    a row on a point cell to none (a partial group: at most ``N`` times it). Public; what
+    :func:`dpfed.common.secagg.secure_sum.check_decoded` checks the decoded sum against.
+    """
+    groups: list[int] = []
+    weights: list[int] = []
+    partial: list[bool] = []
+    for wc, wf, nc, nf in _level_weights(schema, n_bins, resolution):
+        groups.append(nc)
+        weights.append(_secure(wc))
+        partial.append(False)
+        if nf:
+            groups.append(nf)
+            weights.append(_secure(wf))
+            partial.append(True)
+    return tuple(groups), tuple(weights), tuple(partial)
+
+
 def _secure(weight: float) -> int:
     return max(int(np.rint(SECURE_WEIGHT_SCALE * weight)), 1)
 

@@ -207,3 +207,61 @@ def test_fine_secure_search_catches_leaf_weights_the_plan_does_not_count(
     monkeypatch.setattr(synth_rounds, "secure_link_row_norm", coarse_only)
     worst2, _, plan = search_secure()
     assert worst2 > plan.calibration.l2_sensitivity * 1.02
+
+
+# --------------------------------------------------------------------------- decoded-sum check
+
+
+def _exact_weighted_total(frame: pd.DataFrame) -> np.ndarray:
+    acc = LinkHistogramAccumulator(SCHEMA, N_BINS, "fine")
+    acc.add(encode_table(SCHEMA, frame)[0])
+    return acc.counts * link_release.secure_cell_weights(SCHEMA, N_BINS, "fine")
+
+
+def _links_check(total: np.ndarray, n_rows: int, *, groups: tuple[int, ...] | None = None,
+                 weights: tuple[int, ...] | None = None) -> None:
+    from dpfed.common.jobs.contract import Ask, Budget
+    from dpfed.common.jobs.synth_rounds import LINKS
+    from dpfed.common.secagg.secure_sum import check_decoded, plan_for
+
+    params = SynthParams.parse({"n_bins": N_BINS, "resolution": "fine",
+                                "aggregation": "secure"}, SCHEMA)
+    enc = LINKS.encoding(Ask(params, SCHEMA, None, Budget(20.0, 1e-6)))
+    plan = plan_for("weighted_counts", dim=enc.dim, total_rows=n_rows, epsilon=20.0,
+                    delta=1e-6, participants=SITES, row_norm=enc.row_norm)
+    check_decoded(total, plan, n_rows, groups=enc.groups if groups is None else groups,
+                  weights=enc.weights if weights is None else weights,
+                  partial=enc.partial if groups is None else ())
+
+
+def test_an_honest_fine_links_sum_passes_the_decoded_sum_check() -> None:
+    # rows on the bounds (point cells, no leaf) and inside bins: the leaves of a column sum
+    # to less than N times their weight, the coarse cells to exactly N times theirs
+    frame = base_frame(30_000)
+    frame.loc[:9_999, "lab"] = 5.0  # a third of the rows on a bound
+    frame.loc[5_000:14_999, "visits"] = 0.0
+    total = _exact_weighted_total(frame)
+    _links_check(total, len(frame))
+    # planted broken copy: every column's block as one group at the coarse weight (the check
+    # before the leaves had groups of their own) refuses the same honest sum
+    from dpfed.common.errors import ImpossibleSumError
+
+    with pytest.raises(ImpossibleSumError, match="group of cells"):
+        _links_check(total, len(frame),
+                     groups=link_release.histogram_sizes(SCHEMA, N_BINS, "fine"),
+                     weights=tuple(int(w) for w in link_release.secure_link_weights(
+                         SCHEMA, N_BINS, "fine")))
+
+
+def test_a_fine_links_sum_with_inflated_leaves_is_refused() -> None:
+    from dpfed.common.errors import ImpossibleSumError
+
+    frame = base_frame(30_000)
+    total = _exact_weighted_total(frame)
+    groups, weights, partial = link_release.secure_link_groups(SCHEMA, N_BINS, "fine")
+    k = partial.index(True)
+    start = sum(groups[:k])
+    inflated = total.copy()
+    inflated[start] += len(frame) * weights[k]  # more leaf weight than N rows can add
+    with pytest.raises(ImpossibleSumError, match="outside"):
+        _links_check(inflated, len(frame))
