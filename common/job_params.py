@@ -25,6 +25,7 @@ from dpfed.common.jobs.params import (
 )
 from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
+from dpfed.common.synth.column_cells import RESOLUTIONS
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS, MAX_GROUPS
 from dpfed.common.validation import (
     check_choice,
@@ -269,6 +270,12 @@ def _split_field(value: Any, ctx: ParseContext) -> tuple[tuple[str, float, float
     return _split(mode, value, with_pairs)
 
 
+def _pair_gate(value: Any, ctx: ParseContext) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"pair_gate must be true or false, got {value!r}")
+    return value and PAIR_ROUNDS[0] in (name for name, _, _ in ctx.parsed["split"])
+
+
 @dataclass(frozen=True)
 class SynthParams(Params):
     """Parameters of a ``synth`` job (federated factor-model synthesis).
@@ -313,6 +320,18 @@ class SynthParams(Params):
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
     split : tuple of (round, epsilon share, delta share)
         How the job's epsilon and delta are divided between the rounds (shares sum to 1).
+    resolution : {"fine", "bins"}
+        The cells of the continuous columns' 1-way releases and links
+        (:mod:`dpfed.common.synth.column_cells`): ``fine`` -- whole numbers for small integer
+        columns, else the bounds as point cells, ``n_bins`` bins and leaves inside them, with
+        the estimate of :mod:`dpfed.common.synth.marginal_estimate` -- is what new jobs get
+        (:attr:`NEW_JOB_DEFAULTS`); ``bins`` (``n_bins`` equal-width bins only) is what a stored
+        job without the key means, so jobs made before it resume unchanged.
+    pair_gate : bool
+        Measure a column pair only when its noisy dependence score exceeds the noise its
+        table would carry (:func:`dpfed.common.synth.pipeline.pair_forest`): True for new
+        jobs (:attr:`NEW_JOB_DEFAULTS`), False (every pair of the forest) for stored jobs
+        without the key.
     composition : {"basic", "zcdp"}
         How the split turns into each round's calibration
         (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
@@ -352,6 +371,13 @@ class SynthParams(Params):
         "basic", parse=lambda v, ctx: _composition(v, ctx.parsed["mode"],
                                                    ctx.parsed["calibration"]),
         omit=lambda p: p.composition == "basic")
+    resolution: str = param(  # absent when "bins": jobs made before the key resume unchanged
+        "bins", parse=choice("--resolution", RESOLUTIONS), omit=lambda p: p.resolution == "bins")
+    pair_gate: bool = param(False, parse=_pair_gate, omit=lambda p: not p.pair_gate)
+
+    #: A job being submitted gets the fine cells and the pair gate; a stored job without the
+    #: keys parses as "bins" and no gate, so its canonical mapping keeps its bytes.
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {"resolution": "fine", "pair_gate": True}
 
     def validate(self, schema: Schema | None) -> None:
         """Refuse unless A joint model of one column is its marginal: synth needs at least two."""

@@ -109,6 +109,17 @@ class Params:
 
     #: The job kind's name (error messages).
     kind: ClassVar[str]
+    #: Values a job being submitted gets for keys its analyst left out, where they differ from
+    #: the fields' defaults (which stay what a stored job without the key means, so that jobs
+    #: made before a parameter existed parse and re-serialise unchanged): :meth:`submitted`.
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {}
+
+    @classmethod
+    def submitted(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """Return a new job's raw parameters with :attr:`new_job_defaults` filled in."""
+        if not isinstance(raw, Mapping):
+            raise ValidationError(f"{cls.kind} parameters must be a mapping, got {raw!r}")
+        return {**cls.new_job_defaults, **raw}
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any], schema: Schema | None) -> Self:
