@@ -1,4 +1,4 @@
-"""Coordinator side of the ``pca`` job: DP mean, DP clip radius, the second moment, top-K.
+"""Coordinator side of the ``pca`` job: DP clip radius, DP mean, the second moment, top-K.
 
 Every round is a deterministic function of the job's parameters and of the earlier rounds'
 releases, so a resumed job re-sends identical tasks (same ids, same centre and clip radius)
@@ -28,19 +28,25 @@ async def run(job: Job[PCAParams]) -> JobOutput:
     schema = job.federation.schema
     released: list[Pooled[Any]] = []
     center = None
+    clip = params.clip_norm if isinstance(params.clip_norm, float) else None
+
+    async def norms() -> float:
+        pooled = await job.release(NORMS, center)
+        released.append(pooled)
+        job.emit("combine", f"clip radius {pooled.value:.4g} = DP {params.clip_quantile:g}-"
+                 "quantile of the row norms")
+        return float(pooled.value)
+
+    if params.clip_first and params.clip_norm == "auto":  # the radius bounds the mean's rows
+        clip = await norms()
     if params.centering == "mean":
-        mean = await job.release(MEAN, None)
+        mean = await job.release(MEAN, clip if params.clip_first else None)
         released.append(mean)
         center = mean.value
         job.emit("combine", f"DP mean formed from {len(mean.rows)} site sum(s) over "
                  f"{mean.n_rows_total} rows")
-    clip = params.clip_norm if isinstance(params.clip_norm, float) else None
-    if params.clip_norm == "auto":
-        norms = await job.release(NORMS, center)
-        released.append(norms)
-        clip = norms.value
-        job.emit("combine", f"clip radius {clip:.4g} = DP {params.clip_quantile:g}-quantile "
-                 "of the row norms")
+    if not params.clip_first and params.clip_norm == "auto":
+        clip = await norms()
     moment = await job.release(MOMENT, MomentInputs(center, clip))
     released.append(moment)
     job.emit("combine", f"combining {len(moment.rows)} site release(s) into "

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.jobs.contract import PlannedRound
+from dpfed.common.jobs.params import ConnectedSite
 from dpfed.common.jobs.registry import SECURE_TASK_KIND
 from dpfed.common.privacy.accounting import BudgetStatus, zcdp_to_epsilon
 from dpfed.common.secagg.policy import SecureAggregationPolicy
@@ -149,6 +150,18 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
                          f"the site reports {b.epsilon_remaining:g}, {b.delta_remaining:g} "
                          "left")
     return None
+
+
+def connected_facts(sites: Sequence[tuple[str, SiteView, int]], kind: str,
+                    named: Sequence[str] = ()) -> list[ConnectedSite]:
+    """Return the public facts a new job's plan may settle on: its candidate sites' rows.
+
+    ``sites`` are ``(site id, what it advertises, its public row count)``; sites that do not
+    allow ``kind``, or are not among ``named`` when a job names its sites, are no candidates.
+    """
+    return [ConnectedSite(int(rows), None if view.budget is None else view.budget.accountant)
+            for site_id, view, rows in sites
+            if kind in view.allowed_kinds and (not named or site_id in named)]
 
 
 def secure_quorum(policies: Sequence[SecureAggregationPolicy], min_sites: int) -> int:

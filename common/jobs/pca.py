@@ -1,11 +1,13 @@
 """The ``pca`` job kind (DPdisPCA, centred and auto-clipped by default): its three rounds.
 
-``mean`` (centred jobs) sums the sites' unit-ball rows into the DP mean; ``norms``
-(``clip_norm="auto"``) releases a DP histogram of the row norms whose quantile is the clip
-radius; ``pca`` releases the second moment of the clipped (centred) rows -- at site level as
-DPdisPCA's factor ``P_s`` of each site's noisy matrix, as a secure sum the pooled Gram matrix,
-centred at the coordinator. Task parameters: the job's canonical ones plus ``stage``
-(absent: ``pca``). Mechanisms and their proofs: docs/pca.md and docs/privacy.md.
+``norms`` (``clip_norm="auto"``) releases a DP histogram of the row norms whose quantile is
+the clip radius; ``mean`` (centred jobs) sums the sites' rows, clipped to that radius, into
+the DP mean; ``pca`` releases the second moment of the clipped (centred) rows -- at site level
+as DPdisPCA's factor ``P_s`` of each site's noisy matrix, as a secure sum the pooled Gram
+matrix, centred at the coordinator. Jobs with a ``split`` run in that order (clip first);
+jobs made before it run ``mean`` of the box-bounded rows, then ``norms`` of the centred rows.
+Task parameters: the job's canonical ones plus ``stage`` (absent: ``pca``). Mechanisms and
+their proofs: docs/pca.md and docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from dpfed.common.pca.centring import (
     centre_rows,
     centred_pca_mechanism,
     check_center,
+    clipped_mean,
     dp_mean,
     mean_sum_mechanism,
 )
@@ -161,11 +164,25 @@ def _vector_check(result: TaskResult, name: str, length: int, sigma: float) -> N
                             f"an honest release can have ({bound:.4g})")
 
 
-class Mean(SumRound[PCAParams, None, np.ndarray]):
+def _mean_clip(params: PCAParams) -> float | None:
+    """Return the radius a clip-first job's mean round clips rows to (None: the box)."""
+    if not params.clip_first or params.clip_norm is None:
+        return None
+    if params.clip_norm == "auto":
+        raise ValidationError("the mean round of this job needs a resolved clip_norm (the "
+                              "norms round's radius), not 'auto'")
+    return float(params.clip_norm)
+
+
+class Mean(SumRound[PCAParams, "float | None", np.ndarray]):
     """``mean``: the sum of the unit-ball rows, pooled into the DP mean (in the ``u`` space).
 
-    Privacy: :func:`dpfed.common.pca.centring.mean_sum_mechanism` (replace-one, L2
-    sensitivity 2); secure: the ``row_sum`` statistic of docs/secure-aggregation.md.
+    The input is the clip radius ``c`` of a clip-first job (None: the rows are bounded by
+    the schema's box ``B``). Each site sums ``clip_c(u)/c`` (or ``u/B``): rows in the unit
+    ball. Privacy: :func:`dpfed.common.pca.centring.mean_sum_mechanism` (replace-one, L2
+    sensitivity 2 in those units, i.e. ``2c`` in ``u`` as
+    :func:`~dpfed.common.pca.centring.clipped_mean_sum_mechanism` states); secure: the
+    ``row_sum`` statistic of docs/secure-aggregation.md.
     """
 
     name = "mean"
@@ -180,11 +197,11 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
         return _stage(task) == "mean"
 
     def prepare(self, task: Task, site: Site) -> Release:
-        """Sum the unit-ball rows (worst-case bound: nothing is clipped) and price the noise."""
+        """Sum the unit-ball rows (clipped to the task's radius, or by the box) and price it."""
         params = _params(task, site)
         total = np.zeros(len(feature_names(site.data.schema)))
         n_rows = 0
-        for x, _clipped in _unit_rows(site, None):
+        for x, _clipped in _unit_rows(site, _mean_clip(params)):
             total += x.sum(axis=0)
             n_rows += x.shape[0]
         require_rows(n_rows)
@@ -192,32 +209,40 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
         return noisy_release(task, mech.cost(), lambda rng: {"sum": mech.release(total, rng)},
                              {"n_rows": n_rows, "noise_sigma": mech.sigma})
 
-    def request(self, ask: Ask[PCAParams, None]) -> Request:
-        """Return the job's parameters, stage ``mean``."""
-        return Request(_base(ask.params, "mean"))
+    def request(self, ask: Ask[PCAParams, float | None]) -> Request:
+        """Return the job's parameters, stage ``mean`` (clip first: with the resolved radius)."""
+        if not ask.params.clip_first:
+            return Request(_base(ask.params, "mean"))
+        clip = ask.inputs
+        return Request(_base(ask.params, "mean", clip_norm="schema" if clip is None else clip))
 
-    def check(self, result: TaskResult, ask: Ask[PCAParams, None]) -> None:
+    def check(self, result: TaskResult, ask: Ask[PCAParams, float | None]) -> None:
         """Require A sum of unit vectors plus the round's noise."""
         b = ask.budget
         _vector_check(result, "sum", len(feature_names(ask.schema)),
                       mean_sum_mechanism(b.epsilon, b.delta, ask.params.calibration).sigma)
 
-    def pool(self, results: Mapping[str, TaskResult], ask: Ask[PCAParams, None]) -> np.ndarray:
+    def pool(self, results: Mapping[str, TaskResult],
+             ask: Ask[PCAParams, float | None]) -> np.ndarray:
         """Return the DP mean, projected into the box and the ball the true mean lies in."""
         sums = [results[s].arrays["sum"] for s in sorted(results)]
         n_total = sum(int(r.metadata["n_rows"]) for r in results.values())
-        return dp_mean(sums, n_total, max_feature_norm(ask.schema))
+        clip = ask.inputs if ask.params.clip_first else None
+        if clip is None:
+            return dp_mean(sums, n_total, max_feature_norm(ask.schema))
+        mu = clipped_mean([s * clip for s in sums], n_total, clip)  # the sums were of rows / c
+        return np.asarray(np.clip(mu, -1.0, 1.0))  # ... and in the schema's box
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
         """Return the exact integer row sum of the clipped unit-ball rows."""
         return _contribution(task, site, participants, tolerated, self.statistic)
 
-    def encoding(self, ask: Ask[PCAParams, None]) -> SumEncoding:
+    def encoding(self, ask: Ask[PCAParams, float | None]) -> SumEncoding:
         """Return A row sum of dimension p over rows of norm at most 1."""
         return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
 
-    def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, None]) -> np.ndarray:
+    def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, float | None]) -> np.ndarray:
         """``S / N``, projected into the unit ball and the schema's box (post-processing)."""
         c = _secure_scale(ask.params, ask.schema)
         mu = summed.value / summed.n_rows_total
@@ -229,6 +254,9 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
 
 class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
     """``norms``: a DP histogram of the row norms on a public grid; its quantile clips.
+
+    Of the uncentred rows in clip-first jobs; of the rows centred at the DP mean (the input)
+    in centred jobs made before.
 
     Privacy: :func:`dpfed.common.pca.clipping.norm_histogram_mechanism` (replace-one, L2
     sensitivity sqrt(2)). A site-level release only.
@@ -244,7 +272,7 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
     def prepare(self, task: Task, site: Site) -> Release:
         """Histogram the (centred) row norms and price the noise."""
         params = _params(task, site)
-        center = _site_center(task, site, params)
+        center = None if params.clip_first else _site_center(task, site, params)
         edges = norm_grid(norm_bound(site.data.schema, center is not None))
         unit = UnitBallMap(site.data.schema)
         counts = np.zeros(len(edges))
@@ -262,7 +290,8 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
                              {"n_rows": n_rows, "noise_sigma": mech.sigma})
 
     def _edges(self, ask: Ask[PCAParams, np.ndarray | None]) -> np.ndarray:
-        return norm_grid(norm_bound(ask.schema, ask.params.centering == "mean"))
+        centred = ask.params.centering == "mean" and not ask.params.clip_first
+        return norm_grid(norm_bound(ask.schema, centred))
 
     def request(self, ask: Ask[PCAParams, np.ndarray | None]) -> Request:
         """Return the job's parameters, stage ``norms``, and the DP centre."""

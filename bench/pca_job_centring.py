@@ -1,0 +1,200 @@
+"""Default centred PCA through the real job against ``--centering none --clip-norm 1``.
+
+The DPdisPCA paper's set-up (Imtiaz & Sarwate 2018; as bench/pca_centring.py): D = 200,
+S = 10 sites x N_s = 1000 rows in the unit ball (200 continuous columns declared in [-1, 1],
+so the box bound is sqrt(200)), K = 50, R = 100 (2K), delta = 0.01, epsilon in {0.5, 1, 5}.
+Quality: the captured variance ``tr(V_K^T C V_K) / tr(U_K^T C U_K)``, C the covariance of the
+pooled rows about their true mean and U_K its top-K eigenvectors.
+
+Every job runs in-process through the code a real job runs: the parameters are validated
+(:meth:`JobKind.canonical`) and settled on the sites' public row counts and ``pld`` ledgers
+(:meth:`JobKind.settle`, as the coordinator does at submission), then the coordinator's
+:func:`dpfed.aggregator.jobs.pca.run` drives :class:`dpfed.aggregator.jobs.job.Job`, whose
+dispatcher hands each task (through its wire bytes) to the round the site agent would pick
+(:func:`dpfed.common.jobs.registry.site_round`): ``prepare`` on the site's encoded table,
+then ``produce`` with a production generator; answers are checked and pooled by the job.
+Only the network and the ledgers are left out (bench/pca_centring.py has the library calls).
+
+Rows: ``none, clip 1`` (``--centering none --clip-norm 1``: one round), ``default`` (the
+settled default: centred, ``clip_norm auto``), and ``default, first plan`` (the same job
+without a split: the fixed 10/10/80 split and the box-bounded mean of jobs made before).
+
+Run: ``python bench/pca_job_centring.py [--runs 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from collections.abc import Collection, Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from dpfed.aggregator.federation import Federation
+from dpfed.aggregator.jobs import pca as pca_job
+from dpfed.aggregator.jobs.job import Job
+from dpfed.aggregator.jobs.outgoing import OutgoingTask
+from dpfed.common.data.encoding import EncodedTable, EncodingReport
+from dpfed.common.data.schema import Schema
+from dpfed.common.jobs.contract import Site
+from dpfed.common.jobs.params import ConnectedSite
+from dpfed.common.jobs.registry import job_kind, site_round
+from dpfed.common.pca.dppca import captured_energy, top_components
+from dpfed.common.privacy.accounting import BudgetStatus
+from dpfed.common.privacy.rng import production_rng
+from dpfed.common.transport.protocol import JobSpec, Task, TaskResult
+from dpfed.common.transport.wire import result_from_bytes, result_to_bytes, task_from_bytes
+
+D, S, N_S, K, DELTA = 200, 10, 1000, 50, 0.01
+EPSILONS = (0.5, 1.0, 5.0)
+
+
+class SiteRows:
+    """One site's encoded rows as the site reads them (schema + chunked pass)."""
+
+    def __init__(self, table: EncodedTable) -> None:
+        self.table = table
+
+    @property
+    def schema(self) -> Schema:
+        return self.table.schema
+
+    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
+        yield self.table, EncodingReport()
+
+
+class InProcessJob(Job[Any]):
+    """A :class:`Job` whose dispatcher runs every task at in-process sites (module docstring)."""
+
+    def __init__(self, spec: JobSpec, schema: Schema, tables: Mapping[str, EncodedTable]
+                 ) -> None:
+        kind = job_kind(spec.kind)
+        sessions = [SimpleNamespace(site_id=s, hello=SimpleNamespace(
+            row_count=t.n_rows, allowed_kinds=("pca",), max_epsilon_per_task=None,
+            budget=BudgetStatus("pld", 100.0, 0.5, 0.0, 0.0, 0.0, 0), secure_policy=""))
+            for s, t in tables.items()]
+        super().__init__(job_id="bench", spec=spec, kind=kind,
+                         params=kind.parse(spec.params, schema), federation=Federation(schema),
+                         registry=SimpleNamespace(connected=lambda: sessions),  # type: ignore[arg-type]
+                         emit=lambda *_: None)
+        self.sites = {s: Site(SiteRows(t)) for s, t in tables.items()}
+
+    async def dispatch(self, outgoing: OutgoingTask, *, only: Collection[str] | None = None,
+                       progress: tuple[float, float] = (0.0, 0.9),
+                       quorum: int | None = None) -> dict[str, TaskResult]:
+        del progress, quorum
+        self._start()
+        task = Task(f"bench/{outgoing.round_name}", "bench", outgoing.kind,
+                    outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
+                    dict(outgoing.arrays))
+        from dpfed.common.transport.wire import task_to_bytes
+
+        results = {}
+        for site_id, site in self.sites.items():
+            if only is not None and site_id not in only:
+                continue
+            received = task_from_bytes(task_to_bytes(task))
+            release = site_round(received).prepare(received, site)
+            answer = release.produce(production_rng())
+            assert isinstance(answer, TaskResult)
+            answer = result_from_bytes(result_to_bytes(answer))
+            if outgoing.check is not None:
+                outgoing.check(answer)
+            results[site_id] = answer
+        return results
+
+
+def schema_of(n_features: int) -> Schema:
+    """``n_features`` continuous columns declared in [-1, 1] (u = x: the scaling is 1)."""
+    return Schema.from_toml("".join(
+        f'[[columns]]\nname = "x{j:03d}"\ntype = "continuous"\nmin = -1\nmax = 1\n'
+        for j in range(n_features)))
+
+
+def make_sites(rng: np.random.Generator) -> list[np.ndarray]:
+    """The paper's generator widened to D = 200 (bench/dppca_utility.py), max row norm 1."""
+    spectrum = np.concatenate([np.linspace(10, 1, 20), 0.5 * rng.random(D - 20)])
+    basis = np.linalg.qr(rng.standard_normal((D, D)))[0]
+    x = (rng.standard_normal((S * N_S, D)) * np.sqrt(spectrum)) @ basis.T
+    x /= np.linalg.norm(x, axis=1).max()
+    return np.split(x, S)
+
+
+def tables_of(schema: Schema, sites: list[np.ndarray]) -> dict[str, EncodedTable]:
+    names = [c.name for c in schema.columns]
+    return {f"h{i + 1:02d}": EncodedTable(schema, {n: x[:, j] for j, n in enumerate(names)},
+                                          len(x))
+            for i, x in enumerate(sites)}
+
+
+def run_job(schema: Schema, tables: Mapping[str, EncodedTable], epsilon: float, delta: float,
+            params: dict[str, Any], accountant: str = "pld") -> tuple[np.ndarray, dict[str, Any]]:
+    """Validate, settle and run one pca job; return its components and metadata."""
+    kind = job_kind("pca")
+    canonical = kind.canonical(params, epsilon, delta, schema)
+    facts = [ConnectedSite(t.n_rows, accountant) for t in tables.values()]
+    settled = kind.settle(canonical, epsilon, delta, schema, facts)
+    job = InProcessJob(JobSpec("pca", epsilon, delta, settled), schema, tables)
+    out = asyncio.run(pca_job.run(job))
+    return np.asarray(out.arrays["components"]), dict(out.metadata)
+
+
+def first_plan(schema: Schema, tables: Mapping[str, EncodedTable], epsilon: float,
+               delta: float, params: dict[str, Any]) -> np.ndarray:
+    """The same job without settling (no split): the plan of jobs made before."""
+    kind = job_kind("pca")
+    canonical = kind.canonical(params, epsilon, delta, schema)
+    job = InProcessJob(JobSpec("pca", epsilon, delta, canonical), schema, tables)
+    return np.asarray(asyncio.run(pca_job.run(job)).arrays["components"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=2018)
+    a = ap.parse_args()
+    rng = np.random.default_rng(a.seed)
+    schema = schema_of(D)
+    started = time.perf_counter()
+    names = ["none, clip 1", "default", "default, first plan"]
+    results: dict[tuple[str, float], list[float]] = {}
+    splits: dict[float, Any] = {}
+    for _ in range(a.runs):
+        sites = make_sites(rng)
+        pooled = np.vstack(sites)
+        centred = pooled - pooled.mean(axis=0)
+        cov = centred.T @ centred / len(pooled)
+        best = captured_energy(top_components(cov, K), cov)
+        tables = tables_of(schema, sites)
+        for eps in EPSILONS:
+            comps = {"none, clip 1": run_job(schema, tables, eps, DELTA, {
+                "n_components": K, "centering": "none", "clip_norm": 1.0})[0]}
+            comps["default"], meta = run_job(schema, tables, eps, DELTA, {"n_components": K})
+            splits[eps] = (meta.get("split"), meta.get("composition"), meta["clip_norm"])
+            comps["default, first plan"] = first_plan(schema, tables, eps, DELTA,
+                                                      {"n_components": K})
+            for name in names:
+                results.setdefault((name, eps), []).append(
+                    captured_energy(comps[name], cov) / best)
+    print(f"D={D}, S={S}, N_s={N_S}, K={K}, R={2 * K}, delta={DELTA}, {a.runs} runs, pld "
+          "ledgers; captured variance / non-private (mean, min over runs)\n")
+    print(f"{'epsilon':>8}" + "".join(f"{n:>24}" for n in names) + f"{'default - none':>17}")
+    for eps in EPSILONS:
+        cells = [f"{np.mean(results[(n, eps)]):.3f} ({np.min(results[(n, eps)]):.3f})"
+                 for n in names]
+        gap = np.mean(results[("default", eps)]) - np.mean(results[("none, clip 1", eps)])
+        print(f"{eps:>8g}" + "".join(f"{c:>24}" for c in cells) + f"{gap:>+17.3f}")
+    print("\nthe default's settled split (shares of mu^2 and of delta) and clip radius:")
+    for eps in EPSILONS:
+        split, composition, clip = splits[eps]
+        shares = ", ".join(f"{n} {e:.3f}/{d:.2f}" for n, (e, d) in split.items())
+        print(f"  epsilon {eps:g}: {composition}: {shares}; clip radius {clip:.3f} (last run)")
+    print(f"({time.perf_counter() - started:.0f}s; box bound {math.sqrt(D):.1f})")
+
+
+if __name__ == "__main__":
+    main()
