@@ -9,12 +9,15 @@ are listed apart, with the reason. Nothing is submitted or charged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpfed.common.jobs.contract import JobKind, PlannedRound
 from dpfed.common.jobs.eligibility import Exclusion, exclusion
 from dpfed.common.jobs.params import Params
 from dpfed.common.transport.protocol import SiteInfo
+
+if TYPE_CHECKING:
+    from dpfed.common.data.schema import Schema
 
 
 def who_takes_part(kind: JobKind[Any], params: Params, plan: Sequence[PlannedRound],
@@ -72,11 +75,26 @@ def print_left_out(left_out: Sequence[tuple[SiteInfo, Exclusion]]) -> None:
 
 
 def print_kind_plan(kind_name: str, raw: dict[str, Any], epsilon: float, delta: float,
-                    sites: Sequence[SiteInfo]) -> None:
-    """Validate a job's parameters (without the coordinator's schema) and print its plan."""
+                    sites: Sequence[SiteInfo], schema: Schema | None = None) -> None:
+    """Validate a job's parameters and print its plan, settled as the coordinator would.
+
+    With the federation's ``schema`` (from the coordinator), the parameters are checked
+    against it and settled on the connected sites' public facts
+    (:meth:`dpfed.common.jobs.contract.JobKind.settle`: e.g. a pca job's budget split), so
+    the plan is the one a submission now would run.
+    """
+    from dpfed.common.jobs.eligibility import connected_facts
     from dpfed.common.jobs.registry import job_kind
 
     kind = job_kind(kind_name)
-    params = kind.parse(raw, None)
+    params = kind.parse(raw, schema)
     params.check_privacy(epsilon, delta)
+    if schema is not None and kind.params.settles:
+        facts = connected_facts([(s.site_id, s, s.row_count) for s in sites if s.connected],
+                                kind_name)
+        params = kind.parse(kind.settle(params.to_mapping(), epsilon, delta, schema, facts),
+                            schema)
     print_plan(kind, params, epsilon, delta, sites)
+    note = params.plan_note(epsilon, delta)
+    if note:
+        print(note)

@@ -247,6 +247,23 @@ class PCAParams(Params):
         return dataclasses.replace(self, split=tuple(split),
                                    composition="gdp" if gdp else "basic")
 
+    def plan_note(self, epsilon: float, delta: float) -> str:
+        """Return the split, and why, for ``--plan``."""
+        if self.split is None:
+            if self.secure or len(_pca_rounds(self.__dict__)) < 2:
+                return ""
+            return ("budget split: fixed (mean 10 %, norms 10 %, pca 80 % of epsilon and "
+                    "delta; no site connected to settle it on)")
+        unit = "mu^2 (GDP)" if self.composition == "gdp" else "epsilon"
+        shares = ", ".join(f"{n} {e:.3f}" for n, e, _ in self.split)
+        note = (f"budget split: shares of {unit}: {shares}; chosen from the schema's "
+                "dimension, the connected sites' rows and their number, and epsilon "
+                "(rounds run clip radius first, then the mean of the clipped rows)")
+        if self.composition == "gdp":
+            note += (f"\na pld ledger is charged exactly epsilon {epsilon:g} at delta "
+                     f"{delta:g} for these rounds together (their epsilons add up to more)")
+        return note
+
     def required_accountant(self, epsilon: float, delta: float) -> tuple[str, str] | None:
         """Return A GDP-composed job runs only at sites whose ledger is ``pld``."""
         if self.composition != "gdp" or self.split is None:

@@ -18,7 +18,9 @@ from dpfed.aggregator.jobs.records import round_log, secure_record, site_spend
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common.job_params import PCAParams
 from dpfed.common.jobs.contract import Pooled
+from dpfed.common.jobs.eligibility import gaussian_rounds_epsilon
 from dpfed.common.jobs.pca import MEAN, MOMENT, NORMS, MomentInputs
+from dpfed.common.pca.centring import centred_radius
 from dpfed.common.pca.features import feature_names
 
 
@@ -47,6 +49,9 @@ async def run(job: Job[PCAParams]) -> JobOutput:
                  f"{mean.n_rows_total} rows")
     if not params.clip_first and params.clip_norm == "auto":
         clip = await norms()
+    elif params.clip_norm == "auto" and center is not None and clip is not None:
+        clip = centred_radius(clip, center)  # post-processing: the centred rows are shorter
+        job.emit("combine", f"clip radius {clip:.4g} for the rows centred at the DP mean")
     moment = await job.release(MOMENT, MomentInputs(center, clip))
     released.append(moment)
     job.emit("combine", f"combining {len(moment.rows)} site release(s) into "
@@ -57,6 +62,10 @@ async def run(job: Job[PCAParams]) -> JobOutput:
     sites = [{"site_id": s, "n_rows": moment.rows[s], **site_spend(released, s),
               "noise_sigma": moment.value.noise_sigma[s], "weight": moment.value.weights[s]}
              for s in moment.participants]
+    if params.composition == "gdp":  # what a pld ledger is charged: the rounds composed
+        for site in sites:
+            site["epsilon"] = gaussian_rounds_epsilon(
+                [(p.budget.epsilon, p.budget.delta) for p in released if site["site_id"] in p.rows])
     metadata: dict[str, Any] = {
         "job_id": job.job_id, "kind": job.kind.name, "epsilon": job.spec.epsilon,
         "delta": job.spec.delta, **base, "clip_norm_requested": base["clip_norm"],

@@ -10,6 +10,7 @@ would take part. The site's ledger stays the authority.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -144,6 +145,8 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
         return None
     eps = sum(r.epsilon for r in charged)
     delta = sum(r.delta for r in charged)
+    if b.accountant == "pld":
+        eps = min(eps, gaussian_rounds_epsilon([(r.epsilon, r.delta) for r in charged]))
     if eps > b.epsilon_remaining * (1 + _SLACK) or delta > b.delta_remaining * (1 + _SLACK):
         return _excluded(RefusalCode.BUDGET_EXCEEDED,
                          f"the job needs epsilon={eps:g}, delta={delta:g} over all its rounds; "
@@ -162,6 +165,25 @@ def connected_facts(sites: Sequence[tuple[str, SiteView, int]], kind: str,
     return [ConnectedSite(int(rows), None if view.budget is None else view.budget.accountant)
             for site_id, view, rows in sites
             if kind in view.allowed_kinds and (not named or site_id in named)]
+
+
+def gaussian_rounds_epsilon(rounds: Sequence[tuple[float, float]]) -> float:
+    """Return what rounds ``(epsilon, delta)`` cost together, those with delta > 0 Gaussian.
+
+    Each such round is ``mu_i``-GDP with ``mu_i = 1 / gaussian_sigma(epsilon_i, delta_i)``;
+    together ``sqrt(sum mu_i^2)``-GDP, read at the rounds' total delta; pure rounds add their
+    epsilon. The estimate a ``pld`` ledger's budget is checked with before a job (a pca
+    job's GDP split adds its per-round epsilons to more than it costs); the ledger decides.
+    """
+    from dpfed.common.privacy.mechanisms import gaussian_sigma
+    from dpfed.common.privacy.pld import gaussian_epsilon
+
+    gaussian = [(e, d) for e, d in rounds if d > 0.0]
+    pure = sum(e for e, d in rounds if d <= 0.0)
+    if not gaussian:
+        return pure
+    mu = math.sqrt(sum(gaussian_sigma(e, d, 1.0) ** -2 for e, d in gaussian))
+    return pure + gaussian_epsilon(mu, sum(d for _, d in gaussian))
 
 
 def secure_quorum(policies: Sequence[SecureAggregationPolicy], min_sites: int) -> int:

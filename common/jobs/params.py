@@ -172,6 +172,11 @@ class Params:
             out[f.name] = value if spec.wire is None else spec.wire(value)
         return out
 
+    def plan_note(self, epsilon: float, delta: float) -> str:
+        """Return what ``--plan`` says about how the budget was divided ("" for nothing)."""
+        del epsilon, delta
+        return ""
+
     def aggregation_mode(self) -> Aggregation:
         """How the job's sums travel (kinds without a secure mode: site level)."""
         return Aggregation.SITE

@@ -184,3 +184,38 @@ def test_split_rules_between_fields() -> None:
                         "split": {"mean": [0.2, 0.2], "pca": [0.8, 0.8]}}, 1.0, 1e-3, SCHEMA)
     with pytest.raises(ValidationError, match="norms round"):
         kind.canonical({"n_components": 2, "clip_norm": 1.0, "split": SPLIT}, 1.0, 1e-3, SCHEMA)
+
+
+def test_a_pld_site_with_exactly_the_job_budget_left_takes_part() -> None:
+    from dpfed.common.jobs.eligibility import exclusion
+    from dpfed.common.privacy.accounting import BudgetStatus
+
+    kind = job_kind("pca")
+    params = kind.parse(kind.settle(kind.canonical({"n_components": 2}, 1.0, 1e-3, SCHEMA),
+                                    1.0, 1e-3, SCHEMA, FACTS), SCHEMA)
+    plan = kind.plan(params, 1.0, 1e-3)
+    assert sum(r.epsilon for r in plan) > 1.2
+
+    def site(accountant: str, cap: float) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(allowed_kinds=("pca",), max_epsilon_per_task=None,
+                               secure_policy="", budget=BudgetStatus(
+                                   accountant, cap, 1e-3, 0.0, 0.0, 0.0, 0))
+
+    need = params.required_accountant(1.0, 1e-3)
+    assert exclusion(site("pld", 1.0 + 1e-6), "pca", plan, sums=True, accountant=need) is None
+    tight = exclusion(site("pld", 0.9), "pca", plan, sums=True, accountant=need)
+    assert tight is not None and "epsilon=1" in tight.reason
+    basic = exclusion(site("basic", 10.0), "pca", plan, sums=True, accountant=need)
+    assert basic is not None and "'pld' accountant" in basic.reason
+
+
+def test_the_centred_radius_is_a_public_function_of_the_radius_and_the_mean() -> None:
+    from dpfed.common.pca.centring import centred_radius
+
+    assert centred_radius(2.0, np.zeros(3)) == 2.0
+    assert centred_radius(2.0, np.array([1.2, 0.0, 1.6])) == pytest.approx(np.sqrt(4 - 4) + 0.5)
+    assert centred_radius(5.0, np.array([3.0, 0.0, 0.0])) == pytest.approx(4.0)
+    with pytest.raises(ValidationError, match="clip_norm"):
+        centred_radius(0.0, np.zeros(3))
