@@ -54,7 +54,7 @@ class SimulationOptions:
     delta: float = 1e-5
     calibration: str = "analytic"
     min_sites: int = 0
-    clip_norm: float | str | None = None  # None: the job's default (auto; schema if secure)
+    clip_norm: float | str | None = None  # None: the job's default (auto)
     centering: str = "mean"
     site_weighting: str = "size"
     aggregation: str = "site"

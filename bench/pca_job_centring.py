@@ -32,6 +32,7 @@ import asyncio
 import math
 import time
 from collections.abc import Collection, Iterator, Mapping
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,14 +44,19 @@ from dpfed.aggregator.jobs.job import Job
 from dpfed.aggregator.jobs.outgoing import OutgoingTask
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
 from dpfed.common.data.schema import Schema
-from dpfed.common.jobs.contract import Site
+from dpfed.common.jobs.contract import Ask, Pooled, Round, Site, SumRound
 from dpfed.common.jobs.params import ConnectedSite
 from dpfed.common.jobs.registry import job_kind, site_round
 from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.privacy.accounting import BudgetStatus
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import JobSpec, Task, TaskResult
-from dpfed.common.transport.wire import result_from_bytes, result_to_bytes, task_from_bytes
+from dpfed.common.transport.wire import (
+    result_from_bytes,
+    result_to_bytes,
+    task_from_bytes,
+    task_to_bytes,
+)
 
 D, S, N_S, K, DELTA = 200, 10, 1000, 50, 0.01
 EPSILONS = (0.5, 1.0, 5.0)
@@ -71,13 +77,19 @@ class SiteRows:
 
 
 class InProcessJob(Job[Any]):
-    """A :class:`Job` whose dispatcher runs every task at in-process sites (module docstring)."""
+    """A :class:`Job` whose dispatcher runs every task at in-process sites (module docstring).
 
-    def __init__(self, spec: JobSpec, schema: Schema, tables: Mapping[str, EncodedTable]
-                 ) -> None:
+    A secure round is one in-process secure sum (as bench/secure_synth_round.py): each site's
+    contribution from the round's own code, its Skellam share and pairwise masks under real
+    signed keys (``fed``), decoded and checked as the coordinator does.
+    """
+
+    def __init__(self, spec: JobSpec, schema: Schema, tables: Mapping[str, EncodedTable],
+                 fed: Path | None = None) -> None:
         kind = job_kind(spec.kind)
+        self.fed = fed
         sessions = [SimpleNamespace(site_id=s, hello=SimpleNamespace(
-            row_count=t.n_rows, allowed_kinds=("pca",), max_epsilon_per_task=None,
+            row_count=t.n_rows, allowed_kinds=("pca", "secagg"), max_epsilon_per_task=None,
             budget=BudgetStatus("pld", 100.0, 0.5, 0.0, 0.0, 0.0, 0), secure_policy=""))
             for s, t in tables.items()]
         super().__init__(job_id="bench", spec=spec, kind=kind,
@@ -85,6 +97,39 @@ class InProcessJob(Job[Any]):
                          registry=SimpleNamespace(connected=lambda: sessions),  # type: ignore[arg-type]
                          emit=lambda *_: None)
         self.sites = {s: Site(SiteRows(t)) for s, t in tables.items()}
+
+    async def release(self, rnd: Round[Any, Any, Any], inputs: Any, *,
+                      among: Collection[str] | None = None) -> Pooled[Any]:
+        """A site-level round through :meth:`dispatch`; a secure one summed in-process."""
+        if not self.planned(rnd.name).secure:
+            return await super().release(rnd, inputs, among=among)
+        from secure_aggregation import masked_shares
+
+        from dpfed.aggregator.jobs.secure_rounds import _decoded, _plan
+        from dpfed.common.secagg.masking import MaskContext
+        from dpfed.common.secagg.messages import plan_params
+
+        assert isinstance(rnd, SumRound) and self.fed is not None
+        self._start()
+        budget = self.budget(rnd.name)
+        ask = Ask(self.params, self.federation.schema, inputs, budget)
+        enc = rnd.encoding(ask)
+        ids = list(self.sites)
+        total = sum(int(s.data.table.n_rows) for s in self.sites.values())  # type: ignore[attr-defined]
+        planned = await _plan(rnd, enc, budget, ids, 0, total)
+        plan = planned.plan
+        task = Task(f"bench/{rnd.name}-sum-1", "bench", "secagg", budget.epsilon, budget.delta,
+                    {"stage": "contribute", "sum_round": f"{rnd.name}-sum-1", **dict(enc.params),
+                     **plan_params(plan, row_norm=enc.row_norm)}, dict(enc.arrays))
+        rng = production_rng()
+        given = {s: rnd.contribution(task_from_bytes(task_to_bytes(task)), site, ids, 0)
+                 for s, site in self.sites.items()}
+        computed = {s: g.compute(rng) for s, g in given.items()}
+        ctx = MaskContext("bench", plan.statistic, f"bench/{rnd.name}/{rng.integers(1 << 30)}")
+        masked = masked_shares({s: c[0] for s, c in computed.items()}, plan, self.fed, ctx, rng)
+        results = {s: TaskResult(task.task_id, plan.cost(), {"masked": masked[s]},
+                                 {"n_rows": int(computed[s][1])}) for s in ids}
+        return _decoded(rnd, ask, enc, planned, budget, results, 1)
 
     async def dispatch(self, outgoing: OutgoingTask, *, only: Collection[str] | None = None,
                        progress: tuple[float, float] = (0.0, 0.9),
@@ -94,8 +139,6 @@ class InProcessJob(Job[Any]):
         task = Task(f"bench/{outgoing.round_name}", "bench", outgoing.kind,
                     outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
                     dict(outgoing.arrays))
-        from dpfed.common.transport.wire import task_to_bytes
-
         results = {}
         for site_id, site in self.sites.items():
             if only is not None and site_id not in only:
@@ -135,13 +178,14 @@ def tables_of(schema: Schema, sites: list[np.ndarray]) -> dict[str, EncodedTable
 
 
 def run_job(schema: Schema, tables: Mapping[str, EncodedTable], epsilon: float, delta: float,
-            params: dict[str, Any], accountant: str = "pld") -> tuple[np.ndarray, dict[str, Any]]:
+            params: dict[str, Any], accountant: str = "pld", fed: Path | None = None
+            ) -> tuple[np.ndarray, dict[str, Any]]:
     """Validate, settle and run one pca job; return its components and metadata."""
     kind = job_kind("pca")
     canonical = kind.canonical(params, epsilon, delta, schema)
     facts = [ConnectedSite(t.n_rows, accountant) for t in tables.values()]
     settled = kind.settle(canonical, epsilon, delta, schema, facts)
-    job = InProcessJob(JobSpec("pca", epsilon, delta, settled), schema, tables)
+    job = InProcessJob(JobSpec("pca", epsilon, delta, settled), schema, tables, fed)
     out = asyncio.run(pca_job.run(job))
     return np.asarray(out.arrays["components"]), dict(out.metadata)
 
@@ -168,7 +212,14 @@ def demo(runs: int) -> None:
     cov = centred.T @ centred / len(u)
     k = 5
     best = captured_energy(top_components(cov, k), cov)
-    names = ["default", "default, first plan", "none, clip schema"]
+    import tempfile
+
+    from dpfed.common.transport.certs import init_federation
+
+    fed = Path(tempfile.mkdtemp()) / "fed"
+    init_federation(fed, coordinator_hosts=["localhost"], sites=list(tables), analysts=[])
+    names = ["default", "default, first plan", "none, clip schema", "secure (auto)",
+             "secure, clip schema"]
     print(f"\ndemo data: 3 sites x 20000 rows, 20 columns, K={k}, delta=1e-5, {runs} runs; "
           "captured variance of the pooled covariance / non-private")
     print(f"{'epsilon':>8}" + "".join(f"{n:>22}" for n in names))
@@ -182,6 +233,10 @@ def demo(runs: int) -> None:
             vals["none, clip schema"].append(captured_energy(run_job(
                 schema, tables, eps, 1e-5, {"n_components": k, "centering": "none",
                                             "clip_norm": "schema"})[0], cov) / best)
+            for name, clip in (("secure (auto)", "auto"), ("secure, clip schema", "schema")):
+                vals[name].append(captured_energy(run_job(
+                    schema, tables, eps, 1e-5, {"n_components": k, "aggregation": "secure",
+                                                "clip_norm": clip}, fed=fed)[0], cov) / best)
         print(f"{eps:>8g}" + "".join(f"{np.mean(vals[n]):>22.3f}" for n in names))
 
 
@@ -214,6 +269,9 @@ def main() -> None:
             for name in names:
                 results.setdefault((name, eps), []).append(
                     captured_energy(comps[name], cov) / best)
+    if not a.runs:
+        demo(a.demo_runs)
+        return
     print(f"D={D}, S={S}, N_s={N_S}, K={K}, R={2 * K}, delta={DELTA}, {a.runs} runs, pld "
           "ledgers; captured variance / non-private (mean, min over runs)\n")
     print(f"{'epsilon':>8}" + "".join(f"{n:>24}" for n in names) + f"{'default - none':>17}")

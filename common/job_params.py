@@ -142,14 +142,14 @@ class PCAParams(Params):
         ``site`` (default): every site noises its own release (DPdisPCA); ``secure``: the
         sites' Gram matrices (and row sums, when centred) are summed under secure aggregation
         with distributed Skellam noise (``dpfed.common.secagg``), so the noise is that of one
-        row of the pooled data; centring then happens at the coordinator, and ``clip_norm``
-        is ``schema`` or a number.
+        row of the pooled data; centring then happens at the coordinator; with
+        ``clip_norm="auto"`` the norm histogram is a secure sum too.
     clip_norm : float, None or "auto"
         Public bound on the norm of the rows the PCA round decomposes, in the space where every
         column is scaled to [-1, 1] (centred at the DP mean when ``centering="mean"``).
-        ``"auto"`` (default at site level): a DP quantile of the row norms (round ``norms``);
-        None (the user types ``schema``; the secure default): the worst case the schema
-        allows, nothing is clipped.
+        ``"auto"`` (default): a DP quantile of the row norms (round ``norms``; secure jobs
+        made before it existed said ``schema``); None (the user types ``schema``): the worst
+        case the schema allows, nothing is clipped.
     centering : {"mean", "none"}
         ``"mean"`` (default): a DP mean round first, then the centred second moment;
         ``"none"``: the second moment around the schema's midpoint (DPdisPCA as published).
@@ -184,8 +184,7 @@ class PCAParams(Params):
     aggregation: str = param("site", parse=choice("aggregation", AGGREGATIONS),
                              flag="--aggregation")
     clip_norm: float | str | None = param(
-        derive_default=lambda ctx: "auto" if ctx.parsed["aggregation"] == "site" else "schema",
-        parse=_clip_norm, wire=lambda v: "schema" if v is None else v, flag="--clip-norm")
+        "auto", parse=_clip_norm, wire=lambda v: "schema" if v is None else v, flag="--clip-norm")
     centering: str = param("mean", parse=choice("centering", CENTERINGS), flag="--centering")
     clip_quantile: float = param(DEFAULT_CLIP_QUANTILE, parse=_clip_quantile,
                                  flag="--clip-quantile")
@@ -202,24 +201,20 @@ class PCAParams(Params):
     settles: ClassVar[bool] = True
 
     def validate(self, schema: Schema | None) -> None:
-        """Refuse ``clip_norm="auto"`` with secure aggregation (its norms round is site level)."""
+        """Refuse a ``split`` with secure aggregation (secure jobs keep the fixed split)."""
         del schema
-        if self.secure and self.clip_norm == "auto":
-            raise ValidationError("clip_norm 'auto' is not available with aggregation 'secure' "
-                                  "(its norm histogram is a site-level release); use 'schema' "
-                                  "or a number")
         if self.secure and self.split is not None:
             raise ValidationError("split applies to site-level pca jobs (aggregation 'site')")
 
     @property
     def clip_first(self) -> bool:
-        """Whether the rounds run in the clip-first order (jobs with a ``split``).
+        """Whether the rounds run in the clip-first order (a ``split``, or secure and auto).
 
         ``norms`` of the uncentred rows, then ``mean`` of the rows clipped to the radius,
-        then ``pca``; jobs made before (no ``split``) keep ``mean``, ``norms``, ``pca`` with
-        the mean of the box-bounded rows.
+        then ``pca``; site-level jobs made before (no ``split``) keep ``mean``, ``norms``,
+        ``pca`` with the mean of the box-bounded rows (secure jobs had no ``norms`` round).
         """
-        return self.split is not None
+        return self.split is not None or (self.secure and self.clip_norm == "auto")
 
     def settle(self, epsilon: float, delta: float, schema: Schema,
                sites: Sequence[ConnectedSite]) -> Self:
@@ -307,9 +302,11 @@ class PCAParams(Params):
                 return [RoundShare(n, e, d) for n, e, d in gdp_split(epsilon, delta, self.split)]
             return [RoundShare(n, epsilon * e, delta * d) for n, e, d in self.split]
         shares: list[tuple[str, float]] = []
+        if self.clip_norm == "auto" and self.clip_first:
+            shares.append(("norms", NORMS_SHARE))
         if self.centering == "mean":
             shares.append(("mean", MEAN_SHARE))
-        if self.clip_norm == "auto":
+        if self.clip_norm == "auto" and not self.clip_first:
             shares.append(("norms", NORMS_SHARE))
         rest = 1.0 - sum(s for _, s in shares)
         out = [RoundShare(name, epsilon * s, delta * s) for name, s in shares]

@@ -145,8 +145,9 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
         return None
     eps = sum(r.epsilon for r in charged)
     delta = sum(r.delta for r in charged)
-    if b.accountant == "pld":
+    if b.accountant == "pld":  # spend is measured at the delta cap: only epsilon is left
         eps = min(eps, gaussian_rounds_epsilon([(r.epsilon, r.delta) for r in charged]))
+        delta = 0.0
     if eps > b.epsilon_remaining * (1 + _SLACK) or delta > b.delta_remaining * (1 + _SLACK):
         return _excluded(RefusalCode.BUDGET_EXCEEDED,
                          f"the job needs epsilon={eps:g}, delta={delta:g} over all its rounds; "

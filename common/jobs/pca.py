@@ -33,7 +33,6 @@ from dpfed.common.jobs.contract import (
     SumEncoding,
     SumRound,
 )
-from dpfed.common.jobs.contract import Round as BaseRound
 from dpfed.common.jobs.release import (
     job_params,
     noisy_release,
@@ -126,13 +125,21 @@ def _site_center(task: Task, site: Site, params: PCAParams) -> np.ndarray | None
 
 def _contribution(task: Task, site: Site, participants: list[str], tolerated: int,
                   statistic: str) -> Contribution:
-    """Both secure pca sums: the Gram or the row sum of the clipped unit-ball rows."""
+    """Both secure pca sums: the Gram or the row sum of the clipped unit-ball rows.
+
+    A Gram task that carries the array ``center`` (clip-first jobs) sums the rows centred at
+    it and clipped to the radius, ``clip_c(u - mu) / c``: every row still in the unit ball.
+    """
     clip = task.params.get("clip_norm")
     unit = UnitBallMap(site.data.schema, clip_norm=clip)  # validates clip_norm
     row_norm = check_positive(task.params.get("row_norm", 1.0), "row_norm")
+    center = None
+    if statistic == "gram" and "center" in task.arrays:
+        center = check_center(task.arrays["center"], unit.n_features,
+                              max_feature_norm(site.data.schema))
 
     def rows(_rng: np.random.Generator) -> Iterator[np.ndarray]:
-        for x, _clipped in _unit_rows(site, unit.clip_norm):
+        for x, _clipped in _unit_rows(site, unit.clip_norm, center):
             yield x
 
     return planned_contribution(task, participants, tolerated, statistic=statistic,
@@ -140,14 +147,22 @@ def _contribution(task: Task, site: Site, participants: list[str], tolerated: in
                                 compute=rows_statistic(rows, row_norm))
 
 
-def _secure_params(params: PCAParams) -> dict[str, Any]:
-    clip = params.clip_norm if isinstance(params.clip_norm, float) else None
+def _resolved(params: PCAParams, clip: float | None) -> float | None:
+    """Return the radius a clip-first job's secure mean clips to (the norms round's, or None)."""
+    return clip if params.clip_first else None
+
+
+def _secure_params(params: PCAParams, clip: float | None = None) -> dict[str, Any]:
+    """Return the secure sums' ``clip_norm``: the resolved radius, the job's number, or none."""
+    if clip is None and isinstance(params.clip_norm, float):
+        clip = params.clip_norm
     return {} if clip is None else {"clip_norm": clip}
 
 
-def _secure_scale(params: PCAParams, schema: Any) -> float:
+def _secure_scale(params: PCAParams, schema: Any, clip: float | None = None) -> float:
     """Return the radius the secure sums' rows were divided by (the clip norm, or the schema's)."""
-    return params.clip_norm if isinstance(params.clip_norm, float) else max_feature_norm(schema)
+    found = _secure_params(params, clip).get("clip_norm")
+    return float(found) if found is not None else max_feature_norm(schema)
 
 
 def _vector_check(result: TaskResult, name: str, length: int, sigma: float) -> None:
@@ -240,11 +255,12 @@ class Mean(SumRound[PCAParams, "float | None", np.ndarray]):
 
     def encoding(self, ask: Ask[PCAParams, float | None]) -> SumEncoding:
         """Return A row sum of dimension p over rows of norm at most 1."""
-        return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
+        return SumEncoding(dim=len(feature_names(ask.schema)),
+                           params=_secure_params(ask.params, _resolved(ask.params, ask.inputs)))
 
     def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, float | None]) -> np.ndarray:
         """``S / N``, projected into the unit ball and the schema's box (post-processing)."""
-        c = _secure_scale(ask.params, ask.schema)
+        c = _secure_scale(ask.params, ask.schema, _resolved(ask.params, ask.inputs))
         mu = summed.value / summed.n_rows_total
         norm = float(np.linalg.norm(mu))
         if norm > 1.0:  # the true mean of unit-ball rows lies in the ball
@@ -252,18 +268,24 @@ class Mean(SumRound[PCAParams, "float | None", np.ndarray]):
         return np.asarray(np.clip(mu * c, -1.0, 1.0))  # ... and in the schema's box
 
 
-class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
+class Norms(SumRound[PCAParams, "np.ndarray | None", float]):
     """``norms``: a DP histogram of the row norms on a public grid; its quantile clips.
 
     Of the uncentred rows in clip-first jobs; of the rows centred at the DP mean (the input)
     in centred jobs made before.
 
     Privacy: :func:`dpfed.common.pca.clipping.norm_histogram_mechanism` (replace-one, L2
-    sensitivity sqrt(2)). A site-level release only.
+    sensitivity sqrt(2)); secure (clip-first jobs): the ``counts`` statistic with one group
+    (every row adds one count to one bin: L2 sensitivity sqrt(2), L1 2), Skellam noise
+    calibrated to the round's (epsilon, delta) (docs/secure-aggregation.md).
     """
 
     name = "norms"
     task_kind = "pca"
+    source = "pca"
+    statistic = "counts"
+    secure_releases = ("a masked exact histogram of the row norms with a share of Skellam "
+                       "noise; only the total is decoded -> the clip radius")
 
     def answers(self, task: Task) -> bool:
         """Answer A ``pca`` task of stage ``norms``."""
@@ -309,6 +331,38 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
         hists = [results[s].arrays["histogram"] for s in sorted(results)]
         n_total = sum(int(r.metadata["n_rows"]) for r in results.values())
         return dp_quantile(hists, self._edges(ask), ask.params.clip_quantile, n_total)
+
+    def contribution(self, task: Task, site: Site, participants: list[str],
+                     tolerated: int) -> Contribution:
+        """Return the exact histogram of the uncentred row norms on the schema's grid."""
+        edges = norm_grid(norm_bound(site.data.schema, centred=False))
+        unit = UnitBallMap(site.data.schema)
+
+        def compute(_plan: Any, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
+            counts = np.zeros(len(edges), dtype=np.int64)
+            n_rows = 0
+            for table, _report in site.data.iter_chunks():
+                u = unit.scaled(table)
+                counts += norm_histogram(np.sqrt(np.einsum("ij,ij->i", u, u)),
+                                         edges).astype(np.int64)
+                n_rows += table.n_rows
+            return counts, n_rows
+
+        return planned_contribution(task, participants, tolerated, statistic=self.statistic,
+                                    dim=len(edges), row_norm=1.0, compute=compute)
+
+    def encoding(self, ask: Ask[PCAParams, np.ndarray | None]) -> SumEncoding:
+        """Return counts of one group: every row adds one to one bin of the grid."""
+        if not ask.params.clip_first:
+            raise ValidationError("a secure norms round histograms the uncentred rows "
+                                  "(clip-first jobs only)")
+        bins = len(self._edges(ask))
+        return SumEncoding(dim=bins, row_norm=1.0, groups=(bins,))
+
+    def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, np.ndarray | None]) -> float:
+        """Return the DP quantile of the decoded histogram: the clip radius."""
+        return dp_quantile([np.asarray(summed.value, dtype=np.float64)], self._edges(ask),
+                           ask.params.clip_quantile, summed.n_rows_total)
 
 
 @dataclass(frozen=True)
@@ -454,17 +508,28 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
         return _contribution(task, site, participants, tolerated, self.statistic)
 
     def encoding(self, ask: Ask[PCAParams, MomentInputs]) -> SumEncoding:
-        """Return A Gram sum of dimension p over rows of norm at most 1."""
-        return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
+        """Return A Gram sum of dimension p over rows of norm at most 1.
+
+        Clip-first jobs send the DP centre: the sites centre their rows before clipping.
+        """
+        arrays = {}
+        if ask.params.clip_first and ask.inputs.center is not None:
+            arrays = {"center": ask.inputs.center}
+        return SumEncoding(dim=len(feature_names(ask.schema)),
+                           params=_secure_params(ask.params, ask.inputs.clip), arrays=arrays)
 
     def pool_secure(self, summed: SecureSum,
                     ask: Ask[PCAParams, MomentInputs]) -> SecondMoment:
-        """Return ``A = G / N - mu mu^T`` (centred at the DP mean: exact post-processing)."""
+        """Return ``A = G / N - mu mu^T`` (centred at the DP mean: exact post-processing).
+
+        In clip-first jobs the sites centred their rows already: ``A = G / N``.
+        """
         p = len(feature_names(ask.schema))
         n_total = summed.n_rows_total
-        c = _secure_scale(ask.params, ask.schema)
+        c = _secure_scale(ask.params, ask.schema, ask.inputs.clip)
         center = ask.inputs.center
-        mu = np.zeros(p) if center is None else center / c
+        centred_at_sites = ask.params.clip_first and center is not None
+        mu = np.zeros(p) if center is None or centred_at_sites else center / c
         plan = summed.plan
         sigma = math.sqrt(plan.share) / plan.scale ** 2 / n_total
         return SecondMoment(

@@ -219,3 +219,19 @@ def test_the_centred_radius_is_a_public_function_of_the_radius_and_the_mean() ->
     assert centred_radius(5.0, np.array([3.0, 0.0, 0.0])) == pytest.approx(4.0)
     with pytest.raises(ValidationError, match="clip_norm"):
         centred_radius(0.0, np.zeros(3))
+
+
+def test_a_pld_site_that_has_spent_is_not_left_out_for_its_delta() -> None:
+    """A pld ledger reports its spend at its delta cap (no delta 'left'): epsilon decides."""
+    from types import SimpleNamespace
+
+    from dpfed.common.jobs.eligibility import exclusion
+    from dpfed.common.privacy.accounting import BudgetStatus
+
+    kind = job_kind("pca")
+    plan = kind.plan(kind.parse(kind.canonical({"n_components": 2}, 1.0, 1e-5, SCHEMA),
+                                SCHEMA), 1.0, 1e-5)
+    spent = SimpleNamespace(allowed_kinds=("pca",), max_epsilon_per_task=None, secure_policy="",
+                            budget=BudgetStatus("pld", 10.0, 1e-5, 0.6, 1e-5, 0.0, 3))
+    assert spent.budget.delta_remaining == 0.0
+    assert exclusion(spent, "pca", plan, sums=True) is None
