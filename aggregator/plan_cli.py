@@ -50,6 +50,19 @@ def print_plan(kind: JobKind[Any], params: Params, epsilon: float, delta: float,
     charged = [r for r in plan if r.charged and not r.optional]
     print(f"total per site: epsilon {sum(r.epsilon for r in charged):.4g}, delta "
           f"{sum(r.delta for r in charged):.3g}")
+    if kind.sums and taking:
+        print(mode_comparison(taking))
+
+
+def mode_comparison(sites: Sequence[SiteInfo]) -> str:
+    """Compare secure and site-level noise for ``sites`` (t: the strictest secure policy)."""
+    from dpfed.common.jobs.eligibility import secure_policy
+    from dpfed.common.jobs.modes import compare_modes
+
+    on = [p for p in (secure_policy(s) for s in sites) if p.mode != "off"]
+    if not on:
+        return "secure aggregation: off at the sites taking part (site-level only)"
+    return compare_modes(len(sites), max(p.tolerated for p in on))[1]
 
 
 def print_rounds(plan: Sequence[PlannedRound], sites: Sequence[SiteInfo]) -> None:

@@ -94,7 +94,9 @@ class InProcessJob(Job[Any]):
             for s, t in tables.items()]
         super().__init__(job_id="bench", spec=spec, kind=kind,
                          params=kind.parse(spec.params, schema), federation=Federation(schema),
-                         registry=SimpleNamespace(connected=lambda: sessions),  # type: ignore[arg-type]
+                         registry=SimpleNamespace(  # type: ignore[arg-type]
+                             connected=lambda: sessions,
+                             get=lambda s: next(x for x in sessions if x.site_id == s)),
                          emit=lambda *_: None)
         self.sites = {s: Site(SiteRows(t)) for s, t in tables.items()}
 

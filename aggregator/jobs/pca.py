@@ -14,7 +14,7 @@ import numpy as np
 
 from dpfed import __version__
 from dpfed.aggregator.jobs.job import Job, JobOutput
-from dpfed.aggregator.jobs.records import round_log, secure_record, site_spend
+from dpfed.aggregator.jobs.records import mode_record, round_log, secure_record, site_spend
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.common.job_params import PCAParams
 from dpfed.common.jobs.contract import Pooled
@@ -73,6 +73,9 @@ async def run(job: Job[PCAParams]) -> JobOutput:
         "rounds": round_log(released), "total_variance": estimate.total_variance,
         "sites": sites, "n_rows_total": moment.n_rows_total, "schema_toml": schema.to_toml(),
         "software_version": __version__, **secure_record(moment)}
+    modes = mode_record(job, moment)
+    if modes:
+        metadata["aggregation_comparison"] = modes
     ratio = estimate.explained_variance_ratio
     summary = {"n_components": params.n_components, "rank": params.rank,
                "aggregation": params.aggregation, "sites": len(sites),

@@ -86,6 +86,8 @@ def test_a_site_that_would_refuse_a_later_round_is_left_out_and_charged_nothing(
         assert plan.returncode == 0, plan.stderr
         assert "budget split: shares of mu^2 (GDP): norms 0." in plan.stdout, plan.stdout
         assert "a pld ledger is charged exactly epsilon 3 at delta 1e-05" in plan.stdout
+        # two sites taking part, each tolerating t=1: secure mode is no better here
+        assert "with 2 site(s), t=1: secure / site-level = 1.01. WARNING" in plan.stdout
         # synth --plan lists only the sites whose policy runs synth (issue: it listed all)
         plan = _cli(fed, "synth", "--epsilon", "1", "--delta", "1e-5", "--plan",
                     cwd=tmp_path)

@@ -123,3 +123,15 @@ def test_secure_auto_is_the_default_and_runs_clip_first() -> None:
     old = kind.parse({**canonical, "clip_norm": "schema"}, SCHEMA)
     assert not old.clip_first
     assert [r.name for r in kind.plan(old, 1.0, 1e-3)] == ["mean", "pca"]
+
+
+def test_the_modes_comparison_warns_when_secure_adds_as_much_noise() -> None:
+    from dpfed.common.jobs.modes import compare_modes
+
+    ratio, text = compare_modes(4, 1)  # 1 / sqrt(3), times the Skellam slack
+    assert ratio == pytest.approx(1.01 / np.sqrt(3)) and "more accurate" in text
+    for n, t in ((2, 1), (3, 2)):
+        ratio, text = compare_modes(n, t)
+        assert ratio >= 1.0 and "WARNING" in text and "--aggregation site" in text
+    ratio, text = compare_modes(1, 1)
+    assert ratio == np.inf and "cannot run" in text
