@@ -245,10 +245,12 @@ class PCAParams(Params):
     def plan_note(self, epsilon: float, delta: float) -> str:
         """Return the split, and why, for ``--plan``."""
         if self.split is None:
-            if self.secure or len(_pca_rounds(self.__dict__)) < 2:
+            shares = ", ".join(f"{r.name} {r.epsilon / epsilon:.0%}"
+                               for r in self.shares(epsilon, delta))
+            if len(self.shares(epsilon, delta)) < 2:
                 return ""
-            return ("budget split: fixed (mean 10 %, norms 10 %, pca 80 % of epsilon and "
-                    "delta; no site connected to settle it on)")
+            why = "secure jobs" if self.secure else "no site connected to settle it on"
+            return f"budget split: fixed ({shares} of epsilon and delta; {why})"
         unit = "mu^2 (GDP)" if self.composition == "gdp" else "epsilon"
         shares = ", ".join(f"{n} {e:.3f}" for n, e, _ in self.split)
         note = (f"budget split: shares of {unit}: {shares}; chosen from the schema's "

@@ -235,3 +235,17 @@ def test_a_pld_site_that_has_spent_is_not_left_out_for_its_delta() -> None:
                             budget=BudgetStatus("pld", 10.0, 1e-5, 0.6, 1e-5, 0.0, 3))
     assert spent.budget.delta_remaining == 0.0
     assert exclusion(spent, "pca", plan, sums=True) is None
+
+
+def test_plan_notes_state_the_split_and_why() -> None:
+    kind = job_kind("pca")
+    fixed = kind.parse(kind.canonical({"n_components": 2}, 1.0, 1e-3, SCHEMA), SCHEMA)
+    assert "fixed (mean 10%, norms 10%, pca 80%" in fixed.plan_note(1.0, 1e-3)
+    secure = kind.parse(kind.canonical({"n_components": 2, "aggregation": "secure"}, 1.0,
+                                       1e-3, SCHEMA), SCHEMA)
+    assert "norms 10%, mean 10%, pca 80% of epsilon and delta; secure jobs" in \
+        secure.plan_note(1.0, 1e-3)
+    settled = kind.parse(kind.settle(fixed.to_mapping(), 1.0, 1e-3, SCHEMA, FACTS), SCHEMA)
+    note = settled.plan_note(1.0, 1e-3)
+    assert note.startswith("budget split: shares of mu^2 (GDP): norms 0.")
+    assert "charged exactly epsilon 1 at delta 0.001" in note
