@@ -213,7 +213,8 @@ def cmd_pca(args: argparse.Namespace) -> int:
         from dpfed.aggregator.plan_cli import print_kind_plan
 
         with connect(args) as coord:
-            print_kind_plan("pca", _pca_params(args), args.epsilon, args.delta, coord.sites())
+            print_kind_plan("pca", _pca_params(args), args.epsilon, args.delta,
+                            *coord.federation())
         return exit_codes.OK
     check_output_file(args.out, "--out")
     if args.report:

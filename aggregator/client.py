@@ -31,6 +31,7 @@ import pandas as pd
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
 from dpfed.aggregator.synth_model import SynthModel, check_rows
+from dpfed.common.data.schema import Schema
 from dpfed.common.errors import (
     AuthenticationError,
     BudgetExceededError,
@@ -209,6 +210,12 @@ class Coordinator:
         resp = self._call(self._stub.ListSites,
                           analyst_pb2.ListSitesRequest(include_disconnected=include_disconnected))
         return [site_info_from_proto(s) for s in resp.sites]
+
+    def federation(self) -> tuple[list[SiteInfo], Schema | None]:
+        """Return the connected sites and the federation's schema (None: an older coordinator)."""
+        resp = self._call(self._stub.ListSites, analyst_pb2.ListSitesRequest())
+        schema = Schema.from_toml(resp.schema_toml) if resp.schema_toml else None
+        return [site_info_from_proto(s) for s in resp.sites], schema
 
     def budgets(self) -> list[tuple[str, bool, BudgetStatus | None]]:
         """(site id, connected, last reported budget) for every known site."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -27,7 +27,7 @@ from dpfed.common.transport.protocol import Task, TaskResult
 if TYPE_CHECKING:
     from dpfed.common.data.encoding import EncodedTable, EncodingReport
     from dpfed.common.data.schema import Schema
-    from dpfed.common.jobs.params import Params, RoundShare
+    from dpfed.common.jobs.params import ConnectedSite, Params, RoundShare
     from dpfed.common.secagg.secure_sum import SecureSumPlan
 
 P = TypeVar("P", bound="Params")
@@ -428,6 +428,21 @@ class JobKind(Generic[P]):
         what the job stores and every site parses.
         """
         params = self.parse(self.params.submitted(raw), schema)
+        params.check_privacy(epsilon, delta)
+        self.plan(params, epsilon, delta)
+        return params.to_mapping()
+
+    def settle(self, canonical: Mapping[str, Any], epsilon: float, delta: float,
+               schema: Schema, sites: Sequence[ConnectedSite]) -> dict[str, Any]:
+        """Return a new job's canonical parameters with what the connected sites decide.
+
+        :meth:`Params.settle` (e.g. a pca job's budget split from the sites' public row
+        counts), checked again as :meth:`canonical` does; unchanged for kinds that settle
+        nothing (they are not even parsed again).
+        """
+        if not self.params.settles:
+            return dict(canonical)
+        params = self.parse(canonical, schema).settle(epsilon, delta, schema, sites)
         params.check_privacy(epsilon, delta)
         self.plan(params, epsilon, delta)
         return params.to_mapping()

@@ -10,6 +10,7 @@ would take part. The site's ledger stays the authority.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.jobs.contract import PlannedRound
+from dpfed.common.jobs.params import ConnectedSite
 from dpfed.common.jobs.registry import SECURE_TASK_KIND
 from dpfed.common.privacy.accounting import BudgetStatus, zcdp_to_epsilon
 from dpfed.common.secagg.policy import SecureAggregationPolicy
@@ -167,25 +169,46 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
         return None
     eps = sum(r.epsilon for r in charged)
     delta = sum(r.delta for r in charged)
-    if b.accountant == "pld":
-        # The tight ledger holds delta at its cap and composes epsilon at that delta: no
-        # delta is "left" to compare with, and each charge makes the exact check. Without the
-        # site's events the coordinator cannot compose tightly, so it compares the job's
-        # summed epsilon with what the site reports left: near exhaustion this may leave out
-        # a site whose tight figure would have fit (nothing is spent), never admit one that
-        # then refuses a later round after charging the earlier ones.
-        if eps > b.epsilon_remaining * (1 + _SLACK):
-            return _excluded(RefusalCode.BUDGET_EXCEEDED,
-                             f"the job needs epsilon={eps:g} over all its rounds; the site "
-                             f"reports {b.epsilon_remaining:g} left (tight accounting at delta "
-                             f"{b.delta_cap:g})")
-        return None
+    if b.accountant == "pld":  # spend is measured at the delta cap: only epsilon is left
+        eps = min(eps, gaussian_rounds_epsilon([(r.epsilon, r.delta) for r in charged]))
+        delta = 0.0
     if eps > b.epsilon_remaining * (1 + _SLACK) or delta > b.delta_remaining * (1 + _SLACK):
         return _excluded(RefusalCode.BUDGET_EXCEEDED,
                          f"the job needs epsilon={eps:g}, delta={delta:g} over all its rounds; "
                          f"the site reports {b.epsilon_remaining:g}, {b.delta_remaining:g} "
                          "left")
     return None
+
+
+def connected_facts(sites: Sequence[tuple[str, SiteView, int]], kind: str,
+                    named: Sequence[str] = ()) -> list[ConnectedSite]:
+    """Return the public facts a new job's plan may settle on: its candidate sites' rows.
+
+    ``sites`` are ``(site id, what it advertises, its public row count)``; sites that do not
+    allow ``kind``, or are not among ``named`` when a job names its sites, are no candidates.
+    """
+    return [ConnectedSite(int(rows), None if view.budget is None else view.budget.accountant)
+            for site_id, view, rows in sites
+            if kind in view.allowed_kinds and (not named or site_id in named)]
+
+
+def gaussian_rounds_epsilon(rounds: Sequence[tuple[float, float]]) -> float:
+    """Return what rounds ``(epsilon, delta)`` cost together, those with delta > 0 Gaussian.
+
+    Each such round is ``mu_i``-GDP with ``mu_i = 1 / gaussian_sigma(epsilon_i, delta_i)``;
+    together ``sqrt(sum mu_i^2)``-GDP, read at the rounds' total delta; pure rounds add their
+    epsilon. The estimate a ``pld`` ledger's budget is checked with before a job (a pca
+    job's GDP split adds its per-round epsilons to more than it costs); the ledger decides.
+    """
+    from dpfed.common.privacy.mechanisms import gaussian_sigma
+    from dpfed.common.privacy.pld import gaussian_epsilon
+
+    gaussian = [(e, d) for e, d in rounds if d > 0.0]
+    pure = sum(e for e, d in rounds if d <= 0.0)
+    if not gaussian:
+        return pure
+    mu = math.sqrt(sum(gaussian_sigma(e, d, 1.0) ** -2 for e, d in gaussian))
+    return pure + gaussian_epsilon(mu, sum(d for _, d in gaussian))
 
 
 def secure_quorum(policies: Sequence[SecureAggregationPolicy], min_sites: int) -> int:

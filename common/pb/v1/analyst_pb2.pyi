@@ -112,8 +112,11 @@ class ListSitesResponse(_message.Message):
 
     SITES_FIELD_NUMBER: _builtins.int
     SCHEMA_DIGEST_FIELD_NUMBER: _builtins.int
+    SCHEMA_TOML_FIELD_NUMBER: _builtins.int
     schema_digest: _builtins.str
     """the federation's schema"""
+    schema_toml: _builtins.str
+    """that schema (public): what a job's plan is checked and settled on"""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteInfo]: ...
     def __init__(
@@ -121,10 +124,11 @@ class ListSitesResponse(_message.Message):
         *,
         sites: _abc.Iterable[Global___SiteInfo] | None = ...,
         schema_digest: _builtins.str = ...,
+        schema_toml: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["schema_digest", b"schema_digest", "sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schema_digest", b"schema_digest", "schema_toml", b"schema_toml", "sites", b"sites"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
