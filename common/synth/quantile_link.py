@@ -320,11 +320,18 @@ class QuantileLink(ContinuousLink):
                                   self.n_bins - 1))
 
     def moments(self) -> tuple[float, float]:
-        """Mean and variance of the decoded column (piecewise-uniform density on the cells)."""
-        lo, hi = self.layout.lo, self.layout.hi
+        """Mean and variance of the decoded column (piecewise-uniform density on the cells).
+
+        Of its values: a missing cell's mass is left out.
+        """
+        k = self.layout.n_value_leaves
+        lo, hi = self.layout.lo[:k], self.layout.hi[:k]
+        p = self.proportions[:k]
+        if self.layout.has_missing:
+            p = p / p.sum()
         mid = 0.5 * (lo + hi)
-        mean = float(self.proportions @ mid)
-        second = float(self.proportions @ (mid * mid + (hi - lo) ** 2 / 12.0))
+        mean = float(p @ mid)
+        second = float(p @ (mid * mid + (hi - lo) ** 2 / 12.0))
         return mean, max(second - mean * mean, 0.0)
 
 
