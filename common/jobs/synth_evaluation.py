@@ -55,9 +55,11 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
     """Validate a synthetic sample sent by the coordinator (one array per column, ``col:<name>``).
 
     Continuous columns must be finite and within the schema bounds, categorical columns valid
-    codes; every column the same length (1..MAX_EVALUATION_ROWS).
+    codes; every column the same length (1..MAX_EVALUATION_ROWS). A ``missing = "category"``
+    column may also hold missing values (NaN, or the code -1: :func:`sample_arrays`).
     """
     columns: dict[str, np.ndarray] = {}
+    missing: dict[str, np.ndarray] = {}
     n: int | None = None
     for col in schema.columns:
         a = arrays.get(f"col:{col.name}")
@@ -68,18 +70,47 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
         if a.shape[0] != n or not 1 <= n <= MAX_EVALUATION_ROWS:
             raise ValidationError("evaluation sample columns must have the same length, "
                                   f"1..{MAX_EVALUATION_ROWS}")
+        cell = col.missing == "category"
         if isinstance(col, ContinuousColumn):
             v = np.asarray(a, dtype=np.float64)
+            mask = np.isnan(v) if cell else np.zeros(n, dtype=bool)
+            if mask.any():
+                v = np.where(mask, col.fill_value, v)
             if not np.all(np.isfinite(v)) or v.min() < col.min or v.max() > col.max:
                 raise ValidationError(f"evaluation column {col.name!r} outside the schema bounds")
             columns[col.name] = v
         else:
             size = col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
-            if not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= size:
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
+            mask = (a == -1) if cell else np.zeros(n, dtype=bool)
+            if mask.any():
+                a = np.where(mask, col.fill_code, a)
+            if a.min() < 0 or a.max() >= size:
                 raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
             columns[col.name] = a.astype(np.int32)
+        if mask.any():
+            missing[col.name] = mask
     assert n is not None
-    return EncodedTable(schema, columns, n)
+    return EncodedTable(schema, columns, n, missing)
+
+
+def sample_arrays(sample: EncodedTable, rows: int) -> dict[str, np.ndarray]:
+    """Return the first ``rows`` rows of ``sample`` as the evaluation round's arrays.
+
+    One array per column (``col:<name>``); a missing value is NaN (continuous) or the code
+    -1 (ordinal, nominal), as :func:`synthetic_from_arrays` reads them.
+    """
+    out = {}
+    for col in sample.schema.columns:
+        values = np.asarray(sample.columns[col.name][:rows])
+        mask = sample.missing_mask(col.name)[:rows]
+        if mask.any():
+            values = np.where(mask, np.nan if isinstance(col, ContinuousColumn) else -1, values)
+            values = values.astype(np.float64 if isinstance(col, ContinuousColumn)
+                                   else np.int32)
+        out[f"col:{col.name}"] = np.ascontiguousarray(values)
+    return out
 
 
 def _secret(site: Site) -> bytes:

@@ -114,6 +114,7 @@ from dpfed.common.synth.links import (
     latent_dim,
     needs_link_statistics,
 )
+from dpfed.common.synth.missing_cells import from_cells_table, synth_schema, to_cells_table
 from dpfed.common.synth.pair_marginals import (
     DEFAULT_GROUPS,
     MAX_GROUPS,
@@ -126,7 +127,6 @@ from dpfed.common.synth.pair_marginals import (
     pair_table_mechanism,
     score_mechanism,
 )
-from dpfed.common.synth.missing_cells import from_cells_table, synth_schema, to_cells_table
 from dpfed.common.synth.pipeline import (
     aligned_latent,
     calibrated_links,
@@ -773,7 +773,7 @@ class FactorModelSynthesizer:
     @staticmethod
     def _cells_schema(schema: Schema, missing_cells: bool, links: LatentLinks | None,
                       continuous_link: str, continuous_scaling: str) -> Schema:
-        """The schema the cells follow: a missing cell per "category" column if asked.
+        """Return the schema the cells follow: a missing cell per "category" column if asked.
 
         Given ``links`` decide by the schema they were built for. Only the quantile link
         (with ``continuous_scaling='dp'``) can carry a continuous column's missing cell.

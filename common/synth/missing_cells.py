@@ -66,7 +66,7 @@ def cells_schema(schema: Schema) -> Schema:
 
 
 def synth_schema(schema: Schema, missing_cells: bool) -> Schema:
-    """The schema a synthesis job's cells follow: :func:`cells_schema` when ``missing_cells``."""
+    """Return the schema a synthesis job's cells follow (:func:`cells_schema` if asked)."""
     return cells_schema(schema) if missing_cells else schema
 
 
