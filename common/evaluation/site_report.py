@@ -53,7 +53,7 @@ def _cap(table: EncodedTable, max_rows: int) -> EncodedTable:
     if table.n_rows <= max_rows:
         return table
     idx = np.sort(np.random.default_rng(20240611).permutation(table.n_rows)[:max_rows])
-    return EncodedTable(table.schema, {k: v[idx] for k, v in table.columns.items()}, max_rows)
+    return table.take(idx)
 
 
 def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,

@@ -133,17 +133,20 @@ def released_quantile_band(cells: ColumnCells, proportions: np.ndarray, coarse_s
     sd = np.asarray(coarse_sd, dtype=np.float64)
     if p.shape != (cells.n_leaves,) or sd.shape != (cells.n_coarse,):
         raise ValidationError("proportions must be one per leaf and coarse_sd one per coarse cell")
+    # Quantiles of the values: a missing cell (the last leaf and coarse cell) is left out.
+    leaves, coarse = cells.n_value_leaves, cells.n_value_coarse
+    p, sd = p[:leaves], sd[:coarse]
     cdf = np.concatenate([[0.0], np.cumsum(p / p.sum())])
 
     def quantile(level: float) -> float:
         u = min(max(level, 0.0), 1.0)
-        k = int(np.clip(np.searchsorted(cdf, u, side="right") - 1, 0, cells.n_leaves - 1))
+        k = int(np.clip(np.searchsorted(cdf, u, side="right") - 1, 0, leaves - 1))
         t = (u - cdf[k]) / max(p[k] / p.sum(), 1e-300)
         return float(cells.values(np.array([k]), np.array([t]))[0])
 
     x = quantile(q)
     beyond = cells.coarse[cells.codes(np.array([x]))[0]]
-    kept = np.bincount(cells.coarse, weights=p, minlength=cells.n_coarse) > 1e-4 * p.sum()
+    kept = np.bincount(cells.coarse[:leaves], weights=p, minlength=coarse) > 1e-4 * p.sum()
     kept[:beyond] = False
     s = float(np.sqrt(np.sum(sd[kept] ** 2))) / max(float(n_rows), 1.0)
     # The release resolves its coarse cells; inside one, the leaves only where they stood out
