@@ -14,7 +14,6 @@ cell out of its column's group.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
