@@ -56,7 +56,8 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
 
     Continuous columns must be finite and within the schema bounds, categorical columns valid
     codes; every column the same length (1..MAX_EVALUATION_ROWS). A ``missing = "category"``
-    column may also hold missing values (NaN, or the code -1: :func:`sample_arrays`).
+    column may come with a boolean ``missing:<name>`` array marking its missing values
+    (:func:`sample_arrays`; the column holds its fill value there).
     """
     columns: dict[str, np.ndarray] = {}
     missing: dict[str, np.ndarray] = {}
@@ -70,27 +71,23 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
         if a.shape[0] != n or not 1 <= n <= MAX_EVALUATION_ROWS:
             raise ValidationError("evaluation sample columns must have the same length, "
                                   f"1..{MAX_EVALUATION_ROWS}")
-        cell = col.missing == "category"
         if isinstance(col, ContinuousColumn):
             v = np.asarray(a, dtype=np.float64)
-            mask = np.isnan(v) if cell else np.zeros(n, dtype=bool)
-            if mask.any():
-                v = np.where(mask, col.fill_value, v)
             if not np.all(np.isfinite(v)) or v.min() < col.min or v.max() > col.max:
                 raise ValidationError(f"evaluation column {col.name!r} outside the schema bounds")
             columns[col.name] = v
         else:
             size = col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
-            if not np.issubdtype(a.dtype, np.integer):
-                raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
-            mask = (a == -1) if cell else np.zeros(n, dtype=bool)
-            if mask.any():
-                a = np.where(mask, col.fill_code, a)
-            if a.min() < 0 or a.max() >= size:
+            if not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= size:
                 raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
             columns[col.name] = a.astype(np.int32)
-        if mask.any():
-            missing[col.name] = mask
+        mask = arrays.get(f"missing:{col.name}")
+        if mask is not None:
+            if col.missing != "category" or mask.dtype != np.bool_ or mask.shape != (n,):
+                raise ValidationError(f"missing:{col.name} must be a boolean array of {n} "
+                                      "entries, for a missing = \"category\" column only")
+            if mask.any():
+                missing[col.name] = np.asarray(mask)
     assert n is not None
     return EncodedTable(schema, columns, n, missing)
 
@@ -98,18 +95,15 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
 def sample_arrays(sample: EncodedTable, rows: int) -> dict[str, np.ndarray]:
     """Return the first ``rows`` rows of ``sample`` as the evaluation round's arrays.
 
-    One array per column (``col:<name>``); a missing value is NaN (continuous) or the code
-    -1 (ordinal, nominal), as :func:`synthetic_from_arrays` reads them.
+    One array per column (``col:<name>``) and, for a column with missing values, a boolean
+    ``missing:<name>`` marking them, as :func:`synthetic_from_arrays` reads them.
     """
     out = {}
     for col in sample.schema.columns:
-        values = np.asarray(sample.columns[col.name][:rows])
+        out[f"col:{col.name}"] = np.ascontiguousarray(sample.columns[col.name][:rows])
         mask = sample.missing_mask(col.name)[:rows]
         if mask.any():
-            values = np.where(mask, np.nan if isinstance(col, ContinuousColumn) else -1, values)
-            values = values.astype(np.float64 if isinstance(col, ContinuousColumn)
-                                   else np.int32)
-        out[f"col:{col.name}"] = np.ascontiguousarray(values)
+            out[f"missing:{col.name}"] = np.ascontiguousarray(mask, dtype=np.bool_)
     return out
 
 

@@ -22,6 +22,7 @@ from dpfed.common.data.encoding import EncodedTable, encode_table
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_params import SynthParams
+from dpfed.common.jobs.synth_evaluation import sample_arrays, synthetic_from_arrays
 from dpfed.common.synth import factor_model, marginal_estimate
 from dpfed.common.synth.factor_model import FactorModelSynthesizer
 from dpfed.common.synth.link_release import histogram_sizes
@@ -279,3 +280,16 @@ def test_a_model_file_keeps_its_missing_cells_and_a_legacy_one_has_none() -> Non
     meta.pop("missing_cells")
     with pytest.raises(ValidationError):  # read without the cells, its blocks do not fit
         SynthModel.from_result(arrays, meta)
+
+
+def test_the_evaluation_sample_carries_missing_marks_as_wire_safe_arrays() -> None:
+    encoded, _ = encode_table(SCHEMA, table(6, mcar).iloc[:300])
+    arrays = sample_arrays(encoded, 200)
+    assert all(np.all(np.isfinite(a)) for a in arrays.values() if a.dtype.kind == "f")
+    assert {k for k in arrays if k.startswith("missing:")} == {f"missing:{n}" for n in MCAR}
+    back = synthetic_from_arrays(SCHEMA, arrays)
+    for name in MCAR:
+        assert np.array_equal(back.missing_mask(name), encoded.missing_mask(name)[:200])
+    bad = {**arrays, "missing:age": np.zeros(200, dtype=bool)}  # age is declared complete
+    with pytest.raises(ValidationError, match="missing:age"):
+        synthetic_from_arrays(SCHEMA, bad)
