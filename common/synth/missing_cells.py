@@ -44,7 +44,7 @@ def _label(labels: tuple[str, ...]) -> str:
 
 
 def _with_cell(col: Column) -> Column:
-    if col.missing != "category":
+    if col.missing != "category" or col.missing_cell:  # complete, or already has its cell
         return col
     if isinstance(col, ContinuousColumn):
         return replace(col, missing_cell=True)
@@ -58,9 +58,10 @@ def _with_cell(col: Column) -> Column:
 def cells_schema(schema: Schema) -> Schema:
     """Return the schema the synthesizer's cells follow: a missing cell per "category" column.
 
-    The schema itself when no column has ``missing = "category"``.
+    The schema itself when no column needs a cell (none has ``missing = "category"``, or
+    ``schema`` already is a cells schema).
     """
-    if not any(c.missing == "category" for c in schema.columns):
+    if not any(c.missing == "category" and not c.missing_cell for c in schema.columns):
         return schema
     return replace(schema, columns=tuple(_with_cell(c) for c in schema.columns))
 

@@ -124,6 +124,7 @@ def test_the_cells_schema_adds_one_cell_per_category_column_and_round_trips_rows
     assert cells.column("ward").categories[-1] == MISSING_LABEL  # type: ignore[union-attr]
     assert cells.column("stage").levels[-1] == MISSING_LABEL  # type: ignore[union-attr]
     assert synth_schema(SCHEMA, False) is SCHEMA and cells.digest() != SCHEMA.digest()
+    assert cells_schema(cells) is cells  # idempotent
     frame = table(1, mcar).iloc[:500]
     encoded, _ = encode_table(SCHEMA, frame)
     inner = to_cells_table(encoded, cells)
