@@ -254,12 +254,15 @@ class QuantileLink(ContinuousLink):
         # Cells whose decoded values are a straight line in probability with their neighbour:
         # interval cells (lo < hi) of equal density; anything else breaks the line.
         spike = ~np.isnan(self.points)
-        width = np.where(spike, 0.0, cells.hi - cells.lo)
+        # A missing cell decodes to NaN everywhere inside it: a point cell's run of its own.
+        absent = np.zeros(self.n_bins, dtype=bool)
+        absent[cells.n_value_leaves:] = True
+        width = np.where(spike | absent, 0.0, cells.hi - cells.lo)
         density = np.divide(width, self.proportions)
         point = width <= 0.0
         # Integer columns: every cell decodes on its own (a whole number, or several spread
         # evenly: those through the cells).
-        whole = cells.column.integer & (cells.count != 1)
+        whole = cells.column.integer & (cells.count != 1) & ~absent
         smooth = ~point & (not cells.column.integer)
         same = np.zeros(self.n_bins, dtype=bool)  # cell k continues cell k - 1's line
         same[1:] = (smooth[1:] & smooth[:-1]
