@@ -111,12 +111,21 @@ def arrow_table(table: EncodedTable,
         values = table.columns[col.name]
         mask = table.missing.get(col.name)  # missing values: nulls
         if isinstance(col, ContinuousColumn):
-            arrays.append(pa.array(output_values(col, values), mask=mask))
+            arrays.append(_with_nulls(pa.array(output_values(col, values)), mask))
         else:
             arrays.append(pa.DictionaryArray.from_arrays(
-                pa.array(np.asarray(values, dtype=np.int32), mask=mask), labels[col.name],
-                ordered=isinstance(col, OrdinalColumn)))
+                _with_nulls(pa.array(np.asarray(values, dtype=np.int32)), mask),
+                labels[col.name], ordered=isinstance(col, OrdinalColumn)))
     return pa.Table.from_arrays(arrays, names=list(table.schema.names))
+
+
+def _with_nulls(array: pa.Array, mask: np.ndarray | None) -> pa.Array:
+    """``array`` (fixed width, no nulls) with nulls where ``mask`` is set, its data not copied."""
+    if mask is None or not mask.any():
+        return array
+    validity = pa.py_buffer(np.packbits(~mask, bitorder="little"))
+    return pa.Array.from_buffers(array.type, len(array), [validity, array.buffers()[1]],
+                                 int(np.count_nonzero(mask)))
 
 
 @dataclass(frozen=True)
