@@ -22,15 +22,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
-import pandas as pd
 
-from dpfed.aggregator.pca_result import PCAResult
-from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
-from dpfed.aggregator.synth_model import SynthModel, check_rows
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import (
     AuthenticationError,
@@ -47,8 +43,6 @@ from dpfed.common.errors import (
 )
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc
 from dpfed.common.privacy.accounting import BudgetStatus
-from dpfed.common.queries.query_language import load_query_file
-from dpfed.common.queries.workload_spec import load_workload_matrix
 from dpfed.common.transport.grpc_errors import tls_hint
 from dpfed.common.transport.grpc_options import (
     DEFAULT_RPC_TIMEOUT_S,
@@ -63,6 +57,13 @@ from dpfed.common.transport.protocol import (
     SiteInfo,
     SiteStatus,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dpfed.aggregator.pca_result import PCAResult
+    from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
+    from dpfed.aggregator.synth_model import SynthModel
 from dpfed.common.transport.tls import load_channel_credentials
 from dpfed.common.transport.wire import (
     Reassembler,
@@ -370,6 +371,8 @@ class Coordinator:
         info = self.job(job) if isinstance(job, str) else job
         if info.state != "succeeded":
             raise job_failure(info)
+        from dpfed.aggregator.pca_result import PCAResult
+
         return PCAResult.from_bytes(self.fetch_result(info.job_id))
 
     # ------------------------------------------------------------------ svt / query
@@ -398,6 +401,8 @@ class Coordinator:
         JobFailedError
             The job failed (quorum, every site refused, ...); the message says why.
         """
+        from dpfed.common.queries.query_language import load_query_file
+
         params: dict[str, Any] = {}
         if queries is not None:
             params["queries"] = (load_query_file(queries) if isinstance(queries, str | Path)
@@ -424,6 +429,8 @@ class Coordinator:
         info = job
         if info.state != "succeeded":
             raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+        from dpfed.aggregator.query_results import SVTJobResult
+
         return SVTJobResult.from_bytes(self.fetch_result(info.job_id))
 
     def query(self, columns: str | list[str], *, epsilon: float, delta: float = 0.0,
@@ -458,6 +465,8 @@ class Coordinator:
         if k is not None:
             w["k"] = k
         if workload_matrix is not None:
+            from dpfed.common.queries.workload_spec import load_workload_matrix
+
             w["matrix"] = (load_workload_matrix(workload_matrix)
                            if isinstance(workload_matrix, str | Path)
                            else np.asarray(workload_matrix, dtype=np.float64).tolist())
@@ -469,6 +478,8 @@ class Coordinator:
                                   tuple(sites)), on_event=on_event)
         if job.state != "succeeded":
             raise JobFailedError(f"job {job.job_id} {job.state}: {job.error}")
+        from dpfed.aggregator.query_results import QueryJobResult
+
         return QueryJobResult.from_bytes(self.fetch_result(job.job_id))
 
     def synthesize(self, *, epsilon: float, delta: float, rows: int | None = None,
@@ -545,6 +556,8 @@ class Coordinator:
                 raise ValidationError("--rows: row-aligned mode releases exactly one noisy row "
                                       "per real row; omit --rows")
         else:
+            from dpfed.aggregator.synth_model import check_rows
+
             check_rows(rows if rows is not None else 0)
         job = self.submit(self.synth_spec(epsilon=epsilon, delta=delta, mode=mode,
                                           continuous_link=continuous_link, n_bins=n_bins,
@@ -596,4 +609,6 @@ class Coordinator:
         info = self.job(job) if isinstance(job, str) else job
         if info.state != "succeeded":
             raise JobFailedError(f"job {info.job_id} {info.state}: {info.error}")
+        from dpfed.aggregator.synth_model import SynthModel
+
         return SynthModel.from_bytes(self.fetch_result(info.job_id))
