@@ -60,7 +60,7 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
                                   evaluate_rows=args.evaluate_rows if args.evaluate else 0,
                                   evaluate_summary=_summary_budget(args), pairs=args.pairs,
                                   pair_groups=args.pair_groups, composition=args.composition)
-    params = SynthParams.parse(spec.params, None)
+    params = SynthParams.parse(SynthParams.submitted(spec.params), None)  # as the job will be
     plan = params.plan(args.epsilon, args.delta)
     kind = job_kind("synth")
     sites, left_out = who_takes_part(kind, params, kind.plan(params, args.epsilon, args.delta),
@@ -102,6 +102,9 @@ def _synth_plan(args: argparse.Namespace, coord: Coordinator) -> list[tuple[str,
         for name, eps, dlt in plan:
             print(f"{'(every site)':<16} {name:<11} {eps:>10.4g} {dlt:>10.3g} {'?':>13}")
     print_left_out(left_out)
+    note = params.plan_note(args.epsilon, args.delta)
+    if note:
+        print(note)
     total_eps = sum(e for _, e, _ in plan)
     total_delta = sum(d for _, _, d in plan)
     if params.composition == "zcdp":

@@ -598,6 +598,18 @@ class SynthParams(Params):
         """
         return split_budget(epsilon, delta, self.split, self.composition)
 
+    def plan_note(self, epsilon: float, delta: float) -> str:
+        """Say, for ``--plan``, that the gated pairs round may be skipped and cost nothing."""
+        if not (self.pair_gate and self.pair_rounds):
+            return ""
+        pairs = {n: e for n, e, _ in self.plan(epsilon, delta)}.get("pairs")
+        if pairs is None:
+            return ""
+        return (f"pair gate: the pairs round (epsilon {pairs:.4g} at each site) runs only for "
+                "column pairs whose noisy dependence score exceeds the noise their table would "
+                "carry; with none, it is skipped and charged nothing (the figures above are "
+                "the most the job can cost)")
+
     def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
         """Return the split's rounds, then the evaluation rounds (optional: only where allowed)."""
         out = [RoundShare(n, e, d) for n, e, d in self.plan(epsilon, delta)]

@@ -67,3 +67,16 @@ def test_pairs_that_clear_the_gate_are_measured_and_charged(tmp_path: Path) -> N
     assert sorted(meta["rounds"]["pairs"]) == list(SITES)
     for site, tasks in charged.items():
         assert sum(t.startswith("pairs") for t in tasks) == 1, (site, tasks)
+
+
+def test_the_plan_says_the_gated_pairs_round_may_cost_nothing() -> None:
+    from tests.support.schemas import AGE_WARD
+
+    kind = job_kind("synth")
+    gated = SynthParams.parse(kind.canonical({}, 1.0, 1e-5, AGE_WARD), AGE_WARD)
+    assert gated.pair_gate
+    note = gated.plan_note(1.0, 1e-5)
+    pairs = dict((n, e) for n, e, _ in gated.plan(1.0, 1e-5))["pairs"]
+    assert f"epsilon {pairs:.4g}" in note and "skipped and charged nothing" in note
+    ungated = SynthParams.parse({**gated.to_mapping(), "pair_gate": False}, AGE_WARD)
+    assert ungated.plan_note(1.0, 1e-5) == ""

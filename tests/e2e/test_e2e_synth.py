@@ -332,6 +332,7 @@ def test_cli_synth_plan_run_and_sample(fed: LocalFederation, tmp_path: Path) -> 
     assert [r[1:3] for r in rows[:4]] == [["links", "1.2"], ["pca", "0.5"],
                                           ["pair_scores", "0.06"], ["pairs", "0.24"]]
     assert len(rows) == 12 and "--pairs" in plan.stdout  # 3 sites x 4 rounds
+    assert "pair gate: the pairs round (epsilon 0.24 at each site)" in plan.stdout
     no_pairs = run("synth", "--epsilon", "2", "--delta", "1e-5", "--plan", "--pairs", "0",
                    *conn)
     assert no_pairs.returncode == 0, no_pairs.stderr
