@@ -86,6 +86,13 @@ def query_report(result: QueryJobResult, truth: np.ndarray | None = None,
             "sensitivity of Ã (L2, integer)": secure.get("l2_sensitivity_integer"),
             "pooled noise sigma per answer": secure.get("pooled_noise_sigma"),
             "guarantee": secure.get("guarantee")})
+    modes = m.get("aggregation_comparison")
+    if isinstance(modes, dict) and isinstance(modes.get("sentence"), str):
+        other = "site-level" if isinstance(secure, dict) else "secure"
+        rep.paragraph(f"Aggregation modes: {modes['sentence']}. With the same strategy, "
+                      f"{other} aggregation would give an expected RMSE per query of "
+                      f"{float(modes['expected_rmse_other_mode']):.4g} (this job: "
+                      f"{result.expected_rmse:.4g}).")
     rep.image(strategy_plot(result), "expected error per strategy")
     rep.heading("Estimated histogram")
     rep.image(histogram_plot(result, truth), "estimated histogram with error bars")

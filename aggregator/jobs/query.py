@@ -15,7 +15,7 @@ import numpy as np
 
 from dpfed import __version__
 from dpfed.aggregator.jobs.job import Job, JobOutput
-from dpfed.aggregator.jobs.records import secure_record
+from dpfed.aggregator.jobs.records import mode_record, secure_record
 from dpfed.common.job_params import QueryParams
 from dpfed.common.jobs.query import QUERY, choose
 from dpfed.common.queries.federated_matrix import per_query_std_error
@@ -72,6 +72,12 @@ async def run(job: Job[QueryParams]) -> JobOutput:
         "n_sites": len(sites), "n_rows_total": released.n_rows_total,
         "schema_toml": schema.to_toml(), "software_version": __version__,
         **secure_record(released)}
+    modes = mode_record(job, released)
+    if modes and answers.noise != "laplace" and modes["secure_over_site_noise"] is not None:
+        # the same strategy under the other mode: its pooled noise sd scales by the ratio
+        ratio = modes["secure_over_site_noise"]
+        other = rmse / ratio if released.secure is not None else rmse * ratio
+        metadata["aggregation_comparison"] = {**modes, "expected_rmse_other_mode": other}
     summary = {"strategy": pick.name, "noise": answers.noise,
                "aggregation": params.aggregation, "cells": domain.n_cells,
                "queries": workload.n_queries, "sites": len(sites),

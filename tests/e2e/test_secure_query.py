@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
+from dpfed.aggregator.query_report import query_report
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
 from dpfed.common.privacy.accounting import BudgetPolicy
@@ -53,6 +54,12 @@ def test_secure_query_matches_the_pooled_truth_within_its_standard_errors(
                              delta=1e-5, aggregation="secure")
         marginal = coord.query(["ward", "severity"], workload="marginals", k=2, epsilon=1.0,
                                delta=1e-5, aggregation="secure")
+        site_level = coord.query(["age"], bins={"age": 16}, workload="all_range", epsilon=1.0,
+                                 delta=1e-5, noise="gaussian", aggregation="site")
+    modes = site_level.metadata["aggregation_comparison"]  # secure would have been better
+    assert modes["expected_rmse_other_mode"] == pytest.approx(
+        site_level.expected_rmse * 1.01 / np.sqrt(2))
+    assert "secure aggregation would give" in query_report(site_level).render()
     for result, raw in ((ranges, [{"per": "age", "bins": 16}]),
                         (marginal, [{"cross": ["ward", "severity"]}])):
         m = result.metadata
@@ -71,14 +78,24 @@ def test_secure_query_matches_the_pooled_truth_within_its_standard_errors(
         assert 0.1 < float(np.mean(zc ** 2)) < 4.0  # the stated errors are the real ones
         # one pooled draw: the stated error is far below site-level noise from 3 sites
         assert m["expected_rmse"] < result.identity_expected_rmse * 1.5
+        # the result (and its report) says what site-level aggregation would have given
+        modes = m["aggregation_comparison"]
+        assert (modes["n_sites"], modes["tolerated"]) == (3, 1)
+        assert modes["secure_over_site_noise"] == pytest.approx(1.01 / np.sqrt(2))
+        assert modes["expected_rmse_other_mode"] == pytest.approx(
+            m["expected_rmse"] / modes["secure_over_site_noise"])
+        assert "Aggregation modes: expected noise of the pooled sums with 3 site(s)" in (
+            query_report(result).render())
     for site in fed.site_ids:
         with Ledger(fed.ledger_path(site), BudgetPolicy(1e6, 0.5)) as ledger:
             events = ledger.events()
             mechanisms = [result_from_bytes(ledger.stored_result(e.task_id)).spend.mechanism
                           for e in events]
-        # one charge per site and job: the contribution (the key exchange charges nothing)
-        assert mechanisms == ["secure-skellam[n=3,t=1]"] * 2
-        assert [e.epsilon for e in events] == [1.0, 1.0]
+        # one charge per site and job: the contribution (the key exchange charges nothing);
+        # then the site-level job's own release
+        assert mechanisms[:2] == ["secure-skellam[n=3,t=1]"] * 2 and len(mechanisms) == 3
+        assert "skellam" not in mechanisms[2]
+        assert [e.epsilon for e in events] == [1.0, 1.0, 1.0]
     _cli_reports_mode_participants_and_guarantee(fed)  # same federation: one start-up
 
 
