@@ -154,8 +154,6 @@ def test_a_late_site_is_never_unmasked(runners: dict[str, TaskRunner]) -> None:
     # is a uniform ring element (all three within 2^40 of it: probability 2^-69).
     diff = np.abs(residual.view(np.int64).astype(np.float64) - exact)
     assert np.max(diff) > 2.0 ** 40
-    # and the honest survivors' self-masks, rebuilt, are not the late site's: nothing else
-    # the coordinator was given removes it
     # every survivor refuses to sign (and so to reveal for) a view with the late site in it
     signed = asyncio.run(driver.confirm(participants, sorted([*survivors, late])))
     assert sorted(signed) == [late]  # one signature, far below the threshold of 4

@@ -213,3 +213,41 @@ def dealt(runners: Mapping[str, Runs], *, job_id: str, sum_round: str,
         return {s: {**driver.relayed(), **per_site[s]} for s in order}
 
     return asyncio.run(go())
+
+
+def run_sum(runners: Mapping[str, Runs], task: Task, plan: SecureSumPlan, row_norm: float,
+            sent: dict[str, Task] | None = None
+            ) -> tuple[dict[str, bytes | Refusal], np.ndarray | None]:
+    """Run ``task`` (a contribute task of ``plan``) as a whole secure sum at every runner.
+
+    Keys, shares, the contribute task (its params and arrays, the plan's public part and the
+    shares addressed to each site), then, when every site contributed, confirm and unmask.
+    Returns each site's raw contribute answer and the decoded int64 sum (None when a site
+    refused); ``sent`` collects the contribute task each site was sent.
+    """
+    sum_round = task.task_id.split("/")[-1]
+    driver = SumDriver(runner_ask(runners), job_id=task.job_id, sum_round=sum_round,
+                       epsilon=task.epsilon, delta=task.delta)
+    sites = sorted(runners)
+
+    async def go() -> tuple[dict[str, bytes | Refusal], np.ndarray | None]:
+        await driver.keys(sites)
+        await driver.shares(sites, plan.tolerated)
+        per_site = addressed_shares(driver.answers["shares"], sites)
+        raw: dict[str, bytes | Refusal] = {}
+        for s in sites:
+            own = Task(task.task_id, task.job_id, "secagg", task.epsilon, task.delta,
+                       {**task.params, "stage": "contribute", "sum_round": sum_round,
+                        **plan_params(plan, row_norm=row_norm)}, {**task.arrays, **per_site[s]})
+            if sent is not None:
+                sent[s] = own
+            raw[s] = runners[s].run(own)
+        if any(isinstance(a, Refusal) for a in raw.values()):
+            return raw, None
+        driver.answers["contribute"] = {s: result_from_bytes(a) for s, a in raw.items()
+                                        if isinstance(a, bytes)}
+        await driver.confirm(sites, sites)
+        await driver.unmask(sites, sites)
+        return raw, driver.decode(plan)
+
+    return asyncio.run(go())
