@@ -50,7 +50,7 @@ from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
 from dpfed.common.secagg.secure_sum import decode_survivors, plan_for, plan_within_rho
 from dpfed.common.secagg.shamir import SHARE_BYTES
-from dpfed.common.transport.protocol import RefusalCode, TaskResult
+from dpfed.common.transport.protocol import RefusalCode, SiteStatus, TaskResult
 
 if TYPE_CHECKING:
     from dpfed.aggregator.jobs.job import Job
@@ -162,7 +162,7 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
                           "tolerated": tolerated}, relayed,
                          _shares_bytes(len(order)),
                          functools.partial(check_shares, order=order)),
-            only=order, progress=(lo + span * 0.1, lo + span * 0.2), quorum=threshold_))
+            only=order, progress=(lo + span * 0.1, lo + span * 0.2), quorum=1))
         participants = sorted(shares)
         dropouts = dropout_limit(len(participants), threshold_, tolerated, wanted_drops)
         if len(participants) < needed or dropouts < 0:
@@ -190,16 +190,14 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
                          8 * plan.n_values + RESULT_ENVELOPE_BYTES,
                          functools.partial(_check_masked, n_values=plan.n_values),
                          addressed_shares(shares, participants)),
-            only=participants, progress=(lo + span * 0.3, lo + span * 0.8),
-            quorum=len(participants) - dropouts))
+            only=participants, progress=(lo + span * 0.3, lo + span * 0.8), quorum=1))
         survivors = sorted(results)
-        if len(survivors) >= len(participants) - dropouts:
+        if len(survivors) >= max(len(participants) - dropouts, job.min_sites):
             view = {**ids, "participants": participants, "survivors": survivors}
             signed = await _quietly(job.dispatch(
                 OutgoingTask(f"{name}-confirm-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
                              {"stage": "confirm", **view}, {}, KEYS_RESULT_BYTES),
-                only=survivors, progress=(lo + span * 0.8, lo + span * 0.85),
-                quorum=threshold_))
+                only=survivors, progress=(lo + span * 0.8, lo + span * 0.85), quorum=1))
             signatures = {k: v for r in signed.values() for k, v in r.arrays.items()
                           if k.startswith("view_signature/")}
             revealed = await _quietly(job.dispatch(
@@ -208,13 +206,14 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
                              _reveal_bytes(len(participants)),
                              functools.partial(check_reveal, survivors=survivors,
                                                participants=participants)),
-                only=sorted(signed), progress=(lo + span * 0.85, hi), quorum=threshold_))
+                only=sorted(signed), progress=(lo + span * 0.85, hi), quorum=1))
             if len(signed) >= threshold_ and len(revealed) >= threshold_:
                 return await _decoded(rnd, ask, enc, planned, budget, results, attempt,
                                       Recovery(order, participants, keys, shares, revealed,
                                                 threshold_, MaskContext(job.job_id, sum_round,
                                                                         sum_task_id)))
-        missing = sorted(set(order) - set(results))
+        missing = sorted(s for s in order if job.outcomes.get(s) is None
+                         or job.outcomes[s].status != SiteStatus.OK)
         # Sites that vanished or failed are left out of the next attempt; a site that only
         # refused as a conflict (its ledger holds an earlier run's answer to this task id, e.g.
         # after it restarted) may take part again with fresh task ids.
@@ -226,7 +225,7 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
 
 
 async def _quietly(dispatched: Awaitable[dict[str, TaskResult]]) -> dict[str, TaskResult]:
-    """Return the answers of a stage; none when fewer than its quorum answered."""
+    """Return the answers of a stage (each stage's own count is checked by the caller)."""
     try:
         return await dispatched
     except QuorumError:

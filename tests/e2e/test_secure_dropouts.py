@@ -1,12 +1,13 @@
 """Dropout recovery end to end with real processes over mTLS: eight sites, two SIGKILLed once
 they have dealt their shares (the coordinator announced the masked sum), and the secure PCA
 still completes with the six survivors, each charged once with noise sized for the drops; the
-result matches the pooled data."""
+result matches the pooled data. And six real sites facing a hostile coordinator that shows
+them different survivor sets reveal nothing."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
+from dpfed.common.pca.features import UnitBallMap
 from tests.e2e.federations import charged_events, roomy_settings, running
+from tests.e2e.rogue_coordinator import RogueCoordinator
+from tests.support.secure_driver import SumDriver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -63,3 +67,52 @@ def test_two_sites_killed_after_dealing_leave_a_secure_pca_that_completes(
     exact = top_components(reference, 2)
     assert captured_energy(result.components_, reference) / captured_energy(
         exact, reference) > 0.99
+
+
+@pytest.fixture
+async def rogue(tmp_path: Path) -> AsyncIterator[tuple[LocalFederation, RogueCoordinator]]:
+    federation = LocalFederation.create(
+        tmp_path / "fed", n_sites=6, rows=300, features=4, seed=3,
+        settings=roomy_settings(secure_tolerated_dropouts=2))
+    coordinator = RogueCoordinator(federation.certs)
+    federation.port = await coordinator.start()
+    for site_id in federation.site_ids:
+        federation.start_site(site_id)
+    try:
+        await coordinator.wait_for(*federation.site_ids)
+        yield federation, coordinator
+    finally:
+        for site_id in federation.site_ids:
+            federation.stop(site_id)
+        await coordinator.stop()
+
+
+async def test_a_coordinator_showing_sites_different_sets_gets_no_share(
+        rogue: tuple[LocalFederation, RogueCoordinator]) -> None:
+    """Six real site processes, a hostile coordinator: to unmask hospital-6 it tells three
+    sites that hospital-6 dropped (they would reveal its key) and the other three that it
+    survived (they would reveal its self-mask). Every site refuses before revealing a share."""
+    fed, coordinator = rogue
+    sites = fed.site_ids
+    driver = SumDriver(coordinator.ask, job_id="20260101T000000-split1",
+                       dim=UnitBallMap(Schema.load(fed.schema_path)).n_features,
+                       total_rows=300 * len(sites))
+    await driver.keys(sites)
+    await driver.shares(sites, 1)
+    plan = driver.plan(sites, 1, 2)
+    await driver.contribute(plan)
+    assert sorted(driver.answers["contribute"]) == sites  # every site masked and was charged
+    target = "hospital-6"
+    rest = [s for s in sites if s != target]
+    await driver.confirm(sites, rest, sites=rest[:3])
+    first = dict(driver.answers["confirm"])
+    await driver.confirm(sites, sites, sites=[*rest[3:], target])
+    second = dict(driver.answers["confirm"])
+    assert len(first) == len(second) == 3  # each site signs the one view it is shown
+    signatures = {k: v for r in (*first.values(), *second.values()) for k, v in r.arrays.items()}
+    await driver.unmask(sites, rest, sites=rest[:3], signatures=signatures)
+    await driver.unmask(sites, sites, sites=[*rest[3:], target], signatures=signatures)
+    assert driver.answers["unmask"] == {}  # not one share revealed
+    for s in sites:
+        assert "showed sites different sets" in driver.refusals["unmask"][s].reason
+        assert [e.mechanism for e in charged_events(fed, s)] == ["secure-skellam[n=6,t=1,d=2]"]
