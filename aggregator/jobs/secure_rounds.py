@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from dpfed.aggregator.jobs.outgoing import OutgoingTask
-from dpfed.common.errors import ProtocolError, QuorumError
+from dpfed.common.errors import ImpossibleSumError, ProtocolError, QuorumError
 from dpfed.common.jobs.contract import (
     Ask,
     Budget,
@@ -72,8 +72,8 @@ KEYS_RESULT_BYTES = 3 * (16 << 10) + RESULT_ENVELOPE_BYTES
 
 def _check_keys(result: TaskResult, site_id: str) -> None:
     signed_key_from_arrays(result.arrays, site_id)  # shape and size checks
-    for name in ("min_participants", "tolerated"):
-        value = result.metadata.get(name)
+    for name in ("min_participants", "tolerated", "dropouts"):
+        value = result.metadata.get(name, 0 if name == "dropouts" else None)
         if not isinstance(value, int) or not 0 <= value <= 1000:
             raise ProtocolError(f"secure keys lack a valid {name}")
 
@@ -208,10 +208,16 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
                                                participants=participants)),
                 only=sorted(signed), progress=(lo + span * 0.85, hi), quorum=1))
             if len(signed) >= threshold_ and len(revealed) >= threshold_:
-                return await _decoded(rnd, ask, enc, planned, budget, results, attempt,
-                                      Recovery(order, participants, keys, shares, revealed,
-                                                threshold_, MaskContext(job.job_id, sum_round,
-                                                                        sum_task_id)))
+                recovery = Recovery(order, participants, keys, shares, revealed, threshold_,
+                                    MaskContext(job.job_id, sum_round, sum_task_id))
+                try:
+                    return await _decoded(rnd, ask, enc, planned, budget, results, attempt,
+                                          recovery)
+                except ImpossibleSumError:
+                    raise
+                except ProtocolError as exc:  # too few shares matched their commitments
+                    log.warning("job=%s %s attempt %d: masks not recovered: %s", job.job_id,
+                                name, attempt, exc)
         missing = sorted(s for s in order if job.outcomes.get(s) is None
                          or job.outcomes[s].status != SiteStatus.OK)
         # Sites that vanished or failed are left out of the next attempt; a site that only
