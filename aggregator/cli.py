@@ -17,7 +17,7 @@
     dpfed report RESULT [--out report.html]   the HTML report of a result file
     dpfed jobs [--limit N] [--json]      recent jobs
     dpfed job ID [--watch] [--json]      one job (follow its progress with --watch)
-    dpfed fetch ID --out FILE            download a finished job's result file
+    dpfed fetch ID --out FILE.npz        download a finished job's result file
     dpfed cancel ID [--reason TEXT]      stop an unfinished job (charges made stay charged)
     dpfed audit verify EXPORT --ca CA    check a site's signed ledger export
 
@@ -54,7 +54,7 @@ from dpfed.common.cli_support import (
     print_json,
     run_command,
 )
-from dpfed.common.errors import ConfigError
+from dpfed.common.errors import ConfigError, ValidationError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS, parse_clip_norm
 
 # Start-up time matters (``dpfed --help`` < 0.3 s): numpy, pandas, scipy, grpc and
@@ -279,7 +279,12 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    """Download a result file."""
+    """Download a result file (a NumPy ``.npz`` archive, written as received)."""
+    if Path(args.out).suffix.lower() != ".npz":
+        raise ValidationError(
+            f"--out {args.out}: a job's result is a NumPy .npz archive, written as received; "
+            "give a name ending in .npz (then `dpfed report` draws it, `dpfed synth-sample` "
+            "turns a synth model into CSV or Parquet rows)")
     out = check_output_file(args.out, "--out")
     with connect(args) as coord:
         data = coord.fetch_result(args.job_id)

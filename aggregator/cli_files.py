@@ -7,7 +7,7 @@ cannot be written must be refused before the job is submitted (:func:`check_outp
 :func:`check_output_dir`), naming the flag. The checks make nothing: they find the nearest
 folder that exists and ask whether it can take the file. If writing still fails after the
 job finished (a full disk), :func:`write_result` says how to get the result again at no
-privacy cost: the coordinator keeps it, and ``dpfed fetch JOB --out FILE`` downloads it.
+privacy cost: the coordinator keeps it, and ``dpfed fetch JOB --out FILE.npz`` downloads it.
 """
 
 from __future__ import annotations
@@ -94,4 +94,4 @@ def write_result(write: Callable[[], T], out: str | os.PathLike[str],
         raise ConfigError(
             f"job {job} finished, but {out} could not be written ({exc.strerror or exc}); "
             f"its result is kept at the coordinator and costs no budget to get again: "
-            f"dpfed fetch {job} --out FILE{then}") from None
+            f"dpfed fetch {job} --out FILE.npz{then}") from None

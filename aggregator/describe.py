@@ -20,5 +20,5 @@ def describe_job(job: JobInfo) -> str:
     if job.summary:
         lines.append(f"  summary: {dict(job.summary)}")
     if job.result_size:
-        lines.append(f"  result: {job.result_size} bytes (dpfed fetch {job.job_id} --out FILE)")
+        lines.append(f"  result: {job.result_size} bytes (dpfed fetch {job.job_id} --out FILE.npz)")
     return "\n".join(lines)

@@ -30,7 +30,7 @@ from typing import Any
 from dpfed.aggregator.config import MAX_DEADLINE_S, MAX_SITES
 from dpfed.aggregator.federation import Federation
 from dpfed.common.errors import DpfedError, ValidationError
-from dpfed.common.jobs.registry import job_kind
+from dpfed.common.jobs.registry import JOB_KINDS, job_kind
 from dpfed.common.jobs.results import check_finite_values
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.common.validation import (
@@ -53,9 +53,11 @@ PLAN_MEMORY_BYTES = 2 << 30
 MAX_WAITING_BYTES = 256 << 20
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-# The fork server imports the job types once; every worker is forked from it (no re-import,
-# and never a fork of the coordinator's own threads). Only this module: never ``__main__``.
-_CONTEXT.set_forkserver_preload(["dpfed.aggregator.planning"])
+# The fork server imports this module and the in-tree kinds' modules once; every worker is
+# forked from it (no re-import, and never a fork of the coordinator's own threads). Never
+# ``__main__``.
+_CONTEXT.set_forkserver_preload(["dpfed.aggregator.planning",
+                                 *(entry.module for entry in JOB_KINDS.values())])
 
 
 def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:

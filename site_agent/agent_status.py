@@ -5,8 +5,11 @@ Instead the agent writes a small JSON file beside its ledger (``ledger.sqlite`` 
 ``ledger.agent-status.json``) every :data:`HEARTBEAT_S` seconds and at every change:
 ``connecting`` or ``connected`` (to which coordinator, as which site, since when) and, when it
 exits, ``stopped`` with its exit code. The probe only reads that file: it costs no data scan,
-no TLS handshake and no coordinator call. A file older than ``max_age`` means the agent is not
-running or its event loop is stuck. The file holds no data value, only state and times.
+no TLS handshake and no coordinator call, and it reads only ``[ledger] path`` of the config
+(:func:`configured_status_path`), so it imports nothing heavy. A file older than ``max_age``
+means the agent is not running or its event loop is stuck. Two verdicts: *ready* (connected)
+and, for liveness probes, *alive* (connected or still trying: a site waiting for its
+coordinator is not restarted). The file holds no data value, only state and times.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from dpfed.common import exit_codes
 from dpfed.common.errors import ConfigError
+from dpfed.common.toml_config import Section, read_toml
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,28 @@ DEFAULT_MAX_AGE_S = 30.0
 def status_path(ledger_path: Path) -> Path:
     """Where the agent using ``ledger_path`` writes its status."""
     return ledger_path.with_name(f"{ledger_path.stem}.agent-status.json")
+
+
+def ledger_file(ledger: Section) -> Path:
+    """Return the ledger a ``[ledger]`` table names (default ``ledger.sqlite`` beside site.toml).
+
+    The one reading of ``ledger.path``, shared by the full config loader and the probe.
+    """
+    path = ledger.path("path", "ledger.sqlite")
+    assert path is not None
+    return path
+
+
+def configured_status_path(config_file: Path, ledger_override: str | None = None) -> Path:
+    """Return the status file of the agent run with ``config_file`` (reads ``[ledger] path``).
+
+    A probe runs every few seconds: loading the whole config would import numpy, scipy and
+    pandas (about 2 s of CPU each time) for one path.
+    """
+    if ledger_override:
+        return status_path(Path(ledger_override))
+    root = Section(read_toml(config_file), "", str(config_file), config_file.resolve().parent)
+    return status_path(ledger_file(root.section("ledger")))
 
 
 @dataclass(frozen=True)
@@ -75,10 +101,12 @@ def read_status(path: Path) -> AgentStatus | None:
 
 
 def health(status: AgentStatus | None, path: Path, max_age: float,
-           now: float | None = None) -> tuple[int, str]:
+           now: float | None = None, *, alive_is_enough: bool = False) -> tuple[int, str]:
     """Return ``(exit code, one line)``: 0 only for a fresh ``connected`` status.
 
-    A stopped agent gives its own exit code (7 when the coordinator refused it, 4 for a data
+    With ``alive_is_enough`` (a liveness probe) a fresh ``connecting`` status is healthy too:
+    the agent is running and waits for its coordinator, which a restart would not bring. A
+    stopped agent gives its own exit code (7 when the coordinator refused it, 4 for a data
     error, ...); not connected or stale gives ``COORDINATOR_UNREACHABLE``.
     """
     now = time.time() if now is None else now
@@ -98,8 +126,10 @@ def health(status: AgentStatus | None, path: Path, max_age: float,
                 f"status last written {age:.0f}s ago (more than {max_age:g}s): the agent "
                 f"(pid {status.pid}) is not running or is stuck")
     if status.state != CONNECTED:
-        return (exit_codes.COORDINATOR_UNREACHABLE,
-                f"not connected: trying to reach {status.coordinator} since {when}")
+        waiting = f"not connected: trying to reach {status.coordinator} since {when}"
+        if alive_is_enough:
+            return exit_codes.OK, f"running, {waiting} (status written {age:.0f}s ago)"
+        return exit_codes.COORDINATOR_UNREACHABLE, waiting
     return (exit_codes.OK, f"connected to {status.coordinator} as {status.site_id} since {when}"
                            f" (status written {age:.0f}s ago)")
 

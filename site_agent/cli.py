@@ -6,7 +6,9 @@
     dpfed-site check --config site.toml [--timeout S]  check config, certificates, schema,
                                                        data, ledger and the coordinator
     dpfed-site ledger --config site.toml [--json]      list the privacy ledger and totals
-    dpfed-site health --config site.toml [--max-age S] is the running agent connected?
+    dpfed-site health --config site.toml [--max-age S] [--alive]
+                                                       is the running agent connected (or,
+                                                       with --alive, running at all)?
     dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only), asks
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help="seconds after which the agent's status counts as stale "
                         f"(default {DEFAULT_MAX_AGE_S:g})")
+    health.add_argument("--alive", action="store_true",
+                        help="a liveness verdict: healthy while the agent runs, connected or "
+                        "still trying to reach the coordinator")
     return p
 
 
@@ -258,10 +263,15 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
 
 
 def _run_with_status(config: SiteConfig) -> int:
-    """Run the agent, its status file saying ``stopped`` with the exit code at the end."""
-    from dpfed.site_agent.agent_status import STOPPED, StatusWriter, status_path
+    """Run the agent, its status file saying ``stopped`` with the exit code at the end.
+
+    ``connecting`` is written first, before the data and ledger are opened, so that a probe
+    never reads the verdict of a previous (restarted) process.
+    """
+    from dpfed.site_agent.agent_status import CONNECTING, STOPPED, StatusWriter, status_path
 
     status_file = StatusWriter(status_path(config.ledger_path), config.coordinator_address)
+    status_file.update(CONNECTING)
     code = exit_codes.INTERNAL_ERROR
     try:
         code = _run(config, status_file)
@@ -518,11 +528,14 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
     return exit_codes.OK
 
 
-def _health(config: SiteConfig, max_age: float) -> int:
-    from dpfed.site_agent.agent_status import health, read_status, status_path
+def _health(config_file: str, ledger: str | None, max_age: float, alive: bool) -> int:
+    """Print the running agent's health; reads ``[ledger] path`` only, imports nothing heavy."""
+    from pathlib import Path
 
-    path = status_path(config.ledger_path)
-    code, line = health(read_status(path), path, max_age)
+    from dpfed.site_agent.agent_status import configured_status_path, health, read_status
+
+    path = configured_status_path(Path(config_file), ledger)
+    code, line = health(read_status(path), path, max_age, alive_is_enough=alive)
     print(f"{'healthy' if code == exit_codes.OK else 'unhealthy'}: {line}", flush=True)
     return code
 
@@ -536,12 +549,12 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.USAGE
 
     def go() -> int:
+        if command == "health":
+            return _health(args.config, args.ledger, args.max_age, args.alive)
         from dpfed.common.logs import configure_logging
         from dpfed.site_agent.config import load_site_config
 
         overrides: dict[str, Any] = {}
-        if command == "health":
-            overrides = {"ledger": args.ledger}
         if command == "run":
             overrides = {"coordinator": args.coordinator, "data": args.data,
                          "ledger": args.ledger, "log_level": args.log_level,
@@ -559,8 +572,6 @@ def main(argv: list[str] | None = None) -> int:
             return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
-        if command == "health":
-            return _health(config, args.max_age)
         return _run_with_status(config)
 
     return run_command(f"dpfed-site {command}" if command != "run" else "dpfed-site", go)

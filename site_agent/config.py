@@ -89,6 +89,7 @@ from dpfed.common.transport.grpc_options import (
 )
 from dpfed.common.transport.identity import check_principal_id
 from dpfed.common.validation import MIN_DELTA
+from dpfed.site_agent.agent_status import ledger_file
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
     data.check_unknown()
 
     ledger = root.section("ledger")
-    file_ledger = ledger.path("path", "ledger.sqlite")
+    file_ledger = ledger_file(ledger)
     ledger_path = Path(overrides["ledger"]) if overrides.get("ledger") else file_ledger
     ledger.check_unknown()
 

@@ -7,6 +7,8 @@ the overlays are applied to their base objects (RFC 6902, as kustomize applies t
 results validated too; where ``kubectl`` is installed, ``kubectl kustomize`` renders every
 kustomization and the rendered objects are validated as well. The configs in deploy/k8s load
 with dpfed's own strict config readers, and every path they name lies on a mounted volume.
+The site's exec probes are run, as written, against status files in each state the agent can
+be in, and give the verdicts a kubelet needs (restart only a stuck agent).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +26,17 @@ import pytest
 import yaml
 
 from dpfed.aggregator.config import load_aggregator_config
+from dpfed.common import exit_codes
+from dpfed.site_agent import agent_status
+from dpfed.site_agent.cli import build_parser
+from dpfed.site_agent.cli import main as site_main
 from dpfed.site_agent.config import load_site_config
 
 ROOT = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 KUSTOMIZATIONS = sorted(p.parent for p in ROOT.rglob("kustomization.yaml"))
+SITE_DIRECTORIES = (ROOT / "site", ROOT / "overlays" / "site-postgres")
+SITE_PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
 def _documents(path: Path) -> list[dict[str, Any]]:
@@ -174,7 +183,7 @@ def test_the_coordinator_passes_tls_through_and_probes_its_health_port() -> None
 
 
 def test_the_site_dials_out_keeps_its_ledger_and_reads_its_kit_from_a_secret() -> None:
-    for directory in (ROOT / "site", ROOT / "overlays" / "site-postgres"):
+    for directory in SITE_DIRECTORIES:
         objects = _by_kind(directory)
         assert "Ingress" not in objects and "Secret" not in objects
         (sts,) = objects["StatefulSet"]
@@ -200,6 +209,84 @@ def test_the_site_dials_out_keeps_its_ledger_and_reads_its_kit_from_a_secret() -
     config = load_site_config(ROOT / "overlays" / "site-postgres" / "site.toml")
     assert config.data.format == "postgres" and config.metrics.enabled
     assert [e["name"] for e in env] == [config.data.password_env]
+
+
+def _site_container(directory: Path) -> dict[str, Any]:
+    (sts,) = _by_kind(directory)["StatefulSet"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def _probe(container: dict[str, Any], tmp_path: Path, config_text: str, probe: str) -> int:
+    """Run ``probe``'s command as written, its ``--config`` swapped for a copy in tmp_path."""
+    command = list(container[probe]["exec"]["command"])
+    assert command[:2] == ["dpfed-site", "health"], command
+    at = command.index("--config") + 1
+    config = tmp_path / "site.toml"
+    config.write_text(config_text)
+    command[at] = str(config)
+    return site_main(command[1:])
+
+
+def _max_age(container: dict[str, Any], probe: str) -> float:
+    args = build_parser().parse_args(container[probe]["exec"]["command"][1:])
+    return float(args.max_age)
+
+
+@pytest.mark.parametrize("directory", SITE_DIRECTORIES,
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_site_probes_restart_a_stuck_agent_only(directory: Path, tmp_path: Path) -> None:
+    """What the kubelet concludes from the site's probes, run against every agent state.
+
+    Ready only while connected; alive while the agent runs, connected or waiting for its
+    coordinator (no restart loop while the coordinator is down); a stale status (agent gone
+    or stuck) fails both. A permanent stop (7, 4) fails both with its own code; the agent has
+    exited by then, so Kubernetes shows that exit code, and its log as termination message.
+    """
+    container = _site_container(directory)
+    (config_volume,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    for probe in SITE_PROBES:
+        command = container[probe]["exec"]["command"]
+        assert command[command.index("--config") + 1] == f"{config_volume['mountPath']}/site.toml"
+        assert container[probe]["timeoutSeconds"] >= 5  # a Python start on a busy node
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    liveness_age = _max_age(container, "livenessProbe")
+    for probe in SITE_PROBES:  # a heartbeat or two may be late without failing a probe
+        assert _max_age(container, probe) >= 3 * agent_status.HEARTBEAT_S, probe
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= liveness_age
+
+    ledger = tmp_path / "ledger" / "ledger.sqlite"
+    ledger.parent.mkdir()
+    text = (directory / "site.toml").read_text(encoding="utf-8")
+    configured = str(load_site_config(directory / "site.toml").ledger_path)
+    assert f'"{configured}"' in text
+    text = text.replace(f'"{configured}"', f'"{ledger}"')
+    stale = liveness_age + 5
+    states = {  # name: (state, seconds since written, exit code) -> (ready, alive)
+        "connected": ((agent_status.CONNECTED, 2, None), (True, True)),
+        "waiting for the coordinator": ((agent_status.CONNECTING, 2, None), (False, True)),
+        "stuck while connected": ((agent_status.CONNECTED, stale, None), (False, False)),
+        "stuck while waiting": ((agent_status.CONNECTING, stale, None), (False, False)),
+        "refused or revoked": ((agent_status.STOPPED, 2, 7), (False, False)),
+        "data error": ((agent_status.STOPPED, 2, 4), (False, False)),
+    }
+    for name, ((state, age, code), (ready, alive)) in states.items():
+        now = time.time()
+        agent_status.write_status(agent_status.status_path(ledger), agent_status.AgentStatus(
+            state, now - 600, now - age, 1, "coordinator.example.org:50051", "hospital-a",
+            code))
+        verdicts = {probe: _probe(container, tmp_path, text, probe) for probe in SITE_PROBES}
+        assert (verdicts["readinessProbe"] == 0) is ready, (name, verdicts)
+        assert (verdicts["livenessProbe"] == 0) is alive, (name, verdicts)
+        assert (verdicts["startupProbe"] == 0) is alive, (name, verdicts)
+        if code is not None:
+            assert set(verdicts.values()) == {code}, (name, verdicts)
+    agent_status.status_path(ledger).unlink()
+    assert _probe(container, tmp_path, text, "livenessProbe") == (
+        exit_codes.COORDINATOR_UNREACHABLE)  # no status: the agent never started
+    # Waiting for the coordinator is done in-process, not by exiting 6 into a crash loop.
+    assert load_site_config(directory / "site.toml").connect_timeout_s >= 24 * 3600
 
 
 def _tls_paths(tls: Any) -> list[Path]:

@@ -92,3 +92,13 @@ def test_synth_sample_writes_a_default_file(tmp_path: Path, monkeypatch: pytest.
     assert main(["synth-sample", str(model), "--rows", "5", "--out", str(tmp_path)]) == \
         exit_codes.CONFIG_ERROR
     assert "--out" in capsys.readouterr().err
+
+
+def test_fetch_refuses_an_out_name_that_is_not_npz_before_connecting(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The result is written as received: a ``.csv`` name would hold npz bytes."""
+    out = tmp_path / "result.csv"
+    assert main(["fetch", "some-job", "--out", str(out), *NOWHERE]) == exit_codes.USAGE
+    err = capsys.readouterr().err
+    assert "--out" in err and ".npz" in err and "synth-sample" in err
+    assert not out.exists()

@@ -175,7 +175,7 @@ def test_a_result_that_cannot_be_written_after_the_job_is_fetched_again(
     job_id = json.loads(dpfed("jobs", "--json", "--limit", "1", *conn(fed)).stdout)[0]["job_id"]
     assert (f"job {job_id} finished, but /dev/full could not be written (No space left on "
             f"device)") in run.stderr
-    assert f"dpfed fetch {job_id} --out FILE" in run.stderr
+    assert f"dpfed fetch {job_id} --out FILE.npz" in run.stderr
     fetched = dpfed("fetch", job_id, "--out", str(tmp_path / "pca.npz"), *conn(fed))
     assert fetched.returncode == 0, fetched.stderr
     from dpfed.aggregator.pca_result import PCAResult

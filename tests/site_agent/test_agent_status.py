@@ -32,6 +32,37 @@ def test_verdicts(tmp_path: Path) -> None:
     assert st.health(None, path, 30, now)[0] == exit_codes.COORDINATOR_UNREACHABLE
 
 
+def test_alive_verdicts_accept_a_running_agent_that_waits_for_its_coordinator(
+        tmp_path: Path) -> None:
+    path = tmp_path / "ledger.agent-status.json"
+    now = 1_000_000.0
+
+    def alive(s: st.AgentStatus | None) -> tuple[int, str]:
+        return st.health(s, path, 30, now, alive_is_enough=True)
+
+    code, line = alive(status(st.CONNECTING, now - 1))
+    assert code == exit_codes.OK and line.startswith("running, not connected: trying to reach")
+    assert alive(status(st.CONNECTED, now - 1))[0] == exit_codes.OK
+    for stuck in (st.CONNECTING, st.CONNECTED):  # stale: gone or stuck, whatever the state
+        assert alive(status(stuck, now - 31))[0] == exit_codes.COORDINATOR_UNREACHABLE
+    assert alive(status(st.STOPPED, now - 1, 4))[0] == exit_codes.DATA_ERROR
+    assert alive(status(st.STOPPED, now - 1, 0))[0] == exit_codes.COORDINATOR_UNREACHABLE
+    assert alive(None)[0] == exit_codes.COORDINATOR_UNREACHABLE
+
+
+def test_the_probe_finds_the_status_file_from_the_ledger_path_alone(tmp_path: Path) -> None:
+    config = tmp_path / "site.toml"
+    config.write_text('[ledger]\npath = "state/ledger.sqlite"\n[data]\nunknown_key = 1\n')
+    # Relative to the config file, like the agent's own reading; other tables are not read.
+    assert st.configured_status_path(config) == tmp_path / "state" / "ledger.agent-status.json"
+    config.write_text("[budget]\nepsilon = 1.0\n")
+    assert st.configured_status_path(config) == tmp_path / "ledger.agent-status.json"
+    assert st.configured_status_path(config, "/x/l.sqlite") == Path("/x/l.agent-status.json")
+    config.write_text("[ledger\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        st.configured_status_path(config)
+
+
 def test_writer_writes_changes_at_once_and_heartbeats(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     ledger = tmp_path / "ledger.sqlite"
