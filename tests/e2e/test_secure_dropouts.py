@@ -116,3 +116,40 @@ async def test_a_coordinator_showing_sites_different_sets_gets_no_share(
     for s in sites:
         assert "showed sites different sets" in driver.refusals["unmask"][s].reason
         assert [e.mechanism for e in charged_events(fed, s)] == ["secure-skellam[n=6,t=1,d=2]"]
+
+
+@pytest.fixture
+def liar(tmp_path: Path) -> Iterator[LocalFederation]:
+    federation = LocalFederation.create(
+        tmp_path / "fed", n_sites=4, rows=600, features=4, seed=7, min_sites=4,
+        task_deadline_s=60, resume_wait_s=10, settings=roomy_settings())
+    federation.start_coordinator()
+    try:
+        for site_id in federation.site_ids:
+            if site_id != LIAR:
+                federation.start_site(site_id)
+        federation._spawn(LIAR, ["-m", "tests.support.lying_site", "--config",
+                                 str(federation.site_config(LIAR)), "--coordinator",
+                                 federation.address])
+        federation.wait_for_sites()
+        yield federation
+    finally:
+        federation.stop_all()
+
+
+LIAR = "hospital-1"  # sorts first: its shares are the first an interpolation would take
+
+
+def test_garbage_shares_from_one_site_are_not_used(liar: LocalFederation) -> None:
+    """Four sites, t = 1 (threshold 3); hospital-1 reveals random bytes for every share. The
+    coordinator checks each share against its dealer's commitment and rebuilds every mask from
+    the three honest reveals: the secure PCA matches the pooled data."""
+    with liar.analyst(timeout=120.0) as coord:
+        result = coord.pca(2, epsilon=1000.0, delta=1e-5, aggregation="secure",
+                           centering="none", min_sites=4)
+    assert result.metadata["secure"]["attempts"] == 1
+    schema = Schema.load(liar.schema_path)
+    reference = pooled_reference(schema, list(liar.data_paths.values()), centred=False).matrix
+    exact = top_components(reference, 2)
+    assert captured_energy(result.components_, reference) / captured_energy(
+        exact, reference) > 0.99
