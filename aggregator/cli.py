@@ -33,6 +33,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -61,6 +62,7 @@ from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS, 
 # cryptography are imported inside the commands that use them, never at module level.
 if TYPE_CHECKING:
     from dpfed.aggregator.client import Coordinator
+    from dpfed.common.privacy.accounting import BudgetStatus
     from dpfed.common.transport.protocol import JobEvent
 
 if TYPE_CHECKING:
@@ -82,6 +84,14 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=30.0, help="per-call timeout, seconds")
 
 
+def _job_args(p: argparse.ArgumentParser) -> None:
+    """Add the connection flags and ``--study`` (a command that submits a job)."""
+    _connection_args(p)
+    p.add_argument("--study", default="", metavar="NAME",
+                   help="spend from this study's budget at every site (each site's "
+                   "[studies.NAME]); a site without the study refuses the job")
+
+
 def connect(args: argparse.Namespace) -> Coordinator:
     """Open a connection from flags or environment; ConfigError names what is missing."""
     from dpfed.aggregator.client import Coordinator
@@ -98,7 +108,7 @@ def connect(args: argparse.Namespace) -> Coordinator:
                           "`dpfed certs init --analysts NAME`; or set DPFED_CA/CERT/KEY)")
     return Coordinator(values["coordinator"] or "", ca=values["ca"], cert=values["cert"],
                        key=values["key"], server_name=values["server_name"],
-                       timeout=args.timeout)
+                       timeout=args.timeout, study=getattr(args, "study", "") or "")
 
 
 def print_event(event: JobEvent) -> None:
@@ -140,6 +150,8 @@ def cmd_budgets(args: argparse.Namespace) -> int:
 
     with connect(args) as coord:
         rows = coord.budgets()
+    if args.study:
+        return _study_budgets(args.study, rows, args.json)
     if args.json:
         print_json([budget_row_json(site_id, connected, b) for site_id, connected, b in rows])
         return exit_codes.OK
@@ -161,6 +173,35 @@ def cmd_budgets(args: argparse.Namespace) -> int:
     return exit_codes.OK
 
 
+def _study_budgets(study: str, rows: list[tuple[str, bool, BudgetStatus | None]],
+                   as_json: bool) -> int:
+    """Print what every site says of ``study``'s budget (``dpfed budgets --study``)."""
+    from dpfed.aggregator.json_views import budget_json
+
+    found = [(site_id, connected, next((s for s in (b.studies if b else ()) if s.name == study),
+                                      None)) for site_id, connected, b in rows]
+    if as_json:
+        print_json([{"site_id": site_id, "connected": connected, "study": study,
+                     "expires": s.expires if s else None,
+                     "budget": budget_json(s.status) if s else None}
+                    for site_id, connected, s in found])
+        return exit_codes.OK
+    table = []
+    for site_id, connected, s in found:
+        state = "connected" if connected else "offline"
+        if s is None:
+            table.append((site_id, state, "-", "-", "-", "not a study of this site"))
+            continue
+        b = s.status
+        expired = s.expires < datetime.now(UTC).date().isoformat()
+        table.append((site_id, state, f"{b.epsilon_spent:.6g}", f"{b.epsilon_remaining:.6g}",
+                      f"{b.epsilon_cap:g}", f"{s.expires}{' (expired)' if expired else ''}"))
+    print(f"study {study}:")
+    print(format_table(("site", "state", "eps spent", "eps left", "eps cap", "expires"), table,
+                       right=(2, 3, 4)))
+    return exit_codes.OK
+
+
 #: ``dpfed pca`` flags of the pca job's parameters (for error messages).
 PCA_FIELD_FLAGS = {"n_components": "--k", "rank": "--rank", "clip_norm": "--clip-norm",
                    "calibration": "--calibration"}
@@ -172,7 +213,8 @@ def cmd_pca(args: argparse.Namespace) -> int:
         from dpfed.aggregator.plan_cli import print_kind_plan
 
         with connect(args) as coord:
-            print_kind_plan("pca", _pca_params(args), args.epsilon, args.delta, coord.sites())
+            print_kind_plan("pca", _pca_params(args), args.epsilon, args.delta,
+                            *coord.federation())
         return exit_codes.OK
     check_output_file(args.out, "--out")
     if args.report:
@@ -280,12 +322,12 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Download a result file (a NumPy ``.npz`` archive, written as received)."""
-    if Path(args.out).suffix.lower() != ".npz":
+    out = check_output_file(args.out, "--out")
+    if out.suffix.lower() != ".npz":
         raise ValidationError(
             f"--out {args.out}: a job's result is a NumPy .npz archive, written as received; "
             "give a name ending in .npz (then `dpfed report` draws it, `dpfed synth-sample` "
             "turns a synth model into CSV or Parquet rows)")
-    out = check_output_file(args.out, "--out")
     with connect(args) as coord:
         data = coord.fetch_result(args.job_id)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -371,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sites)
 
     p = sub.add_parser("budgets", help="every known site's privacy budget")
+    p.add_argument("--study", default="", metavar="NAME",
+                   help="show this study's budget at every site instead")
     add_json_flag(p)
     _connection_args(p)
     p.set_defaults(func=cmd_budgets)
@@ -406,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "coordinator starts)")
     p.add_argument("--wait-timeout", type=float, default=300.0,
                    help="seconds for --wait-sites (default 300)")
-    _connection_args(p)
+    _job_args(p)
     p.set_defaults(func=cmd_pca, field_flags=PCA_FIELD_FLAGS)
 
     p = sub.add_parser("report", help="write the HTML report of a result file (pca, svt, "
@@ -419,9 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dpfed.aggregator.run_cli import register as register_run
     from dpfed.aggregator.synth_cli import register as register_synth
 
-    register_queries(sub, _connection_args, connect, print_event)
-    register_synth(sub, _connection_args, connect, print_event)
-    register_run(sub, _connection_args, connect, print_event)
+    register_queries(sub, _job_args, connect, print_event)
+    register_synth(sub, _job_args, connect, print_event)
+    register_run(sub, _job_args, connect, print_event)
 
     p = sub.add_parser("jobs", help="recent jobs")
     p.add_argument("--limit", type=int, default=20, help="how many jobs, newest first")

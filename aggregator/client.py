@@ -16,6 +16,7 @@ retried submission returns the same job instead of starting (and paying for) a s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import uuid
@@ -30,6 +31,7 @@ import pandas as pd
 from dpfed.aggregator.pca_result import PCAResult
 from dpfed.aggregator.query_results import QueryJobResult, SVTJobResult
 from dpfed.aggregator.synth_model import SynthModel, check_rows
+from dpfed.common.data.schema import Schema
 from dpfed.common.errors import (
     AuthenticationError,
     BudgetExceededError,
@@ -156,12 +158,15 @@ class Coordinator:
     def __init__(self, address: str, *, ca: str | Path | None = None,
                  cert: str | Path | None = None, key: str | Path | None = None,
                  server_name: str | None = None, timeout: float = DEFAULT_RPC_TIMEOUT_S,
-                 retries: int = 3, insecure_principal: str | None = None) -> None:
+                 retries: int = 3, insecure_principal: str | None = None,
+                 study: str = "") -> None:
         if not address:
             raise ValidationError("coordinator address is required (host:port)")
         self.address = address
         self.timeout = timeout
         self.retries = max(1, retries)
+        #: The study every job submitted through this client spends from ("" = none).
+        self.study = study
         options = channel_options(server_name)
         self._metadata: tuple[tuple[str, str], ...] | None = None
         if insecure_principal is not None:
@@ -205,6 +210,12 @@ class Coordinator:
         resp = self._call(self._stub.ListSites,
                           analyst_pb2.ListSitesRequest(include_disconnected=include_disconnected))
         return [site_info_from_proto(s) for s in resp.sites]
+
+    def federation(self) -> tuple[list[SiteInfo], Schema | None]:
+        """Return the connected sites and the federation's schema (None: an older coordinator)."""
+        resp = self._call(self._stub.ListSites, analyst_pb2.ListSitesRequest())
+        schema = Schema.from_toml(resp.schema_toml) if resp.schema_toml else None
+        return [site_info_from_proto(s) for s in resp.sites], schema
 
     def budgets(self) -> list[tuple[str, bool, BudgetStatus | None]]:
         """(site id, connected, last reported budget) for every known site."""
@@ -266,7 +277,12 @@ class Coordinator:
 
     def submit(self, spec: JobSpec, *, on_event: Callable[[JobEvent], None] | None = None,
                request_id: str | None = None, wait_timeout: float = DEFAULT_WAIT_S) -> JobInfo:
-        """Submit a job and follow it to the end; return its final state (may be failed)."""
+        """Submit a job and follow it to the end; return its final state (may be failed).
+
+        A spec without a study is submitted under the client's ``study``.
+        """
+        if self.study and not spec.study:
+            spec = dataclasses.replace(spec, study=self.study)
         request = analyst_pb2.SubmitJobRequest(spec=job_spec_to_proto(spec),
                                                request_id=request_id or uuid.uuid4().hex)
         delay = 0.25

@@ -10,7 +10,8 @@ def describe_job(job: JobInfo) -> str:
     lines = [f"job {job.job_id}: {job.spec.kind} {job.state}",
              f"  submitted by {job.submitted_by or '?'} at {job.created}, updated {job.updated}",
              f"  epsilon={job.spec.epsilon:g} delta={job.spec.delta:g} "
-             f"params={dict(job.spec.params)}"]
+             f"params={dict(job.spec.params)}"
+             + (f" study={job.spec.study}" if job.spec.study else "")]
     if job.error:
         lines.append(f"  error: {job.error}")
     for s in job.sites:

@@ -8,6 +8,7 @@ ones never misses or duplicates an event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from dpfed.aggregator.result_file import encode_result
 from dpfed.aggregator.store import JobStore, utc_now
 from dpfed.common.errors import DpfedError, ProtocolError, QuorumError, ValidationError
 from dpfed.common.jobs.contract import resolve
+from dpfed.common.jobs.eligibility import connected_facts
 from dpfed.common.jobs.registry import job_kind
 from dpfed.common.jobs.results import check_finite_values
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, JobState
@@ -101,7 +103,7 @@ class JobManager:
         if len(request_id) > MAX_REQUEST_ID:
             raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID} characters, "
                                   f"got {len(request_id)}")
-        canonical = await self.planner.plan(spec_bytes)
+        canonical = self._settled(await self.planner.plan(spec_bytes))
         job, created = self.store.create_job(canonical, submitted_by=submitted_by,
                                              request_id=request_id)
         if created:
@@ -112,6 +114,21 @@ class JobManager:
                        JobState.PENDING)
             self._start(job, resumed=False)
         return job
+
+    def _settled(self, spec: JobSpec) -> JobSpec:
+        """Return ``spec`` with what its kind decides from the connected sites' public facts.
+
+        E.g. a pca job's budget split from their row counts (:meth:`JobKind.settle`); the
+        settled parameters are stored, so a resumed job runs with exactly them.
+        """
+        kind = job_kind(spec.kind)
+        if not kind.params.settles:
+            return spec
+        facts = connected_facts([(s.site_id, s.hello, s.hello.row_count)
+                                 for s in self.registry.connected()], spec.kind, spec.sites)
+        params = kind.settle(spec.params, spec.epsilon, spec.delta, self.federation.schema,
+                             facts)
+        return dataclasses.replace(spec, params=params)
 
     def _start(self, job: JobInfo, *, resumed: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._run(job, resumed))

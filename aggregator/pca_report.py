@@ -186,6 +186,9 @@ def pca_report(result: PCAResult, *, title: str = "dpfed DP-PCA report",
     secure = secure_sentence(result)
     if secure is not None:
         rep.paragraph(secure)
+    modes = result.metadata.get("aggregation_comparison")
+    if isinstance(modes, dict) and isinstance(modes.get("sentence"), str):
+        rep.paragraph(f"Aggregation modes: {modes['sentence']}.")
     rep.heading("Job parameters")
     params: dict[str, Any] = {
         "job id": m.get("job_id", "?"),

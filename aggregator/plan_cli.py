@@ -9,12 +9,15 @@ are listed apart, with the reason. Nothing is submitted or charged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpfed.common.jobs.contract import JobKind, PlannedRound
 from dpfed.common.jobs.eligibility import Exclusion, exclusion
 from dpfed.common.jobs.params import Params
 from dpfed.common.transport.protocol import SiteInfo
+
+if TYPE_CHECKING:
+    from dpfed.common.data.schema import Schema
 
 
 def who_takes_part(kind: JobKind[Any], params: Params, plan: Sequence[PlannedRound],
@@ -47,6 +50,19 @@ def print_plan(kind: JobKind[Any], params: Params, epsilon: float, delta: float,
     charged = [r for r in plan if r.charged and not r.optional]
     print(f"total per site: epsilon {sum(r.epsilon for r in charged):.4g}, delta "
           f"{sum(r.delta for r in charged):.3g}")
+    if kind.sums and taking:
+        print(mode_comparison(taking))
+
+
+def mode_comparison(sites: Sequence[SiteInfo]) -> str:
+    """Compare secure and site-level noise for ``sites`` (t: the strictest secure policy)."""
+    from dpfed.common.jobs.eligibility import secure_policy
+    from dpfed.common.jobs.modes import compare_modes
+
+    on = [p for p in (secure_policy(s) for s in sites) if p.mode != "off"]
+    if not on:
+        return "secure aggregation: off at the sites taking part (site-level only)"
+    return compare_modes(len(sites), max(p.tolerated for p in on))[1]
 
 
 def print_rounds(plan: Sequence[PlannedRound], sites: Sequence[SiteInfo]) -> None:
@@ -72,11 +88,26 @@ def print_left_out(left_out: Sequence[tuple[SiteInfo, Exclusion]]) -> None:
 
 
 def print_kind_plan(kind_name: str, raw: dict[str, Any], epsilon: float, delta: float,
-                    sites: Sequence[SiteInfo]) -> None:
-    """Validate a job's parameters (without the coordinator's schema) and print its plan."""
+                    sites: Sequence[SiteInfo], schema: Schema | None = None) -> None:
+    """Validate a job's parameters and print its plan, settled as the coordinator would.
+
+    With the federation's ``schema`` (from the coordinator), the parameters are checked
+    against it and settled on the connected sites' public facts
+    (:meth:`dpfed.common.jobs.contract.JobKind.settle`: e.g. a pca job's budget split), so
+    the plan is the one a submission now would run.
+    """
+    from dpfed.common.jobs.eligibility import connected_facts
     from dpfed.common.jobs.registry import job_kind
 
     kind = job_kind(kind_name)
-    params = kind.parse(raw, None)
+    params = kind.parse(raw, schema)
     params.check_privacy(epsilon, delta)
+    if schema is not None and kind.params.settles:
+        facts = connected_facts([(s.site_id, s, s.row_count) for s in sites if s.connected],
+                                kind_name)
+        params = kind.parse(kind.settle(params.to_mapping(), epsilon, delta, schema, facts),
+                            schema)
     print_plan(kind, params, epsilon, delta, sites)
+    note = params.plan_note(epsilon, delta)
+    if note:
+        print(note)

@@ -32,6 +32,7 @@ from dpfed.aggregator.federation import Federation
 from dpfed.common.errors import DpfedError, ValidationError
 from dpfed.common.jobs.registry import JOB_KINDS, job_kind
 from dpfed.common.jobs.results import check_finite_values
+from dpfed.common.transport.identity import check_principal_id
 from dpfed.common.transport.protocol import JobSpec
 from dpfed.common.validation import (
     MIN_DELTA,
@@ -82,6 +83,8 @@ def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
     if len(spec.sites) > MAX_SITES or any(not s or len(s) > 200 for s in spec.sites):
         raise ValidationError(f"sites must list at most {MAX_SITES} site ids of 1 to 200 "
                               "characters")
+    if spec.study:
+        check_principal_id(spec.study, "study")
     for key, value in spec.params.items():
         try:
             check_finite_values(value, f"params.{key}")
@@ -97,7 +100,7 @@ def validate_job_spec(spec: JobSpec, federation: Federation) -> JobSpec:
                               f"delta={spec.delta!r}: the noise cannot be calibrated "
                               f"({type(exc).__name__}: {exc})") from None
     return JobSpec(spec.kind, spec.epsilon, spec.delta, params, spec.min_sites,
-                   spec.deadline_seconds, spec.sites)
+                   spec.deadline_seconds, spec.sites, spec.study)
 
 
 def _address_space() -> int:

@@ -89,7 +89,7 @@ def cmd_run(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Co
               if k.startswith("param_") and v is not None}
     with connect(args) as coord:
         if args.plan:
-            print_kind_plan(args.kind, params, args.epsilon, args.delta, coord.sites())
+            print_kind_plan(args.kind, params, args.epsilon, args.delta, *coord.federation())
             return exit_codes.OK
         job = coord.submit(JobSpec(args.kind, args.epsilon, args.delta, params, args.min_sites,
                                    args.deadline), on_event=on_event)

@@ -330,7 +330,8 @@ class AnalystServicer(analyst_pb2_grpc.AnalystServicer):
         await self.auth.require(context, "analyst")
         infos = self._site_infos(request.include_disconnected)
         return analyst_pb2.ListSitesResponse(sites=[site_info_to_proto(i) for i in infos],
-                                             schema_digest=self.federation.schema_digest)
+                                             schema_digest=self.federation.schema_digest,
+                                             schema_toml=self.federation.schema.to_toml())
 
     async def GetBudgets(self, request: analyst_pb2.GetBudgetsRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> analyst_pb2.GetBudgetsResponse:

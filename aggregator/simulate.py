@@ -54,7 +54,7 @@ class SimulationOptions:
     delta: float = 1e-5
     calibration: str = "analytic"
     min_sites: int = 0
-    clip_norm: float | str | None = None  # None: the job's default (auto; schema if secure)
+    clip_norm: float | str | None = None  # None: the job's default (auto)
     centering: str = "mean"
     site_weighting: str = "size"
     aggregation: str = "site"
@@ -121,7 +121,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: all sites)")
     p.add_argument("--clip-norm", type=parse_clip_norm, default=None, metavar="auto|schema|C",
                    help="--job pca: row-norm bound: auto = a DP quantile of the row norms "
-                   "(default; schema with --aggregation secure), "
+                   "(default, also with --aggregation secure), "
                    "schema = the worst case the schema allows, or a number")
     p.add_argument("--centering", choices=list(CENTERINGS),
                    help="--job pca: mean = centred PCA around a DP mean (default); none = "

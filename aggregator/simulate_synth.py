@@ -4,21 +4,27 @@ Demo data with skewed continuous, ordinal and nominal columns (or the user's fil
 hospitals; the coordinator and the sites run as real processes over mTLS. Left in ``--out``:
 ``synth.parquet`` (the synthetic table), ``synth_model.npz`` (the fitted DP model),
 ``report.html`` (the coordinator's report: DP vs synthetic marginals, correlation heat maps,
-budget table) and, in every ``sites/<id>/evaluations/<job>/``, ``synth_evaluation.html`` --
-the site-local evaluation of a synthetic sample against that site's own rows, written by the
-site process itself in the job's evaluation round (nothing of it goes to the coordinator).
+budget table -- and, since the simulation made every site's rows, the synthetic table against
+the real pooled rows: marginals, point masses, tails, correlations) and, in every
+``sites/<id>/evaluations/<job>/``, ``synth_evaluation.html`` -- the site-local evaluation
+of a synthetic sample against that site's own rows, written by the site process itself in the
+job's evaluation round (nothing of it goes to the coordinator).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.simulation_output import say
 from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
+from dpfed.common.data.data_sources import open_data_source, spec_from_path
+from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.schema import Schema
 from dpfed.common.errors import JobFailedError, ValidationError
 from dpfed.common.job_params import SynthParams
 from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT
@@ -39,6 +45,44 @@ def check_synth_options(opts: SimulationOptions) -> None:
                                   "composition": opts.composition}, None)
     except ValidationError as exc:
         raise ValidationError(str(exc).replace("--mode", "--synth-mode")) from None
+
+
+#: Most real rows the simulation reads back from every site for its report.
+MAX_REAL_ROWS = 200_000
+
+
+def real_rows(schema_path: Path, paths: list[Path]) -> EncodedTable:
+    """Every site's real rows, pooled (at most :data:`MAX_REAL_ROWS` of each site's first).
+
+    Only the simulation may read them: it generated them (or was handed the files) and
+    compares the synthetic table with them in its report.
+    """
+    schema = Schema.load(schema_path)
+    parts = []
+    for path in paths:
+        taken = 0
+        for table, _report in open_data_source(spec_from_path(path), schema).iter_chunks():
+            parts.append(table)
+            taken += table.n_rows
+            if taken >= MAX_REAL_ROWS:
+                break
+    return EncodedTable.concatenate(parts)
+
+
+def print_real_comparison(figures: dict[str, Any], n_real: int) -> None:
+    """Print the key figures of the report's comparison with the real rows."""
+    if not figures:
+        return
+    print(f"  against the {n_real} real rows (simulation only): correlation error of the "
+          f"values {figures['correlation_error']:.3f} (max {figures['correlation_max']:.3f}); "
+          f"latent correlation error synthetic {figures['latent_synthetic_error']:.3f}, "
+          f"released DP estimate {figures['latent_released_error']:.3f}")
+    for name, col in figures["columns"].items():
+        real, syn = col["real_tail"], col["synthetic_tail"]
+        if real is None or syn is None:
+            continue
+        print(f"    {name}: p99 real {real[2]:.4g} / synthetic {syn[2]:.4g} (released "
+              f"{col['p99_band']}), sd {real[3]:.4g} / {syn[3]:.4g}, TVD {col['tvd']:.3f}")
 
 
 def run_synth_simulation(opts: SimulationOptions) -> int:
@@ -95,9 +139,12 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
     write_seconds = time.monotonic() - t_write
     model.save(out / "synth_model.npz")
     sample = model.sample(None if rows is None else min(rows, 50_000))
+    real = real_rows(fed.schema_path, [fed.data_paths[s] for s in fed.site_ids])
+    figures: dict[str, Any] = {}
     write_synth_report(out / "report.html", model, sample,
                        title="dpfed simulate: federated synthesis",
-                       extra={"job seconds": round(job_seconds, 1)})
+                       extra={"job seconds": round(job_seconds, 1)}, real=real,
+                       figures=figures)
     job_id = str(model.metadata.get("job_id", ""))
     for site_id in fed.site_ids:
         path = (fed.site_dir(site_id) / "evaluations" / path_component(job_id)
@@ -117,6 +164,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
                   f"delta {b.delta_spent:.3g} of {b.delta_cap:g} ({b.events} release(s))")
     print(f"  wrote {written} synthetic rows in {write_seconds:.1f}s; job {job_seconds:.1f}s, "
           f"total {time.monotonic() - t0:.1f}s")
+    print_real_comparison(figures, real.n_rows)
     print(f"  results in {out}: synth.parquet, synth_model.npz, report.html, "
           "sites/*/evaluations/*/synth_evaluation.html, sites/*/ledger.sqlite, logs/")
     return exit_codes.OK

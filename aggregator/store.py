@@ -136,15 +136,18 @@ def _legacy_code(status: str, reason: str) -> tuple[str | None, bool]:
 
 
 def _spec_to_json(spec: JobSpec) -> str:
-    return json.dumps({"kind": spec.kind, "epsilon": spec.epsilon, "delta": spec.delta,
-                       "params": dict(spec.params), "min_sites": spec.min_sites,
-                       "deadline_seconds": spec.deadline_seconds, "sites": list(spec.sites)})
+    stored = {"kind": spec.kind, "epsilon": spec.epsilon, "delta": spec.delta,
+              "params": dict(spec.params), "min_sites": spec.min_sites,
+              "deadline_seconds": spec.deadline_seconds, "sites": list(spec.sites)}
+    if spec.study:  # absent for a job without one: stored specs stay as they were
+        stored["study"] = spec.study
+    return json.dumps(stored)
 
 
 def _spec_from_json(text: str) -> JobSpec:
     d = json.loads(text)
     return JobSpec(d["kind"], d["epsilon"], d["delta"], d["params"], d["min_sites"],
-                   d["deadline_seconds"], tuple(d["sites"]))
+                   d["deadline_seconds"], tuple(d["sites"]), d.get("study", ""))
 
 
 class JobStore:

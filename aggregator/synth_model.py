@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from dpfed.common.data.encoding import EncodedTable, output_values
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
+from dpfed.common.synth.column_cells import check_resolution
 from dpfed.common.synth.generative import (
     CHUNK_ROWS,
     FactorModel,
@@ -62,6 +64,12 @@ MAX_ROWS = 10_000_000_000
 #: less CPU per row).
 PARQUET_OPTIONS: dict[str, Any] = {"compression": "none", "write_statistics": False,
                                    "write_batch_size": 65536}
+
+
+def _public_rows(metadata: Mapping[str, Any] | None) -> int | None:
+    """Return the public pooled row count a job's model was fitted from (None: not kept)."""
+    n = (metadata or {}).get("n_rows_total")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def output_format(path: str | Path, fmt: str | None = None) -> str:
@@ -120,7 +128,8 @@ class SynthModel:
     continuous_link : {"quantile", "identity"}
     n_bins : int
     proportions : ndarray
-        The released DP proportions, one block per column (the DP marginals).
+        The released DP proportions, one block per column (the DP marginals), on the
+        columns' link cells (:mod:`dpfed.common.synth.column_cells`).
     decode_proportions : ndarray
         The calibrated proportions the decoding links use (post-processing).
     factor_model : FactorModel
@@ -137,6 +146,9 @@ class SynthModel:
         Generative mode with DP pair tables: the correction applied to every generated
         chunk (:mod:`dpfed.common.synth.pair_marginals`); its grid's ``max_groups`` is
         stored as ``pair_groups`` in the metadata.
+    resolution : {"fine", "bins"}
+        The continuous columns' cells (the job's ``resolution``; model files written before
+        it existed are "bins").
     """
 
     schema: Schema
@@ -151,6 +163,9 @@ class SynthModel:
     factors: np.ndarray | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     pair_correction: PairCorrection | None = None
+    resolution: str = "bins"
+    _decode: list[LatentLinks] = field(default_factory=list, init=False, repr=False,
+                                       compare=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -158,24 +173,28 @@ class SynthModel:
               proportions: np.ndarray, factor_model: FactorModel, dp_correlation: np.ndarray,
               rng: np.random.Generator, latent_correlation: np.ndarray | None = None,
               factors: np.ndarray | None = None,
-              metadata: Mapping[str, Any] | None = None) -> SynthModel:
+              metadata: Mapping[str, Any] | None = None,
+              resolution: str = "bins") -> SynthModel:
         """Assemble a model and run the final per-column calibration (post-processing).
 
         :func:`dpfed.common.synth.pipeline.calibrated_links`: generative mode calibrates on
         simulated latent rows, row-aligned mode on the reconstructed latent rows themselves.
         """
-        links = links_from_proportions(schema, proportions, n_bins, continuous_link)
-        _, calibrated = calibrated_links(links, factor_model, rng, factors)
-        blocks = split_proportions(proportions, schema, n_bins)
+        links = links_from_proportions(schema, proportions, n_bins, continuous_link,
+                                       resolution)
+        _, calibrated = calibrated_links(links, factor_model, rng, factors,
+                                         n_rows=_public_rows(metadata))
+        blocks = split_proportions(proportions, schema, n_bins, resolution)
         decode = np.concatenate([blocks[c.name] if p is None else p
                                  for c, p in zip(schema.columns, calibrated, strict=True)])
         return cls(schema, mode, continuous_link, n_bins, np.asarray(proportions),
                    decode, factor_model, dp_correlation, latent_correlation, factors,
-                   dict(metadata or {}))
+                   dict(metadata or {}), None, check_resolution(resolution))
 
     def pair_grid(self, max_groups: int) -> PairGrid:
         """Return the pair tables' cells for this model's DP proportions (post-processing)."""
-        return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups)
+        return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups,
+                                         self.resolution)
 
     def with_pairs(self, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
                    rng: np.random.Generator, *, noise_sd: float = 0.0) -> SynthModel:
@@ -184,7 +203,7 @@ class SynthModel:
         ``edges`` are (parent, child) in application order and ``tables`` their joint
         proportions (:func:`dpfed.common.synth.pair_marginals.fit_pair_tables`). The
         correction is built on rows drawn from this model
-        (:data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` of them); ``noise_sd`` is the
+        (:func:`~dpfed.common.synth.generative.calibration_rows` of them); ``noise_sd`` is the
         tables' public noise per cell in proportions (see
         :meth:`~dpfed.common.synth.pair_marginals.PairCorrection.fit`).
         """
@@ -192,7 +211,7 @@ class SynthModel:
             raise ValidationError("pair tables apply to generative models only")
         correction = pair_correction(grid, edges, tables, self.factor_model,
                                      self.decode_links, self.proportions, rng,
-                                     noise_sd=noise_sd)
+                                     noise_sd=noise_sd, n_rows=_public_rows(self.metadata))
         metadata = {**self.metadata, "pair_groups": grid.max_groups}
         return replace(self, metadata=metadata, pair_correction=correction)
 
@@ -214,13 +233,16 @@ class SynthModel:
     def links(self) -> LatentLinks:
         """The links fitted from the DP proportions."""
         return links_from_proportions(self.schema, self.proportions, self.n_bins,
-                                      self.continuous_link)
+                                      self.continuous_link, self.resolution)
 
     @property
     def decode_links(self) -> LatentLinks:
-        """The calibrated links used to decode synthetic latent rows."""
-        return links_from_proportions(self.schema, self.decode_proportions, self.n_bins,
-                                      self.continuous_link)
+        """The calibrated links used to decode synthetic latent rows (built once per model)."""
+        if not self._decode:
+            self._decode.append(links_from_proportions(
+                self.schema, self.decode_proportions, self.n_bins, self.continuous_link,
+                self.resolution))
+        return self._decode[0]
 
     @property
     def n_rows_fixed(self) -> int | None:
@@ -258,7 +280,8 @@ class SynthModel:
         correction = self.pair_correction
         yield from iter_samples(self.factor_model, decode, n, resolve_rng(rng), chunk_rows,
                                 workers=threads,
-                                correct=None if correction is None else correction.apply)
+                                correct=None if correction is None else partial(
+                                    correction.apply, in_place=True))
 
     def sample(self, rows: int | None = None, *,
                rng: np.random.Generator | None = None) -> pd.DataFrame:
@@ -328,9 +351,12 @@ class SynthModel:
 
     def file_metadata(self) -> dict[str, Any]:
         """Return the model's JSON metadata as stored in the result file."""
-        return {**self.metadata, "format": MODEL_FORMAT, "mode": self.mode,
-                "continuous_link": self.continuous_link, "n_bins": self.n_bins,
-                "residual": self.factor_model.residual, "schema_toml": self.schema.to_toml()}
+        out = {**self.metadata, "format": MODEL_FORMAT, "mode": self.mode,
+               "continuous_link": self.continuous_link, "n_bins": self.n_bins,
+               "residual": self.factor_model.residual, "schema_toml": self.schema.to_toml()}
+        if self.resolution != "bins":  # absent: files written before the key existed
+            out["resolution"] = self.resolution
+        return out
 
     def to_bytes(self) -> bytes:
         """Serialize (a result file)."""
@@ -363,7 +389,8 @@ class SynthModel:
                         arrays.get("latent_correlation"), arrays.get("factors"),
                         {k: v for k, v in metadata.items()
                          if k not in ("format", "mode", "continuous_link", "n_bins",
-                                      "residual", "schema_toml")})
+                                      "residual", "schema_toml", "resolution")},
+                        None, check_resolution(metadata.get("resolution", "bins")))
         except KeyError as exc:
             raise ValidationError(f"model file lacks {exc}") from None
         if "pair_edges" in arrays:

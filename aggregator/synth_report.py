@@ -1,9 +1,12 @@
 """The synthesis report (``report.html``): DP marginals vs synthetic, correlations, budget.
 
-Everything shown is DP or post-processing: the released DP marginals (the model's link
-proportions), the DP latent correlation, the DP 2-way tables of the chosen column pairs (the
-fitted joint proportions the model keeps in its metadata), the synthetic sample and the
-budget plan. No real row is read.
+Everything in the report an analyst gets is DP or post-processing: the released DP marginals
+(the model's link proportions), the DP latent correlation, the DP 2-way tables of the chosen
+column pairs (the fitted joint proportions the model keeps in its metadata), the synthetic
+sample and the budget plan. No real row is read -- except by ``dpfed simulate``, which made
+every site's rows itself and adds a section comparing the synthetic table with them
+(:func:`add_real_rows_section`: marginals, point masses, tails with the band the DP release
+allows, correlations), which no real deployment can show.
 """
 
 from __future__ import annotations
@@ -27,11 +30,22 @@ from dpfed.aggregator.synth_evaluation_report import (  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
 from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn  # noqa: E402
+from dpfed.common.evaluation.utility_metrics import (  # noqa: E402
+    correlation_matrix,
+    table_correlation_error,
+)
+from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.privacy.composition import round_rho  # noqa: E402
 from dpfed.common.privacy.rng import production_rng  # noqa: E402
 from dpfed.common.privacy.skellam import skellam_rho  # noqa: E402
-from dpfed.common.synth.link_release import split_proportions  # noqa: E402
-from dpfed.common.synth.quantile_link import bin_codes  # noqa: E402
+from dpfed.common.synth.fidelity import column_fidelity, released_quantile_band  # noqa: E402
+from dpfed.common.synth.link_release import (  # noqa: E402
+    histogram_sizes,
+    link_histogram_mechanism,
+    release_noise_sd,
+    split_proportions,
+)
+from dpfed.common.synth.quantile_link import QuantileLink, bin_codes  # noqa: E402
 
 _COLS_PER_FIGURE_ROW = 4
 #: Most pairs drawn as heat maps (the table lists every pair).
@@ -40,12 +54,32 @@ MAX_PAIR_FIGURES = 12
 MAX_TICK_LABELS = 12
 
 
+def released_marginals(model: SynthModel) -> dict[str, np.ndarray]:
+    """Per column, the released DP marginal on the report's cells (coarse cells)."""
+    blocks = split_proportions(model.proportions, model.schema, model.n_bins, model.resolution)
+    out = {}
+    for link in model.links.links:
+        p = blocks[link.column.name]
+        out[link.column.name] = (np.bincount(link.layout.coarse, weights=p,
+                                             minlength=link.layout.n_coarse)
+                                 if isinstance(link, QuantileLink) else p)
+    return out
+
+
 def synthetic_marginals(model: SynthModel, table: EncodedTable) -> dict[str, np.ndarray]:
-    """Per column, the synthetic proportions on the same cells as the DP marginal."""
+    """Per column, the synthetic proportions on the report's cells (as :func:`released_marginals`).
+
+    Categories and levels, or a continuous column's coarse cells (its bins, and its bounds'
+    point cells under ``resolution="fine"``).
+    """
     out: dict[str, np.ndarray] = {}
-    for col in model.schema.columns:
+    links = model.links
+    for col, link in zip(model.schema.columns, links.links, strict=True):
         values = table.columns[col.name]
-        if isinstance(col, ContinuousColumn):
+        if isinstance(link, QuantileLink):
+            codes = link.layout.coarse_codes(values)
+            size = link.layout.n_coarse
+        elif isinstance(col, ContinuousColumn):
             codes = bin_codes(col, values, model.n_bins)
             size = model.n_bins
         else:
@@ -56,7 +90,7 @@ def synthetic_marginals(model: SynthModel, table: EncodedTable) -> dict[str, np.
 
 
 def _marginal_figure(model: SynthModel, synthetic: dict[str, np.ndarray]) -> str:
-    dp = split_proportions(model.proportions, model.schema, model.n_bins)
+    dp = released_marginals(model)
     cols = model.schema.columns
     n_rows = math.ceil(len(cols) / _COLS_PER_FIGURE_ROW)
     fig, axes = plt.subplots(n_rows, _COLS_PER_FIGURE_ROW,
@@ -74,10 +108,11 @@ def _marginal_figure(model: SynthModel, synthetic: dict[str, np.ndarray]) -> str
     return figure_to_data_uri(fig)
 
 
-def _heatmaps(dp_corr: np.ndarray, synth_corr: np.ndarray, names: tuple[str, ...]) -> str:
+def _heatmaps(dp_corr: np.ndarray, synth_corr: np.ndarray, names: tuple[str, ...],
+              titles: tuple[str, str] = ("DP latent correlation (released)",
+                                         "synthetic latent correlation")) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
-    for ax, mat, title in ((axes[0], dp_corr, "DP latent correlation (released)"),
-                           (axes[1], synth_corr, "synthetic latent correlation")):
+    for ax, mat, title in ((axes[0], dp_corr, titles[0]), (axes[1], synth_corr, titles[1])):
         im = ax.imshow(mat, vmin=-1, vmax=1, cmap="RdBu_r")
         ax.set_title(title, fontsize=10)
         if len(names) <= 30:
@@ -219,12 +254,132 @@ def secure_paragraph(meta: dict[str, Any]) -> str | None:
             + "; ".join(parts) + ".")
 
 
+def links_noise_sd(model: SynthModel) -> np.ndarray | None:
+    """Return the public noise standard deviation of every cell of the summed link release.
+
+    From the model's metadata (the links round's plan, its sites, the secure sum's noise);
+    None when the metadata does not say (a model built outside a job).
+    """
+    meta = model.metadata
+    plan = {p.get("round"): p for p in meta.get("plan", []) if isinstance(p, dict)}
+    secure = (meta.get("secure") or {}).get("rounds", {}).get("links")
+    try:
+        if isinstance(secure, dict):
+            n = len(secure["participants"])
+            t = int(secure.get("tolerated_colluders", 0))
+            pooled = math.sqrt(float(secure["noise_variance_integer"]) * n / max(n - t, 1))
+            return release_noise_sd(model.schema, model.n_bins, pooled, model.resolution,
+                                    secure=True)
+        links = plan["links"]
+        sites = len(meta.get("rounds", {}).get("links", [])) or 1
+        sigma = link_histogram_mechanism(model.schema, float(links["epsilon"]),
+                                         float(links["delta"])).sigma * math.sqrt(sites)
+        return release_noise_sd(model.schema, model.n_bins, sigma, model.resolution)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def add_real_rows_section(report: Report, model: SynthModel, real: EncodedTable,
+                          synthetic: EncodedTable) -> dict[str, Any]:
+    """Add the simulation's comparison with the real pooled rows; return its key figures.
+
+    Per column: the TVD against the real rows of the synthetic table and of the released
+    DP marginal alone (a draw of every column from its own released marginal: what the
+    1-way release gives, before any model), the most common real value's share, and the
+    tails (p1, p50, p99, sd) with the band of the p99 the release's noise allows
+    (:func:`~dpfed.common.synth.fidelity.released_quantile_band`). Then the correlations:
+    of the values (real vs synthetic) and in the latent space (the real rows' latent
+    correlation against the DP release and against the synthetic rows), with heat maps.
+    Only a simulation may do this: it reads real rows.
+    """
+    rng = np.random.default_rng(0)  # evaluation draws only: no privacy involved
+    links = model.links
+    released = links.from_latent(rng.standard_normal((min(50_000, 4 * real.n_rows),
+                                                      links.dim)))
+    syn = column_fidelity(model.schema, real, synthetic)
+    rel = {f.column: f for f in column_fidelity(model.schema, real, released)}
+    blocks = split_proportions(model.proportions, model.schema, model.n_bins, model.resolution)
+    sd = links_noise_sd(model)
+    sizes = histogram_sizes(model.schema, model.n_bins, model.resolution)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    n = float(model.metadata.get("n_rows_total") or real.n_rows)
+    rows = []
+    figures: dict[str, Any] = {"columns": {}}
+    for j, f in enumerate(syn):
+        band = "-"
+        link = links.links[j]
+        if f.real_tail is not None and sd is not None and isinstance(link, QuantileLink):
+            cells = link.layout
+            coarse_sd = sd[starts[j]:starts[j] + cells.n_coarse]
+            low, mid, high = released_quantile_band(cells, blocks[f.column], coarse_sd, n, 0.99)
+            band = f"{mid:.4g} [{low:.4g}, {high:.4g}]"
+        tails = ("-", "-", "-", "-") if f.real_tail is None or f.synthetic_tail is None else (
+            f"{f.real_tail[0]:.4g} / {f.synthetic_tail[0]:.4g}",
+            f"{f.real_tail[1]:.4g} / {f.synthetic_tail[1]:.4g}",
+            f"{f.real_tail[2]:.4g} / {f.synthetic_tail[2]:.4g}",
+            f"{f.real_tail[3]:.4g} / {f.synthetic_tail[3]:.4g}")
+        mode = "-" if f.mode is None else f"{f.mode[0]:.4g}: {f.mode[1]:.3f} / {f.mode[2]:.3f}"
+        rows.append((f.column, f.kind, f.tvd, rel[f.column].tvd, mode, *tails, band))
+        figures["columns"][f.column] = {"tvd": f.tvd, "tvd_released": rel[f.column].tvd,
+                                        "real_tail": f.real_tail,
+                                        "synthetic_tail": f.synthetic_tail, "p99_band": band}
+    report.heading("Simulation only: the synthetic table against the real rows")
+    report.paragraph(
+        f"dpfed simulate made every site's rows, so it can compare the synthetic table with "
+        f"all {real.n_rows} real rows -- which no real deployment can, and which the rest of "
+        "this report never does. TVDs are on the columns' categories or, for continuous "
+        "columns, on 20 cells cut at quantiles of the real rows, each cut halfway between two "
+        "neighbouring distinct real values (a point mass such as zero visits sits inside its "
+        "cell). 'released' is a draw of every column from its own released DP marginal (what "
+        "the 1-way release gives before any model): the synthetic columns reproduce it, so "
+        "the two TVDs are close, and the gap to the real rows is the release's noise. The "
+        "p99 band is where the real p99 lies for most noise draws of the release (computed "
+        "from its public noise level; tails too thin to tell from the noise are cut off by "
+        "the estimate and can fall below it).")
+    report.table(("column", "type", "TVD real vs synthetic", "TVD real vs released",
+                  "most common real value: share real / synthetic", "p1 real / synthetic",
+                  "p50 real / synthetic", "p99 real / synthetic", "sd real / synthetic",
+                  "released p99 [band]"), rows)
+    # correlations of the values (mixed types scaled by the schema, nominal one-hot)
+    values = table_correlation_error(real, synthetic, model.schema)
+    latent_real = _latent_correlation(links, real)
+    latent_syn = _latent_correlation(links, synthetic)
+    off = ~np.eye(links.dim, dtype=bool)
+    released_err = float(np.abs(model.dp_correlation - latent_real)[off].mean())
+    synthetic_err = float(np.abs(latent_syn - latent_real)[off].mean())
+    figures.update(correlation_error=values.mean_abs, correlation_max=values.max_abs,
+                   latent_released_error=released_err, latent_synthetic_error=synthetic_err)
+    report.key_values({
+        "correlation error of the values (mean / max |difference|)":
+            f"{values.mean_abs:.4f} / {values.max_abs:.4f}",
+        "latent correlation: released DP estimate vs real (mean |difference|)":
+            f"{released_err:.4f} (the DP release's own error: before any modelling)",
+        "latent correlation: synthetic vs real (mean |difference|)": f"{synthetic_err:.4f}"})
+    real_values = correlation_matrix(UnitBallMap(model.schema).scaled(real))
+    syn_values = correlation_matrix(UnitBallMap(model.schema).scaled(synthetic))
+    report.image(_heatmaps(real_values, syn_values, feature_names(model.schema),
+                           ("real rows: correlation", "synthetic rows: correlation")),
+                 "correlations of the real and the synthetic rows")
+    return figures
+
+
+def _latent_correlation(links: Any, table: EncodedTable) -> np.ndarray:
+    latent = links.to_latent(table, np.random.default_rng(1))
+    return np.asarray(np.corrcoef(latent, rowvar=False))
+
+
 def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed synthesis",
-                 extra: dict[str, Any] | None = None) -> str:
-    """Build the report's HTML from the model and a synthetic sample of it."""
+                 extra: dict[str, Any] | None = None, real: EncodedTable | None = None,
+                 figures: dict[str, Any] | None = None) -> str:
+    """Build the report's HTML from the model and a synthetic sample of it.
+
+    ``real`` (``dpfed simulate`` only, which made every site's rows) adds the comparison
+    with the real rows (:func:`add_real_rows_section`), whose key figures are put in
+    ``figures`` when given.
+    """
     table, _ = encode_table(model.schema, sample)
     synthetic = synthetic_marginals(model, table)
-    dp = split_proportions(model.proportions, model.schema, model.n_bins)
+    dp = released_marginals(model)
     links = model.links
     latent = links.to_latent(table, production_rng())
     synth_corr = np.corrcoef(latent, rowvar=False) if table.n_rows > 1 else np.eye(links.dim)
@@ -292,6 +447,10 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
     report.image(_heatmaps(model.dp_correlation, synth_corr, links.latent_names),
                  "latent correlation heat maps")
     add_pairs_section(report, model, table)
+    if real is not None:
+        found = add_real_rows_section(report, model, real, table)
+        if figures is not None:
+            figures.update(found)
     add_evaluation_section(report, meta)
     return report.render()
 

@@ -113,19 +113,22 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
                eps: float, delta: float, rng: np.random.Generator, *, n_bins: int,
                split: Mapping[str, tuple[float, float]] | tuple[float, float] | None = None,
                pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS,
-               composition: str = "basic") -> SynthModel:
+               composition: str = "basic", resolution: str = "fine",
+               pair_gate: bool = True) -> SynthModel:
     """The job's run with its secure rounds in-process; return the model it publishes.
 
     ``split`` maps round names to (epsilon share, delta share) as the job's ``split``
     parameter (None: the job's default for ``pairs``); a bare (epsilon, delta) pair is the
     links round's share with the rest to the pca round (no pair rounds). ``pairs`` (None: the
     job's default, columns - 1; 0: no pair rounds) and ``pair_groups`` are the job's.
-    ``composition`` is the job's (``zcdp``: every round its share of rho). ``rng`` draws the
+    ``composition`` is the job's (``zcdp``: every round its share of rho), and so are
+    ``resolution`` (the continuous columns' cells) and ``pair_gate``. ``rng`` draws the
     noise and the post-processing's randomness; the job's budget check (which refuses
     budgets whose histograms are mostly noise) is skipped, so every budget is measured.
     """
     raw: dict[str, object] = {"n_bins": n_bins, "aggregation": "secure",
-                              "pair_groups": pair_groups, "composition": composition}
+                              "pair_groups": pair_groups, "composition": composition,
+                              "resolution": resolution, "pair_gate": pair_gate}
     if isinstance(split, Mapping):
         raw["split"] = {k: [float(v[0]), float(v[1])] for k, v in split.items()}
     elif split is not None:

@@ -60,6 +60,7 @@ from dpfed.common.synth.link_release import (  # noqa: E402
     LinkHistogramAccumulator,
     links_from_proportions,
     proportions_from_histograms,
+    release_noise_sd,
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
 from dpfed.common.synth.pair_marginals import (  # noqa: E402
@@ -71,6 +72,7 @@ from dpfed.common.synth.pair_marginals import (  # noqa: E402
 from dpfed.common.synth.pipeline import pair_forest  # noqa: E402
 
 BINS = 32
+RESOLUTION = "fine"  # the job's default 1-way cells
 
 
 def write_seconds(model: SynthModel, path: Path, rows: int, seed: int,
@@ -92,10 +94,14 @@ def build_model(seed: int = 3, pairs: bool = False) -> SynthModel:
     schema, frames = generate_demo(1, 20_000, 20, seed=seed, mixed=True)
     table, _ = encode_table(schema, frames[0])
     rng = np.random.default_rng(0)
-    acc = LinkHistogramAccumulator(schema, BINS)
+    acc = LinkHistogramAccumulator(schema, BINS, RESOLUTION)
     acc.add(table)
-    props = proportions_from_histograms(acc.counts.astype(float), schema, BINS)
-    links = links_from_proportions(schema, props, BINS)
+    # the job's default cells and estimate; noise-free counts (a tiny public noise level)
+    props = proportions_from_histograms(acc.counts.astype(float), schema, BINS,
+                                        n_rows=table.n_rows, resolution=RESOLUTION,
+                                        noise_sd=release_noise_sd(schema, BINS, 1e-6,
+                                                                  RESOLUTION))
+    links = links_from_proportions(schema, props, BINS, "quantile", RESOLUTION)
     dim = links.dim
     clip = default_clip_norm(dim)
     unit, _ = clip_to_unit_ball(links.to_latent(table, rng), clip)
@@ -106,7 +112,8 @@ def build_model(seed: int = 3, pairs: bool = False) -> SynthModel:
     fm, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng, n_rows=table.n_rows)
     model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
                              n_bins=BINS, proportions=props, factor_model=fm,
-                             dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr)
+                             dp_correlation=np.eye(dim), rng=rng, latent_correlation=corr,
+                             resolution=RESOLUTION)
     if not pairs:
         return model
     grid = model.pair_grid(DEFAULT_GROUPS)

@@ -58,7 +58,7 @@ def scores(metrics: Metrics, fit: Any, n: int, reps: int, key: list[int]) -> dic
 
 
 def run(table: str, epsilons: list[float], groups: list[int], shares: list[float], reps: int,
-        seed: int, gates: tuple[bool, ...] = (False,)) -> None:
+        seed: int) -> None:
     """Print one block per (table, epsilon)."""
     schema, frame, target = load_table(table)
     sites, holdout = split_sites(frame, 4, iid=True, seed=seed)
@@ -68,15 +68,14 @@ def run(table: str, epsilons: list[float], groups: list[int], shares: list[float
              "fed-iid": [encode_table(schema, s)[0] for s in sites]}
     n = len(train)
 
-    def fit(method: str, tables: list[Any], eps: float, split: Any, groups: int, gate: bool,
+    def fit(method: str, tables: list[Any], eps: float, split: Any, groups: int,
             rng: np.random.Generator) -> Any:
-        """``central``: FactorModelSynthesizer (gated: the job's rounds with one site, as the
-        gate is an experiment outside it); ``fed-iid``: the job's rounds over 4 sites."""
-        if method == "central" and not gate:
+        """``central``: FactorModelSynthesizer; ``fed-iid``: the job's rounds over 4 sites."""
+        if method == "central":
             return fit_central(schema, train, eps, DELTA, split, DEFAULT_BINS, rng,
                                pair_groups=groups)
         return fit_federated(schema, tables, eps, DELTA, split, DEFAULT_BINS, rng,
-                             pair_groups=groups, gate=gate)
+                             pair_groups=groups)
 
     for eps in epsilons:
         print(f"\n{table}, epsilon {eps:g}, mean of {reps}: tvd1 / tvd2 / tvd2max / auc "
@@ -84,19 +83,18 @@ def run(table: str, epsilons: list[float], groups: list[int], shares: list[float
         for method, tables in parts.items():
             key = [seed, int(round(eps * 1000)), len(tables)]
             base = scores(metrics, lambda rng, m=method, t=tables, e=eps: fit(
-                m, t, e, NO_PAIRS_SPLIT, DEFAULT_GROUPS, False, rng), n, reps, key)
+                m, t, e, NO_PAIRS_SPLIT, DEFAULT_GROUPS, rng), n, reps, key)
             print(f"  {method:>8} {'no pairs':<24} " + " / ".join(
                 f"{base[k]:.4f}" for k in KEYS), flush=True)
-            for gate in gates:
-                for g in groups:
-                    for share in shares:
-                        split = pairs_split(share)
-                        got = scores(metrics, lambda rng, m=method, t=tables, e=eps, s=split,
-                                     g=g, q=gate: fit(m, t, e, s, g, q, rng), n, reps, key)
-                        label = f"groups {g:>2} pairs {share:.2f}" + (" gated" if gate else "")
-                        print(f"  {method:>8} {label:<24} " + " / ".join(
-                            f"{got[k]:.4f}" for k in KEYS)
-                            + f"  (x{got['tvd2'] / base['tvd2']:.2f})", flush=True)
+            for g in groups:
+                for share in shares:
+                    split = pairs_split(share)
+                    got = scores(metrics, lambda rng, m=method, t=tables, e=eps, s=split,
+                                 g=g: fit(m, t, e, s, g, rng), n, reps, key)
+                    label = f"groups {g:>2} pairs {share:.2f}"
+                    print(f"  {method:>8} {label:<24} " + " / ".join(
+                        f"{got[k]:.4f}" for k in KEYS)
+                        + f"  (x{got['tvd2'] / base['tvd2']:.2f})", flush=True)
 
 
 def main() -> None:
@@ -107,18 +105,14 @@ def main() -> None:
     ap.add_argument("--pairs-shares", nargs="+", type=float, default=[0.08, 0.12, 0.2])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--gate", choices=("off", "on", "both"), default="off",
-                    help="also (or only) choose the forest on scores minus the expected noise "
-                         "of each pair's table (synth_quality.gated_scores; an experiment)")
     args = ap.parse_args()
-    gates = {"off": (False,), "on": (True,), "both": (False, True)}[args.gate]
     for share in args.pairs_shares:
         try:
             pairs_split(share)
         except ValueError as exc:
             raise SystemExit(f"--pairs-shares: {exc}") from None
     for table in args.tables:
-        run(table, args.eps, args.groups, args.pairs_shares, args.reps, args.seed, gates)
+        run(table, args.eps, args.groups, args.pairs_shares, args.reps, args.seed)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,17 @@ split into a real holdout (20 %) and 4 site tables, IID or non-IID
   ``--pairs-rows on|off|both`` (default both: side by side); ``--pairs``, ``--pair-groups``;
   ``--no-secure`` skips the secure rows.
 
-Metrics against the real holdout: ``tvd1`` mean 1-way TVD (continuous columns on 20 bins),
-``tvd2``/``tvd2max`` mean/max 2-way TVD (continuous on 5 bins), ``corr`` mean |correlation
-difference|, ``auc`` of a logistic regression for the binary target trained on the synthetic
-rows, ``dcr`` median distance to the closest training row over that of holdout rows (1 = as
-close as fresh data), ``nndr`` median nearest-neighbour distance ratio, ``cal`` the mean TVD
-between each synthetic column and its released DP marginal on the release bins (calibration:
-sampling error only). Ratios: ``tvd1/indep`` (central and secure vs indep, site-level
-federated vs indep-fed; goal <= 1.2) and federated / central per metric (errors
-fed/central, auc/dcr/nndr central/fed; goal <= 1.2; ``+pairs`` rows against
-``central+pairs``), site-level and secure side by side; a last block says per row which goal
-is met or missed.
+Metrics against the real holdout (:mod:`synth_metrics`: continuous columns on cells cut at
+quantiles of the training rows): ``tvd1`` mean 1-way TVD, ``tvd2``/``tvd2max`` mean/max
+2-way TVD, ``corr`` mean |correlation difference|, ``auc`` of a logistic regression for the
+binary target trained on the synthetic rows, ``dcr`` median distance to the closest training
+row over that of holdout rows (1 = as close as fresh data), ``nndr`` median nearest-neighbour
+distance ratio, ``cal`` the mean TVD between each synthetic column and its released DP
+marginal on the link cells (calibration: sampling error only). Ratios: ``tvd1/indep``
+(central and secure vs indep, site-level federated vs indep-fed; goal <= 1.2) and federated /
+central per metric (errors fed/central, auc/dcr/nndr central/fed; goal <= 1.2; ``+pairs``
+rows against ``central+pairs``), site-level and secure side by side; a last block says per row
+which goal is met or missed.
 
 Every cell is the mean over ``--reps`` noise draws (default 3) on the same split.
 ``--composition zcdp`` composes every dpfed row's rounds in zCDP (each round its share of rho,
@@ -58,18 +58,18 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import special
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import synth_metrics  # noqa: E402
 from real_tables import load_table, split_sites  # noqa: E402
 from secure_synth_round import federation, fit_secure  # noqa: E402
 
 import dpfed  # noqa: E402
 from dpfed.aggregator.synth_model import SynthModel  # noqa: E402
 from dpfed.common.data.encoding import EncodedTable, encode_table  # noqa: E402
-from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema  # noqa: E402
+from dpfed.common.data.schema import ContinuousColumn, Schema  # noqa: E402
 from dpfed.common.evaluation.disclosure import (  # noqa: E402
     nearest_neighbours,
     neighbour_distance_ratio,
@@ -81,28 +81,35 @@ from dpfed.common.job_params import (  # noqa: E402
     SYNTH_PAIRS_DEFAULT_SPLIT,
 )
 from dpfed.common.pca import dppca  # noqa: E402
-from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.privacy.composition import split_budget  # noqa: E402
 from dpfed.common.synth import pair_marginals as pm  # noqa: E402
+from dpfed.common.synth.column_cells import schema_cells  # noqa: E402
 from dpfed.common.synth.factor_model import FactorModelSynthesizer, dp_second_moment  # noqa: E402
 from dpfed.common.synth.generative import fit_factor_model  # noqa: E402
 from dpfed.common.synth.link_release import (  # noqa: E402
     LinkHistogramAccumulator,
+    link_histogram_mechanism,
     release_link_histograms,
+    release_noise_sd,
     split_proportions,
     sum_histograms,
 )
-from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm  # noqa: E402
+from dpfed.common.synth.links import (  # noqa: E402
+    LatentLinks,  # noqa: E402
+    clip_to_unit_ball,
+    default_clip_norm,
+)
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS  # noqa: E402
 from dpfed.common.synth.pipeline import (  # noqa: E402
     combine_factors,
     links_from_histograms,
     pair_forest,
 )
-from dpfed.common.synth.quantile_link import DEFAULT_BINS, bin_codes  # noqa: E402
+from dpfed.common.synth.quantile_link import DEFAULT_BINS  # noqa: E402
 
 DELTA = 1e-6
 N_SITES = 4
+RESOLUTION = "fine"  # the job's 1-way cells (new jobs)
 SITE_IDS = [f"site-{i}" for i in range(N_SITES)]
 FEDERATED = ("fed-iid", "fed-noniid", "fed-secure-iid", "fed-secure-noniid")
 
@@ -176,41 +183,52 @@ def as_split(split: Mapping[str, tuple[float, float]] | tuple[float, float]
     return {"links": links, "pca": (1.0 - links[0], 1.0 - links[1])}
 
 
+def link_release(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
+                 n_bins: int, rng: np.random.Generator) -> tuple[np.ndarray, LatentLinks, int]:
+    """The job's site-level link round over ``tables``: (DP proportions, links, pooled N).
+
+    Every site releases its histograms on the job's cells (``RESOLUTION``); the coordinator
+    sums them and estimates every column with the summed noise's public level.
+    """
+    rels = []
+    for t in tables:  # site: link round
+        acc = LinkHistogramAccumulator(schema, n_bins, RESOLUTION)
+        acc.add(t)
+        rels.append(release_link_histograms(acc.counts, schema, n_bins, epsilon=eps,
+                                            delta=delta, rng=rng, resolution=RESOLUTION))
+    n_total = sum(t.n_rows for t in tables)
+    sigma = link_histogram_mechanism(schema, eps, delta).sigma * np.sqrt(len(tables))
+    props, links = links_from_histograms(
+        sum_histograms(rels, schema, n_bins, RESOLUTION), schema, n_bins, n_rows=n_total,
+        resolution=RESOLUTION, noise_sd=release_noise_sd(schema, n_bins, sigma, RESOLUTION))
+    return props, links, n_total
+
+
 def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
                   split: Mapping[str, tuple[float, float]] | tuple[float, float], n_bins: int,
                   rng: np.random.Generator, weighting: str = "size", pairs: int | None = None,
-                  pair_groups: int = DEFAULT_GROUPS, gate: bool = False,
+                  pair_groups: int = DEFAULT_GROUPS,
                   composition: str = "basic") -> SynthModel:
-    """The ``synth`` job's rounds through the same site and coordinator functions.
+    """The ``synth`` job's site-level rounds through the same site and coordinator functions.
 
     ``split`` maps round names to (epsilon share, delta share) (:data:`PAIRS_SPLIT`,
     :data:`NO_PAIRS_SPLIT`); a bare (epsilon, delta) pair is the links round's share with the
     rest to the pca round. The two pair rounds run when ``split`` has a ``pairs`` round and
     ``pairs`` (most 2-way marginals; None: the job's default, columns - 1) is not 0:
     ``pair_scores`` (every site: the grid from the DP link proportions, exact tables of the
-    candidate pairs, dependence scores, Gaussian release; coordinator: sum, spanning forest)
-    then ``pairs`` (every site: the forest's tables, Gaussian release; coordinator: sum,
-    projection and raking with the pooled row count, the model's correction).
-    ``weighting="equal"`` combines the DP-PCA factors with the paper's equal weights instead
-    of the job's size weights (for the weighting check). ``gate`` (an experiment, not the
-    job): the forest is chosen on :func:`gated_scores` instead of the raw noisy scores.
-    ``composition`` is the job's (``zcdp``: every round gets its share of rho, as
-    :meth:`SynthParams.plan` gives it).
+    candidate pairs, dependence scores, Gaussian release; coordinator: sum, the pairs whose
+    score clears the noise their table would carry, spanning forest) then ``pairs`` (every
+    site: the forest's tables, Gaussian release; coordinator: sum, projection and raking with
+    the pooled row count, the model's correction). ``weighting="equal"`` combines the DP-PCA
+    factors with the paper's equal weights instead of the job's size weights (for the
+    weighting check). ``composition`` is the job's (``zcdp``: every round gets its share of
+    rho, as :meth:`SynthParams.plan` gives it).
     """
     shares = as_split(split)
     budget = {name: (e, d) for name, e, d in split_budget(
         eps, delta, [(k, e, d) for k, (e, d) in shares.items()], composition)}
-    el, dl = budget["links"]
+    props, links, n_total = link_release(schema, tables, *budget["links"], n_bins, rng)
     ep, dp = budget["pca"]
-    rels = []
-    for t in tables:  # site: link round
-        acc = LinkHistogramAccumulator(schema, n_bins)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, n_bins, epsilon=el, delta=dl,
-                                            rng=rng))
-    n_total = sum(t.n_rows for t in tables)
-    props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
-                                         n_rows=n_total)
     dim = links.dim
     clip = default_clip_norm(dim)
     factors = []
@@ -229,14 +247,14 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     model = SynthModel.build(schema, mode="generative", continuous_link="quantile",
                              n_bins=n_bins, proportions=props, factor_model=fm,
                              dp_correlation=dpc / np.outer(d, d), rng=rng,
-                             latent_correlation=corr)
+                             latent_correlation=corr, resolution=RESOLUTION)
     n_cols = len(schema.columns)
     max_pairs = n_cols - 1 if pairs is None else pairs
     if "pairs" not in shares or max_pairs == 0 or n_cols < 2:
         return model
     es, ds = budget["pair_scores"]
     eq, dq = budget["pairs"]
-    grid = pm.PairGrid.from_proportions(schema, props, n_bins, pair_groups)
+    grid = pm.PairGrid.from_proportions(schema, props, n_bins, pair_groups, RESOLUTION)
     cands = grid.candidate_pairs()
     if not cands:
         return model
@@ -246,13 +264,9 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
         acc2.add(t)
         exact = pm.dependence_scores(acc2.counts, grid, cands, props, t.n_rows)
         scores += pm.score_mechanism(len(cands), es, ds).release(exact, rng)
-    if gate:  # coordinator (post-processing of the noisy scores and public sigmas)
-        scores, cands = gated_scores(scores, grid, cands, max_pairs, eq, dq, len(tables))
-        if not cands:
-            return model
-        edges = pm.choose_forest(scores, cands, n_cols, max_pairs)
-    else:  # coordinator: the job's step (aggregator/jobs/synth_pairs.py)
-        edges = pair_forest(scores, grid, max_pairs)
+    # coordinator: the job's step (aggregator/jobs/synth.py), with its gate
+    edges = pair_forest(scores, grid, max_pairs, lambda k: pm.pair_table_mechanism(
+        k, eq, dq).sigma * np.sqrt(len(tables)))
     if not edges:
         return model
     mech = pm.pair_table_mechanism(len(edges), eq, dq)
@@ -269,41 +283,11 @@ def fit_federated(schema: Schema, tables: list[EncodedTable], eps: float, delta:
     return model.with_pairs(grid, edges, joint, rng, noise_sd=noise_sd / max(n_total, 1))
 
 
-def gated_scores(scores: np.ndarray, grid: pm.PairGrid, cands: list[pm.Pair], max_pairs: int,
-                 epsilon: float, delta: float, n_sites: int
-                 ) -> tuple[np.ndarray, list[pm.Pair]]:
-    """Noisy scores minus the expected L1 error of the pair's released table (an experiment).
-
-    A pair table helps only where the pair's dependence (its score, an L1 distance in counts)
-    exceeds the noise its release adds: ``cells sigma sqrt(S) sqrt(2/pi)`` for ``S`` sites at
-    the pairs round's Gaussian ``sigma`` (``K`` = ``max_pairs`` tables, then once more with the
-    number of pairs that pass). Returns the positive gated scores and their pairs.
-    Post-processing: noisy scores and public calibration only.
-    """
-    k = max(min(max_pairs, len(cands)), 1)
-    keep = np.zeros(len(cands), dtype=bool)
-    gated = scores
-    for _ in range(2):
-        sigma = pm.pair_table_mechanism(k, epsilon, delta).sigma
-        cost = np.array([grid.cells(p) for p in cands]) * sigma * np.sqrt(n_sites * 2 / np.pi)
-        gated = scores - cost
-        keep = gated > 0
-        k = max(min(int(keep.sum()), max_pairs), 1)
-    return gated[keep], [p for p, ok in zip(cands, keep, strict=True) if ok]
-
-
 def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float, delta: float,
                           n: int, n_bins: int, rng: np.random.Generator
                           ) -> tuple[pd.DataFrame, np.ndarray]:
     """Every column from its own DP histogram (all of the budget; summed over the sites)."""
-    rels = []
-    for t in tables:
-        acc = LinkHistogramAccumulator(schema, n_bins)
-        acc.add(t)
-        rels.append(release_link_histograms(acc.counts, schema, n_bins, epsilon=eps,
-                                            delta=delta, rng=rng))
-    props, links = links_from_histograms(sum_histograms(rels, schema, n_bins), schema, n_bins,
-                                         n_rows=sum(t.n_rows for t in tables))
+    props, links, _ = link_release(schema, tables, eps, delta, n_bins, rng)
     # Independent standard normal latent: every column from its own DP marginal, no joint.
     return links.from_latent(rng.standard_normal((n, links.dim))).to_frame(), props
 
@@ -311,86 +295,28 @@ def independent_marginals(schema: Schema, tables: list[EncodedTable], eps: float
 # --------------------------------------------------------------------------- metrics
 
 
-class Metrics:
-    """Every metric of one table (schema, binary target, training rows, holdout)."""
+class Metrics(synth_metrics.Metrics):
+    """The suite's metrics (:mod:`synth_metrics`) plus calibration, DCR and NNDR."""
 
     def __init__(self, schema: Schema, target: str, train: pd.DataFrame,
-                 holdout: pd.DataFrame, n_bins: int) -> None:
-        self.schema, self.target, self.n_bins = schema, target, n_bins
-        self.train, self.holdout = train, holdout
-        self.fmap = UnitBallMap(schema)
-        names = feature_names(schema)
-        self.keep = [i for i, nm in enumerate(names) if not nm.startswith(target)]
-
-    def _size(self, col: Any, bins: int) -> int:
-        if isinstance(col, ContinuousColumn):
-            return bins
-        return col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
-
-    def _binned(self, frame: pd.DataFrame, bins: int) -> dict[str, np.ndarray]:
-        table, _ = encode_table(self.schema, frame)
-        out = {}
-        for col in self.schema.columns:
-            v = table.columns[col.name]
-            out[col.name] = (bin_codes(col, v, bins) if isinstance(col, ContinuousColumn)
-                             else v.astype(int))
-        return out
-
-    @staticmethod
-    def _tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
-        pa = np.bincount(a, minlength=size) / a.size
-        pb = np.bincount(b, minlength=size) / b.size
-        return 0.5 * float(np.abs(pa - pb).sum())
-
-    def tvds(self, syn: pd.DataFrame) -> tuple[float, float, float]:
-        cols = self.schema.columns
-        r1, s1 = self._binned(self.holdout, 20), self._binned(syn, 20)
-        one = [self._tvd(r1[c.name], s1[c.name], self._size(c, 20)) for c in cols]
-        r2, s2 = self._binned(self.holdout, 5), self._binned(syn, 5)
-        two = []
-        for i in range(len(cols)):
-            for j in range(i + 1, len(cols)):
-                a, b = cols[i], cols[j]
-                sb = self._size(b, 5)
-                two.append(self._tvd(r2[a.name] * sb + r2[b.name], s2[a.name] * sb + s2[b.name],
-                                     self._size(a, 5) * sb))
-        return float(np.mean(one)), float(np.mean(two)), float(np.max(two))
+                 holdout: pd.DataFrame, n_bins: int, resolution: str = "fine") -> None:
+        super().__init__(schema, target, train, holdout)
+        self.n_bins, self.resolution = n_bins, resolution
 
     def calibration(self, syn: pd.DataFrame, proportions: np.ndarray) -> float:
-        """Mean TVD between each synthetic column and its released DP marginal."""
-        blocks = split_proportions(proportions, self.schema, self.n_bins)
-        binned = self._binned(syn, self.n_bins)
+        """Mean TVD between each synthetic column and its released DP marginal (link cells)."""
+        blocks = split_proportions(proportions, self.schema, self.n_bins, self.resolution)
+        table, _ = encode_table(self.schema, syn)
+        cells = schema_cells(self.schema, self.n_bins, self.resolution)
         out = []
         for col in self.schema.columns:
             p = blocks[col.name]
-            q = np.bincount(binned[col.name], minlength=p.size) / len(syn)
+            v = table.columns[col.name]
+            codes = (cells[col.name].codes(v) if isinstance(col, ContinuousColumn)
+                     else np.asarray(v, dtype=np.intp))
+            q = np.bincount(codes, minlength=p.size) / len(syn)
             out.append(0.5 * float(np.abs(p - q).sum()))
         return float(np.mean(out))
-
-    def _features(self, frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        table, _ = encode_table(self.schema, frame)
-        y = (table.columns[self.target] == 1).astype(float)
-        return self.fmap.scaled(table)[:, self.keep], y
-
-    def auc(self, train: pd.DataFrame) -> float:
-        """L2-regularised logistic regression (Newton steps) trained on ``train``; holdout AUC."""
-        x, y = self._features(train)
-        xt, yt = self._features(self.holdout)
-        if y.min() == y.max():
-            return 0.5
-        x1 = np.hstack([x, np.ones((x.shape[0], 1))])
-        w = np.zeros(x1.shape[1])
-        lam = 1e-3 * x1.shape[0]
-        for _ in range(25):
-            pr = special.expit(x1 @ w)
-            grad = x1.T @ (pr - y) + lam * w
-            hess = (x1 * (pr * (1 - pr))[:, None]).T @ x1 + lam * np.eye(x1.shape[1])
-            w -= np.linalg.solve(hess, grad)
-        score = np.hstack([xt, np.ones((xt.shape[0], 1))]) @ w
-        ranks = pd.Series(score).rank().to_numpy()
-        pos = yt == 1
-        n_pos, n_neg = pos.sum(), (~pos).sum()
-        return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
     def privacy(self, syn: pd.DataFrame, m: int = 3000) -> tuple[float, float]:
         enc = [self.fmap.scaled(encode_table(self.schema, f.iloc[:m])[0])
@@ -401,14 +327,14 @@ class Metrics:
         dcr = float(np.median(nb.distances[:, 0]) / max(np.median(ref.distances[:, 0]), 1e-12))
         return dcr, float(np.median(neighbour_distance_ratio(nb)))
 
-    def evaluate(self, name: str, syn: pd.DataFrame, seconds: float,
+    def evaluate(self, name: str, syn: pd.DataFrame | EncodedTable, seconds: float = 0.0,
                  proportions: np.ndarray | None = None) -> dict[str, Any]:
-        t1, t2, t2m = self.tvds(syn)
-        corr = table_correlation_error(self.holdout, syn, self.schema).mean_abs
-        dcr, nndr = self.privacy(syn)
-        cal = math_nan() if proportions is None else self.calibration(syn, proportions)
-        return {"method": name, "tvd1": t1, "tvd2": t2, "tvd2max": t2m, "corr": corr,
-                "auc": self.auc(syn), "dcr": dcr, "nndr": nndr, "cal": cal, "s": seconds}
+        frame = syn.to_frame() if isinstance(syn, EncodedTable) else syn
+        out = super().evaluate(name, frame, seconds)
+        out["dcr"], out["nndr"] = self.privacy(frame)
+        out["cal"] = math_nan() if proportions is None else self.calibration(frame,
+                                                                              proportions)
+        return out
 
 
 def math_nan() -> float:

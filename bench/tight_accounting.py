@@ -1,7 +1,9 @@
 """What a site's ledger claims against what its releases really cost together.
 
 For each job kind's default plan (the events one site is charged, built with the library's own
-cost functions, as the site handlers build them), and for a mixed ledger of 30 events, this
+cost functions, as the site handlers build them; the pca job's rounds as a submission settles
+them for 3 sites x 1000 rows with pld ledgers, site-level in GDP shares, secure with the
+secure norm histogram), and for a mixed ledger of 30 events, this
 prints side by side, at the job's (or the ledger's) delta:
 
 ``basic``   the old default ledger: the sum of the rounds' epsilons (their deltas sum to delta)
@@ -26,7 +28,9 @@ import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution as oracle_pld
 
 from dpfed.common.data.demo_data import generate_demo
-from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT, PCAParams
+from dpfed.common.job_params import SYNTH_PAIRS_DEFAULT_SPLIT
+from dpfed.common.jobs.params import ConnectedSite
+from dpfed.common.jobs.registry import job_kind
 from dpfed.common.pca.centring import centred_pca_mechanism, mean_sum_mechanism
 from dpfed.common.pca.clipping import norm_histogram_mechanism
 from dpfed.common.privacy.accounting import PrivacyCost, zcdp_to_epsilon
@@ -48,10 +52,20 @@ def secure_cost(plan: object) -> PrivacyCost:
                        cal.l2_sensitivity, math.sqrt(plan.share))  # type: ignore[attr-defined]
 
 
+def pca_plan(eps: float, delta: float, **raw: object) -> list[tuple[str, float, float]]:
+    """The pca job's rounds as a submission now settles them (3 pld sites x N_ROWS rows)."""
+    schema = generate_demo(1, 10, FEATURES, seed=1)[0]
+    kind = job_kind("pca")
+    canonical = kind.canonical({"n_components": 5, **raw}, eps, delta, schema)
+    settled = kind.settle(canonical, eps, delta, schema,
+                          [ConnectedSite(N_ROWS, "pld") for _ in SITES])
+    return [(r.name, r.epsilon, r.delta)
+            for r in kind.plan(kind.parse(settled, schema), eps, delta)]
+
+
 def pca_site(eps: float, delta: float) -> list[PrivacyCost]:
-    params = PCAParams.from_mapping({"n_components": 5}, n_features=FEATURES)
     out = []
-    for name, e, d in params.rounds(eps, delta):
+    for name, e, d in pca_plan(eps, delta):
         if name == "mean":
             out.append(mean_sum_mechanism(e, d).cost())
         elif name == "norms":
@@ -62,13 +76,14 @@ def pca_site(eps: float, delta: float) -> list[PrivacyCost]:
 
 
 def pca_secure(eps: float, delta: float) -> list[PrivacyCost]:
-    params = PCAParams.from_mapping({"n_components": 5, "aggregation": "secure"},
-                                    n_features=FEATURES)
     out = []
-    for name, e, d in params.rounds(eps, delta):
-        plan = (plan_row_sum if name == "mean" else plan_gram)(
-            dim=FEATURES, total_rows=3 * N_ROWS, epsilon=e, delta=d, participants=SITES,
-            tolerated=1)
+    kw = {"total_rows": 3 * N_ROWS, "participants": SITES, "tolerated": 1}
+    for name, e, d in pca_plan(eps, delta, aggregation="secure"):
+        if name == "norms":
+            plan = plan_counts(dim=41, row_norm=1.0, epsilon=e, delta=d, **kw)
+        else:
+            plan = (plan_row_sum if name == "mean" else plan_gram)(
+                dim=FEATURES, epsilon=e, delta=d, **kw)
         out.append(secure_cost(plan))
     return out
 

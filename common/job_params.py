@@ -7,14 +7,16 @@ receives again, because a site trusts nothing that comes over the network.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
 from dpfed.common.jobs.params import (
     Aggregation,
+    ConnectedSite,
     Params,
     ParseContext,
     Parser,
@@ -23,8 +25,9 @@ from dpfed.common.jobs.params import (
     integer,
     param,
 )
-from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
+from dpfed.common.privacy.composition import COMPOSITIONS, gdp_split, split_budget
 from dpfed.common.privacy.mechanisms import CALIBRATIONS, gaussian_sigma
+from dpfed.common.synth.column_cells import RESOLUTIONS
 from dpfed.common.synth.pair_marginals import DEFAULT_GROUPS, MAX_GROUPS
 from dpfed.common.validation import (
     check_choice,
@@ -75,6 +78,55 @@ def _clip_quantile(value: Any, _ctx: ParseContext) -> float:
     return quantile
 
 
+#: How a pca ``split`` composes: shares of (epsilon, delta), or shares of the GDP ``mu^2``.
+PCA_COMPOSITIONS: tuple[str, ...] = ("basic", "gdp")
+
+
+def _pca_rounds(parsed: Mapping[str, Any]) -> tuple[str, ...]:
+    """Return the rounds of a pca job in the clip-first order (from centering, clip_norm)."""
+    return ((("norms",) if parsed["clip_norm"] == "auto" else ())
+            + (("mean",) if parsed["centering"] == "mean" else ()) + ("pca",))
+
+
+def _pca_split(raw: Any, rounds: tuple[str, ...], resolved_clip: Any = None
+               ) -> tuple[tuple[str, float, float], ...] | None:
+    """Validate a pca ``split``: {round: [share, delta share]} over exactly the job's rounds.
+
+    A task sent after the ``norms`` round carries the radius it chose as ``clip_norm``
+    (``resolved_clip``); its split still names ``norms``.
+    """
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValidationError("split must map round names to [share, delta share]")
+    named = set(raw)
+    if isinstance(resolved_clip, float):  # a task after the norms round resolved the radius
+        named.discard("norms")
+    if named != set(rounds):
+        raise ValidationError(f"split must name exactly this job's rounds {list(rounds)}, "
+                              f"got {sorted(raw)}")
+    out = []
+    for name in [r for r in ("norms", "mean", "pca") if r in raw]:
+        pair = raw[name]
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValidationError(f"split[{name!r}] must be [share, delta share]")
+        e = check_positive(pair[0], f"split[{name!r}] share")
+        d = check_positive(pair[1], f"split[{name!r}] delta share")
+        out.append((name, e, d))
+    for i, what in ((1, "shares"), (2, "delta shares")):
+        total = sum(float(r[i]) for r in out)
+        if abs(total - 1.0) > 1e-9:
+            raise ValidationError(f"split {what} must sum to 1, got {total:g}")
+    return tuple(out)
+
+
+def _pca_composition(raw: Any, split: Any) -> str:
+    composition = check_choice(raw, "composition", PCA_COMPOSITIONS)
+    if split is None and composition != "basic":
+        raise ValidationError("composition applies to a pca job with a split")
+    return composition
+
+
 @dataclass(frozen=True)
 class PCAParams(Params):
     """Parameters of a ``pca`` job (DPdisPCA).
@@ -91,14 +143,14 @@ class PCAParams(Params):
         ``site`` (default): every site noises its own release (DPdisPCA); ``secure``: the
         sites' Gram matrices (and row sums, when centred) are summed under secure aggregation
         with distributed Skellam noise (``dpfed.common.secagg``), so the noise is that of one
-        row of the pooled data; centring then happens at the coordinator, and ``clip_norm``
-        is ``schema`` or a number.
+        row of the pooled data; centring then happens at the coordinator; with
+        ``clip_norm="auto"`` the norm histogram is a secure sum too.
     clip_norm : float, None or "auto"
         Public bound on the norm of the rows the PCA round decomposes, in the space where every
         column is scaled to [-1, 1] (centred at the DP mean when ``centering="mean"``).
-        ``"auto"`` (default at site level): a DP quantile of the row norms (round ``norms``);
-        None (the user types ``schema``; the secure default): the worst case the schema
-        allows, nothing is clipped.
+        ``"auto"`` (default): a DP quantile of the row norms (round ``norms``; secure jobs
+        made before it existed said ``schema``); None (the user types ``schema``): the worst
+        case the schema allows, nothing is clipped.
     centering : {"mean", "none"}
         ``"mean"`` (default): a DP mean round first, then the centred second moment;
         ``"none"``: the second moment around the schema's midpoint (DPdisPCA as published).
@@ -107,6 +159,15 @@ class PCAParams(Params):
     site_weighting : {"size", "equal"}
         ``"size"`` (default): the sites' matrices weighted by ``N_s / N``; ``"equal"``: the
         paper's ``1/S``. Post-processing either way (``N_s`` is public).
+    split : tuple of (round, share, delta share) or None
+        How the job's budget is divided between its rounds, which then run clip first
+        (:attr:`clip_first`). Chosen at submission from public numbers when not given
+        (:meth:`settle`); None (jobs made before) keeps the fixed :data:`MEAN_SHARE` /
+        :data:`NORMS_SHARE` split and the old round order.
+    composition : {"basic", "gdp"}
+        How ``split`` turns into the rounds' budgets: shares of (epsilon, delta), or shares
+        of the job's GDP ``mu^2`` (for sites whose ledger is ``pld``, charged exactly
+        (epsilon, delta)).
     """
 
     kind: ClassVar[str] = "pca"
@@ -124,21 +185,90 @@ class PCAParams(Params):
     aggregation: str = param("site", parse=choice("aggregation", AGGREGATIONS),
                              flag="--aggregation")
     clip_norm: float | str | None = param(
-        derive_default=lambda ctx: "auto" if ctx.parsed["aggregation"] == "site" else "schema",
-        parse=_clip_norm, wire=lambda v: "schema" if v is None else v, flag="--clip-norm")
+        "auto", parse=_clip_norm, wire=lambda v: "schema" if v is None else v, flag="--clip-norm")
     centering: str = param("mean", parse=choice("centering", CENTERINGS), flag="--centering")
     clip_quantile: float = param(DEFAULT_CLIP_QUANTILE, parse=_clip_quantile,
                                  flag="--clip-quantile")
     site_weighting: str = param("size", parse=choice("site_weighting", SITE_WEIGHTINGS),
                                 flag="--site-weighting")
+    split: tuple[tuple[str, float, float], ...] | None = param(  # absent: the first plan
+        None, parse=lambda v, ctx: _pca_split(v, _pca_rounds(ctx.parsed),
+                                              ctx.parsed["clip_norm"]),
+        wire=lambda split: {n: [e, d] for n, e, d in split}, omit=lambda p: p.split is None)
+    composition: str = param(
+        "basic", parse=lambda v, ctx: _pca_composition(v, ctx.parsed["split"]),
+        omit=lambda p: p.split is None)
+
+    settles: ClassVar[bool] = True
 
     def validate(self, schema: Schema | None) -> None:
-        """Refuse ``clip_norm="auto"`` with secure aggregation (its norms round is site level)."""
+        """Refuse a ``split`` with secure aggregation (secure jobs keep the fixed split)."""
         del schema
-        if self.secure and self.clip_norm == "auto":
-            raise ValidationError("clip_norm 'auto' is not available with aggregation 'secure' "
-                                  "(its norm histogram is a site-level release); use 'schema' "
-                                  "or a number")
+        if self.secure and self.split is not None:
+            raise ValidationError("split applies to site-level pca jobs (aggregation 'site')")
+
+    @property
+    def clip_first(self) -> bool:
+        """Whether the rounds run in the clip-first order (a ``split``, or secure and auto).
+
+        ``norms`` of the uncentred rows, then ``mean`` of the rows clipped to the radius,
+        then ``pca``; site-level jobs made before (no ``split``) keep ``mean``, ``norms``,
+        ``pca`` with the mean of the box-bounded rows (secure jobs had no ``norms`` round).
+        """
+        return self.split is not None or (self.secure and self.clip_norm == "auto")
+
+    def settle(self, epsilon: float, delta: float, schema: Schema,
+               sites: Sequence[ConnectedSite]) -> Self:
+        """Return the job with its budget split chosen from public numbers (module pca docs).
+
+        A site-level job of more than one round, submitted without ``split``, gets the shares
+        of :func:`dpfed.common.pca.centring.centred_round_split` for the schema's feature
+        count, the connected sites' public row counts and their number; composed in GDP
+        (``composition="gdp"``) when every such site's ledger is ``pld`` (charged exactly
+        the job's (epsilon, delta)), else as shares of (epsilon, delta). Without connected
+        sites the job keeps the fixed split of jobs made before.
+        """
+        from dpfed.common.pca.centring import centred_round_split
+        from dpfed.common.pca.features import feature_names
+
+        rounds = _pca_rounds({"centering": self.centering, "clip_norm": self.clip_norm})
+        if self.split is not None or self.secure or len(rounds) < 2 or not sites:
+            return self
+        n_total = sum(s.row_count for s in sites)
+        if n_total < 1:
+            return self
+        split = centred_round_split(len(feature_names(schema)), n_total, epsilon, delta,
+                                    n_sites=len(sites), rounds=rounds)
+        gdp = all(s.accountant == "pld" for s in sites)
+        return dataclasses.replace(self, split=tuple(split),
+                                   composition="gdp" if gdp else "basic")
+
+    def plan_note(self, epsilon: float, delta: float) -> str:
+        """Return the split, and why, for ``--plan``."""
+        if self.split is None:
+            shares = ", ".join(f"{r.name} {r.epsilon / epsilon:.0%}"
+                               for r in self.shares(epsilon, delta))
+            if len(self.shares(epsilon, delta)) < 2:
+                return ""
+            why = "secure jobs" if self.secure else "no site connected to settle it on"
+            return f"budget split: fixed ({shares} of epsilon and delta; {why})"
+        unit = "mu^2 (GDP)" if self.composition == "gdp" else "epsilon"
+        shares = ", ".join(f"{n} {e:.3f}" for n, e, _ in self.split)
+        note = (f"budget split: shares of {unit}: {shares}; chosen from the schema's "
+                "dimension, the connected sites' rows and their number, and epsilon "
+                "(rounds run clip radius first, then the mean of the clipped rows)")
+        if self.composition == "gdp":
+            note += (f"\na pld ledger is charged exactly epsilon {epsilon:g} at delta "
+                     f"{delta:g} for these rounds together (their epsilons add up to more)")
+        return note
+
+    def required_accountant(self, epsilon: float, delta: float) -> tuple[str, str] | None:
+        """Return A GDP-composed job runs only at sites whose ledger is ``pld``."""
+        if self.composition != "gdp" or self.split is None:
+            return None
+        charged = sum(r.epsilon for r in self.shares(epsilon, delta))
+        return ("pld", f"its rounds are composed in GDP; a 'basic' ledger would be charged "
+                       f"{charged:.3g} epsilon for this epsilon={epsilon:g} job")
 
     def aggregation_mode(self) -> Aggregation:
         """How the job's sums travel."""
@@ -146,6 +276,10 @@ class PCAParams(Params):
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
         """Raise if some round's (epsilon, delta, calibration) cannot be calibrated."""
+        if self.split is not None and self.clip_norm != "auto" and any(
+                name == "norms" for name, _, _ in self.split):
+            raise ValidationError("split names the norms round, which picks clip_norm 'auto'; "
+                                  f"this job's clip_norm is {self.to_mapping()['clip_norm']!r}")
         rounds = self.shares(epsilon, delta)
         for r in rounds:
             try:
@@ -158,15 +292,24 @@ class PCAParams(Params):
                     f"and {r.delta:g} of its delta {delta:g}, and there: {exc}") from None
 
     def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
-        """Return the rounds in order, each with its (epsilon, delta) share (summing to the job's).
+        """Return the rounds in order, each with what its task carries.
 
+        With a ``split``: its rounds (``norms``, ``mean``, ``pca``), ``basic`` composition
+        giving each its shares of (epsilon, delta), ``gdp`` its share of ``mu^2``
+        (:func:`dpfed.common.privacy.composition.gdp_split`). Without (jobs made before):
         ``mean`` (centred jobs) gets :data:`MEAN_SHARE`, ``norms`` (``clip_norm="auto"``)
         :data:`NORMS_SHARE`, and ``pca`` the rest.
         """
+        if self.split is not None:
+            if self.composition == "gdp":
+                return [RoundShare(n, e, d) for n, e, d in gdp_split(epsilon, delta, self.split)]
+            return [RoundShare(n, epsilon * e, delta * d) for n, e, d in self.split]
         shares: list[tuple[str, float]] = []
+        if self.clip_norm == "auto" and self.clip_first:
+            shares.append(("norms", NORMS_SHARE))
         if self.centering == "mean":
             shares.append(("mean", MEAN_SHARE))
-        if self.clip_norm == "auto":
+        if self.clip_norm == "auto" and not self.clip_first:
             shares.append(("norms", NORMS_SHARE))
         rest = 1.0 - sum(s for _, s in shares)
         out = [RoundShare(name, epsilon * s, delta * s) for name, s in shares]
@@ -269,6 +412,12 @@ def _split_field(value: Any, ctx: ParseContext) -> tuple[tuple[str, float, float
     return _split(mode, value, with_pairs)
 
 
+def _pair_gate(value: Any, ctx: ParseContext) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"pair_gate must be true or false, got {value!r}")
+    return value and PAIR_ROUNDS[0] in (name for name, _, _ in ctx.parsed["split"])
+
+
 @dataclass(frozen=True)
 class SynthParams(Params):
     """Parameters of a ``synth`` job (federated factor-model synthesis).
@@ -313,6 +462,18 @@ class SynthParams(Params):
         (2..64, default 6; :class:`dpfed.common.synth.pair_marginals.PairGrid`).
     split : tuple of (round, epsilon share, delta share)
         How the job's epsilon and delta are divided between the rounds (shares sum to 1).
+    resolution : {"fine", "bins"}
+        The cells of the continuous columns' 1-way releases and links
+        (:mod:`dpfed.common.synth.column_cells`): ``fine`` -- whole numbers for small integer
+        columns, else the bounds as point cells, ``n_bins`` bins and leaves inside them, with
+        the estimate of :mod:`dpfed.common.synth.marginal_estimate` -- is what new jobs get
+        (:attr:`NEW_JOB_DEFAULTS`); ``bins`` (``n_bins`` equal-width bins only) is what a stored
+        job without the key means, so jobs made before it resume unchanged.
+    pair_gate : bool
+        Measure a column pair only when its noisy dependence score exceeds the noise its
+        table would carry (:func:`dpfed.common.synth.pipeline.pair_forest`): True for new
+        jobs (:attr:`NEW_JOB_DEFAULTS`), False (every pair of the forest) for stored jobs
+        without the key.
     composition : {"basic", "zcdp"}
         How the split turns into each round's calibration
         (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
@@ -352,6 +513,13 @@ class SynthParams(Params):
         "basic", parse=lambda v, ctx: _composition(v, ctx.parsed["mode"],
                                                    ctx.parsed["calibration"]),
         omit=lambda p: p.composition == "basic")
+    resolution: str = param(  # absent when "bins": jobs made before the key resume unchanged
+        "bins", parse=choice("--resolution", RESOLUTIONS), omit=lambda p: p.resolution == "bins")
+    pair_gate: bool = param(False, parse=_pair_gate, omit=lambda p: not p.pair_gate)
+
+    #: A job being submitted gets the fine cells and the pair gate; a stored job without the
+    #: keys parses as "bins" and no gate, so its canonical mapping keeps its bytes.
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {"resolution": "fine", "pair_gate": True}
 
     def validate(self, schema: Schema | None) -> None:
         """Refuse unless A joint model of one column is its marginal: synth needs at least two."""

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 #: Refusal codes sites send (``dpfed.common.transport.protocol.Refusal.code``); any other
 #: code is counted as "other", so a misbehaving site cannot create unbounded label values.
 REFUSAL_CODES: tuple[str, ...] = ("not_allowed", "invalid", "budget_exceeded", "conflict",
-                                  "deadline", "internal")
+                                  "deadline", "internal", "awaiting_approval", "denied")
 #: Longest HTTP request head (request line and headers) the endpoint reads.
 MAX_REQUEST_HEAD = 8192
 #: Seconds a scraper has to send its request.

@@ -4,7 +4,7 @@ Reads every charge of the site's ledger through its public API (events, and the 
 was attributed to), and writes them as a hash-chained JSON-lines file signed with the key of
 the site's certificate (format: ``dpfed.common.audit_trail``). The ledger is only read; an
 agent may keep running meanwhile (SQLite WAL: the export sees the charges committed when it
-started reading). The study of every record is empty until studies exist.
+started reading). A record's study is empty for a charge made under no study.
 """
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ def add_export_arguments(ledger: argparse.ArgumentParser) -> None:
     ledger.add_argument("--out", help="export: the file to write (JSON lines)")
 
 
-def charge_records(events: list[LedgerEvent], analysts: dict[str, str]) -> list[ChargeRecord]:
-    """Return the ledger's events as export records, oldest first."""
+def charge_records(events: list[LedgerEvent], analysts: dict[str, str],
+                   studies: dict[str, str] | None = None) -> list[ChargeRecord]:
+    """Return the ledger's events as export records, oldest first (with analyst and study)."""
     from dpfed.common.audit_trail import ChargeRecord
 
-    return [ChargeRecord(e.seq, e.created_at, analysts.get(e.task_id, ""), "", e.job_id,
+    studies = studies or {}
+    return [ChargeRecord(e.seq, e.created_at, analysts.get(e.task_id, ""),
+                         studies.get(e.task_id, ""), e.job_id,
                          e.task_id, e.kind, e.mechanism, e.payload_digest, e.epsilon, e.delta,
                          e.rho, e.sensitivity, e.noise_scale, e.result_digest, e.result_size)
             for e in events]
@@ -79,7 +82,7 @@ def export_ledger(config: SiteConfig, out: Path) -> ExportSummary:
     key = parse_private_key(material.key_pem, config.tls.key, "site key")
     with Ledger(config.ledger_path, config.budget) as ledger:
         events = ledger.events()
-        records = charge_records(events, ledger.attributions())
+        records = charge_records(events, ledger.attributions(), ledger.studies())
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         with tmp.open("wb") as fh:

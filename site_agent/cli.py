@@ -10,6 +10,9 @@
                                                        is the running agent connected (or,
                                                        with --alive, running at all)?
     dpfed-site ledger export --config site.toml --out FILE   signed export for auditors
+    dpfed-site approvals --config site.toml [--all]    jobs waiting for the steward's approval
+    dpfed-site approve ID --config site.toml           let a waiting job run
+    dpfed-site deny ID --config site.toml [--reason R] refuse it (nothing charged)
 
 ``check`` changes nothing: it creates no ledger (an existing one is opened read-only), asks
 the coordinator's health service whether it is serving and asks the coordinator whether it
@@ -41,6 +44,8 @@ from dpfed.common.errors import (
     SiteRejectedError,
 )
 from dpfed.site_agent.agent_status import DEFAULT_MAX_AGE_S
+from dpfed.site_agent.approval_cli import COMMANDS as APPROVAL_COMMANDS
+from dpfed.site_agent.approval_cli import add_approval_commands, approval_command
 
 # numpy, pandas, pyarrow and grpc are imported inside the functions that use them, so that
 # ``dpfed-site --help`` and ``--version`` answer at once.
@@ -103,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--alive", action="store_true",
                         help="a liveness verdict: healthy while the agent runs, connected or "
                         "still trying to reach the coordinator")
+    add_approval_commands(sub)
     return p
 
 
@@ -209,12 +215,17 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
         credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
                                                role="site")
     prepared = _prepare(config)
-    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets)
+    ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets,
+                    studies=config.studies)
     handlers, allowed_kinds = _handlers(config)
     runner = TaskRunner(prepared.data, ledger, allowed_kinds, handlers=handlers,
                         deterministic_noise_seed=config.deterministic_noise_seed,
                         secure_required_kinds=(sum_kinds() if config.secure.mode == "required"
-                                               else ()))
+                                               else ()),
+                        approval=config.approval)
+    if config.approval.any_manual:
+        log.info("[Site.start] approval policy: %s; waiting jobs: dpfed-site approvals",
+                 config.approval.describe())
 
     def hello() -> SiteHello:
         # 0 until the first full pass: "not counted yet" (docs/data-sources.md, "Start-up").
@@ -517,7 +528,7 @@ def _ledger(config: SiteConfig, as_json: bool) -> int:
 
     from dpfed.site_agent.ledger import Ledger, format_ledger, ledger_as_json
 
-    ledger = Ledger(config.ledger_path, config.budget)
+    ledger = Ledger(config.ledger_path, config.budget, studies=config.studies)
     try:
         if as_json:
             print(json.dumps(ledger_as_json(ledger), indent=2))
@@ -555,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
         from dpfed.site_agent.config import load_site_config
 
         overrides: dict[str, Any] = {}
+        if command in APPROVAL_COMMANDS:
+            overrides = {"ledger": args.ledger}
         if command == "run":
             overrides = {"coordinator": args.coordinator, "data": args.data,
                          "ledger": args.ledger, "log_level": args.log_level,
@@ -572,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             return export_command(config, args.out)
         if command == "ledger":
             return _ledger(config, args.json)
+        if command in APPROVAL_COMMANDS:
+            return approval_command(config, args)
         return _run_with_status(config)
 
     return run_command(f"dpfed-site {command}" if command != "run" else "dpfed-site", go)

@@ -42,6 +42,10 @@ Example (paths are relative to the file)::
     [budget.analysts]           # optional: the most epsilon each analyst may spend here
     alice = 2.0                 # (same accountant and delta as the total; ids as certified)
 
+    [studies.diabetes-2027]     # optional: a study's own cap (jobs run with --study NAME)
+    epsilon = 3.0               # within budget.epsilon; same accountant and delta
+    expires = 2027-06-30        # the last day (UTC) its jobs may spend
+
     [policy]
     allowed_jobs = ["pca"]
     max_epsilon_per_task = 2.0
@@ -50,6 +54,14 @@ Example (paths are relative to the file)::
     secure_tolerated_colluders = 1   # other parties (coordinator counted) that may collude
     secure_tolerated_dropouts = 0    # sites that may vanish mid-sum (each adds more noise)
     evaluation_summary = "none"      # none | dp: release a DP summary of synth evaluations
+    approval = "auto"                # auto | manual: jobs wait for 'dpfed-site approve ID'
+
+    [policy.approval_kinds]          # optional: per task kind, wins over policy.approval
+                                     # ("secagg": the tasks of secure rounds)
+    synth_rows = "manual"
+
+    [policy.approval_analysts]       # optional: per analyst, wins over the kind's rule
+    alice = "auto"
 
     [logging]
     level = "INFO"
@@ -66,6 +78,7 @@ The site's identity is the id in its certificate; it is deliberately not a confi
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -76,7 +89,7 @@ from typing import Any
 from dpfed.common.cli_support import check_address
 from dpfed.common.data.encoding import RowPolicy
 from dpfed.common.errors import ConfigError, ValidationError
-from dpfed.common.jobs.registry import default_task_kinds, task_kinds
+from dpfed.common.jobs.registry import SECURE_TASK_KIND, default_task_kinds, task_kinds
 from dpfed.common.logs import LOG_FORMATS
 from dpfed.common.metrics import MetricsConfig, metrics_config
 from dpfed.common.privacy.accounting import DEFAULT_ACCOUNTANT, BudgetPolicy
@@ -90,6 +103,8 @@ from dpfed.common.transport.grpc_options import (
 from dpfed.common.transport.identity import check_principal_id
 from dpfed.common.validation import MIN_DELTA
 from dpfed.site_agent.agent_status import ledger_file
+from dpfed.site_agent.approvals import ApprovalPolicy, check_mode
+from dpfed.site_agent.ledger import StudyBudget
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +208,10 @@ class SiteConfig:
     #: ``policy.evaluation_summary``: "dp" releases DP summaries of synth evaluations.
     evaluation_summary: str = "none"
     metrics: MetricsConfig = MetricsConfig(enabled=False, listen="127.0.0.1:9465")
+    #: The studies this site holds budgets for (``[studies.NAME]``).
+    studies: dict[str, StudyBudget] = field(default_factory=dict)
+    #: Which tasks wait for the data steward's approval (``policy.approval`` and its rules).
+    approval: ApprovalPolicy = ApprovalPolicy()
 
     @property
     def advertised_kinds(self) -> tuple[str, ...]:
@@ -324,6 +343,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         raise ConfigError(f"{source}: {exc}") from None
     analyst_budgets = _analyst_budgets(budget.section("analysts"), budget_policy)
     budget.check_unknown()
+    studies = _studies(root.section("studies"), budget_policy)
     # The task kinds of the registered job kinds; the opt-in ones (``synth_rows``: one noisy
     # release per real row) only when listed.
     allowed = policy.str_list("allowed_jobs", list(default_task_kinds()))
@@ -352,6 +372,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         )
     except ValidationError as exc:
         raise ConfigError(f"{source}: [policy] {exc}") from None
+    approval = _approval_policy(policy, known)
     policy.check_unknown()
 
     logging_section = root.section("logging")
@@ -381,7 +402,7 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
         log_level=level.upper(), log_file=log_file, deterministic_noise_seed=seed,
         revocation_list=revocation_list, analyst_budgets=analyst_budgets,
         keepalive_s=keepalive_s, log_format=log_format, evaluation_summary=summary,
-        metrics=metrics,
+        metrics=metrics, approval=approval, studies=studies,
     )
 
 
@@ -402,3 +423,60 @@ def _analyst_budgets(section: Section, total: BudgetPolicy) -> dict[str, float]:
         caps[name] = cap
     section.check_unknown()
     return caps
+
+
+def _approval_policy(policy: Section, known_kinds: list[str]) -> ApprovalPolicy:
+    """Read ``policy.approval`` and its ``[policy.approval_kinds]`` / ``[..._analysts]`` rules."""
+    default = check_mode(policy.string("approval", "auto"), f"{policy.source}: policy.approval")
+    kinds_section = policy.section("approval_kinds")
+    kinds = {}
+    for kind in list(kinds_section.data):
+        where = f"{policy.source}: policy.approval_kinds.{kind}"
+        if kind not in (*known_kinds, SECURE_TASK_KIND):
+            raise ConfigError(f"{where}: unknown task kind {kind!r}; known: "
+                              f"{[*known_kinds, SECURE_TASK_KIND]}")
+        kinds[kind] = check_mode(kinds_section.get(kind), where)
+    kinds_section.check_unknown()
+    analysts_section = policy.section("approval_analysts")
+    analysts = {}
+    for name in list(analysts_section.data):
+        where = f"{policy.source}: policy.approval_analysts.{name}"
+        _check_id_key(name, "analyst", where)
+        analysts[name] = check_mode(analysts_section.get(name), where)
+    analysts_section.check_unknown()
+    return ApprovalPolicy(default, kinds, analysts)
+
+
+def _studies(section: Section, total: BudgetPolicy) -> dict[str, StudyBudget]:
+    """Read ``[studies.NAME]``: each study's epsilon cap and its last day (``expires``)."""
+    studies: dict[str, StudyBudget] = {}
+    for name in list(section.data):
+        where = f"{section.source}: studies.{name}"
+        _check_id_key(name, "study", where)
+        study = section.section(name)
+        cap = study.number("epsilon", required=True, positive=True)
+        assert cap is not None
+        if cap > total.epsilon:
+            raise ConfigError(f"{where}.epsilon = {cap:g} exceeds budget.epsilon = "
+                              f"{total.epsilon:g}; a study's cap cannot be larger than the whole")
+        raw = study.get("expires", required=True)
+        if isinstance(raw, datetime.datetime) or not isinstance(raw, datetime.date | str):
+            raise ConfigError(f"{where}.expires must be a date (2027-06-30 or \"2027-06-30\"), "
+                              f"got {raw!r}")
+        try:
+            expires = raw if isinstance(raw, datetime.date) else datetime.date.fromisoformat(raw)
+        except ValueError:
+            raise ConfigError(f"{where}.expires must be a date (2027-06-30 or "
+                              f"\"2027-06-30\"), got {raw!r}") from None
+        study.check_unknown()
+        studies[name] = StudyBudget(cap, expires)
+    section.check_unknown()
+    return studies
+
+
+def _check_id_key(name: str, role: str, where: str) -> None:
+    """Raise ConfigError at ``where`` unless the key ``name`` is a valid ``role`` id."""
+    try:
+        check_principal_id(name, role)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None

@@ -89,8 +89,8 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,7 @@ from dpfed.common.errors import (
     NotFoundError,
     ValidationError,
 )
-from dpfed.common.privacy.accounting import BudgetPolicy, BudgetStatus, PrivacyCost
+from dpfed.common.privacy.accounting import BudgetPolicy, BudgetStatus, PrivacyCost, StudyStatus
 from dpfed.common.privacy.spent import Spent, event_loss
 from dpfed.common.transport.protocol import RefusalCode
 from dpfed.common.validation import check_nonnegative, check_positive
@@ -181,23 +181,49 @@ _REQUIRED_TABLES = frozenset({_SCHEMA_TABLE, _EVENTS_TABLE, _REFUSALS_TABLE})
 # of ledger_events (and SCHEMA_VERSION) is unchanged; rows are written in the same
 # transaction as their event and are append-only like it.
 _ANALYSTS_TABLE = "ledger_task_analysts"
-_ANALYST_SCHEMA: tuple[str, ...] = (
-    f"""CREATE TABLE IF NOT EXISTS {_ANALYSTS_TABLE} (
-        task_id TEXT PRIMARY KEY NOT NULL REFERENCES {_EVENTS_TABLE}(task_id),
-        analyst TEXT NOT NULL CHECK (length(analyst) BETWEEN 1 AND {MAX_ID_LENGTH})
-    )""",
-    f"""CREATE INDEX IF NOT EXISTS ledger_task_analysts_by_analyst
-        ON {_ANALYSTS_TABLE}(analyst)""",
-    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_analysts_no_update BEFORE UPDATE
-        ON {_ANALYSTS_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
-    f"""CREATE TRIGGER IF NOT EXISTS ledger_task_analysts_no_delete BEFORE DELETE
-        ON {_ANALYSTS_TABLE} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
-)
+# The study each charged task was submitted under (``[studies.NAME]`` of site.toml), kept
+# the same way.
+_STUDIES_TABLE = "ledger_task_studies"
+
+
+def _task_tag_schema(table: str, column: str) -> tuple[str, ...]:
+    """Return the DDL of an append-only table tagging charged tasks with ``column``."""
+    return (
+        f"""CREATE TABLE IF NOT EXISTS {table} (
+            task_id TEXT PRIMARY KEY NOT NULL REFERENCES {_EVENTS_TABLE}(task_id),
+            {column} TEXT NOT NULL CHECK (length({column}) BETWEEN 1 AND {MAX_ID_LENGTH})
+        )""",
+        f"CREATE INDEX IF NOT EXISTS {table}_by_{column} ON {table}({column})",
+        f"""CREATE TRIGGER IF NOT EXISTS {table}_no_update BEFORE UPDATE
+            ON {table} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+        f"""CREATE TRIGGER IF NOT EXISTS {table}_no_delete BEFORE DELETE
+            ON {table} BEGIN SELECT RAISE(ABORT, 'ledger events are append-only'); END""",
+    )
+
+
+_TAG_SCHEMA = (*_task_tag_schema(_ANALYSTS_TABLE, "analyst"),
+               *_task_tag_schema(_STUDIES_TABLE, "study"))
 
 _EVENT_COLUMNS = ("seq, task_id, job_id, kind, mechanism, epsilon, delta, rho, sensitivity, "
                   "noise_scale, payload_digest, result_digest, length(result), created_at")
 _REFUSAL_COLUMNS = ("seq, task_id, job_id, kind, mechanism, epsilon, delta, rho, "
                     "payload_digest, reason, message, created_at")
+
+
+@dataclass(frozen=True)
+class StudyBudget:
+    """A study's budget at the site (``[studies.NAME]``): an epsilon cap and its last day.
+
+    The study's jobs may spend until the end of ``expires`` (UTC); its cap composes the
+    study's events under the site's accountant and delta, within the site's total.
+    """
+
+    epsilon: float
+    expires: date
+
+    def expired(self, today: date | None = None) -> bool:
+        """Whether the study's last day has passed (UTC)."""
+        return (today or datetime.now(UTC).date()) > self.expires
 
 
 class LedgerCorruptionError(DpfedError):
@@ -341,6 +367,11 @@ class Ledger:
         attributed to an analyst may together spend at most this much, composed with the
         policy's accountant at its delta, besides fitting the total. Checked in the same
         transaction as the total cap. Analysts without an entry are bound by the total only.
+    studies : mapping of str to StudyBudget, optional
+        The studies this site holds budgets for (``[studies.NAME]`` of ``site.toml``): a task
+        submitted under a study is charged only while the study has not expired and its
+        events fit its cap (checked in the same transaction as the total cap); a task under a
+        study the site does not hold is refused.
 
     Raises
     ------
@@ -356,7 +387,8 @@ class Ledger:
 
     def __init__(self, path: str | Path, policy: BudgetPolicy, *,
                  busy_timeout_s: float = 120.0,
-                 analyst_budgets: Mapping[str, float] | None = None) -> None:
+                 analyst_budgets: Mapping[str, float] | None = None,
+                 studies: Mapping[str, StudyBudget] | None = None) -> None:
         if not isinstance(policy, BudgetPolicy):
             raise ValidationError(
                 "policy must be a dpfed.common.privacy.accounting.BudgetPolicy, "
@@ -371,6 +403,13 @@ class Ledger:
                 epsilon=min(check_positive(cap, f"analyst_budgets[{name!r}]"), policy.epsilon),
                 delta=policy.delta, accountant=policy.accountant)
             for name, cap in (analyst_budgets or {}).items()}
+        self._studies = {_check_id(name, "study"): budget
+                         for name, budget in (studies or {}).items()}
+        self._study_policies = {
+            name: BudgetPolicy(epsilon=min(check_positive(b.epsilon, f"studies[{name!r}]"),
+                                           policy.epsilon),
+                               delta=policy.delta, accountant=policy.accountant)
+            for name, b in self._studies.items()}
         self._closed = False
         # Composed events, extended incrementally (events are append-only): the key is the
         # seq and task id of the last event composed; None for the whole ledger, else an
@@ -442,6 +481,14 @@ class Ledger:
         finally:
             _rollback_quietly(conn)  # an exception (e.g. from release()) undoes the charge
             conn.close()
+
+    def connection(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """Return a configured connection to the file, closed (and rolled back) on exit.
+
+        For tables kept in the ledger's file beside its own (the approval queue,
+        :mod:`dpfed.site_agent.approvals`); the caller issues its own ``BEGIN``/``COMMIT``.
+        """
+        return self._connection()
 
     def connection_pragmas(self) -> dict[str, Any]:
         """Return the pragmas of a connection opened the way every ledger call opens one.
@@ -515,7 +562,7 @@ class Ledger:
                     "VALUES (1, ?, ?, ?)", (APPLICATION, SCHEMA_VERSION, _utc_now()))
                 logger.info("[Ledger.open] created ledger %s (schema version %d)",
                             self._path, SCHEMA_VERSION)
-            for statement in _ANALYST_SCHEMA:  # no-ops when the table is already there
+            for statement in _TAG_SCHEMA:  # no-ops when the tables are already there
                 conn.execute(statement)
             conn.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
@@ -529,7 +576,7 @@ class Ledger:
 
     def charge_and_release(self, *, task_id: str, job_id: str, kind: str, payload_digest: str,
                            cost: PrivacyCost, release: Callable[[], bytes],
-                           analyst: str = "",
+                           analyst: str = "", study: str = "",
                            deadline_unix: float | None = None) -> LedgerOutcome:
         """Charge ``cost`` for ``task_id`` and release its bytes, at most once per task id.
 
@@ -554,6 +601,10 @@ class Ledger:
             The analyst the task is attributed to ("" when unknown). It is stored with the
             charge, and when ``analyst_budgets`` names it, the analyst's share is checked
             under the same write lock as the total (refused like an over-budget task).
+        study : str
+            The study the task was submitted under ("" = none): refused (as over budget)
+            unless the site holds the study, it has not expired, and the cost fits its cap
+            beside the study's earlier events; stored with the charge.
         deadline_unix : float, optional
             The task's deadline (seconds since the epoch). Checked inside the transaction,
             after the write lock is taken and again after ``release`` returned: a task whose
@@ -601,6 +652,8 @@ class Ledger:
         request = _validate_request(task_id, job_id, kind, payload_digest, cost)
         if analyst:
             _check_id(analyst, "analyst")
+        if study:
+            _check_id(study, "study")
         if not callable(release):
             raise ValidationError(f"release must be callable, got {type(release).__name__}")
         with self._connection() as conn:
@@ -624,6 +677,7 @@ class Ledger:
             try:
                 self._policy.check(spent, request.cost)
                 self._check_analyst_share(conn, analyst, request.cost)
+                self._check_study(conn, study, request.cost)
             except BudgetExceededError as exc:
                 conn.execute("ROLLBACK")  # nothing was drawn, nothing is charged
                 self._record_refusal(conn, request, REFUSAL_BUDGET, str(exc))
@@ -656,6 +710,9 @@ class Ledger:
             if analyst:
                 conn.execute(f"INSERT INTO {_ANALYSTS_TABLE} (task_id, analyst) VALUES (?, ?)",
                              (event.task_id, analyst))
+            if study:
+                conn.execute(f"INSERT INTO {_STUDIES_TABLE} (task_id, study) VALUES (?, ?)",
+                             (event.task_id, study))
             conn.execute("COMMIT")  # durable (WAL fsync) before the bytes are handed back
         logger.info("[Ledger.charge_and_release] charged task %s (job %s, %s, %s): epsilon "
                     "%.6g, delta %.3g, rho %.6g; %d events before it", event.task_id,
@@ -676,6 +733,50 @@ class Ledger:
                 f"analyst {analyst!r} would exceed the share of this site's budget the site "
                 f"grants them (epsilon {policy.epsilon:g} of {self._policy.epsilon:g}): "
                 f"{exc}") from None
+
+    def check_study(self, study: str) -> None:
+        """Raise BudgetExceededError if ``study`` ("" = none) cannot be charged here today.
+
+        The study must be one the site holds and must not have expired; its cap is checked
+        with the charge (:meth:`charge_and_release`).
+        """
+        if not study:
+            return
+        budget = self._studies.get(study)
+        if budget is None:
+            held = ", ".join(sorted(self._studies)) or "none"
+            raise BudgetExceededError(f"this site holds no budget for study {study!r} "
+                                      f"(its studies: {held})")
+        if budget.expired():
+            raise BudgetExceededError(f"study {study!r} expired at this site on "
+                                      f"{budget.expires.isoformat()}; nothing more is charged "
+                                      "to it")
+
+    def _check_study(self, conn: sqlite3.Connection, study: str, cost: PrivacyCost) -> None:
+        """Raise BudgetExceededError if ``cost`` does not fit ``study`` (module docstring)."""
+        if not study:
+            return
+        self.check_study(study)
+        policy = self._study_policies[study]
+        try:
+            policy.check(self._spent(conn, study=study), cost)
+        except BudgetExceededError as exc:
+            raise BudgetExceededError(
+                f"study {study!r} would exceed its budget at this site (epsilon "
+                f"{policy.epsilon:g}, until {self._studies[study].expires.isoformat()}): "
+                f"{exc}") from None
+
+    def study_statuses(self, conn: sqlite3.Connection) -> tuple[StudyStatus, ...]:
+        """Return every study's spent and remaining budget (read on ``conn``)."""
+        return tuple(StudyStatus(name, self._studies[name].expires.isoformat(),
+                                 policy.status(self._spent(conn, study=name)))
+                     for name, policy in sorted(self._study_policies.items()))
+
+    def studies(self) -> dict[str, str]:
+        """Return the study of every charge made under one (task id -> study)."""
+        with self._connection() as conn:
+            rows = conn.execute(f"SELECT task_id, study FROM {_STUDIES_TABLE}").fetchall()
+        return {str(task_id): str(study) for task_id, study in rows}
 
     def analyst_status(self, analyst: str) -> BudgetStatus | None:
         """Spent and remaining share of ``analyst`` (None if the site sets no share)."""
@@ -753,33 +854,37 @@ class Ledger:
             return self._spent(conn)
 
     def status(self) -> BudgetStatus:
-        """Return spent and remaining budget under the policy's accountant."""
+        """Return spent and remaining budget under the policy's accountant (and per study)."""
         with self._connection() as conn:
-            return self._policy.status(self._spent(conn))
+            status = self._policy.status(self._spent(conn))
+            if self._studies:
+                status = replace(status, studies=self.study_statuses(conn))
+            return status
 
-    def _spent(self, conn: sqlite3.Connection, analyst: str = "") -> Spent:
-        """Compose the stored events (all, or ``analyst``'s), extending a cached composition.
+    def _spent(self, conn: sqlite3.Connection, analyst: str = "", study: str = "") -> Spent:
+        """Compose the stored events (all, ``analyst``'s or ``study``'s), extending a cache.
 
         Events are append-only (triggers refuse UPDATE and DELETE), so a composition of the
         events up to seq ``n`` stays valid while the event at ``n`` is the one it ended with;
         only later events are read and added. A ledger written by another process is seen
         the same way: the cache is a prefix of whatever is on disk.
         """
+        scope = f"study:{study}" if study else analyst
         with self._composed_lock:
-            cached = self._composed.get(analyst)
+            cached = self._composed.get(scope)
         last_seq, last_task, spent = cached if cached is not None else (0, "", Spent())
         if last_seq:
             row = conn.execute(f"SELECT task_id FROM {_EVENTS_TABLE} WHERE seq = ?",
                                (last_seq,)).fetchone()
             if row is None or row[0] != last_task:  # not a prefix of this file: start over
                 last_seq, last_task, spent = 0, "", Spent()
-        rows = _event_cost_rows(conn, analyst, after_seq=last_seq)
+        rows = _event_cost_rows(conn, analyst, after_seq=last_seq, study=study)
         if not rows:
             return spent
         costs = [cost for _, _, cost in rows]
         spent = Spent.of(costs) if last_seq == 0 else _extend(spent, costs)
         with self._composed_lock:
-            self._composed[analyst] = (rows[-1][0], rows[-1][1], spent)
+            self._composed[scope] = (rows[-1][0], rows[-1][1], spent)
         return spent
 
     def lookup(self, task_id: str) -> LedgerEvent | None:
@@ -952,12 +1057,17 @@ def _select_refusals(conn: sqlite3.Connection) -> list[RefusalRecord]:
                           float(r[7]), r[8], r[9], r[10], r[11]) for r in rows]
 
 
-def _event_cost_rows(conn: sqlite3.Connection, analyst: str = "", *,
-                     after_seq: int = 0) -> list[tuple[int, str, PrivacyCost]]:
-    """``(seq, task id, cost)`` of the events after ``after_seq`` (``analyst``'s only if given)."""
+def _event_cost_rows(conn: sqlite3.Connection, analyst: str = "", *, after_seq: int = 0,
+                     study: str = "") -> list[tuple[int, str, PrivacyCost]]:
+    """``(seq, task id, cost)`` of the events after ``after_seq`` (a study's or analyst's)."""
     columns = ("e.seq, e.task_id, e.epsilon, e.delta, e.rho, e.mechanism, e.sensitivity, "
                "e.noise_scale")
-    if analyst:
+    if study:
+        rows = conn.execute(
+            f"SELECT {columns} FROM {_EVENTS_TABLE} e JOIN {_STUDIES_TABLE} s "
+            "ON s.task_id = e.task_id WHERE s.study = ? AND e.seq > ? ORDER BY e.seq",
+            (study, after_seq)).fetchall()
+    elif analyst:
         rows = conn.execute(
             f"SELECT {columns} FROM {_EVENTS_TABLE} e JOIN {_ANALYSTS_TABLE} a "
             "ON a.task_id = e.task_id WHERE a.analyst = ? AND e.seq > ? ORDER BY e.seq",
@@ -1048,6 +1158,11 @@ def format_ledger(ledger: Ledger) -> str:
         out.append(f"Remaining: epsilon {_fmt(status.epsilon_remaining)} of "
                    f"{_fmt(status.epsilon_cap)}, delta {_fmt(status.delta_remaining)} of "
                    f"{_fmt(status.delta_cap)}")
+    for study in ledger.status().studies:
+        out.append(f"Study {study.name} (until {study.expires}): epsilon "
+                   f"{_fmt(study.status.epsilon_spent)} spent, "
+                   f"{_fmt(study.status.epsilon_remaining)} of {_fmt(study.status.epsilon_cap)} "
+                   f"left, {study.status.events} release(s)")
     out.append(f"Refused tasks (not charged): {len(refusals)}")
     return "\n".join(out) + "\n"
 

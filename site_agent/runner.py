@@ -5,6 +5,9 @@ Order of operations (docs/privacy.md, invariants 2 and 4):
 1. Refuse at once what local policy does not allow (job kind, deadline already passed).
 2. A task id the ledger already holds returns the stored bytes (same payload digest) or is
    refused as a conflict (different digest) -- no recomputation, no fresh noise.
+2b. A task the site's approval policy holds waits for the data steward
+   (:mod:`dpfed.site_agent.approvals`): refused as ``awaiting_approval`` or ``denied`` until
+   its job is approved, before anything is read from the rows.
 3. The handler validates the parameters and computes the exact statistic (nothing drawn).
 4. One path for the three charges (:mod:`dpfed.common.jobs.contract`): a new charge goes
    through ``Ledger.charge_and_release``, which checks the budget and, only if it fits, draws
@@ -33,6 +36,7 @@ from dpfed.common.jobs.contract import CoveredBy, DataAccess, NewCharge, Release
 from dpfed.common.privacy.rng import production_rng
 from dpfed.common.transport.protocol import Refusal, RefusalCode, Task, TaskResult
 from dpfed.common.transport.wire import result_to_bytes
+from dpfed.site_agent.approvals import AUTO, ApprovalPolicy, ApprovalQueue
 from dpfed.site_agent.handlers import TaskHandler, default_handlers
 from dpfed.site_agent.ledger import Ledger, TaskExpiredError
 
@@ -66,14 +70,20 @@ class TaskRunner:
     deterministic_noise_seed : int, optional
         Demo/test only (a local config key, never settable over the network): derive each
         release's generator from this seed and the task id so a simulation is reproducible.
+    approval : ApprovalPolicy
+        Which tasks wait for the data steward's approval (default: none).
     """
 
     def __init__(self, data: DataAccess, ledger: Ledger, allowed_kinds: tuple[str, ...], *,
                  handlers: dict[str, TaskHandler] | None = None,
                  deterministic_noise_seed: int | None = None,
                  secure_required_kinds: tuple[str, ...] = (),
-                 local_dir: Path | None = None) -> None:
+                 local_dir: Path | None = None,
+                 approval: ApprovalPolicy = AUTO) -> None:
         self.data = data
+        self.approval = approval
+        #: The steward's queue, in the ledger's file (opened only when some task can wait).
+        self.approvals = ApprovalQueue(ledger) if approval.any_manual else None
         self.secure_required_kinds = secure_required_kinds
         self.ledger = ledger
         #: Where local-only tasks write their output (default: the ledger's directory).
@@ -133,7 +143,9 @@ class TaskRunner:
             log.exception("%s outcome=failed", tag)
             return Refusal(task.task_id, RefusalCode.INTERNAL,
                            "the site failed to run the task (see its log)")
-        if isinstance(answer, Refusal):
+        if isinstance(answer, Refusal) and answer.code is RefusalCode.AWAITING_APPROVAL:
+            log.info("%s outcome=held: %s", tag, answer.reason)
+        elif isinstance(answer, Refusal):
             log.warning("%s outcome=refused: %s", tag, answer.reason)
         return answer
 
@@ -159,6 +171,13 @@ class TaskRunner:
         if deadline_unix is not None and time.time() > deadline_unix:
             return Refusal(task.task_id, RefusalCode.DEADLINE,
                            "the task's deadline passed before it started")
+        # A study the site does not hold, or one that expired, is refused before anything is
+        # read (its cap is checked with the charge, in the ledger's transaction).
+        self.ledger.check_study(task.study)
+        if self.approvals is not None and self.approval.manual(task.kind, task.analyst_id):
+            held = self.approvals.gate(task, deadline_unix)
+            if held is not None:
+                return held
         release = self.handlers[task.kind].prepare(task, self.data)
         return self._release(task, release, digest, deadline_unix, tag)
 
@@ -171,7 +190,7 @@ class TaskRunner:
             outcome = self.ledger.charge_and_release(
                 task_id=task.task_id, job_id=task.job_id, kind=task.kind, payload_digest=digest,
                 cost=charge.cost, release=lambda: _as_bytes(release.produce(rng)),
-                analyst=task.analyst_id, deadline_unix=deadline_unix)
+                analyst=task.analyst_id, study=task.study, deadline_unix=deadline_unix)
             log.info("%s outcome=%s epsilon=%g delta=%g, %d bytes released", tag,
                      "replayed" if outcome.replayed else "charged", charge.cost.epsilon,
                      charge.cost.delta, len(outcome.result))

@@ -57,6 +57,10 @@ V = TypeVar("V")
 #: Extra seconds the coordinator waits past a task's deadline for a result in flight (a site
 #: never charges a task whose deadline has passed, so this only covers the transfer).
 DEADLINE_GRACE_S = 0.5
+#: A site holding a task for its data steward's approval is asked again after this many
+#: seconds, doubling up to :data:`APPROVAL_POLL_MAX_S`, until it answers or the deadline passes.
+APPROVAL_POLL_S = 1.0
+APPROVAL_POLL_MAX_S = 10.0
 #: The share of a job's progress its rounds take (the rest: start-up and the final combine).
 _ROUNDS_START, _ROUNDS_END = 0.05, 0.9
 
@@ -247,7 +251,8 @@ class Job(Generic[P]):
         """Check one site against ``plan``; leave it out (recorded, refused) if it fails."""
         self._admitted.add(s.site_id)
         found = exclusion(s.hello, self.kind.name, plan, sums=self.kind.sums,
-                          accountant=self._accountant, whole_budget=not self.resumed)
+                          accountant=self._accountant, whole_budget=not self.resumed,
+                          study=self.spec.study)
         if found is not None:
             self._left_out.add(s.site_id)
             self.outcomes[s.site_id] = SiteOutcome(s.site_id, SiteStatus.REFUSED, found.reason,
@@ -347,7 +352,7 @@ class Job(Generic[P]):
                 f"this job needs min_sites={min_sites}" + (f". {refused}" if refused else ""))
         task = Task(f"{self.job_id}/{outgoing.round_name}", self.job_id, outgoing.kind,
                     outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
-                    dict(outgoing.arrays), self.analyst_id)
+                    dict(outgoing.arrays), self.analyst_id, self.spec.study)
         payload = task_to_bytes(task)
         started, deadline = time.monotonic(), time.time() + self.deadline_s
         lo, hi = progress
@@ -425,13 +430,35 @@ class Job(Generic[P]):
         finally:
             self._absent.discard(site_id)
 
+    def _awaiting_approval(self, site_id: str, task: Task, reason: str, rows: int) -> None:
+        """Show (and store) that ``site_id`` holds the task for its data steward."""
+        earlier = self.outcomes.get(site_id)
+        if earlier is not None and earlier.status == SiteStatus.AWAITING_APPROVAL:
+            return
+        self.outcomes[site_id] = SiteOutcome(
+            site_id, SiteStatus.AWAITING_APPROVAL, f"waiting for approval at {site_id}: {reason}",
+            earlier.spend if earlier is not None else None, rows,
+            code=RefusalCode.AWAITING_APPROVAL)
+        if self._save_outcomes is not None:
+            self._save_outcomes(tuple(self.outcomes[s] for s in sorted(self.outcomes)))
+        log.info("job=%s task=%s site=%s outcome=awaiting_approval", self.job_id, task.task_id,
+                 site_id)
+        self.emit("site", f"round {task.task_id.rpartition('/')[2]!r}: waiting for approval at "
+                  f"{site_id} ({reason})")
+
     async def _run_at_site(self, site_id: str, task: Task, payload: bytes, deadline: float,
                            outgoing: OutgoingTask) -> tuple[SiteOutcome, TaskResult | None]:
         task_id = task.task_id
         rows = 0
+        poll = APPROVAL_POLL_S
         while True:
             remaining = deadline + DEADLINE_GRACE_S - time.time()
             if remaining <= 0:
+                held = self.outcomes.get(site_id)
+                if held is not None and held.status == SiteStatus.AWAITING_APPROVAL:
+                    return SiteOutcome(site_id, SiteStatus.TIMEOUT, "the task's deadline passed "
+                                       f"while it was waiting for approval at {site_id}; "
+                                       "nothing was charged", row_count=rows), None
                 return SiteOutcome(site_id, SiteStatus.TIMEOUT, "no answer before the deadline",
                                    row_count=rows), None
             session = self.registry.get(site_id)
@@ -457,6 +484,13 @@ class Job(Generic[P]):
                 log.warning("site=%s misbehaved on %s: %s", site_id, task_id, exc)
                 return SiteOutcome(site_id, SiteStatus.ERROR, f"invalid result: {exc}",
                                    row_count=rows), None
+            if isinstance(answer, Refusal) and answer.code is RefusalCode.AWAITING_APPROVAL:
+                # The site holds the task (nothing computed or charged): ask again until its
+                # steward decides or the deadline passes; the resend carries the same task id.
+                self._awaiting_approval(site_id, task, answer.reason, rows)
+                await asyncio.sleep(max(0.0, min(poll, deadline + DEADLINE_GRACE_S - time.time())))
+                poll = min(APPROVAL_POLL_MAX_S, poll * 2)
+                continue
             if isinstance(answer, Refusal):
                 return SiteOutcome(site_id, SiteStatus.REFUSED, f"{answer.code}: {answer.reason}",
                                    row_count=rows, code=answer.code), None

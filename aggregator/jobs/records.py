@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpfed.common.jobs.contract import Pooled, SecureSum
+
+if TYPE_CHECKING:
+    from dpfed.aggregator.jobs.job import Job
 
 
 def round_log(released: Sequence[Pooled[Any]]) -> list[dict[str, Any]]:
@@ -56,3 +59,28 @@ def secure_record(*released: Pooled[Any]) -> dict[str, Any]:
             "round charged (replace-one) against the coordinator, which saw only the noisy "
             f"pooled sums, and against up to {tolerated} colluding part(ies) (the coordinator "
             "included); the noise is calibrated to one row of the pooled data")}}
+
+
+def mode_record(job: Job[Any], pooled: Pooled[Any]) -> dict[str, Any]:
+    """Return the expected secure / site-level noise for the sites of ``pooled`` (reports).
+
+    ``t``: the secure sum's, or the strictest secure policy among them at site level
+    (:func:`dpfed.common.jobs.modes.compare_modes`).
+    """
+    from dpfed.common.jobs.eligibility import secure_policy
+    from dpfed.common.jobs.modes import compare_modes
+
+    if pooled.secure is not None:
+        tolerated = pooled.secure.plan.tolerated
+    else:
+        sessions = [job.registry.get(s) for s in pooled.participants]
+        on = [p for p in (secure_policy(s.hello) for s in sessions if s is not None)
+              if p.mode != "off"]
+        if not on:
+            return {}
+        tolerated = max(p.tolerated for p in on)
+    n = len(pooled.participants)
+    ratio, sentence = compare_modes(n, tolerated)
+    return {"n_sites": n, "tolerated": tolerated,
+            "secure_over_site_noise": ratio if math.isfinite(ratio) else None,
+            "sentence": sentence}

@@ -29,7 +29,7 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
 from dpfed.common.jobs.contract import Pooled
-from dpfed.common.jobs.synth import check_budget_for_cells, pair_noise_note
+from dpfed.common.jobs.synth import check_budget_for_cells, pair_noise, pair_noise_note
 from dpfed.common.jobs.synth_evaluation import EVALUATE, EVALUATE_SUMMARY, Sample
 from dpfed.common.jobs.synth_pairs import PAIR_SCORES, PAIRS, PairInput
 from dpfed.common.jobs.synth_rounds import (
@@ -63,9 +63,9 @@ async def run(job: Job[SynthParams]) -> JobOutput:
     counts = await job.release(LINKS, None)
     props = proportions(counts.value, schema, params)
     links_in = LinksInput(props, links_digest(schema, props, params.n_bins,
-                                              params.continuous_link))
+                                              params.continuous_link, params.resolution))
     links = await asyncio.to_thread(links_from_proportions, schema, props, params.n_bins,
-                                    params.continuous_link)
+                                    params.continuous_link, params.resolution)
     job.emit("links", f"links built from {len(counts.rows)} site(s)' pooled counts (digest "
              f"{links_in.digest[:12]})")
     moment = await job.release(LATENT, links_in, among=counts.participants)
@@ -105,7 +105,8 @@ async def run(job: Job[SynthParams]) -> JobOutput:
     model = await asyncio.to_thread(
         SynthModel.build, schema, mode=params.mode, continuous_link=params.continuous_link,
         n_bins=params.n_bins, proportions=props, factor_model=fm, dp_correlation=dp_corr,
-        rng=rng, latent_correlation=corr, factors=factors, metadata=metadata)
+        rng=rng, latent_correlation=corr, factors=factors, metadata=metadata,
+        resolution=params.resolution)
     if pairs is not None:
         job.emit("pairs", f"fitting the model to {len(pairs.edges)} DP pair table(s)", 0.95)
         model = await asyncio.to_thread(model.with_pairs, pairs.grid, pairs.edges,
@@ -184,7 +185,8 @@ def plan_pairs(schema: Schema, params: SynthParams, props: np.ndarray
     most = params.max_pairs(len(schema.columns))
     if not params.pair_rounds or most == 0:
         return None
-    grid = PairGrid.from_proportions(schema, props, params.n_bins, params.pair_groups)
+    grid = PairGrid.from_proportions(schema, props, params.n_bins, params.pair_groups,
+                                     params.resolution)
     candidates = grid.candidate_pairs()
     if not candidates:
         log.info("no pair table has at most %d cells; pair rounds skipped", MAX_PAIR_CELLS)
@@ -206,13 +208,21 @@ async def _pair_rounds(job: Job[SynthParams], links: LinksInput,
     job.emit("pair_scores", f"scoring {len(candidates)} column pair(s) at "
              f"{len(released[-1].rows)} site(s)", 0.74)
     scores = await job.release(PAIR_SCORES, asked, among=released[-1].participants)
-    edges = pair_forest(scores.value, grid, most)
+    released.append(scores)
+    budget = job.budget(PAIRS.name)
+    edges = pair_forest(scores.value, grid, most,
+                        pair_noise(job.params, budget.epsilon, budget.delta, len(scores.rows))
+                        if job.params.pair_gate else None)
+    if not edges:
+        job.emit("pairs", "no pair's noisy score is above the noise its table would carry: "
+                 "the pairs round is skipped (nothing is charged for it)", 0.8)
+        return PairsFitted(grid, candidates, [], [], scores.n_rows_total, 0.0)
     names = schema.names
     job.emit("pairs", f"measuring {len(edges)} pair table(s) "
              f"({sum(grid.cells(e) for e in edges)} cells): "
              + ", ".join(f"{names[a]}->{names[b]}" for a, b in edges), 0.8)
     tables = await job.release(PAIRS, asked.with_edges(edges), among=scores.participants)
-    released.extend([scores, tables])
+    released.append(tables)
     fitted = await asyncio.to_thread(fit_pair_tables, tables.value.total, grid, edges,
                                      links.proportions, float(tables.value.n_rows))
     log.info("job=%s edges=%s sites=%s", job.job_id, edges, tables.participants)

@@ -3,10 +3,14 @@
 Runs where the real rows are -- at the site -- and writes ``synth_evaluation.html`` in the
 site's own directory: per-column TVD (categorical) and KS (continuous), the pairwise
 correlation error, DCR against a local holdout, NNDR and seed 003's disclosure measure
-``M_best`` (:func:`dpfed.common.evaluation.metrics.evaluate_synthetic`). The caller gives the
-two parts of the site's rows: the training rows of the job and its holdout, which the job's
-rounds never read (:mod:`dpfed.common.evaluation.site_holdout`), so "distance to the training rows"
-against "distance to the holdout" measures what the model learnt from individual rows.
+``M_best`` (:func:`dpfed.common.evaluation.metrics.evaluate_synthetic`), and what real
+columns look like against the synthetic ones (:func:`dpfed.common.synth.fidelity.
+column_fidelity`): each column's TVD on cells cut at quantiles of the site's rows, its most
+common value's share (zero visits, a floor) and its tails (p1, p50, p99, sd). The caller
+gives the two parts of the site's rows: the training rows of the job and its holdout, which
+the job's rounds never read (:mod:`dpfed.common.evaluation.site_holdout`), so "distance to
+the training rows" against "distance to the holdout" measures what the model learnt from
+individual rows.
 
 **Nothing computed here leaves the site**: it is an exact evaluation of real rows for the
 site operator's eyes, not a DP release, and it is never sent to the coordinator.
@@ -22,10 +26,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpfed.common.data.encoding import EncodedTable
+from dpfed.common.data.encoding import EncodedTable, encode_table
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import DataError
 from dpfed.common.evaluation.metrics import SyntheticReport, evaluate_synthetic
+from dpfed.common.synth.fidelity import ColumnFidelity, column_fidelity
 from dpfed.common.validation import check_int, path_component
 
 log = logging.getLogger(__name__)
@@ -64,10 +69,11 @@ def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,
     syn = synthetic.iloc[:cap] if len(synthetic) > cap else synthetic
     report = evaluate_synthetic(_cap(train, cap), syn, schema,
                                 holdout=_cap(holdout, cap) if holdout.n_rows else None)
+    fidelity = column_fidelity(schema, _cap(train, cap), encode_table(schema, syn)[0])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_NAME
-    path.write_text(_html(site_id, report), encoding="utf-8")
+    path.write_text(_html(site_id, report, fidelity), encoding="utf-8")
     log.info("site=%s wrote %s (local only)", site_id, path)
     return path, report
 
@@ -80,7 +86,19 @@ def _row(cells: list[Any]) -> str:
     return "<tr>" + "".join(out) + "</tr>"
 
 
-def _html(site_id: str, r: SyntheticReport) -> str:
+def _fidelity_rows(fidelity: list[ColumnFidelity]) -> str:
+    rows = []
+    for f in fidelity:
+        mode = "-" if f.mode is None else f"{f.mode[0]:.4g}: {f.mode[1]:.3f} / {f.mode[2]:.3f}"
+        tails: list[Any] = ["-"] * 4
+        if f.real_tail is not None and f.synthetic_tail is not None:
+            tails = [f"{a:.4g} / {b:.4g}" for a, b in zip(f.real_tail, f.synthetic_tail,
+                                                          strict=True)]
+        rows.append(_row([f.column, f.kind, f.tvd, mode, *tails]))
+    return "".join(rows)
+
+
+def _html(site_id: str, r: SyntheticReport, fidelity: list[ColumnFidelity]) -> str:
     d = r.to_dict()
     dcr, nndr, disc = d["dcr"], d["nndr"], d["disclosure"]
     marg = "".join(_row([m.column, m.column_type, m.statistic, m.value]) for m in r.marginals)
@@ -108,4 +126,11 @@ def _html(site_id: str, r: SyntheticReport) -> str:
             "real data: they are for the site operator and are not sent anywhere.</p>"
             f"<h2>Summary</h2><table>{rows}</table>"
             f"<h2>Per-column distance</h2><table><tr><th>column</th><th>type</th>"
-            f"<th>measure</th><th>value</th></tr>{marg}</table></body></html>")
+            f"<th>measure</th><th>value</th></tr>{marg}</table>"
+            "<h2>What the columns look like: this site's training rows / synthetic</h2>"
+            "<p>TVD on the categories, or for continuous columns on 20 cells cut at quantiles "
+            "of this site's rows, each cut halfway between two distinct values (a point mass "
+            "such as zero visits sits inside its cell); the share of the most common value; "
+            "the tails.</p><table><tr><th>column</th><th>type</th><th>TVD</th>"
+            "<th>most common value: share real / synthetic</th><th>p1</th><th>p50</th>"
+            f"<th>p99</th><th>sd</th></tr>{_fidelity_rows(fidelity)}</table></body></html>")

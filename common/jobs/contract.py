@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -27,7 +27,7 @@ from dpfed.common.transport.protocol import Task, TaskResult
 if TYPE_CHECKING:
     from dpfed.common.data.encoding import EncodedTable, EncodingReport
     from dpfed.common.data.schema import Schema
-    from dpfed.common.jobs.params import Params, RoundShare
+    from dpfed.common.jobs.params import ConnectedSite, Params, RoundShare
     from dpfed.common.secagg.secure_sum import SecureSumPlan
 
 P = TypeVar("P", bound="Params")
@@ -193,7 +193,8 @@ class SumEncoding:
 
     ``params`` and ``arrays`` go to every participant with the plan's public part; ``groups``
     (counts statistics) are the number of cells of each group, every row adding ``weights``
-    (default 1) to one cell of each, which the decoded sum's check uses.
+    (default 1) to one cell of each, which the decoded sum's check uses; a ``partial`` group
+    gets it only from the rows that fall in one of its cells.
     """
 
     dim: int
@@ -203,6 +204,7 @@ class SumEncoding:
     planner: Planner | None = None
     groups: tuple[int, ...] = ()
     weights: tuple[int, ...] = ()
+    partial: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,7 @@ class SumRound(Round[P, I, V]):
         from dpfed.common.secagg.secure_sum import check_decoded
 
         check_decoded(total, summed.plan, n_rows_total, groups=encoding.groups,
-                      weights=encoding.weights)
+                      weights=encoding.weights, partial=encoding.partial)
 
 
 # --------------------------------------------------------------------------- job kinds
@@ -420,9 +422,27 @@ class JobKind(Generic[P]):
         """Validate an analyst's parameters and budget; return the canonical parameters.
 
         Everything is checked before anything is sent or charged: the parameters, that every
-        round can be calibrated at its share of (epsilon, delta), and the plan.
+        round can be calibrated at its share of (epsilon, delta), and the plan. Keys the
+        analyst left out take the kind's defaults for new jobs
+        (:attr:`~dpfed.common.jobs.params.Params.new_job_defaults`); the mapping returned is
+        what the job stores and every site parses.
         """
-        params = self.parse(raw, schema)
+        params = self.parse(self.params.submitted(raw), schema)
+        params.check_privacy(epsilon, delta)
+        self.plan(params, epsilon, delta)
+        return params.to_mapping()
+
+    def settle(self, canonical: Mapping[str, Any], epsilon: float, delta: float,
+               schema: Schema, sites: Sequence[ConnectedSite]) -> dict[str, Any]:
+        """Return a new job's canonical parameters with what the connected sites decide.
+
+        :meth:`Params.settle` (e.g. a pca job's budget split from the sites' public row
+        counts), checked again as :meth:`canonical` does; unchanged for kinds that settle
+        nothing (they are not even parsed again).
+        """
+        if not self.params.settles:
+            return dict(canonical)
+        params = self.parse(canonical, schema).settle(epsilon, delta, schema, sites)
         params.check_privacy(epsilon, delta)
         self.plan(params, epsilon, delta)
         return params.to_mapping()

@@ -10,12 +10,15 @@ would take part. The site's ledger stays the authority.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Protocol
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.jobs.contract import PlannedRound
+from dpfed.common.jobs.params import ConnectedSite
 from dpfed.common.jobs.registry import SECURE_TASK_KIND
 from dpfed.common.privacy.accounting import BudgetStatus, zcdp_to_epsilon
 from dpfed.common.secagg.policy import SecureAggregationPolicy
@@ -75,16 +78,22 @@ def secure_policy(site: SiteView) -> SecureAggregationPolicy:
 
 def exclusion(site: SiteView, kind: str, plan: Sequence[PlannedRound], *, sums: bool,
               accountant: tuple[str, str] | None = None,
-              whole_budget: bool = True) -> Exclusion | None:
+              whole_budget: bool = True, study: str = "") -> Exclusion | None:
     """Return why ``site`` cannot take part in every round of a ``kind`` job, or None.
 
     ``sums``: the kind has a secure mode (a site whose policy requires secure aggregation
     refuses its site-level releases). ``accountant`` = (name, why): the job needs sites whose
     ledger uses that accountant. ``whole_budget``: check that the remaining budget covers the
     charged rounds together (a job with one charged round leaves that to the site's ledger,
-    which refuses it without spending anything).
+    which refuses it without spending anything). ``study``: the job spends from that study's
+    budget, which the site must report (a site that does not could not enforce its cap), not
+    expired, with room for the charged rounds together.
     """
     budget = site.budget
+    if study and budget is not None:
+        found_study = _study_exclusion(budget, study, plan, whole_budget)
+        if found_study is not None:
+            return found_study
     if accountant is not None:
         name, why = accountant
         if budget is None or budget.accountant != name:
@@ -130,6 +139,23 @@ def _round_exclusion(site: SiteView, kind: str, r: PlannedRound,
     return None
 
 
+def _study_exclusion(budget: BudgetStatus, study: str, plan: Sequence[PlannedRound],
+                     whole_budget: bool) -> Exclusion | None:
+    held = next((s for s in budget.studies if s.name == study), None)
+    if held is None:
+        return _excluded(RefusalCode.NOT_ALLOWED,
+                         f"the site holds no budget for study {study!r}")
+    if held.expires < datetime.now(UTC).date().isoformat():
+        return _excluded(RefusalCode.BUDGET_EXCEEDED,
+                         f"study {study!r} expired at the site on {held.expires}")
+    charged = [r for r in plan if r.charged and not r.optional]
+    found = (_budget_exclusion(held.status, charged) if whole_budget and len(charged) > 1
+             else None)
+    if found is not None:
+        return _excluded(found.code, f"study {study!r}: {found.reason.partition(': ')[2]}")
+    return None
+
+
 def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclusion | None:
     if b.accountant == "zcdp":
         rho = sum(r.rho for r in charged)
@@ -143,12 +169,46 @@ def _budget_exclusion(b: BudgetStatus, charged: Sequence[PlannedRound]) -> Exclu
         return None
     eps = sum(r.epsilon for r in charged)
     delta = sum(r.delta for r in charged)
+    if b.accountant == "pld":  # spend is measured at the delta cap: only epsilon is left
+        eps = min(eps, gaussian_rounds_epsilon([(r.epsilon, r.delta) for r in charged]))
+        delta = 0.0
     if eps > b.epsilon_remaining * (1 + _SLACK) or delta > b.delta_remaining * (1 + _SLACK):
         return _excluded(RefusalCode.BUDGET_EXCEEDED,
                          f"the job needs epsilon={eps:g}, delta={delta:g} over all its rounds; "
                          f"the site reports {b.epsilon_remaining:g}, {b.delta_remaining:g} "
                          "left")
     return None
+
+
+def connected_facts(sites: Sequence[tuple[str, SiteView, int]], kind: str,
+                    named: Sequence[str] = ()) -> list[ConnectedSite]:
+    """Return the public facts a new job's plan may settle on: its candidate sites' rows.
+
+    ``sites`` are ``(site id, what it advertises, its public row count)``; sites that do not
+    allow ``kind``, or are not among ``named`` when a job names its sites, are no candidates.
+    """
+    return [ConnectedSite(int(rows), None if view.budget is None else view.budget.accountant)
+            for site_id, view, rows in sites
+            if kind in view.allowed_kinds and (not named or site_id in named)]
+
+
+def gaussian_rounds_epsilon(rounds: Sequence[tuple[float, float]]) -> float:
+    """Return what rounds ``(epsilon, delta)`` cost together, those with delta > 0 Gaussian.
+
+    Each such round is ``mu_i``-GDP with ``mu_i = 1 / gaussian_sigma(epsilon_i, delta_i)``;
+    together ``sqrt(sum mu_i^2)``-GDP, read at the rounds' total delta; pure rounds add their
+    epsilon. The estimate a ``pld`` ledger's budget is checked with before a job (a pca
+    job's GDP split adds its per-round epsilons to more than it costs); the ledger decides.
+    """
+    from dpfed.common.privacy.mechanisms import gaussian_sigma
+    from dpfed.common.privacy.pld import gaussian_epsilon
+
+    gaussian = [(e, d) for e, d in rounds if d > 0.0]
+    pure = sum(e for e, d in rounds if d <= 0.0)
+    if not gaussian:
+        return pure
+    mu = math.sqrt(sum(gaussian_sigma(e, d, 1.0) ** -2 for e, d in gaussian))
+    return pure + gaussian_epsilon(mu, sum(d for _, d in gaussian))
 
 
 def secure_quorum(policies: Sequence[SecureAggregationPolicy], min_sites: int) -> int:

@@ -11,7 +11,7 @@ a kind adds cross-field rules in :meth:`Params.validate` and its budget split in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -104,11 +104,32 @@ class RoundShare:
     optional: bool = False
 
 
+@dataclass(frozen=True)
+class ConnectedSite:
+    """What a job's plan may read of a connected site: its public row count and accountant."""
+
+    row_count: int
+    accountant: str | None
+
+
 class Params:
     """Base of a job kind's parameters (a frozen dataclass; module docstring)."""
 
     #: The job kind's name (error messages).
     kind: ClassVar[str]
+    #: Values a job being submitted gets for keys its analyst left out, where they differ from
+    #: the fields' defaults (which stay what a stored job without the key means, so that jobs
+    #: made before a parameter existed parse and re-serialise unchanged): :meth:`submitted`.
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {}
+
+    @classmethod
+    def submitted(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """Return a new job's raw parameters with :attr:`new_job_defaults` filled in."""
+        if not isinstance(raw, Mapping):
+            raise ValidationError(f"{cls.kind} parameters must be a mapping, got {raw!r}")
+        return {**cls.new_job_defaults, **raw}
+    #: True when :meth:`settle` may fill parameters from the connected sites at submission.
+    settles: ClassVar[bool] = False
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any], schema: Schema | None) -> Self:
@@ -141,6 +162,16 @@ class Params:
         """Check rules between fields (raises ValidationError); default: none."""
         del schema
 
+    def settle(self, epsilon: float, delta: float, schema: Schema,
+               sites: Sequence[ConnectedSite]) -> Self:
+        """Return the parameters a new job runs with, given the public facts of its sites.
+
+        Called once, when the job is submitted (the result is stored: a resumed job never
+        settles again); default: unchanged.
+        """
+        del epsilon, delta, schema, sites
+        return self
+
     def to_mapping(self) -> dict[str, Any]:
         """Return the canonical mapping sent to sites (deterministic: resumed jobs resend it)."""
         out: dict[str, Any] = {}
@@ -151,6 +182,11 @@ class Params:
             value = getattr(self, f.name)
             out[f.name] = value if spec.wire is None else spec.wire(value)
         return out
+
+    def plan_note(self, epsilon: float, delta: float) -> str:
+        """Return what ``--plan`` says about how the budget was divided ("" for nothing)."""
+        del epsilon, delta
+        return ""
 
     def aggregation_mode(self) -> Aggregation:
         """How the job's sums travel (kinds without a secure mode: site level)."""

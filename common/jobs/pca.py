@@ -1,11 +1,13 @@
 """The ``pca`` job kind (DPdisPCA, centred and auto-clipped by default): its three rounds.
 
-``mean`` (centred jobs) sums the sites' unit-ball rows into the DP mean; ``norms``
-(``clip_norm="auto"``) releases a DP histogram of the row norms whose quantile is the clip
-radius; ``pca`` releases the second moment of the clipped (centred) rows -- at site level as
-DPdisPCA's factor ``P_s`` of each site's noisy matrix, as a secure sum the pooled Gram matrix,
-centred at the coordinator. Task parameters: the job's canonical ones plus ``stage``
-(absent: ``pca``). Mechanisms and their proofs: docs/pca.md and docs/privacy.md.
+``norms`` (``clip_norm="auto"``) releases a DP histogram of the row norms whose quantile is
+the clip radius; ``mean`` (centred jobs) sums the sites' rows, clipped to that radius, into
+the DP mean; ``pca`` releases the second moment of the clipped (centred) rows -- at site level
+as DPdisPCA's factor ``P_s`` of each site's noisy matrix, as a secure sum the pooled Gram
+matrix, centred at the coordinator. Jobs with a ``split`` run in that order (clip first);
+jobs made before it run ``mean`` of the box-bounded rows, then ``norms`` of the centred rows.
+Task parameters: the job's canonical ones plus ``stage`` (absent: ``pca``). Mechanisms and
+their proofs: docs/pca.md and docs/privacy.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from dpfed.common.jobs.contract import (
     SumEncoding,
     SumRound,
 )
-from dpfed.common.jobs.contract import Round as BaseRound
 from dpfed.common.jobs.release import (
     job_params,
     noisy_release,
@@ -51,6 +52,7 @@ from dpfed.common.pca.centring import (
     centre_rows,
     centred_pca_mechanism,
     check_center,
+    clipped_mean,
     dp_mean,
     mean_sum_mechanism,
 )
@@ -123,13 +125,21 @@ def _site_center(task: Task, site: Site, params: PCAParams) -> np.ndarray | None
 
 def _contribution(task: Task, site: Site, participants: list[str], tolerated: int,
                   statistic: str) -> Contribution:
-    """Both secure pca sums: the Gram or the row sum of the clipped unit-ball rows."""
+    """Both secure pca sums: the Gram or the row sum of the clipped unit-ball rows.
+
+    A Gram task that carries the array ``center`` (clip-first jobs) sums the rows centred at
+    it and clipped to the radius, ``clip_c(u - mu) / c``: every row still in the unit ball.
+    """
     clip = task.params.get("clip_norm")
     unit = UnitBallMap(site.data.schema, clip_norm=clip)  # validates clip_norm
     row_norm = check_positive(task.params.get("row_norm", 1.0), "row_norm")
+    center = None
+    if statistic == "gram" and "center" in task.arrays:
+        center = check_center(task.arrays["center"], unit.n_features,
+                              max_feature_norm(site.data.schema))
 
     def rows(_rng: np.random.Generator) -> Iterator[np.ndarray]:
-        for x, _clipped in _unit_rows(site, unit.clip_norm):
+        for x, _clipped in _unit_rows(site, unit.clip_norm, center):
             yield x
 
     return planned_contribution(task, participants, tolerated, statistic=statistic,
@@ -137,14 +147,22 @@ def _contribution(task: Task, site: Site, participants: list[str], tolerated: in
                                 compute=rows_statistic(rows, row_norm))
 
 
-def _secure_params(params: PCAParams) -> dict[str, Any]:
-    clip = params.clip_norm if isinstance(params.clip_norm, float) else None
+def _resolved(params: PCAParams, clip: float | None) -> float | None:
+    """Return the radius a clip-first job's secure mean clips to (the norms round's, or None)."""
+    return clip if params.clip_first else None
+
+
+def _secure_params(params: PCAParams, clip: float | None = None) -> dict[str, Any]:
+    """Return the secure sums' ``clip_norm``: the resolved radius, the job's number, or none."""
+    if clip is None and isinstance(params.clip_norm, float):
+        clip = params.clip_norm
     return {} if clip is None else {"clip_norm": clip}
 
 
-def _secure_scale(params: PCAParams, schema: Any) -> float:
+def _secure_scale(params: PCAParams, schema: Any, clip: float | None = None) -> float:
     """Return the radius the secure sums' rows were divided by (the clip norm, or the schema's)."""
-    return params.clip_norm if isinstance(params.clip_norm, float) else max_feature_norm(schema)
+    found = _secure_params(params, clip).get("clip_norm")
+    return float(found) if found is not None else max_feature_norm(schema)
 
 
 def _vector_check(result: TaskResult, name: str, length: int, sigma: float) -> None:
@@ -161,11 +179,25 @@ def _vector_check(result: TaskResult, name: str, length: int, sigma: float) -> N
                             f"an honest release can have ({bound:.4g})")
 
 
-class Mean(SumRound[PCAParams, None, np.ndarray]):
+def _mean_clip(params: PCAParams) -> float | None:
+    """Return the radius a clip-first job's mean round clips rows to (None: the box)."""
+    if not params.clip_first or params.clip_norm is None:
+        return None
+    if params.clip_norm == "auto":
+        raise ValidationError("the mean round of this job needs a resolved clip_norm (the "
+                              "norms round's radius), not 'auto'")
+    return float(params.clip_norm)
+
+
+class Mean(SumRound[PCAParams, "float | None", np.ndarray]):
     """``mean``: the sum of the unit-ball rows, pooled into the DP mean (in the ``u`` space).
 
-    Privacy: :func:`dpfed.common.pca.centring.mean_sum_mechanism` (replace-one, L2
-    sensitivity 2); secure: the ``row_sum`` statistic of docs/secure-aggregation.md.
+    The input is the clip radius ``c`` of a clip-first job (None: the rows are bounded by
+    the schema's box ``B``). Each site sums ``clip_c(u)/c`` (or ``u/B``): rows in the unit
+    ball. Privacy: :func:`dpfed.common.pca.centring.mean_sum_mechanism` (replace-one, L2
+    sensitivity 2 in those units, i.e. ``2c`` in ``u`` as
+    :func:`~dpfed.common.pca.centring.clipped_mean_sum_mechanism` states); secure: the
+    ``row_sum`` statistic of docs/secure-aggregation.md.
     """
 
     name = "mean"
@@ -180,11 +212,11 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
         return _stage(task) == "mean"
 
     def prepare(self, task: Task, site: Site) -> Release:
-        """Sum the unit-ball rows (worst-case bound: nothing is clipped) and price the noise."""
+        """Sum the unit-ball rows (clipped to the task's radius, or by the box) and price it."""
         params = _params(task, site)
         total = np.zeros(len(feature_names(site.data.schema)))
         n_rows = 0
-        for x, _clipped in _unit_rows(site, None):
+        for x, _clipped in _unit_rows(site, _mean_clip(params)):
             total += x.sum(axis=0)
             n_rows += x.shape[0]
         require_rows(n_rows)
@@ -192,34 +224,43 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
         return noisy_release(task, mech.cost(), lambda rng: {"sum": mech.release(total, rng)},
                              {"n_rows": n_rows, "noise_sigma": mech.sigma})
 
-    def request(self, ask: Ask[PCAParams, None]) -> Request:
-        """Return the job's parameters, stage ``mean``."""
-        return Request(_base(ask.params, "mean"))
+    def request(self, ask: Ask[PCAParams, float | None]) -> Request:
+        """Return the job's parameters, stage ``mean`` (clip first: with the resolved radius)."""
+        if not ask.params.clip_first:
+            return Request(_base(ask.params, "mean"))
+        clip = ask.inputs
+        return Request(_base(ask.params, "mean", clip_norm="schema" if clip is None else clip))
 
-    def check(self, result: TaskResult, ask: Ask[PCAParams, None]) -> None:
+    def check(self, result: TaskResult, ask: Ask[PCAParams, float | None]) -> None:
         """Require A sum of unit vectors plus the round's noise."""
         b = ask.budget
         _vector_check(result, "sum", len(feature_names(ask.schema)),
                       mean_sum_mechanism(b.epsilon, b.delta, ask.params.calibration).sigma)
 
-    def pool(self, results: Mapping[str, TaskResult], ask: Ask[PCAParams, None]) -> np.ndarray:
+    def pool(self, results: Mapping[str, TaskResult],
+             ask: Ask[PCAParams, float | None]) -> np.ndarray:
         """Return the DP mean, projected into the box and the ball the true mean lies in."""
         sums = [results[s].arrays["sum"] for s in sorted(results)]
         n_total = sum(int(r.metadata["n_rows"]) for r in results.values())
-        return dp_mean(sums, n_total, max_feature_norm(ask.schema))
+        clip = ask.inputs if ask.params.clip_first else None
+        if clip is None:
+            return dp_mean(sums, n_total, max_feature_norm(ask.schema))
+        mu = clipped_mean([s * clip for s in sums], n_total, clip)  # the sums were of rows / c
+        return np.asarray(np.clip(mu, -1.0, 1.0))  # ... and in the schema's box
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
         """Return the exact integer row sum of the clipped unit-ball rows."""
         return _contribution(task, site, participants, tolerated, self.statistic)
 
-    def encoding(self, ask: Ask[PCAParams, None]) -> SumEncoding:
+    def encoding(self, ask: Ask[PCAParams, float | None]) -> SumEncoding:
         """Return A row sum of dimension p over rows of norm at most 1."""
-        return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
+        return SumEncoding(dim=len(feature_names(ask.schema)),
+                           params=_secure_params(ask.params, _resolved(ask.params, ask.inputs)))
 
-    def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, None]) -> np.ndarray:
+    def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, float | None]) -> np.ndarray:
         """``S / N``, projected into the unit ball and the schema's box (post-processing)."""
-        c = _secure_scale(ask.params, ask.schema)
+        c = _secure_scale(ask.params, ask.schema, _resolved(ask.params, ask.inputs))
         mu = summed.value / summed.n_rows_total
         norm = float(np.linalg.norm(mu))
         if norm > 1.0:  # the true mean of unit-ball rows lies in the ball
@@ -227,15 +268,24 @@ class Mean(SumRound[PCAParams, None, np.ndarray]):
         return np.asarray(np.clip(mu * c, -1.0, 1.0))  # ... and in the schema's box
 
 
-class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
+class Norms(SumRound[PCAParams, "np.ndarray | None", float]):
     """``norms``: a DP histogram of the row norms on a public grid; its quantile clips.
 
+    Of the uncentred rows in clip-first jobs; of the rows centred at the DP mean (the input)
+    in centred jobs made before.
+
     Privacy: :func:`dpfed.common.pca.clipping.norm_histogram_mechanism` (replace-one, L2
-    sensitivity sqrt(2)). A site-level release only.
+    sensitivity sqrt(2)); secure (clip-first jobs): the ``counts`` statistic with one group
+    (every row adds one count to one bin: L2 sensitivity sqrt(2), L1 2), Skellam noise
+    calibrated to the round's (epsilon, delta) (docs/secure-aggregation.md).
     """
 
     name = "norms"
     task_kind = "pca"
+    source = "pca"
+    statistic = "counts"
+    secure_releases = ("a masked exact histogram of the row norms with a share of Skellam "
+                       "noise; only the total is decoded -> the clip radius")
 
     def answers(self, task: Task) -> bool:
         """Answer A ``pca`` task of stage ``norms``."""
@@ -244,7 +294,7 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
     def prepare(self, task: Task, site: Site) -> Release:
         """Histogram the (centred) row norms and price the noise."""
         params = _params(task, site)
-        center = _site_center(task, site, params)
+        center = None if params.clip_first else _site_center(task, site, params)
         edges = norm_grid(norm_bound(site.data.schema, center is not None))
         unit = UnitBallMap(site.data.schema)
         counts = np.zeros(len(edges))
@@ -262,7 +312,8 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
                              {"n_rows": n_rows, "noise_sigma": mech.sigma})
 
     def _edges(self, ask: Ask[PCAParams, np.ndarray | None]) -> np.ndarray:
-        return norm_grid(norm_bound(ask.schema, ask.params.centering == "mean"))
+        centred = ask.params.centering == "mean" and not ask.params.clip_first
+        return norm_grid(norm_bound(ask.schema, centred))
 
     def request(self, ask: Ask[PCAParams, np.ndarray | None]) -> Request:
         """Return the job's parameters, stage ``norms``, and the DP centre."""
@@ -280,6 +331,38 @@ class Norms(BaseRound[PCAParams, "np.ndarray | None", float]):
         hists = [results[s].arrays["histogram"] for s in sorted(results)]
         n_total = sum(int(r.metadata["n_rows"]) for r in results.values())
         return dp_quantile(hists, self._edges(ask), ask.params.clip_quantile, n_total)
+
+    def contribution(self, task: Task, site: Site, participants: list[str],
+                     tolerated: int) -> Contribution:
+        """Return the exact histogram of the uncentred row norms on the schema's grid."""
+        edges = norm_grid(norm_bound(site.data.schema, centred=False))
+        unit = UnitBallMap(site.data.schema)
+
+        def compute(_plan: Any, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
+            counts = np.zeros(len(edges), dtype=np.int64)
+            n_rows = 0
+            for table, _report in site.data.iter_chunks():
+                u = unit.scaled(table)
+                counts += norm_histogram(np.sqrt(np.einsum("ij,ij->i", u, u)),
+                                         edges).astype(np.int64)
+                n_rows += table.n_rows
+            return counts, n_rows
+
+        return planned_contribution(task, participants, tolerated, statistic=self.statistic,
+                                    dim=len(edges), row_norm=1.0, compute=compute)
+
+    def encoding(self, ask: Ask[PCAParams, np.ndarray | None]) -> SumEncoding:
+        """Return counts of one group: every row adds one to one bin of the grid."""
+        if not ask.params.clip_first:
+            raise ValidationError("a secure norms round histograms the uncentred rows "
+                                  "(clip-first jobs only)")
+        bins = len(self._edges(ask))
+        return SumEncoding(dim=bins, row_norm=1.0, groups=(bins,))
+
+    def pool_secure(self, summed: SecureSum, ask: Ask[PCAParams, np.ndarray | None]) -> float:
+        """Return the DP quantile of the decoded histogram: the clip radius."""
+        return dp_quantile([np.asarray(summed.value, dtype=np.float64)], self._edges(ask),
+                           ask.params.clip_quantile, summed.n_rows_total)
 
 
 @dataclass(frozen=True)
@@ -425,17 +508,28 @@ class Moment(SumRound[PCAParams, MomentInputs, SecondMoment]):
         return _contribution(task, site, participants, tolerated, self.statistic)
 
     def encoding(self, ask: Ask[PCAParams, MomentInputs]) -> SumEncoding:
-        """Return A Gram sum of dimension p over rows of norm at most 1."""
-        return SumEncoding(dim=len(feature_names(ask.schema)), params=_secure_params(ask.params))
+        """Return A Gram sum of dimension p over rows of norm at most 1.
+
+        Clip-first jobs send the DP centre: the sites centre their rows before clipping.
+        """
+        arrays = {}
+        if ask.params.clip_first and ask.inputs.center is not None:
+            arrays = {"center": ask.inputs.center}
+        return SumEncoding(dim=len(feature_names(ask.schema)),
+                           params=_secure_params(ask.params, ask.inputs.clip), arrays=arrays)
 
     def pool_secure(self, summed: SecureSum,
                     ask: Ask[PCAParams, MomentInputs]) -> SecondMoment:
-        """Return ``A = G / N - mu mu^T`` (centred at the DP mean: exact post-processing)."""
+        """Return ``A = G / N - mu mu^T`` (centred at the DP mean: exact post-processing).
+
+        In clip-first jobs the sites centred their rows already: ``A = G / N``.
+        """
         p = len(feature_names(ask.schema))
         n_total = summed.n_rows_total
-        c = _secure_scale(ask.params, ask.schema)
+        c = _secure_scale(ask.params, ask.schema, ask.inputs.clip)
         center = ask.inputs.center
-        mu = np.zeros(p) if center is None else center / c
+        centred_at_sites = ask.params.clip_first and center is not None
+        mu = np.zeros(p) if center is None or centred_at_sites else center / c
         plan = summed.plan
         sigma = math.sqrt(plan.share) / plan.scale ** 2 / n_total
         return SecondMoment(

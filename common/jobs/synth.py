@@ -10,6 +10,7 @@ The coordinator fits the model (:mod:`dpfed.aggregator.jobs.synth`); docs/synthe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,29 +55,45 @@ def counts_sigma(groups: int, epsilon: float, delta: float) -> float:
 
 
 def pooled_counts_sigma(schema: Schema, n_bins: int, epsilon: float,
-                        delta: float) -> np.ndarray:
+                        delta: float, resolution: str = "bins") -> np.ndarray:
     """Return the Skellam noise's standard deviation on each column's pooled counts (secure links).
 
     The weighted counts' sensitivities are those of counts with ``C = row_norm^2`` groups;
     column ``j``'s counts are divided by its weight ``m_j``.
     """
-    groups = round(secure_link_row_norm(schema, n_bins) ** 2)
-    return np.asarray(counts_sigma(groups, epsilon, delta) / secure_link_weights(schema, n_bins))
+    groups = round(secure_link_row_norm(schema, n_bins, resolution) ** 2)
+    return np.asarray(counts_sigma(groups, epsilon, delta)
+                      / secure_link_weights(schema, n_bins, resolution))
 
 
 def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, delta: float,
                            row_counts: list[int]) -> None:
     """Refuse budgets whose histograms would be mostly noise (before anything is charged)."""
     eps, dlt = params.plan(epsilon, delta)[0][1:]
-    pooled = pooled_counts_sigma(schema, params.n_bins, eps, dlt) if params.secure else None
+    pooled = (pooled_counts_sigma(schema, params.n_bins, eps, dlt, params.resolution)
+              if params.secure else None)
     name, err = expected_proportion_error(schema, params.n_bins, epsilon=eps, delta=dlt,
-                                          row_counts=row_counts, pooled_sigma=pooled)
+                                          row_counts=row_counts, pooled_sigma=pooled,
+                                          resolution=params.resolution)
     if err > MAX_PROPORTION_ERROR:
         raise ValidationError(
             f"--epsilon {epsilon:g} / --delta {delta:g} are too small for this schema's cells: "
             f"the DP histogram of {name!r} would have an expected L1 error of {err:.2f} on "
             f"its proportions with {sum(row_counts)} rows at {len(row_counts)} site(s) "
             f"(limit {MAX_PROPORTION_ERROR}); raise --epsilon/--delta or lower --n-bins")
+
+
+def pair_noise(params: SynthParams, epsilon: float, delta: float,
+               n_sites: int) -> Callable[[int], float]:
+    """Return ``K ->`` the summed noise's standard deviation per cell of ``K`` pair tables.
+
+    Public: the pairs round's calibration at its (epsilon, delta) -- site level ``sqrt(S)``
+    times one site's Gaussian sigma, secure the Skellam sum's -- which the pair gate
+    (:func:`dpfed.common.synth.pipeline.pair_forest`) compares the noisy scores with.
+    """
+    if params.secure:
+        return lambda k: counts_sigma(k, epsilon, delta)
+    return lambda k: pair_table_mechanism(k, epsilon, delta).sigma * math.sqrt(n_sites)
 
 
 def pair_noise_note(schema: Schema, params: SynthParams, epsilon: float, delta: float,
@@ -95,8 +112,7 @@ def pair_noise_note(schema: Schema, params: SynthParams, epsilon: float, delta: 
     if k == 0 or cells == 0:
         return None
     eps, dlt = {n: (e, d) for n, e, d in params.plan(epsilon, delta)}["pairs"]
-    sigma = (counts_sigma(k, eps, dlt) if params.secure
-             else pair_table_mechanism(k, eps, dlt).sigma * math.sqrt(len(row_counts)))
+    sigma = pair_noise(params, eps, dlt, len(row_counts))(k)
     err = expected_pair_table_error(cells, sigma, sum(row_counts))
     if err <= NOISY_PAIR_TABLES:
         return None

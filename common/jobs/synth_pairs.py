@@ -171,7 +171,7 @@ def _grid(task: Task, site: Site, params: SynthParams, digest: Any
     check_links(site.data.schema, params, digest, task.arrays)
     proportions = np.asarray(task.arrays["link_proportions"], dtype=np.float64)
     return (PairGrid.from_proportions(site.data.schema, proportions, params.n_bins,
-                                      params.pair_groups), proportions)
+                                      params.pair_groups, params.resolution), proportions)
 
 
 def _secure_grid(task: Task, site: Site, params: SynthParams) -> tuple[PairGrid, np.ndarray]:

@@ -13,6 +13,7 @@ job's parameters under ``job``. Mechanisms and proofs: docs/synthesis.md, docs/p
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -50,14 +51,16 @@ from dpfed.common.synth.factor_model import factor_cost, factor_release
 from dpfed.common.synth.link_release import (
     LinkHistogramAccumulator,
     histogram_sizes,
+    link_histogram_mechanism,
     link_round_cost,
     links_digest,
     links_from_proportions,
     proportions_from_histograms,
     release_link_histograms,
+    release_noise_sd,
     secure_cell_weights,
+    secure_link_groups,
     secure_link_row_norm,
-    secure_link_weights,
     secure_pooled_counts,
     sum_histograms,
 )
@@ -140,13 +143,14 @@ def check_links(schema: Schema, params: SynthParams, links_digest_sent: Any,
         raise ValidationError("the task carries no link_proportions")
     if not isinstance(links_digest_sent, str):
         raise ValidationError("the task carries no links_digest")
-    mine = links_digest(schema, props, params.n_bins, params.continuous_link)
+    mine = links_digest(schema, props, params.n_bins, params.continuous_link, params.resolution)
     if mine != links_digest_sent:
         raise ValidationError(
             f"link digest mismatch: the links sent hash to {mine[:12]}..., the task says "
             f"{links_digest_sent[:12]}... (corrupted or altered in transit); refusing to use "
             "them")
-    return links_from_proportions(schema, props, params.n_bins, params.continuous_link)
+    return links_from_proportions(schema, props, params.n_bins, params.continuous_link,
+                                  params.resolution)
 
 
 def latent_rows(site: Site, data: DataAccess, links: LatentLinks, params: SynthParams,
@@ -209,10 +213,15 @@ def check_finite(a: Any, shape: tuple[int, ...], name: str, most: float) -> None
 
 @dataclass(frozen=True)
 class PooledCounts:
-    """Every column's pooled noisy counts, and the public pooled row count."""
+    """Every column's pooled noisy counts, the public pooled row count and each cell's noise.
+
+    ``noise_sd`` is public: the release's calibration divided by the cells' weights
+    (:func:`dpfed.common.synth.link_release.release_noise_sd`).
+    """
 
     counts: np.ndarray
     n_rows: int
+    noise_sd: np.ndarray
 
 
 class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
@@ -242,7 +251,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
             task, link_round_cost(schema, task.epsilon, task.delta),
             lambda rng: {"histograms": release_link_histograms(
                 acc.counts, schema, params.n_bins, epsilon=task.epsilon, delta=task.delta,
-                rng=rng)}, {"n_rows": acc.n_rows, "round": self.name})
+                rng=rng, resolution=params.resolution)}, {"n_rows": acc.n_rows, "round": self.name})
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
@@ -253,12 +262,14 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
 
         def compute(_plan: Any, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
             acc = link_counts(data, params)
-            return acc.counts * secure_cell_weights(schema, params.n_bins), acc.n_rows
+            return (acc.counts * secure_cell_weights(schema, params.n_bins, params.resolution),
+                    acc.n_rows)
 
-        return planned_contribution(task, participants, tolerated, statistic=self.statistic,
-                                    dim=sum(histogram_sizes(schema, params.n_bins)),
-                                    row_norm=secure_link_row_norm(schema, params.n_bins),
-                                    compute=compute)
+        return planned_contribution(
+            task, participants, tolerated, statistic=self.statistic,
+            dim=sum(histogram_sizes(schema, params.n_bins, params.resolution)),
+            row_norm=secure_link_row_norm(schema, params.n_bins, params.resolution),
+            compute=compute)
 
     def request(self, ask: Ask[SynthParams, None]) -> Request:
         """Return the job's parameters, round ``links``."""
@@ -267,36 +278,48 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
     def check(self, result: TaskResult, ask: Ask[SynthParams, None]) -> None:
         """Finite histograms of the schema's size."""
         check_rows(result)
-        size = sum(histogram_sizes(ask.schema, ask.params.n_bins))
+        size = sum(histogram_sizes(ask.schema, ask.params.n_bins, ask.params.resolution))
         check_finite(result.arrays.get("histograms"), (size,), "histograms", 1e12)
 
     def pool(self, results: Mapping[str, TaskResult],
              ask: Ask[SynthParams, None]) -> PooledCounts:
-        """Return the sum of the sites' histograms, and their public row count."""
+        """Return the sum of the sites' histograms, their public row count and noise."""
         order = sorted(results)
+        params = ask.params
         total = sum_histograms([results[s].arrays["histograms"] for s in order], ask.schema,
-                               ask.params.n_bins)
-        return PooledCounts(total, sum(int(results[s].metadata["n_rows"]) for s in order))
+                               params.n_bins, params.resolution)
+        sigma = link_histogram_mechanism(ask.schema, ask.budget.epsilon, ask.budget.delta).sigma
+        return PooledCounts(total, sum(int(results[s].metadata["n_rows"]) for s in order),
+                            release_noise_sd(ask.schema, params.n_bins,
+                                             sigma * math.sqrt(len(order)), params.resolution))
 
     def encoding(self, ask: Ask[SynthParams, None]) -> SumEncoding:
-        """Return the weighted counts: every row adds ``m_j`` to one cell of each column."""
-        n_bins = ask.params.n_bins
+        """Return the weighted counts: every row adds ``m_j`` to one cell of each column.
+
+        Under "fine" a column's leaves are a group of their own, which only the rows inside
+        its bins add to (:func:`dpfed.common.synth.link_release.secure_link_groups`).
+        """
+        n_bins, resolution = ask.params.n_bins, ask.params.resolution
+        groups, weights, partial = secure_link_groups(ask.schema, n_bins, resolution)
         return SumEncoding(
-            dim=sum(histogram_sizes(ask.schema, n_bins)),
-            row_norm=secure_link_row_norm(ask.schema, n_bins),
-            params=secure_base(ask.params, ask.schema, self.source),
-            groups=histogram_sizes(ask.schema, n_bins),
-            weights=tuple(int(w) for w in secure_link_weights(ask.schema, n_bins)))
+            dim=sum(histogram_sizes(ask.schema, n_bins, resolution)),
+            row_norm=secure_link_row_norm(ask.schema, n_bins, resolution),
+            params=secure_base(ask.params, ask.schema, self.source), groups=groups,
+            weights=weights, partial=partial)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, None]) -> PooledCounts:
-        """Return the pooled counts, each column divided by its weight."""
-        return PooledCounts(secure_pooled_counts(summed.value, ask.schema, ask.params.n_bins),
-                            summed.n_rows_total)
+        """Return the pooled counts, each column divided by its weight, and their noise."""
+        n_bins, resolution = ask.params.n_bins, ask.params.resolution
+        return PooledCounts(
+            secure_pooled_counts(summed.value, ask.schema, n_bins, resolution),
+            summed.n_rows_total,
+            release_noise_sd(ask.schema, n_bins, math.sqrt(summed.plan.pooled_variance),
+                             resolution, secure=True))
 
 
 def link_counts(data: DataAccess, params: SynthParams) -> LinkHistogramAccumulator:
     """Every column's exact histogram over ``data`` (site-internal)."""
-    acc = LinkHistogramAccumulator(data.schema, params.n_bins)
+    acc = LinkHistogramAccumulator(data.schema, params.n_bins, params.resolution)
     for table, _report in data.iter_chunks():
         acc.add(table)
     return acc
@@ -305,7 +328,8 @@ def link_counts(data: DataAccess, params: SynthParams) -> LinkHistogramAccumulat
 def proportions(pooled: PooledCounts, schema: Schema, params: SynthParams) -> np.ndarray:
     """Return the DP proportions of every column's cells (post-processing of the pooled counts)."""
     return proportions_from_histograms(pooled.counts, schema, params.n_bins,
-                                       n_rows=pooled.n_rows)
+                                       n_rows=pooled.n_rows, resolution=params.resolution,
+                                       noise_sd=pooled.noise_sd)
 
 
 # --------------------------------------------------------------------------- pca

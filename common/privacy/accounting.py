@@ -159,6 +159,8 @@ class BudgetStatus:
     delta_spent: float
     rho_spent: float
     events: int
+    #: The site's study budgets (``[studies.NAME]`` of site.toml), each within this total.
+    studies: tuple[StudyStatus, ...] = ()
 
     @property
     def epsilon_remaining(self) -> float:
@@ -169,6 +171,16 @@ class BudgetStatus:
     def delta_remaining(self) -> float:
         """Delta still available (0 when exhausted)."""
         return max(self.delta_cap - self.delta_spent, 0.0)
+
+
+@dataclass(frozen=True)
+class StudyStatus:
+    """One study's budget at a site: its cap and spend (``status``) and its last day."""
+
+    name: str
+    #: The last day (UTC, ``YYYY-MM-DD``) on which the study's jobs may spend.
+    expires: str
+    status: BudgetStatus
 
 
 @dataclass(frozen=True)

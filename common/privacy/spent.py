@@ -53,6 +53,11 @@ LAPLACE_MECHANISMS = frozenset({"laplace", "matrix-laplace"})
 _SECURE_SKELLAM = re.compile(r"secure-skellam\[n=(\d{1,6}),t=(\d{1,6})(?:,d=(\d{1,6}))?\]")
 #: Relative tolerance of the consistency check between a pair and the event's (epsilon, delta).
 _CONSISTENCY = 1e-6
+#: Largest privacy loss the composed discretised pairs may reach. Pairs past it (events of a
+#: pure or approximate epsilon in the tens or more, used to check a pipeline against its
+#: non-private answer) compose by basic composition instead: on the pairs' uniform grid their
+#: support alone would be tens of millions of points and every ledger read seconds long.
+MAX_PAIRS_LOSS = 20.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,20 @@ def _kernel(key: tuple[Hashable, ...]) -> pld.LossDistribution:
     if kind == "pure":
         return pld.pure_loss(float(key[1]))  # type: ignore[arg-type]
     return pld.approximate_loss(float(key[1]), float(key[2]))  # type: ignore[arg-type]
+
+
+def _kernel_epsilon(key: tuple[Hashable, ...]) -> float:
+    """Return the largest finite privacy loss of a kernel (its pure or approximate epsilon)."""
+    return float(key[1])  # type: ignore[arg-type]
+
+
+def _kernel_delta(key: tuple[Hashable, ...]) -> float:
+    """Return the delta a kernel carries (approximate pairs only)."""
+    return float(key[2]) if key[0] == "approximate" else 0.0  # type: ignore[arg-type]
+
+
+def _kernel_order(key: tuple[Hashable, ...]) -> tuple[float, str]:
+    return _kernel_epsilon(key), repr(key)
 
 
 def _fallback(cost: PrivacyCost) -> EventLoss:
@@ -172,6 +191,10 @@ class Spent:
         The composed discretised pairs.
     fallbacks : int
         Events charged by their (epsilon, delta) alone (no usable mechanism description).
+    outside_epsilon, outside_delta : float
+        Summed (epsilon, delta) of the discretised pairs kept out of ``loss`` because the
+        composition would pass :data:`MAX_PAIRS_LOSS`; they join the pairs' figure by basic
+        composition (:meth:`pairs_epsilon`).
     """
 
     events: int = 0
@@ -182,6 +205,8 @@ class Spent:
     infinity: float = 0.0
     loss: pld.LossDistribution | None = None
     fallbacks: int = 0
+    outside_epsilon: float = 0.0
+    outside_delta: float = 0.0
 
     @staticmethod
     def of(costs: Iterable[PrivacyCost]) -> Spent:
@@ -201,19 +226,34 @@ class Spent:
             if pair.kernel is not None:
                 kernels[pair.kernel] += 1
         loss: pld.LossDistribution | None = None
-        for key in sorted(kernels, key=repr):
-            part = _kernel(key).power(kernels[key])
-            loss = part if loss is None else loss.compose(part)
-        return Spent(n, eps, delta, rho, mu2, inf, loss, fallbacks)
+        reach = out_eps = out_delta = 0.0
+        for key in sorted(kernels, key=_kernel_order):
+            count, each = kernels[key], _kernel_epsilon(key)
+            kept = count if each <= 0.0 else min(count, int((MAX_PAIRS_LOSS - reach) // each))
+            if kept > 0:
+                part = _kernel(key).power(kept)
+                loss = part if loss is None else loss.compose(part)
+                reach += kept * each
+            out_eps += (count - kept) * each
+            out_delta += (count - kept) * _kernel_delta(key)
+        return Spent(n, eps, delta, rho, mu2, inf, loss, fallbacks, out_eps, out_delta)
 
     def add(self, cost: PrivacyCost) -> Spent:
         """Return the composition of these events and ``cost``."""
         pair = event_loss(cost)
         loss = self.loss
+        out_eps, out_delta = self.outside_epsilon, self.outside_delta
         if pair.kernel is not None:
-            part = _kernel(pair.kernel)
-            loss = part if loss is None else loss.compose(part)
-        return replace(self, events=self.events + 1, epsilon_sum=self.epsilon_sum + cost.epsilon,
+            each = _kernel_epsilon(pair.kernel)
+            reach = 0.0 if loss is None or not loss.masses.size else float(loss.losses[-1])
+            if reach + each <= MAX_PAIRS_LOSS:
+                part = _kernel(pair.kernel)
+                loss = part if loss is None else loss.compose(part)
+            else:
+                out_eps += each
+                out_delta += _kernel_delta(pair.kernel)
+        return replace(self, outside_epsilon=out_eps, outside_delta=out_delta,
+                       events=self.events + 1, epsilon_sum=self.epsilon_sum + cost.epsilon,
                        delta_sum=self.delta_sum + cost.delta, rho_sum=self.rho_sum + cost.rho,
                        mu_squared=self.mu_squared + pair.mu * pair.mu,
                        infinity=self.infinity + pair.infinity, loss=loss,
@@ -231,15 +271,21 @@ class Spent:
 
     def pairs_delta(self, epsilon: float) -> float:
         """``delta(epsilon)`` of the composed pairs (an upper bound on the true one)."""
-        return pld.delta_at(epsilon, mu=math.sqrt(self.mu_squared), loss=self.loss,
-                            infinity=self.infinity)
+        if epsilon < self.outside_epsilon:
+            return 1.0
+        inner = pld.delta_at(epsilon - self.outside_epsilon, mu=math.sqrt(self.mu_squared),
+                             loss=self.loss, infinity=self.infinity)
+        return min(1.0, inner + self.outside_delta)
 
     def pairs_epsilon(self, delta: float) -> float:
         """Return the composed pairs' epsilon at ``delta`` (``inf`` past their ``+inf`` mass)."""
         if self.events == 0:
             return 0.0
-        return pld.epsilon_at(delta, mu=math.sqrt(self.mu_squared), loss=self.loss,
-                              infinity=self.infinity)
+        if delta <= self.outside_delta:
+            return math.inf
+        return self.outside_epsilon + pld.epsilon_at(
+            delta - self.outside_delta, mu=math.sqrt(self.mu_squared), loss=self.loss,
+            infinity=self.infinity)
 
     def epsilon(self, delta: float) -> float:
         """Return the tight epsilon at ``delta``: the least of composed pairs, basic and zCDP.

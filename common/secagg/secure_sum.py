@@ -598,14 +598,17 @@ def decode_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndar
 
 
 def check_decoded(total: np.ndarray, plan: SecureSumPlan, n_rows: int, *,
-                  groups: Sequence[int] = (), weights: Sequence[int] = ()) -> None:
+                  groups: Sequence[int] = (), weights: Sequence[int] = (),
+                  partial: Sequence[bool] = ()) -> None:
     """Refuse a decoded integer sum that no honest run of ``plan`` over ``n_rows`` rows gives.
 
     Honest sites sum rows within the plan's bound, so the exact pooled statistic lies in a
     set the public row count and the statistic determine (docs/secure-aggregation.md,
     "Decoded sums are checked"); the noise adds at most ``skellam_tail`` to an entry but with
     probability ``2^-60``. Counts: every row adds ``weights[k]`` (default 1) to one cell of
-    each group of ``groups[k]`` cells, so each group sums to ``n_rows * weights[k]``.
+    each group of ``groups[k]`` cells, so each group sums to ``n_rows * weights[k]``; a
+    ``partial[k]`` group gets a row's weight only from the rows that fall in one of its cells
+    (the leaves inside a column's bins), so it sums to at most that.
 
     Raises
     ------
@@ -638,7 +641,7 @@ def check_decoded(total: np.ndarray, plan: SecureSumPlan, n_rows: int, *,
         if float(np.min(t)) < -tail or float(np.max(t)) > top + tail:
             refuse(f"has entries in [{float(np.min(t)):.4g}, {float(np.max(t)):.4g}] outside "
                    f"[0, {top:.4g}]")
-        _check_groups(t, n, groups, weights, var, refuse)
+        _check_groups(t, n, groups, weights, partial, var, refuse)
 
 
 def _check_gram(t: np.ndarray, dim: int, most: float, tail: float, trace_tail: float,
@@ -667,8 +670,8 @@ def _check_gram(t: np.ndarray, dim: int, most: float, tail: float, trace_tail: f
 
 
 def _check_groups(t: np.ndarray, n: float, groups: Sequence[int], weights: Sequence[int],
-                  var: float, refuse: Callable[[str], None]) -> None:
-    """Each group of counts sums to ``n`` times its weight."""
+                  partial: Sequence[bool], var: float, refuse: Callable[[str], None]) -> None:
+    """Each group of counts sums to ``n`` times its weight (a partial group: at most that)."""
     if not groups:
         return
     if sum(groups) != t.shape[0]:
@@ -678,6 +681,10 @@ def _check_groups(t: np.ndarray, n: float, groups: Sequence[int], weights: Seque
         weight = float(weights[k]) if weights else 1.0
         total = float(np.sum(t[start:start + size]))
         slack = skellam_tail(var * size, len(groups))
-        if abs(total - n * weight) > slack:
+        if partial and partial[k]:
+            if total < -slack or total > n * weight + slack:
+                refuse(f"has a group of cells summing to {total:.4g}, outside "
+                       f"[0, {n * weight:.4g}]")
+        elif abs(total - n * weight) > slack:
             refuse(f"has a group of cells summing to {total:.4g}, not {n * weight:.4g}")
         start += size

@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,7 @@ from dpfed.common.privacy.accounting import PrivacyCost, zcdp_to_epsilon
 from dpfed.common.privacy.composition import COMPOSITIONS, split_budget
 from dpfed.common.privacy.mechanisms import LaplaceMechanism
 from dpfed.common.privacy.rng import resolve_rng
+from dpfed.common.synth.column_cells import check_resolution
 from dpfed.common.synth.generative import (
     FactorModel,
     build_factor_model,
@@ -96,8 +98,10 @@ from dpfed.common.synth.latent_model import residual_variance as residual_varian
 from dpfed.common.synth.link_release import (
     CONTINUOUS_LINKS,
     LinkHistogramAccumulator,
+    link_histogram_mechanism,
     link_round_cost,
     release_link_histograms,
+    release_noise_sd,
 )
 from dpfed.common.synth.links import (
     CONTINUOUS_SCALINGS,
@@ -675,7 +679,8 @@ class FactorModelSynthesizer:
                  pca_calibration: str = "analytic", row_policy: RowPolicy | None = None,
                  rng: np.random.Generator | None = None,
                  links: LatentLinks | None = None, pairs: int | None = None,
-                 pair_groups: int = DEFAULT_GROUPS, composition: str = "basic") -> None:
+                 pair_groups: int = DEFAULT_GROUPS, composition: str = "basic",
+                 resolution: str = "fine", pair_gate: bool = True) -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         self.schema = schema
@@ -687,6 +692,8 @@ class FactorModelSynthesizer:
         self.continuous_link = check_choice(continuous_link, "continuous_link",
                                             CONTINUOUS_LINKS)
         self.n_bins = check_int(n_bins, "n_bins", minimum=2, maximum=SYNTH_MAX_BINS)
+        self.resolution = check_resolution(resolution)
+        self.pair_gate = bool(pair_gate)
         dim = latent_dim(schema)
         self.rank = None if rank is None else check_int(rank, "rank", minimum=1, maximum=dim)
         self.info_threshold = check_probability(info_threshold, "info_threshold")
@@ -820,14 +827,17 @@ class FactorModelSynthesizer:
         rng = self._rng
         if self.continuous_scaling == "dp":
             assert epsilon is not None and delta is not None
-            acc = LinkHistogramAccumulator(self.schema, self.n_bins)
+            acc = LinkHistogramAccumulator(self.schema, self.n_bins, self.resolution)
             acc.add(table)
             noisy = release_link_histograms(acc.counts, self.schema, self.n_bins, epsilon=epsilon,
-                                            delta=delta, rng=rng)
+                                            delta=delta, rng=rng, resolution=self.resolution)
             costs["marginals"] = link_round_cost(self.schema, epsilon, delta)
+            sigma = link_histogram_mechanism(self.schema, epsilon, delta).sigma
             proportions, links = links_from_histograms(
                 noisy, self.schema, self.n_bins, n_rows=table.n_rows,
-                continuous_link=self.continuous_link, min_proportion=self.min_proportion)
+                continuous_link=self.continuous_link, min_proportion=self.min_proportion,
+                resolution=self.resolution,
+                noise_sd=release_noise_sd(self.schema, self.n_bins, sigma, self.resolution))
             self.proportions_ = proportions
             return links
         # "bounds" (row-aligned only): continuous columns scaled by the public bounds, DP
@@ -900,7 +910,8 @@ class FactorModelSynthesizer:
                                       noise_scale=costs["factors"].noise_scale,
                                       rescale=self.rescale_latent)
         # The final calibration: every synthetic column reproduces its released DP marginal.
-        self.decode_links_, _ = calibrated_links(links, model, rng, self._factors)
+        self.decode_links_, _ = calibrated_links(links, model, rng, self._factors,
+                                                 n_rows=table.n_rows)
         # The job's pair rounds and the correction of generated rows to their tables.
         self.pair_grid_: PairGrid | None = None
         self.pair_edges_: list[Pair] = []
@@ -942,7 +953,7 @@ class FactorModelSynthesizer:
         assert proportions is not None  # pairs > 0 only with links fitted here ("dp")
         rng = self._rng
         grid = PairGrid.from_proportions(self.schema, proportions, self.n_bins,
-                                         self.pair_groups)
+                                         self.pair_groups, self.resolution)
         candidates = grid.candidate_pairs()
         if not candidates:
             log.info("[FactorModelSynthesizer._fit_pairs] no pair table of at most %d cells: "
@@ -955,7 +966,12 @@ class FactorModelSynthesizer:
                                      deltas["pair_scores"])
         noisy_scores = score_mech.release(scores, rng)
         costs["pair_scores"] = score_mech.cost()
-        edges = pair_forest(noisy_scores, grid, self.pairs)
+        edges = pair_forest(noisy_scores, grid, self.pairs, None if not self.pair_gate else (
+            lambda k: pair_table_mechanism(k, budget["pairs"], deltas["pairs"]).sigma))
+        if not edges:
+            log.info("[FactorModelSynthesizer._fit_pairs] no pair's score is above the noise "
+                     "its table would carry: the pairs release is skipped")
+            return
         tables = PairTableAccumulator(grid, edges)
         tables.add(table)
         table_mech = pair_table_mechanism(len(edges), budget["pairs"], deltas["pairs"])
@@ -999,7 +1015,8 @@ class FactorModelSynthesizer:
         rows = self.n_rows_ if n is None else check_int(n, "n", minimum=0)
         correction = self.pair_correction_
         parts = list(iter_samples(self.model_, self.decode_links_, rows, self._rng,
-                                  correct=None if correction is None else correction.apply))
+                                  correct=None if correction is None else partial(
+                                      correction.apply, in_place=True)))
         if not parts:
             return self.decode_links_.from_latent(np.zeros((0, self.decode_links_.dim)))
         return EncodedTable.concatenate(parts)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,8 +53,9 @@ from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import ContinuousColumn, NominalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.mechanisms import GaussianMechanism
-from dpfed.common.synth.link_release import histogram_sizes, project_counts, split_proportions
-from dpfed.common.synth.quantile_link import bin_codes, snap_to_whole
+from dpfed.common.synth.column_cells import ColumnCells, schema_cells
+from dpfed.common.synth.link_release import link_sizes, project_counts, split_proportions
+from dpfed.common.synth.quantile_link import point_values
 from dpfed.common.validation import check_finite_array, check_int
 
 #: Default most groups per ordinal/continuous column in a pair table.
@@ -88,16 +89,28 @@ class PairGrid:
         Per column, the group of each link cell (0..size-1, non-decreasing for ordered columns).
     max_groups : int
         The most groups of an ordinal or continuous column (the grid's one parameter).
+    resolution : str
+        The links' layout (:mod:`dpfed.common.synth.column_cells`): a continuous column's link
+        cells are its leaves.
     """
 
     schema: Schema
     n_bins: int
     groups: tuple[np.ndarray, ...]
     max_groups: int
+    resolution: str = "bins"
+    sizes: tuple[int, ...] = field(init=False)
+    _cells: dict[str, ColumnCells] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Computed once: callers read the sizes once per pair (O(columns^2) reads).
+        object.__setattr__(self, "sizes", tuple(int(m.max()) + 1 for m in self.groups))
+        object.__setattr__(self, "_cells", schema_cells(self.schema, self.n_bins,
+                                                        self.resolution))
 
     @classmethod
     def from_proportions(cls, schema: Schema, proportions: np.ndarray, n_bins: int,
-                         max_groups: int = DEFAULT_GROUPS) -> PairGrid:
+                         max_groups: int = DEFAULT_GROUPS, resolution: str = "bins") -> PairGrid:
         """Group each ordered column's cells into about equally likely groups (post-processing).
 
         Ordinal and continuous columns with more than ``max_groups`` cells are cut at the
@@ -105,7 +118,7 @@ class PairGrid:
         midpoint); nominal columns keep one group per category.
         """
         g = check_int(max_groups, "pair_groups", minimum=2, maximum=MAX_GROUPS)
-        blocks = split_proportions(proportions, schema, n_bins)
+        blocks = split_proportions(proportions, schema, n_bins, resolution)
         maps = []
         for col in schema.columns:
             p = np.asarray(blocks[col.name], dtype=np.float64)
@@ -117,34 +130,37 @@ class PairGrid:
             raw = np.minimum((mid * g).astype(np.intp), g - 1)
             _, dense = np.unique(raw, return_inverse=True)
             maps.append(dense.astype(np.intp))
-        return cls(schema, int(n_bins), tuple(maps), g)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Groups per column."""
-        return tuple(int(m.max()) + 1 for m in self.groups)
+        return cls(schema, int(n_bins), tuple(maps), g, resolution)
 
     def all_pairs(self) -> list[Pair]:
         """Every column pair ``(a, b)``, ``a < b``, in lexicographic order."""
         return list(itertools.combinations(range(len(self.schema.columns)), 2))
 
     def candidate_pairs(self) -> list[Pair]:
-        """Return the pairs whose table has at most :data:`MAX_PAIR_CELLS` cells."""
-        return [p for p in self.all_pairs() if self.cells(p) <= MAX_PAIR_CELLS]
+        """Return the pairs whose table has at most :data:`MAX_PAIR_CELLS` cells.
+
+        Linear in the number of pairs (the sizes are computed once).
+        """
+        s = self.sizes
+        return [(a, b) for a, b in self.all_pairs() if s[a] * s[b] <= MAX_PAIR_CELLS]
 
     def cells(self, pair: Pair) -> int:
         """Cells of one pair's table."""
         s = self.sizes
         return s[pair[0]] * s[pair[1]]
 
+    def column_cells(self, column: int) -> ColumnCells:
+        """Return the public cells of continuous column ``column`` (index)."""
+        return self._cells[self.schema.columns[column].name]
+
     def fine_codes(self, table: EncodedTable) -> list[np.ndarray]:
-        """Link cell of every value (public bins for continuous columns, codes otherwise)."""
+        """Link cell of every value (a continuous column's leaf, codes otherwise)."""
         if table.schema.digest() != self.schema.digest():
             raise ValidationError("chunk was encoded with a different schema")
         out = []
         for col in self.schema.columns:
             values = table.columns[col.name]
-            out.append(bin_codes(col, values, self.n_bins) if isinstance(col, ContinuousColumn)
+            out.append(self._cells[col.name].codes(values) if isinstance(col, ContinuousColumn)
                        else np.asarray(values, dtype=np.intp))
         return out
 
@@ -154,7 +170,7 @@ class PairGrid:
 
     def group_proportions(self, proportions: np.ndarray) -> list[np.ndarray]:
         """Return the DP 1-way proportions summed over each column's groups."""
-        blocks = split_proportions(proportions, self.schema, self.n_bins)
+        blocks = split_proportions(proportions, self.schema, self.n_bins, self.resolution)
         return [np.bincount(m, weights=blocks[c.name], minlength=s)
                 for c, m, s in zip(self.schema.columns, self.groups, self.sizes, strict=True)]
 
@@ -291,7 +307,7 @@ def typical_pair_cells(schema: Schema, n_bins: int, max_groups: int) -> int:
     :data:`MAX_PAIR_CELLS` are not candidates.
     """
     sizes = [min(s, max_groups) if not isinstance(c, NominalColumn) else s
-             for c, s in zip(schema.columns, histogram_sizes(schema, n_bins), strict=True)]
+             for c, s in zip(schema.columns, link_sizes(schema, n_bins), strict=True)]
     cells = [a * b for a, b in itertools.combinations(sizes, 2) if a * b <= MAX_PAIR_CELLS]
     return int(np.median(cells)) if cells else 0
 
@@ -446,6 +462,40 @@ class PairStep:
     dest: np.ndarray
 
 
+def _move_rows(step: PairStep, groups: dict[int, np.ndarray],
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Apply one step to the group codes (the child's updated in place).
+
+    Returns the moved rows and their new child groups.
+    """
+    ga, gb = groups[step.parent], groups[step.child]
+    k = step.move.shape[1]
+    flat_move = step.move.ravel()
+    cell = ga * k
+    cell += gb
+    # Only rows in cells with something to move draw a uniform (most cells move nothing).
+    candidates = np.flatnonzero((flat_move > 0.0)[cell])
+    moved = candidates[rng.random(candidates.size) < flat_move[cell[candidates]]]
+    if moved.size == 0:
+        return moved, np.zeros(0, dtype=np.int32)
+    cum = np.cumsum(step.dest[ga[moved]], axis=1)
+    u = rng.random(moved.size)[:, None] * cum[:, -1:]
+    new_group = np.minimum((u > cum).sum(axis=1), k - 1).astype(np.int32)
+    gb[moved] = new_group
+    return moved, new_group
+
+
+@dataclass(frozen=True)
+class _Redraw:
+    """One column's public tables for redrawing a moved row's cell inside its new group."""
+
+    keys: np.ndarray         # group + cumulative DP share of each cell inside its group
+    first: np.ndarray        # first cell of every group
+    last: np.ndarray         # last cell of every group
+    edges: np.ndarray | None  # continuous: the lowest value of every group but the first
+    points: np.ndarray | None  # continuous: point-mass values of the cells (NaN: none)
+
+
 @dataclass(frozen=True, eq=False)
 class PairCorrection:
     """Fits rows to DP pair tables edge by edge (see the module docstring); post-processing.
@@ -462,6 +512,39 @@ class PairCorrection:
     grid: PairGrid
     steps: tuple[PairStep, ...]
     proportions: np.ndarray
+    _redraw: dict[int, _Redraw] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Built once per model: every generated chunk reuses them.
+        grid = self.grid
+        blocks = split_proportions(self.proportions, grid.schema, grid.n_bins, grid.resolution)
+        columns = {c for step in self.steps for c in (step.parent, step.child)}
+        tables = {}
+        for j in sorted(columns):
+            col = grid.schema.columns[j]
+            members = grid.groups[j]
+            p = np.clip(np.asarray(blocks[col.name], dtype=np.float64), 0.0, None)
+            # Groups of an ordered column are runs of consecutive cells, so ``group +
+            # (cumulative share of the cell inside its group)`` increases along the cells:
+            # one searchsorted draws every row's cell inside its group.
+            n_groups = int(members.max()) + 1
+            per_group = np.bincount(members, weights=p, minlength=n_groups)
+            share = np.divide(p, per_group[members], out=np.zeros_like(p),
+                              where=per_group[members] > 0)
+            runs = np.bincount(members, minlength=n_groups)
+            flat = per_group[members] <= 0  # a group without DP mass: uniform over its cells
+            share[flat] = 1.0 / runs[members[flat]]
+            start = np.concatenate([[0], np.cumsum(runs)[:-1]])
+            cum = np.cumsum(share)
+            within = cum - (cum[start] - share[start])[members]
+            edges = points = None
+            if isinstance(col, ContinuousColumn):
+                cells = grid.column_cells(j)
+                edges = cells.lo[start[1:]]
+                points = point_values(cells, p)
+            tables[j] = _Redraw(members + np.minimum(within, 1.0) - 1e-12, start,
+                                start + runs - 1, edges, points)
+        object.__setattr__(self, "_redraw", tables)
 
     @classmethod
     def fit(cls, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
@@ -484,15 +567,15 @@ class PairCorrection:
             raise ValidationError(f"{len(checked)} edges but {len(tables)} tables")
         sizes = grid.sizes
         fine = grid.fine_codes(calibration)
+        groups = {c: np.asarray(grid.groups[c][f], dtype=np.int32) for c, f in
+                  enumerate(fine)}
         steps: list[PairStep] = []
-        empty = cls(grid, (), np.asarray(proportions, dtype=np.float64))
-        cache: dict[int, np.ndarray] = {}
         for (a, b), joint in zip(checked, tables, strict=True):
             target = np.asarray(joint, dtype=np.float64)
             if target.shape != (sizes[a], sizes[b]):
                 raise ValidationError(f"table of pair ({a}, {b}) has shape {target.shape}, "
                                       f"expected {(sizes[a], sizes[b])}")
-            ga, gb = grid.groups[a][fine[a]], grid.groups[b][fine[b]]
+            ga, gb = groups[a], groups[b]
             model = np.bincount(ga * sizes[b] + gb, minlength=sizes[a] * sizes[b]).reshape(
                 sizes[a], sizes[b]) / max(calibration.n_rows, 1)
             target = shrunk_target(target, model, noise_sd)
@@ -506,7 +589,7 @@ class PairCorrection:
             move[room[:, 0] <= 0, :] = 0.0
             step = PairStep(a, b, move, dest)
             steps.append(step)
-            empty._apply_step(step, fine, cache, rng)
+            _move_rows(step, groups, rng)
         return cls(grid, tuple(steps), np.asarray(proportions, dtype=np.float64))
 
     @property
@@ -514,90 +597,73 @@ class PairCorrection:
         """(parent, child) of every step."""
         return [(s.parent, s.child) for s in self.steps]
 
-    def _apply_step(self, step: PairStep, fine: list[np.ndarray],
-                    group_codes: dict[int, np.ndarray], rng: np.random.Generator) -> np.ndarray:
-        """Apply one step in place (``fine`` and the cached ``group_codes``); return moved rows."""
-        grid = self.grid
-        a, b = step.parent, step.child
-        for c in (a, b):
-            if c not in group_codes:
-                group_codes[c] = grid.groups[c][fine[c]]
-        ga, gb = group_codes[a], group_codes[b]
-        k = step.move.shape[1]
-        flat_move = step.move.ravel()
-        cell = ga * k + gb
-        # Only rows in cells with something to move draw a uniform (most cells move nothing).
-        candidates = np.flatnonzero((flat_move > 0.0)[cell])
-        moved: np.ndarray = candidates[rng.random(candidates.size) < flat_move[cell[candidates]]]
-        if moved.size == 0:
-            return moved
-        cum = np.cumsum(step.dest[ga[moved]], axis=1)
-        u = rng.random(moved.size)[:, None] * cum[:, -1:]
-        new_group = np.minimum((u > cum).sum(axis=1), k - 1)
-        fine[b] = fine[b].copy()
-        fine[b][moved] = self._draw_cell(b, new_group, rng)
-        group_codes[b] = gb.copy()
-        group_codes[b][moved] = new_group
-        return moved
+    def _groups(self, table: EncodedTable, column: int) -> np.ndarray:
+        """Return the group of every value of one column (int32; from the values)."""
+        col = self.grid.schema.columns[column]
+        values = table.columns[col.name]
+        redraw = self._redraw[column]
+        if redraw.edges is None:
+            return np.asarray(self.grid.groups[column][np.asarray(values, dtype=np.intp)],
+                              dtype=np.int32)
+        # The groups of a continuous column are runs of cells in value order: one search on
+        # their lowest values (a value on a boundary opens the higher group, as its cell
+        # does; the lower bound's point cell always belongs to the first group).
+        assert isinstance(col, ContinuousColumn)
+        if redraw.edges.shape[0] > 8:
+            g = np.searchsorted(redraw.edges, values, side="right").astype(np.int32)
+        else:  # a few groups: one comparison per edge is faster than a search
+            g = np.zeros(values.shape[0], dtype=np.int32)
+            for edge in redraw.edges:
+                g += values >= edge
+        g[values <= col.min] = 0
+        return g
 
     def _draw_cell(self, column: int, group: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Draw a link cell inside each ``group`` from the DP 1-way proportions."""
-        grid = self.grid
-        members = grid.groups[column]
-        if members.shape[0] == int(members.max()) + 1:  # one cell per group
-            return np.asarray(group, dtype=np.intp)
-        offsets = np.cumsum([0, *histogram_sizes(grid.schema, grid.n_bins)])
-        p = np.clip(self.proportions[offsets[column]:offsets[column + 1]], 0.0, None)
-        # Groups of an ordered column are runs of consecutive cells, so ``group + (cumulative
-        # share of the cell inside its group)`` increases along the cells: one searchsorted
-        # draws every row's cell inside its group.
-        per_group = np.bincount(members, weights=p, minlength=int(members.max()) + 1)
-        share = np.divide(p, per_group[members], out=np.zeros_like(p),
-                          where=per_group[members] > 0)
-        runs = np.bincount(members)
-        flat = per_group[members] <= 0  # a group without DP mass: uniform over its cells
-        share[flat] = 1.0 / runs[members[flat]]
-        within = np.zeros_like(share)
-        for g in range(runs.shape[0]):  # cumulative share inside each group (few groups)
-            cells = members == g
-            within[cells] = np.cumsum(share[cells])
-        keys = members + np.minimum(within, 1.0) - 1e-12
-        u = group + rng.random(group.shape[0])
-        cells = np.searchsorted(keys, u, side="left")
+        redraw = self._redraw[column]
+        cells = np.searchsorted(redraw.keys, group + rng.random(group.shape[0]), side="left")
         # Rounding cannot leave the group: clip into its run of cells.
-        first = np.searchsorted(members, group, side="left")
-        last = np.searchsorted(members, group, side="right") - 1
-        return np.asarray(np.clip(cells, first, last), dtype=np.intp)
+        return np.asarray(np.clip(cells, redraw.first[group], redraw.last[group]),
+                          dtype=np.intp)
 
-    def apply(self, table: EncodedTable, rng: np.random.Generator) -> EncodedTable:
-        """Return ``table`` with the correction applied (each row on its own)."""
+    def apply(self, table: EncodedTable, rng: np.random.Generator, *,
+              in_place: bool = False) -> EncodedTable:
+        """Return ``table`` with the correction applied (each row on its own).
+
+        ``in_place``: write the moved values into ``table``'s own arrays (the sampler's
+        freshly decoded chunks) instead of copies of the columns that change.
+        """
         if not self.steps:
             return table
         grid = self.grid
-        fine = grid.fine_codes(table)
+        groups: dict[int, np.ndarray] = {}
         # Every column is the child of at most one step (a forest), so each moved set is final.
-        changed: dict[int, np.ndarray] = {}
-        cache: dict[int, np.ndarray] = {}
+        changed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for step in self.steps:
-            moved = self._apply_step(step, fine, cache, rng)
+            for c in (step.parent, step.child):
+                if c not in groups:
+                    groups[c] = self._groups(table, c)
+            moved, new_group = _move_rows(step, groups, rng)
             if moved.size:
-                changed[step.child] = moved
+                changed[step.child] = (moved, new_group)
         if not changed:
             return table
         columns = dict(table.columns)
-        for j, rows in changed.items():
+        for j, (rows, new_group) in changed.items():
             col = grid.schema.columns[j]
+            cells_drawn = self._draw_cell(j, new_group, rng)
+            values = columns[col.name] if in_place else np.array(columns[col.name])
             if isinstance(col, ContinuousColumn):
-                width = (col.max - col.min) / grid.n_bins
-                values = np.array(columns[col.name], dtype=np.float64)
-                drawn = col.min + (fine[j][rows] + rng.random(rows.size)) * width
-                values[rows] = (snap_to_whole(col, drawn, grid.n_bins) if col.integer
-                                else np.clip(drawn, col.min, col.max))
-                columns[col.name] = values
+                drawn = grid.column_cells(j).values(cells_drawn, rng.random(rows.size))
+                points = self._redraw[j].points
+                assert points is not None
+                point = points[cells_drawn]  # point masses decode as the links do
+                heaped = ~np.isnan(point)
+                drawn[heaped] = point[heaped]
+                values[rows] = drawn
             else:
-                codes = np.array(columns[col.name])
-                codes[rows] = fine[j][rows].astype(codes.dtype)
-                columns[col.name] = codes
+                values[rows] = cells_drawn.astype(values.dtype)
+            columns[col.name] = values
         return EncodedTable(table.schema, columns, table.n_rows)
 
     # ------------------------------------------------------------------ persistence

@@ -22,7 +22,8 @@ Privacy: every function here is post-processing of DP releases and of the public
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -30,10 +31,10 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.pca.dppca import PCAEstimate, combine, site_weights
 from dpfed.common.synth.generative import (
-    CALIBRATION_ROWS,
     FactorModel,
     build_factor_model,
     calibrate_proportions,
+    calibration_rows,
     decoding_links,
 )
 from dpfed.common.synth.link_release import links_from_proportions, proportions_from_histograms
@@ -53,16 +54,21 @@ FACTOR_WEIGHTING = "size"
 
 def links_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *, n_rows: float,
                           continuous_link: str = "quantile",
-                          min_proportion: float = 1e-4) -> tuple[np.ndarray, LatentLinks]:
+                          min_proportion: float = 1e-4, resolution: str = "bins",
+                          noise_sd: np.ndarray | None = None
+                          ) -> tuple[np.ndarray, LatentLinks]:
     """Turn summed DP histograms into (DP proportions, links) (post-processing).
 
     ``n_rows`` is the public pooled row count: every column's block is projected onto the
-    counts that sum to it before the proportions are floored
-    (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
+    counts that sum to it (under ``resolution="fine"`` a continuous column is estimated from
+    its coarse and leaf counts with their public noise ``noise_sd``) before the proportions
+    are floored (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
     """
     proportions = proportions_from_histograms(total, schema, n_bins,
-                                              min_proportion=min_proportion, n_rows=n_rows)
-    return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link)
+                                              min_proportion=min_proportion, n_rows=n_rows,
+                                              resolution=resolution, noise_sd=noise_sd)
+    return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link,
+                                               resolution)
 
 
 def combine_factors(factors: Sequence[np.ndarray], n_rows: Sequence[int],
@@ -102,46 +108,67 @@ def aligned_latent(factors: np.ndarray, model: FactorModel) -> np.ndarray:
 
 
 def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Generator,
-                     factors: np.ndarray | None = None
+                     factors: np.ndarray | None = None, *, n_rows: int | None = None
                      ) -> tuple[LatentLinks, list[np.ndarray | None]]:
     """Return the decoding links under which the model reproduces the links' DP marginals.
 
-    Generative models are calibrated on :data:`~dpfed.common.synth.generative.
-    CALIBRATION_ROWS` latent rows drawn from the model; row-aligned models (``factors``
-    given) on their own reconstructed latent rows. Returns the decoding links and the
-    calibrated proportions per column (None for identity-linked continuous columns).
-    Post-processing.
+    Generative models are calibrated on :func:`~dpfed.common.synth.generative.
+    calibration_rows` latent rows drawn from the model (``n_rows``: the public row count
+    the releases came from); row-aligned models (``factors`` given) on their own
+    reconstructed latent rows. Returns the decoding links and the calibrated proportions per
+    column (None for identity-linked continuous columns). Post-processing.
     """
-    latent = (model.latent(CALIBRATION_ROWS, rng) if factors is None
+    latent = (model.latent(calibration_rows(n_rows), rng) if factors is None
               else aligned_latent(factors, model))
     calibrated = calibrate_proportions(latent, links)
     return decoding_links(links, calibrated), calibrated
 
 
-def pair_forest(scores: np.ndarray, grid: PairGrid, max_pairs: int) -> list[Pair]:
+def pair_forest(scores: np.ndarray, grid: PairGrid, max_pairs: int,
+                noise: Callable[[int], float] | None = None) -> list[Pair]:
     """Return the (parent, child) pairs to measure from the summed noisy dependence scores.
 
     ``scores`` are those of ``grid.candidate_pairs()`` (the pairs every site scored), summed
     over the sites; the pairs are a maximum-weight forest of at most ``max_pairs`` edges,
     parents first (:func:`dpfed.common.synth.pair_marginals.choose_forest`).
-    Post-processing of the noisy scores.
+
+    ``noise(K)`` (public: the pairs round's calibration) is the standard deviation of the
+    summed noise on every cell when ``K`` tables are released. A pair is then measured only
+    if its score -- an L1 distance in counts -- exceeds the L1 error its released table
+    would carry, ``cells noise(K) sqrt(2/pi)``: a table noisier than the dependence it
+    would show only costs the other tables budget. The number of pairs follows (twice: ``K``
+    sets the noise, the noise the pairs that pass). Post-processing of the noisy scores.
     """
-    return choose_forest(scores, grid.candidate_pairs(), len(grid.schema.columns), max_pairs)
+    pairs = grid.candidate_pairs()
+    s = np.asarray(scores, dtype=np.float64)
+    d = len(grid.schema.columns)
+    if noise is None or not pairs:
+        return choose_forest(s, pairs, d, max_pairs)
+    cells = np.array([grid.cells(p) for p in pairs], dtype=np.float64)
+    k = max(min(max_pairs, len(pairs)), 1)
+    keep = np.ones(len(pairs), dtype=bool)
+    for _ in range(2):
+        keep = s > cells * float(noise(k)) * math.sqrt(2.0 / math.pi)
+        k = max(min(len(choose_forest(s[keep], [p for p, ok in zip(pairs, keep, strict=True)
+                                                if ok], d, max_pairs)), max_pairs), 1)
+    return choose_forest(s[keep], [p for p, ok in zip(pairs, keep, strict=True) if ok], d,
+                         max_pairs)
 
 
 def pair_correction(grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
                     model: FactorModel, decode: LatentLinks, proportions: np.ndarray,
-                    rng: np.random.Generator, *, noise_sd: float = 0.0) -> PairCorrection:
+                    rng: np.random.Generator, *, noise_sd: float = 0.0,
+                    n_rows: int | None = None) -> PairCorrection:
     """Fit the correction of generated rows to fitted pair tables (post-processing).
 
-    The correction is built on :data:`~dpfed.common.synth.generative.CALIBRATION_ROWS` rows
+    The correction is built on :func:`~dpfed.common.synth.generative.calibration_rows` rows
     drawn from ``model`` and decoded with the calibrated links ``decode`` (what sampling
     draws before the correction); ``tables`` are the joint proportions of
     :func:`dpfed.common.synth.pair_marginals.fit_pair_tables` and ``noise_sd`` their public
     noise per cell in proportions
     (:meth:`dpfed.common.synth.pair_marginals.PairCorrection.fit`).
     """
-    calibration = decode.from_latent(model.latent(CALIBRATION_ROWS, rng))
+    calibration = decode.from_latent(model.latent(calibration_rows(n_rows), rng))
     return PairCorrection.fit(grid, edges, tables, calibration, proportions, rng,
                               noise_sd=noise_sd)
 
@@ -159,4 +186,5 @@ def fit_pairs(total: np.ndarray, grid: PairGrid, edges: Sequence[Pair],
     """
     tables = fit_pair_tables(total, grid, edges, proportions, n_rows)
     return pair_correction(grid, edges, tables, model, decode, proportions, rng,
-                           noise_sd=float(noise_sd) / max(float(n_rows), 1.0))
+                           noise_sd=float(noise_sd) / max(float(n_rows), 1.0),
+                           n_rows=int(n_rows))

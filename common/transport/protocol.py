@@ -45,6 +45,8 @@ class SiteStatus(StrEnum):
     TIMEOUT = "timeout"
     DISCONNECTED = "disconnected"
     ERROR = "error"
+    #: The site holds the task until its data steward approves it (the round is still open).
+    AWAITING_APPROVAL = "awaiting_approval"
 
 
 class RefusalCode(StrEnum):
@@ -62,6 +64,12 @@ class RefusalCode(StrEnum):
     INTERNAL = "internal"
     #: The coordinator cancelled the task's job before the task started (nothing charged).
     CANCELLED = "cancelled"
+    #: The site's policy needs its data steward's approval of the job, not given yet: the
+    #: site holds the request (nothing computed, nothing charged) and the coordinator resends
+    #: the task until the steward decides or the task's deadline passes.
+    AWAITING_APPROVAL = "awaiting_approval"
+    #: The site's data steward denied the job (nothing computed, nothing charged).
+    DENIED = "denied"
     #: A code this version does not know (a newer site's): still a refusal, counted apart.
     OTHER = "other"
 
@@ -105,6 +113,10 @@ class Task:
     #: Not part of :meth:`digest`: it does not change the release, and a task resent after an
     #: upgrade keeps its digest. A replay keeps the attribution of the first charge.
     analyst_id: str = ""
+    #: The study the job was submitted under ("" = none); the site charges that study's
+    #: budget too. Not part of :meth:`digest`, like ``analyst_id``: a job without a study
+    #: sends the same task as before studies existed, so existing ledgers replay it.
+    study: str = ""
 
     def digest(self) -> str:
         """SHA-256 over everything that determines the release (not the task id)."""
@@ -184,6 +196,8 @@ class JobSpec:
     min_sites: int = 0
     deadline_seconds: float = 0.0
     sites: tuple[str, ...] = ()
+    #: The study the job spends from at every site ("" = none; site.toml ``[studies.NAME]``).
+    study: str = ""
 
 
 @dataclass(frozen=True)

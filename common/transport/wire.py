@@ -21,7 +21,7 @@ from dpfed.common.pb.v1 import analyst_pb2, site_link_pb2, types_pb2
 from dpfed.common.pb.v1.analyst_pb2 import JobInfo as ProtoJobInfo
 from dpfed.common.pb.v1.types_pb2 import Chunk as ProtoChunk
 from dpfed.common.pb.v1.types_pb2 import NDArray as ProtoNDArray
-from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost
+from dpfed.common.privacy.accounting import BudgetStatus, PrivacyCost, StudyStatus
 from dpfed.common.transport.protocol import (
     JobEvent,
     JobInfo,
@@ -165,15 +165,22 @@ def budget_to_proto(status: BudgetStatus) -> types_pb2.BudgetSummary:
     return types_pb2.BudgetSummary(
         accountant=status.accountant, epsilon_cap=status.epsilon_cap, delta_cap=status.delta_cap,
         epsilon_spent=status.epsilon_spent, delta_spent=status.delta_spent,
-        rho_spent=status.rho_spent, events=status.events)
+        rho_spent=status.rho_spent, events=status.events,
+        studies=[types_pb2.StudyBudget(name=s.name, budget=budget_to_proto(s.status),
+                                       expires=s.expires) for s in status.studies])
 
 
 def budget_from_proto(msg: types_pb2.BudgetSummary) -> BudgetStatus | None:
     """Decode a budget status (None when the message is empty)."""
     if not msg.accountant:
         return None
+    studies = []
+    for s in msg.studies:
+        status = budget_from_proto(s.budget)
+        if status is not None:
+            studies.append(StudyStatus(s.name, s.expires, status))
     return BudgetStatus(msg.accountant, msg.epsilon_cap, msg.delta_cap, msg.epsilon_spent,
-                        msg.delta_spent, msg.rho_spent, msg.events)
+                        msg.delta_spent, msg.rho_spent, msg.events, tuple(studies))
 
 
 # --------------------------------------------------------------------------- tasks
@@ -184,7 +191,8 @@ def task_to_bytes(task: Task) -> bytes:
     msg = types_pb2.TaskSpec(task_id=task.task_id, job_id=task.job_id, kind=task.kind,
                              epsilon=task.epsilon, delta=task.delta,
                              params=struct_to_proto(task.params),
-                             arrays=arrays_to_proto(task.arrays), analyst_id=task.analyst_id)
+                             arrays=arrays_to_proto(task.arrays), analyst_id=task.analyst_id,
+                             study=task.study)
     return msg.SerializeToString(deterministic=True)
 
 
@@ -199,7 +207,8 @@ def task_from_bytes(data: bytes) -> Task:
         raise ProtocolError("task payload lacks task_id or kind")
     check_task_privacy(msg.epsilon, msg.delta)
     return Task(msg.task_id, msg.job_id, msg.kind, msg.epsilon, msg.delta,
-                struct_from_proto(msg.params), arrays_from_proto(msg.arrays), msg.analyst_id)
+                struct_from_proto(msg.params), arrays_from_proto(msg.arrays), msg.analyst_id,
+                msg.study)
 
 
 def check_task_privacy(epsilon: float, delta: float) -> None:
@@ -388,13 +397,14 @@ def job_spec_to_proto(spec: JobSpec) -> analyst_pb2.JobSpec:
     """Serialize a job spec."""
     return analyst_pb2.JobSpec(kind=spec.kind, epsilon=spec.epsilon, delta=spec.delta,
                                params=struct_to_proto(spec.params), min_sites=spec.min_sites,
-                               deadline_seconds=spec.deadline_seconds, sites=list(spec.sites))
+                               deadline_seconds=spec.deadline_seconds, sites=list(spec.sites),
+                               study=spec.study)
 
 
 def job_spec_from_proto(msg: analyst_pb2.JobSpec) -> JobSpec:
     """Decode a job spec (values are validated by the job type, not here)."""
     return JobSpec(msg.kind, msg.epsilon, msg.delta, struct_from_proto(msg.params), msg.min_sites,
-                   msg.deadline_seconds, tuple(msg.sites))
+                   msg.deadline_seconds, tuple(msg.sites), msg.study)
 
 
 def site_outcome_to_proto(o: SiteOutcome) -> analyst_pb2.SiteOutcome:

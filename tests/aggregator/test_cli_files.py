@@ -63,7 +63,7 @@ def test_input_checks_and_the_recovery_message(tmp_path: Path) -> None:
     assert str(info.value) == (
         "job j-1 finished, but out.npz could not be written (No space left on device); its "
         "result is kept at the coordinator and costs no budget to get again: "
-        "dpfed fetch j-1 --out FILE")
+        "dpfed fetch j-1 --out FILE.npz")
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

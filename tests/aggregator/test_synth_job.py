@@ -3,6 +3,8 @@ DP evaluation summary's parameters, and what the report shows of rounds and summ
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -48,6 +50,46 @@ def test_summary_budget_is_part_of_the_canonical_parameters() -> None:
     again = SynthParams.parse(out, None)
     assert (again.summary_epsilon, again.evaluate_rows) == (0.5, 100)
     assert "summary_epsilon" not in validate(SCHEMA, 1.0, 1e-6, evaluate_rows=100)
+
+
+#: A job's canonical parameters as a coordinator stored them before ``resolution`` and
+#: ``pair_gate`` existed (ledgers and resumed jobs carry these bytes).
+STORED = {"mode": "generative", "continuous_link": "quantile", "n_bins": 32,
+          "info_threshold": 0.8, "calibration": "analytic", "pair_groups": 6,
+          "split": {"links": [0.6, 0.4], "pca": [0.25, 0.3], "pair_scores": [0.03, 0.1],
+                    "pairs": [0.12, 0.2]}}
+
+
+def test_a_new_job_gets_the_fine_cells_and_the_pair_gate() -> None:
+    out = validate(SCHEMA, 1.0, 1e-6)
+    assert out["resolution"] == "fine" and out["pair_gate"] is True
+    parsed = SynthParams.parse(out, SCHEMA)
+    assert (parsed.resolution, parsed.pair_gate) == ("fine", True)
+    assert parsed.to_mapping() == out  # what the sites parse is what was stored
+
+
+def test_the_analyst_may_ask_for_the_former_layout_and_no_gate() -> None:
+    out = validate(SCHEMA, 1.0, 1e-6, resolution="bins", pair_gate=False)
+    assert "resolution" not in out and "pair_gate" not in out
+
+
+def test_without_pair_rounds_there_is_no_gate() -> None:
+    out = validate(SCHEMA, 1.0, 1e-6, pairs=0)
+    assert "pair_gate" not in out and out["resolution"] == "fine"
+
+
+def test_a_stored_job_without_the_keys_parses_as_before_and_keeps_its_bytes() -> None:
+    stored = SynthParams.parse(STORED, SCHEMA)
+    assert (stored.resolution, stored.pair_gate) == ("bins", False)
+    assert json.dumps(stored.to_mapping(), sort_keys=True) == json.dumps(STORED, sort_keys=True)
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"resolution": "coarse"}, "--resolution"), ({"pair_gate": "yes"}, "pair_gate"),
+    ({"pair_gate": 1}, "pair_gate")])
+def test_bad_resolution_or_gate_is_refused(params: dict[str, object], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        validate(SCHEMA, 1.0, 1e-6, **params)
 
 
 def test_report_shows_the_rounds_and_the_sites_dp_summaries() -> None:
@@ -127,7 +169,8 @@ def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> 
     p = SynthParams.parse(old, None)
     assert p.rounds == ("links", "pca") and not p.pair_rounds and p.max_pairs(4) == 0
     assert p.to_mapping() == old
-    assert validate(SCHEMA, 2.0, 1e-5, **old) == old
+    # Submitted anew it gets the defaults of new jobs (the fine 1-way cells) and nothing else.
+    assert validate(SCHEMA, 2.0, 1e-5, **old) == {**old, "resolution": "fine"}
 
 
 @pytest.mark.parametrize("bad", [

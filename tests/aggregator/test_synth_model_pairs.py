@@ -48,7 +48,7 @@ def models() -> Models:
                              factor_model=synth.model_,
                              dp_correlation=np.eye(synth.model_.dim), rng=rng,
                              latent_correlation=synth.latent_correlation_,
-                             metadata={"job_id": "central"})
+                             metadata={"job_id": "central"}, resolution=synth.resolution)
     # The two pair rounds of one site, then the coordinator's steps.
     grid = plain.pair_grid(pm.DEFAULT_GROUPS)
     cands = grid.candidate_pairs()

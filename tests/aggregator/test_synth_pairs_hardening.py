@@ -69,7 +69,7 @@ async def test_a_poisoned_pair_release_is_an_error_outcome_and_the_model_uses_ho
     async with harness(tmp_path, extra_kinds=("synth",)) as h:
         schema = Schema.load(h.fed.schema_path)
         dim = latent_dim(schema)
-        size = sum(histogram_sizes(schema, N_BINS))
+        size = sum(histogram_sizes(schema, N_BINS, "fine"))  # a new job's cells
         site = SynthHandSite(h)
         await site.connect()
         await h.wait_connected("hospital-3")
@@ -125,5 +125,6 @@ def _cells(task: Task, h: Any) -> list[tuple[int, int]]:
 
     schema = Schema.load(h.fed.schema_path)
     grid = PairGrid.from_proportions(schema, task.arrays["link_proportions"], N_BINS,
-                                     int(task.params["pair_groups"]))
+                                     int(task.params["pair_groups"]),
+                                     str(task.params.get("resolution", "bins")))
     return [(grid.sizes[a], grid.sizes[b]) for a, b in task.params["pair_edges"]]

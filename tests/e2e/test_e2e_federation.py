@@ -25,6 +25,7 @@ from dpfed.aggregator.pca_result import PCAResult
 from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import JobFailedError
+from dpfed.common.jobs.eligibility import gaussian_rounds_epsilon
 from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.pca.features import feature_affine, max_feature_norm
 from dpfed.common.privacy.mechanisms import gaussian_sigma
@@ -148,7 +149,7 @@ def test_killed_site_and_quorum(fed: LocalFederation) -> None:
         offline = {s.site_id: s.connected for s in coord.sites(include_disconnected=True)}
     assert offline == {"hospital-1": True, "hospital-2": True, "hospital-3": False}
     assert ledger_events(fed, "hospital-3") == 0
-    assert ledger_events(fed, "hospital-1") == 3  # mean, norms, pca
+    assert ledger_events(fed, "hospital-1") == 3  # norms, mean, pca
 
 
 def test_unresponsive_site_times_out_and_job_proceeds(fed: LocalFederation) -> None:
@@ -213,7 +214,7 @@ def test_coordinator_crash_mid_job_resumes_without_double_charge(fed: LocalFeder
     assert final.state == "succeeded", final.error
     assert [s.status for s in final.sites] == ["ok"] * 3
     # Same task ids after the restart: the two sites replayed their stored release of the
-    # first round (mean) instead of paying again; then norms and pca once each.
+    # first round instead of paying again; then the other two once each.
     assert [ledger_events(fed, s) for s in fed.site_ids] == [3, 3, 3]
 
 
@@ -249,11 +250,15 @@ def test_centred_auto_job_survives_a_coordinator_restart_between_rounds(
     for s in fed.site_ids:
         assert ledger_task_ids(fed, s) == sorted(f"{job_id}/{r}" for r in ("mean", "norms",
                                                                            "pca"))
-    assert [o.spend.epsilon for o in final.sites if o.spend] == [pytest.approx(2.0)] * 3
     meta = result.metadata
     assert meta["centering"] == "mean" and meta["clip_norm_requested"] == "auto"
-    assert [r["round"] for r in meta["rounds"]] == ["mean", "norms", "pca"]
-    assert sum(r["epsilon"] for r in meta["rounds"]) == pytest.approx(2.0)
+    assert [r["round"] for r in meta["rounds"]] == ["norms", "mean", "pca"]
+    assert meta["composition"] == "gdp"  # pld ledgers: the rounds cost the job's (eps, delta)
+    pairs = [(r["epsilon"], r["delta"]) for r in meta["rounds"]]
+    assert gaussian_rounds_epsilon(pairs) == pytest.approx(2.0, rel=1e-6)
+    assert [o.spend.epsilon for o in final.sites if o.spend] == [
+        pytest.approx(sum(e for e, _ in pairs))] * 3  # each round's own epsilon, added
+    assert [s["epsilon"] for s in meta["sites"]] == [pytest.approx(2.0, rel=1e-6)] * 3
     # The DP mean is close to the real pooled mean and the components to pooled PCA.
     schema = Schema.load(fed.schema_path)
     pooled = pooled_reference(schema, list(fed.data_paths.values()), centred=True)
@@ -264,8 +269,11 @@ def test_centred_auto_job_survives_a_coordinator_restart_between_rounds(
     frames = [pd.read_csv(p) for p in fed.data_paths.values()]
     raw_mean = pd.concat(frames)[list(schema.names)].mean().to_numpy()
     _offset, scale = feature_affine(schema)
-    # noise sd of the DP mean in the scaled space: sigma(0.2, 1e-6, 2) sqrt(3 sites) B / N
-    sd = gaussian_sigma(0.2, 1e-6, 2.0) * np.sqrt(3) * max_feature_norm(schema) / 4500
+    # noise sd of the DP mean in the scaled space: sigma(mean round, 2) sqrt(3 sites) c / N,
+    # at most with c = B (the clip radius lies on the grid below the box bound)
+    mean_round = next(r for r in meta["rounds"] if r["round"] == "mean")
+    sd = (gaussian_sigma(mean_round["epsilon"], mean_round["delta"], 2.0) * np.sqrt(3)
+          * max_feature_norm(schema) / 4500)
     assert np.all(np.abs(result.mean_ - raw_mean) < 5 * sd * scale)
 
 

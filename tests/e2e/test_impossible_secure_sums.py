@@ -60,10 +60,11 @@ def _refused_unpublished(fed: LocalFederation, spec: JobSpec) -> None:
 def test_shifted_secure_sums_fail_the_job_with_a_named_reason(fed: LocalFederation) -> None:
     # a Gram sum (the eigenvalue 36,562 where unit-ball rows allow 1)
     _refused_unpublished(fed, JobSpec("pca", 50.0, 1e-5, {
-        "n_components": 2, "aggregation": "secure", "centering": "none"}))
-    # a row sum (the centred job's first sum)
+        "n_components": 2, "aggregation": "secure", "centering": "none",
+        "clip_norm": "schema"}))
+    # a row sum (the first sum of a centred job with the schema's bound)
     _refused_unpublished(fed, JobSpec("pca", 50.0, 1e-5, {
-        "n_components": 2, "aggregation": "secure"}))
+        "n_components": 2, "aggregation": "secure", "clip_norm": "schema"}))
     # the matrix mechanism's answers (the count of 1.7e10 from 6,000 rows)
     _refused_unpublished(fed, JobSpec("query", 5.0, 1e-5, {
         "domain": {"columns": ["ward"]}, "aggregation": "secure"}))

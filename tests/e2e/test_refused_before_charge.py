@@ -1,7 +1,7 @@
 """Every limit a site advertises is checked against every round before the first charge.
 
 Real processes over mTLS. ``dpfed pca --epsilon 3`` against sites whose policy caps a task
-at epsilon 2 (rounds mean 0.3, norms 0.3, pca 2.4): the job is refused before anything is
+at epsilon 2 (its pca round asks more): the job is refused before anything is
 charged anywhere, naming the cap -- where it used to charge the first two rounds at every
 site and fail on the third. One capped site among uncapped ones is left out, charged
 nothing, and the job runs with the others. ``--plan`` lists only the sites that would take
@@ -76,10 +76,18 @@ def test_a_site_that_would_refuse_a_later_round_is_left_out_and_charged_nothing(
         outcome = {s.site_id: s for s in job.sites}
         capped = outcome["hospital-3"]
         assert capped.status == SiteStatus.REFUSED and capped.left_out
-        assert "round 'pca' asks epsilon=2.4" in capped.reason
+        assert "round 'pca' asks epsilon=2.8" in capped.reason  # its share of the GDP mu^2
         assert charged_events(fed, "hospital-3") == []
         assert [e.task_id.split("/")[-1] for e in charged_events(fed, "hospital-1")] == [
-            "mean", "norms", "pca"]
+            "norms", "mean", "pca"]  # the clip radius first
+        # --plan states the split the coordinator settles on (from the schema and the rows)
+        plan = _cli(fed, "pca", "--k", "2", "--epsilon", "3", "--delta", "1e-5", "--plan",
+                    cwd=tmp_path)
+        assert plan.returncode == 0, plan.stderr
+        assert "budget split: shares of mu^2 (GDP): norms 0." in plan.stdout, plan.stdout
+        assert "a pld ledger is charged exactly epsilon 3 at delta 1e-05" in plan.stdout
+        # two sites taking part, each tolerating t=1: secure mode is no better here
+        assert "with 2 site(s), t=1: secure / site-level = 1.01. WARNING" in plan.stdout
         # synth --plan lists only the sites whose policy runs synth (issue: it listed all)
         plan = _cli(fed, "synth", "--epsilon", "1", "--delta", "1e-5", "--plan",
                     cwd=tmp_path)

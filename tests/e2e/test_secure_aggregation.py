@@ -47,10 +47,14 @@ def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
     with fed.analyst() as coord:
         # every site advertises its policy (dpfed sites shows it)
         assert {s.secure_policy for s in coord.sites()} == {"allowed, min 2 sites, t=1"}
-        centred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure")
+        centred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure",
+                            clip_norm="schema")
         uncentred = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure",
-                              centering="none")
-    for result, is_centred in ((centred, True), (uncentred, False)):
+                              centering="none", clip_norm="schema")
+        auto = coord.pca(3, epsilon=1000.0, delta=1e-5, aggregation="secure")  # the default
+    assert [r["round"] for r in auto.metadata["rounds"]] == ["norms", "mean", "pca"]
+    assert auto.metadata["clip_norm"] < max_feature_norm(schema)  # a radius the rows have
+    for result, is_centred in ((centred, True), (uncentred, False), (auto, True)):
         reference = pooled_reference(schema, paths, centred=is_centred).matrix
         exact = top_components(reference, 3)
         assert captured_energy(result.components_, reference) / captured_energy(
@@ -62,9 +66,10 @@ def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
     masked = {}
     for site in fed.site_ids:
         released = [result_from_bytes(data) for _task, data in _released(fed, site)]
-        # one charge per secure sum: the centred job's mean and Gram, the uncentred Gram
-        assert [r.spend.mechanism for r in released] == ["secure-skellam[n=3,t=1]"] * 3
-        masked[site] = released[-1].arrays["masked"]
+        # one charge per secure sum: the centred job's mean and Gram, the uncentred Gram,
+        # the auto job's norm histogram, mean and Gram
+        assert [r.spend.mechanism for r in released] == ["secure-skellam[n=3,t=1]"] * 6
+        masked[site] = released[2].arrays["masked"]
         # What the coordinator received from this site, alone, is uniform in the ring.
         top_bytes = (masked[site].view(np.uint8).reshape(-1, 8)[:, 7]).astype(np.int64)
         p_value = stats.chisquare(np.bincount(top_bytes // 64, minlength=4)).pvalue
@@ -89,8 +94,10 @@ def test_a_site_failing_after_the_key_exchange_leads_to_a_clean_retry(
     fed.data_paths["hospital-3"].write_text("not,the,schema\n1,2,3\n")
     with fed.analyst() as coord:
         events: list[str] = []
+        # one secure round (no auto clip radius first): its attempts are the job's
         result = coord.pca(2, epsilon=1000.0, delta=1e-5, aggregation="secure", min_sites=2,
-                           centering="none", on_event=lambda e: events.append(e.message))
+                           centering="none", clip_norm="schema",
+                           on_event=lambda e: events.append(e.message))
     secure = result.metadata["secure"]
     assert secure["attempts"] == 2
     assert secure["participants"] == ["hospital-1", "hospital-2"]

@@ -167,7 +167,8 @@ def test_counts_search_catches_weights_the_plan_does_not_know(
     # Planted bug: the site multiplies by twice the weights its row_norm states.
     real = link_release.secure_cell_weights
     monkeypatch.setattr(synth_secure, "secure_cell_weights",
-                        lambda schema, n_bins: 2 * real(schema, n_bins))
+                        lambda schema, n_bins, resolution="bins": 2 * real(schema, n_bins,
+                                                                            resolution))
     worst2, _, plan = search_counts()
     assert worst2 > plan.calibration.l2_sensitivity * 1.9
 

@@ -35,6 +35,7 @@ from dpfed.common.synth.link_release import (
     proportions_from_histograms,
 )
 from dpfed.common.synth.links import latent_dim
+from dpfed.common.synth.quantile_link import bin_codes
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.handlers.base import RoundsHandler
@@ -49,8 +50,8 @@ N_BINS = 8
 class TableAccess(FrameData):
     """The site's rows as the rounds see them (schema + chunked pass), from a DataFrame."""
 
-    def __init__(self, frame: pd.DataFrame, chunk: int = 7) -> None:
-        super().__init__(SCHEMA, frame, chunk)
+    def __init__(self, frame: pd.DataFrame, chunk: int = 7, schema: Schema = SCHEMA) -> None:
+        super().__init__(schema, frame, chunk)
 
 
 class SiteRounds:
@@ -164,7 +165,7 @@ def test_links_search_catches_a_broken_histogram(monkeypatch: pytest.MonkeyPatch
         start = 0
         for col, size in zip(self.schema.columns, self.sizes, strict=True):
             if col.type == "continuous":
-                codes = link_release.bin_codes(col, table.columns[col.name], self.n_bins)
+                codes = bin_codes(col, table.columns[col.name], self.n_bins)
                 self.counts[start:start + size] += np.bincount(codes, minlength=size)
             start += size
 
@@ -176,8 +177,9 @@ def test_links_search_catches_unnormalised_noise_weights(monkeypatch: pytest.Mon
                                                          ) -> None:
     # Broken copy: the per-column weights without their normalisation (sum w^2 = columns),
     # which the stated sensitivity relies on.
-    def unnormalised(schema: Schema, n_bins: int) -> np.ndarray:
-        return np.cbrt(np.asarray(link_release.histogram_sizes(schema, n_bins), dtype=float))
+    def unnormalised(schema: Schema, n_bins: int, resolution: str = "bins") -> np.ndarray:
+        return np.cbrt(np.asarray(link_release.histogram_sizes(schema, n_bins, resolution),
+                                  dtype=float))
 
     monkeypatch.setattr(link_release, "link_noise_weights", unnormalised)
     assert search_links() > link_histogram_sensitivity(SCHEMA) * 1.05

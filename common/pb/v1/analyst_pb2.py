@@ -26,49 +26,49 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from dpfed.common.pb.v1 import types_pb2 as dpfed_dot_common_dot_pb_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dpfed/common/pb/v1/analyst.proto\x12\x08\x64pfed.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1e\x64pfed/common/pb/v1/types.proto\"\xbf\x01\n\x08SiteInfo\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x11\n\trow_count\x18\x03 \x01(\x03\x12\x15\n\rschema_digest\x18\x04 \x01(\t\x12\x18\n\x10software_version\x18\x05 \x01(\t\x12$\n\x06policy\x18\x06 \x01(\x0b\x32\x14.dpfed.v1.SitePolicy\x12\x12\n\nfirst_seen\x18\x07 \x01(\t\x12\x11\n\tlast_seen\x18\x08 \x01(\t\"0\n\x10ListSitesRequest\x12\x1c\n\x14include_disconnected\x18\x01 \x01(\x08\"M\n\x11ListSitesResponse\x12!\n\x05sites\x18\x01 \x03(\x0b\x32\x12.dpfed.v1.SiteInfo\x12\x15\n\rschema_digest\x18\x02 \x01(\t\"\x13\n\x11GetBudgetsRequest\"Y\n\nSiteBudget\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\'\n\x06\x62udget\x18\x02 \x01(\x0b\x32\x17.dpfed.v1.BudgetSummary\x12\x11\n\tconnected\x18\x03 \x01(\x08\";\n\x12GetBudgetsResponse\x12%\n\x07\x62udgets\x18\x01 \x03(\x0b\x32\x14.dpfed.v1.SiteBudget\"\x9c\x01\n\x07JobSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\'\n\x06params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tmin_sites\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x06 \x01(\x01\x12\r\n\x05sites\x18\x07 \x03(\t\"G\n\x10SubmitJobRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.dpfed.v1.JobSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x98\x01\n\x0bSiteOutcome\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12%\n\x05spend\x18\x04 \x01(\x0b\x32\x16.dpfed.v1.PrivacySpend\x12\x11\n\trow_count\x18\x05 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x06 \x01(\t\x12\x10\n\x08left_out\x18\x07 \x01(\x08\"\x89\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x04spec\x18\x02 \x01(\x0b\x32\x11.dpfed.v1.JobSpec\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.dpfed.v1.JobState\x12\x0f\n\x07\x63reated\x18\x04 \x01(\t\x12\x0f\n\x07updated\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12$\n\x05sites\x18\x07 \x03(\x0b\x32\x15.dpfed.v1.SiteOutcome\x12(\n\x07summary\x18\x08 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0csubmitted_by\x18\t \x01(\t\x12\x13\n\x0bresult_size\x18\n \x01(\x03\"\x9d\x01\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04time\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12!\n\x05state\x18\x06 \x01(\x0e\x32\x12.dpfed.v1.JobState\x12\x1e\n\x03job\x18\x07 \x01(\x0b\x32\x11.dpfed.v1.JobInfo\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"3\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.dpfed.v1.JobInfo\"$\n\x12\x46\x65tchResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*\x9b\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\x89\x04\n\x07\x41nalyst\x12\x44\n\tListSites\x12\x1a.dpfed.v1.ListSitesRequest\x1a\x1b.dpfed.v1.ListSitesResponse\x12G\n\nGetBudgets\x12\x1b.dpfed.v1.GetBudgetsRequest\x1a\x1c.dpfed.v1.GetBudgetsResponse\x12=\n\tSubmitJob\x12\x1a.dpfed.v1.SubmitJobRequest\x1a\x12.dpfed.v1.JobEvent0\x01\x12;\n\x08WatchJob\x12\x19.dpfed.v1.WatchJobRequest\x1a\x12.dpfed.v1.JobEvent0\x01\x12\x34\n\x06GetJob\x12\x17.dpfed.v1.GetJobRequest\x1a\x11.dpfed.v1.JobInfo\x12\x41\n\x08ListJobs\x12\x19.dpfed.v1.ListJobsRequest\x1a\x1a.dpfed.v1.ListJobsResponse\x12>\n\x0b\x46\x65tchResult\x12\x1c.dpfed.v1.FetchResultRequest\x1a\x0f.dpfed.v1.Chunk0\x01\x12:\n\tCancelJob\x12\x1a.dpfed.v1.CancelJobRequest\x1a\x11.dpfed.v1.JobInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dpfed/common/pb/v1/analyst.proto\x12\x08\x64pfed.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1e\x64pfed/common/pb/v1/types.proto\"\xbf\x01\n\x08SiteInfo\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x11\n\trow_count\x18\x03 \x01(\x03\x12\x15\n\rschema_digest\x18\x04 \x01(\t\x12\x18\n\x10software_version\x18\x05 \x01(\t\x12$\n\x06policy\x18\x06 \x01(\x0b\x32\x14.dpfed.v1.SitePolicy\x12\x12\n\nfirst_seen\x18\x07 \x01(\t\x12\x11\n\tlast_seen\x18\x08 \x01(\t\"0\n\x10ListSitesRequest\x12\x1c\n\x14include_disconnected\x18\x01 \x01(\x08\"b\n\x11ListSitesResponse\x12!\n\x05sites\x18\x01 \x03(\x0b\x32\x12.dpfed.v1.SiteInfo\x12\x15\n\rschema_digest\x18\x02 \x01(\t\x12\x13\n\x0bschema_toml\x18\x03 \x01(\t\"\x13\n\x11GetBudgetsRequest\"Y\n\nSiteBudget\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\'\n\x06\x62udget\x18\x02 \x01(\x0b\x32\x17.dpfed.v1.BudgetSummary\x12\x11\n\tconnected\x18\x03 \x01(\x08\";\n\x12GetBudgetsResponse\x12%\n\x07\x62udgets\x18\x01 \x03(\x0b\x32\x14.dpfed.v1.SiteBudget\"\xab\x01\n\x07JobSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\'\n\x06params\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tmin_sites\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_seconds\x18\x06 \x01(\x01\x12\r\n\x05sites\x18\x07 \x03(\t\x12\r\n\x05study\x18\x08 \x01(\t\"G\n\x10SubmitJobRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.dpfed.v1.JobSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"\x98\x01\n\x0bSiteOutcome\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12%\n\x05spend\x18\x04 \x01(\x0b\x32\x16.dpfed.v1.PrivacySpend\x12\x11\n\trow_count\x18\x05 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x06 \x01(\t\x12\x10\n\x08left_out\x18\x07 \x01(\x08\"\x89\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x04spec\x18\x02 \x01(\x0b\x32\x11.dpfed.v1.JobSpec\x12!\n\x05state\x18\x03 \x01(\x0e\x32\x12.dpfed.v1.JobState\x12\x0f\n\x07\x63reated\x18\x04 \x01(\t\x12\x0f\n\x07updated\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12$\n\x05sites\x18\x07 \x03(\x0b\x32\x15.dpfed.v1.SiteOutcome\x12(\n\x07summary\x18\x08 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x14\n\x0csubmitted_by\x18\t \x01(\t\x12\x13\n\x0bresult_size\x18\n \x01(\x03\"\x9d\x01\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04time\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x10\n\x08progress\x18\x05 \x01(\x01\x12!\n\x05state\x18\x06 \x01(\x0e\x32\x12.dpfed.v1.JobState\x12\x1e\n\x03job\x18\x07 \x01(\x0b\x32\x11.dpfed.v1.JobInfo\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"3\n\x10ListJobsResponse\x12\x1f\n\x04jobs\x18\x01 \x03(\x0b\x32\x11.dpfed.v1.JobInfo\"$\n\x12\x46\x65tchResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t*\x9b\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\x89\x04\n\x07\x41nalyst\x12\x44\n\tListSites\x12\x1a.dpfed.v1.ListSitesRequest\x1a\x1b.dpfed.v1.ListSitesResponse\x12G\n\nGetBudgets\x12\x1b.dpfed.v1.GetBudgetsRequest\x1a\x1c.dpfed.v1.GetBudgetsResponse\x12=\n\tSubmitJob\x12\x1a.dpfed.v1.SubmitJobRequest\x1a\x12.dpfed.v1.JobEvent0\x01\x12;\n\x08WatchJob\x12\x19.dpfed.v1.WatchJobRequest\x1a\x12.dpfed.v1.JobEvent0\x01\x12\x34\n\x06GetJob\x12\x17.dpfed.v1.GetJobRequest\x1a\x11.dpfed.v1.JobInfo\x12\x41\n\x08ListJobs\x12\x19.dpfed.v1.ListJobsRequest\x1a\x1a.dpfed.v1.ListJobsResponse\x12>\n\x0b\x46\x65tchResult\x12\x1c.dpfed.v1.FetchResultRequest\x1a\x0f.dpfed.v1.Chunk0\x01\x12:\n\tCancelJob\x12\x1a.dpfed.v1.CancelJobRequest\x1a\x11.dpfed.v1.JobInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dpfed.common.pb.v1.analyst_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1665
-  _globals['_JOBSTATE']._serialized_end=1820
+  _globals['_JOBSTATE']._serialized_start=1701
+  _globals['_JOBSTATE']._serialized_end=1856
   _globals['_SITEINFO']._serialized_start=109
   _globals['_SITEINFO']._serialized_end=300
   _globals['_LISTSITESREQUEST']._serialized_start=302
   _globals['_LISTSITESREQUEST']._serialized_end=350
   _globals['_LISTSITESRESPONSE']._serialized_start=352
-  _globals['_LISTSITESRESPONSE']._serialized_end=429
-  _globals['_GETBUDGETSREQUEST']._serialized_start=431
-  _globals['_GETBUDGETSREQUEST']._serialized_end=450
-  _globals['_SITEBUDGET']._serialized_start=452
-  _globals['_SITEBUDGET']._serialized_end=541
-  _globals['_GETBUDGETSRESPONSE']._serialized_start=543
-  _globals['_GETBUDGETSRESPONSE']._serialized_end=602
-  _globals['_JOBSPEC']._serialized_start=605
-  _globals['_JOBSPEC']._serialized_end=761
-  _globals['_SUBMITJOBREQUEST']._serialized_start=763
-  _globals['_SUBMITJOBREQUEST']._serialized_end=834
-  _globals['_SITEOUTCOME']._serialized_start=837
-  _globals['_SITEOUTCOME']._serialized_end=989
-  _globals['_JOBINFO']._serialized_start=992
-  _globals['_JOBINFO']._serialized_end=1257
-  _globals['_JOBEVENT']._serialized_start=1260
-  _globals['_JOBEVENT']._serialized_end=1417
-  _globals['_WATCHJOBREQUEST']._serialized_start=1419
-  _globals['_WATCHJOBREQUEST']._serialized_end=1452
-  _globals['_GETJOBREQUEST']._serialized_start=1454
-  _globals['_GETJOBREQUEST']._serialized_end=1485
-  _globals['_LISTJOBSREQUEST']._serialized_start=1487
-  _globals['_LISTJOBSREQUEST']._serialized_end=1519
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1521
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1572
-  _globals['_FETCHRESULTREQUEST']._serialized_start=1574
-  _globals['_FETCHRESULTREQUEST']._serialized_end=1610
-  _globals['_CANCELJOBREQUEST']._serialized_start=1612
-  _globals['_CANCELJOBREQUEST']._serialized_end=1662
-  _globals['_ANALYST']._serialized_start=1823
-  _globals['_ANALYST']._serialized_end=2344
+  _globals['_LISTSITESRESPONSE']._serialized_end=450
+  _globals['_GETBUDGETSREQUEST']._serialized_start=452
+  _globals['_GETBUDGETSREQUEST']._serialized_end=471
+  _globals['_SITEBUDGET']._serialized_start=473
+  _globals['_SITEBUDGET']._serialized_end=562
+  _globals['_GETBUDGETSRESPONSE']._serialized_start=564
+  _globals['_GETBUDGETSRESPONSE']._serialized_end=623
+  _globals['_JOBSPEC']._serialized_start=626
+  _globals['_JOBSPEC']._serialized_end=797
+  _globals['_SUBMITJOBREQUEST']._serialized_start=799
+  _globals['_SUBMITJOBREQUEST']._serialized_end=870
+  _globals['_SITEOUTCOME']._serialized_start=873
+  _globals['_SITEOUTCOME']._serialized_end=1025
+  _globals['_JOBINFO']._serialized_start=1028
+  _globals['_JOBINFO']._serialized_end=1293
+  _globals['_JOBEVENT']._serialized_start=1296
+  _globals['_JOBEVENT']._serialized_end=1453
+  _globals['_WATCHJOBREQUEST']._serialized_start=1455
+  _globals['_WATCHJOBREQUEST']._serialized_end=1488
+  _globals['_GETJOBREQUEST']._serialized_start=1490
+  _globals['_GETJOBREQUEST']._serialized_end=1521
+  _globals['_LISTJOBSREQUEST']._serialized_start=1523
+  _globals['_LISTJOBSREQUEST']._serialized_end=1555
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1557
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1608
+  _globals['_FETCHRESULTREQUEST']._serialized_start=1610
+  _globals['_FETCHRESULTREQUEST']._serialized_end=1646
+  _globals['_CANCELJOBREQUEST']._serialized_start=1648
+  _globals['_CANCELJOBREQUEST']._serialized_end=1698
+  _globals['_ANALYST']._serialized_start=1859
+  _globals['_ANALYST']._serialized_end=2380
 # @@protoc_insertion_point(module_scope)

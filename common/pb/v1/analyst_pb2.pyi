@@ -112,8 +112,11 @@ class ListSitesResponse(_message.Message):
 
     SITES_FIELD_NUMBER: _builtins.int
     SCHEMA_DIGEST_FIELD_NUMBER: _builtins.int
+    SCHEMA_TOML_FIELD_NUMBER: _builtins.int
     schema_digest: _builtins.str
     """the federation's schema"""
+    schema_toml: _builtins.str
+    """that schema (public): what a job's plan is checked and settled on"""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteInfo]: ...
     def __init__(
@@ -121,10 +124,11 @@ class ListSitesResponse(_message.Message):
         *,
         sites: _abc.Iterable[Global___SiteInfo] | None = ...,
         schema_digest: _builtins.str = ...,
+        schema_toml: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["schema_digest", b"schema_digest", "sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schema_digest", b"schema_digest", "schema_toml", b"schema_toml", "sites", b"sites"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -202,6 +206,7 @@ class JobSpec(_message.Message):
     MIN_SITES_FIELD_NUMBER: _builtins.int
     DEADLINE_SECONDS_FIELD_NUMBER: _builtins.int
     SITES_FIELD_NUMBER: _builtins.int
+    STUDY_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     epsilon: _builtins.float
     delta: _builtins.float
@@ -209,6 +214,8 @@ class JobSpec(_message.Message):
     """0 = the coordinator's default"""
     deadline_seconds: _builtins.float
     """per task; 0 = the coordinator's default"""
+    study: _builtins.str
+    """the study the job spends from ("" = none)"""
     @_builtins.property
     def params(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -225,10 +232,11 @@ class JobSpec(_message.Message):
         min_sites: _builtins.int = ...,
         deadline_seconds: _builtins.float = ...,
         sites: _abc.Iterable[_builtins.str] | None = ...,
+        study: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_seconds", b"deadline_seconds", "delta", b"delta", "epsilon", b"epsilon", "kind", b"kind", "min_sites", b"min_sites", "params", b"params", "sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_seconds", b"deadline_seconds", "delta", b"delta", "epsilon", b"epsilon", "kind", b"kind", "min_sites", b"min_sites", "params", b"params", "sites", b"sites", "study", b"study"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

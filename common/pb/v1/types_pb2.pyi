@@ -123,6 +123,7 @@ class BudgetSummary(_message.Message):
     DELTA_SPENT_FIELD_NUMBER: _builtins.int
     RHO_SPENT_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    STUDIES_FIELD_NUMBER: _builtins.int
     accountant: _builtins.str
     epsilon_cap: _builtins.float
     delta_cap: _builtins.float
@@ -130,6 +131,10 @@ class BudgetSummary(_message.Message):
     delta_spent: _builtins.float
     rho_spent: _builtins.float
     events: _builtins.int
+    @_builtins.property
+    def studies(self) -> _containers.RepeatedCompositeFieldContainer[Global___StudyBudget]:
+        """The studies the site holds budgets for (site.toml [studies.NAME]), each with its own cap."""
+
     def __init__(
         self,
         *,
@@ -140,14 +145,44 @@ class BudgetSummary(_message.Message):
         delta_spent: _builtins.float = ...,
         rho_spent: _builtins.float = ...,
         events: _builtins.int = ...,
+        studies: _abc.Iterable[Global___StudyBudget] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accountant", b"accountant", "delta_cap", b"delta_cap", "delta_spent", b"delta_spent", "epsilon_cap", b"epsilon_cap", "epsilon_spent", b"epsilon_spent", "events", b"events", "rho_spent", b"rho_spent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accountant", b"accountant", "delta_cap", b"delta_cap", "delta_spent", b"delta_spent", "epsilon_cap", b"epsilon_cap", "epsilon_spent", b"epsilon_spent", "events", b"events", "rho_spent", b"rho_spent", "studies", b"studies"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BudgetSummary: _TypeAlias = BudgetSummary  # noqa: Y015
+
+@_typing.final
+class StudyBudget(_message.Message):
+    """A study's budget at one site: its cap, what the study's jobs spent, and when it expires."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BUDGET_FIELD_NUMBER: _builtins.int
+    EXPIRES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    expires: _builtins.str
+    """the last day jobs may spend under the study (UTC), "YYYY-MM-DD" """
+    @_builtins.property
+    def budget(self) -> Global___BudgetSummary: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        budget: Global___BudgetSummary | None = ...,
+        expires: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "expires", b"expires", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StudyBudget: _TypeAlias = StudyBudget  # noqa: Y015
 
 @_typing.final
 class SitePolicy(_message.Message):
@@ -200,6 +235,7 @@ class TaskSpec(_message.Message):
     PARAMS_FIELD_NUMBER: _builtins.int
     ARRAYS_FIELD_NUMBER: _builtins.int
     ANALYST_ID_FIELD_NUMBER: _builtins.int
+    STUDY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """idempotency key at the site's ledger"""
     job_id: _builtins.str
@@ -211,6 +247,8 @@ class TaskSpec(_message.Message):
     """The analyst whose job this task belongs to, taken by the coordinator from the analyst's
     verified certificate (never from a request field); sites charge per-analyst shares to it.
     """
+    study: _builtins.str
+    """The study the job was submitted under ("" = none): the site charges its study budget too."""
     @_builtins.property
     def params(self) -> _struct_pb2.Struct: ...
     @_builtins.property
@@ -226,10 +264,11 @@ class TaskSpec(_message.Message):
         params: _struct_pb2.Struct | None = ...,
         arrays: _abc.Iterable[Global___NamedArray] | None = ...,
         analyst_id: _builtins.str = ...,
+        study: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["analyst_id", b"analyst_id", "arrays", b"arrays", "delta", b"delta", "epsilon", b"epsilon", "job_id", b"job_id", "kind", b"kind", "params", b"params", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["analyst_id", b"analyst_id", "arrays", b"arrays", "delta", b"delta", "epsilon", b"epsilon", "job_id", b"job_id", "kind", b"kind", "params", b"params", "study", b"study", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -279,3 +279,23 @@ def test_coarsening_keeps_the_distribution_pessimistic() -> None:
         assert rough >= fine
         shifted = pld.delta_at(e - (coarse.error - loss.error), mu=0.0, loss=loss, infinity=0.0)
         assert rough <= shifted * (1 + 1e-9)
+
+
+def test_pairs_of_a_very_large_epsilon_compose_by_basic_composition_beside_the_grid() -> None:
+    """An event of epsilon 900 stays off the discretised grid (tens of millions of points)
+    and joins the pairs' figure by basic composition: never below its own epsilon."""
+    from dpfed.common.privacy.spent import MAX_PAIRS_LOSS
+
+    small = PrivacyCost(0.5, 0.0, 0.125, "laplace", 1.0, 2.0)
+    huge = PrivacyCost(900.0, 9e-6, 1e6, "unknown")  # no mechanism: an (epsilon, delta) pair
+    for spent in (Spent.of([small, huge, small]), Spent().add(small).add(huge).add(small)):
+        assert spent.outside_epsilon == 900.0 and spent.outside_delta == 9e-6
+        assert spent.loss is not None and float(spent.loss.losses[-1]) <= MAX_PAIRS_LOSS
+        eps = spent.epsilon(1e-4)
+        assert 900.0 <= eps <= 901.0 + 1e-9  # basic would be 901; never below 900 + pairs' 0
+        assert not spent.fits(899.0, 1e-4) and spent.fits(901.0, 1e-4)
+        # a planted accountant that forgot what it kept off the grid under-counts by 900
+        forgot = replace(spent, outside_epsilon=0.0, outside_delta=0.0)
+        assert forgot.epsilon(1e-4) < 2.0
+    # delta at or below what the outside pairs carry: no finite epsilon from the pairs
+    assert Spent.of([huge]).pairs_epsilon(9e-6) == math.inf

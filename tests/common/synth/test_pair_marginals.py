@@ -587,7 +587,7 @@ def fitted() -> Fitted:
                                       rng=np.random.default_rng(2)).fit(real)
     assert synth.proportions_ is not None
     props = synth.proportions_
-    grid = pm.PairGrid.from_proportions(CAUSE, props, BINS)
+    grid = pm.PairGrid.from_proportions(CAUSE, props, BINS, resolution=synth.resolution)
     cands = grid.candidate_pairs()
     counts, n = site_counts(grid, cands, real)
     scores = pm.dependence_scores(counts, grid, cands, props, n)

@@ -25,6 +25,7 @@ from dpfed.common.synth.link_release import (
     LinkHistogramAccumulator,
     link_histogram_sensitivity,
     project_counts,
+    split_proportions,
 )
 from dpfed.common.synth.links import clip_to_unit_ball
 from dpfed.common.synth.pipeline import (
@@ -159,7 +160,8 @@ def test_central_synthesizer_runs_the_job_pipeline() -> None:
     links.to_latent(table, rng)  # type: ignore[attr-defined]
     model, corr = fit_factor_model(est, links, clip_norm=clip, rng=rng,  # type: ignore[arg-type]
                                    n_simulations=synth.n_simulations, n_rows=table.n_rows)
-    decode, _ = calibrated_links(links, model, rng)  # type: ignore[arg-type]
+    decode, _ = calibrated_links(links, model, rng,  # type: ignore[arg-type]
+                                 n_rows=table.n_rows)
     assert corr is not None and synth.latent_correlation_ is not None
     np.testing.assert_allclose(synth.latent_correlation_, corr)
     np.testing.assert_allclose(synth.model_.multiplier, model.multiplier)
@@ -183,12 +185,10 @@ def test_central_synthesizer_spends_like_the_link_round() -> None:
     assert synth.proportions_ is not None
     # Synthetic marginals reproduce the released DP marginals (up to sampling error).
     out = synth.sample_encoded(100_000)
-    start = 2 * BINS + 4  # after age, cost (bins) and grade (4 levels)
+    blocks = split_proportions(synth.proportions_, SCHEMA, BINS, synth.resolution)
     for name, size in (("ward", 3), ("sex", 2)):
         got = np.bincount(out.columns[name], minlength=size) / out.n_rows
-        want = synth.proportions_[start:start + size]
-        assert 0.5 * float(np.abs(got - want).sum()) < 0.01, name
-        start += size
+        assert 0.5 * float(np.abs(got - blocks[name]).sum()) < 0.01, name
 
 
 def test_aligned_latent_validates_the_factor_width() -> None:

@@ -1,0 +1,48 @@
+"""Which aggregation adds less noise for the connected sites: secure or site level.
+
+A sum over ``n`` sites released at site level carries ``n`` independent draws of the noise one
+site's release needs; as a secure sum it carries one pooled draw, raised by ``n / (n - t)``
+in variance so that any ``n - t`` honest sites' shares still hold it when ``t`` may collude
+(docs/secure-aggregation.md), plus the Skellam calibration's slack (about 1 % since the
+exact calibration). The pooled noise's standard deviation, secure over site level, is
+therefore ``sqrt(n / (n - t) / n) = 1 / sqrt(n - t)`` times that slack: secure is never much
+better with few sites and a large ``t``, and no better at all once ``n - t <= 1``. The model
+covers the sums' noise only (not DPdisPCA's rank-R truncation at each site, nor rounding).
+"""
+
+from __future__ import annotations
+
+import math
+
+from dpfed.common.validation import check_int
+
+#: The Skellam share's noise over the analytic Gaussian's, at the same (epsilon, delta).
+SKELLAM_SLACK = 1.01
+
+
+def secure_noise_ratio(n_sites: int, tolerated: int) -> float:
+    """Return the pooled noise's standard deviation, secure over site level (module docs)."""
+    n = check_int(n_sites, "n_sites", minimum=1)
+    t = check_int(tolerated, "tolerated", minimum=0)
+    if n - t < 1:
+        return math.inf
+    return SKELLAM_SLACK / math.sqrt(n - t)
+
+
+def compare_modes(n_sites: int, tolerated: int) -> tuple[float, str]:
+    """Return ``(ratio, sentence)`` comparing the two modes for ``n`` sites tolerating ``t``.
+
+    The sentence warns when secure aggregation adds at least as much noise as site level.
+    """
+    ratio = secure_noise_ratio(n_sites, tolerated)
+    if math.isinf(ratio):
+        return ratio, (f"secure aggregation cannot run with {n_sites} site(s) tolerating "
+                       f"t={tolerated} colluders (it needs more than t + 1 sites)")
+    head = (f"expected noise of the pooled sums with {n_sites} site(s), t={tolerated}: secure "
+            f"/ site-level = {ratio:.2f}")
+    if ratio >= 1.0:
+        return ratio, (f"{head}. WARNING: secure aggregation adds at least as much noise as "
+                       "site-level here (few sites, large t); prefer --aggregation site "
+                       "unless the coordinator must not see per-site releases")
+    return ratio, (f"{head}: secure aggregation is the more accurate mode here (site-level "
+                   f"noise is {1 / ratio:.2f}x larger)")
