@@ -17,6 +17,7 @@ from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
+from dpfed.common.pca.features import max_feature_norm
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg.masking import sum_masked
 from dpfed.common.transport.wire import result_from_bytes
