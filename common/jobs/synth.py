@@ -70,11 +70,15 @@ def check_budget_for_cells(schema: Schema, params: SynthParams, epsilon: float, 
                            row_counts: list[int]) -> None:
     """Refuse budgets whose histograms would be mostly noise (before anything is charged)."""
     eps, dlt = params.plan(epsilon, delta)[0][1:]
-    pooled = (pooled_counts_sigma(schema, params.n_bins, eps, dlt, params.resolution)
+    # Judged at the bins: under the fine layout the estimate falls back to a bin wherever its
+    # leaves are noise, and the bins carry 4/5 of the column's budget (noise sd x 5/4).
+    pooled = (pooled_counts_sigma(schema, params.n_bins, eps, dlt, "bins")
               if params.secure else None)
     name, err = expected_proportion_error(schema, params.n_bins, epsilon=eps, delta=dlt,
                                           row_counts=row_counts, pooled_sigma=pooled,
-                                          resolution=params.resolution)
+                                          resolution="bins")
+    if params.resolution == "fine":
+        err *= 1.25
     if err > MAX_PROPORTION_ERROR:
         raise ValidationError(
             f"--epsilon {epsilon:g} / --delta {delta:g} are too small for this schema's cells: "

@@ -68,7 +68,8 @@ def test_an_export_of_a_real_run_verifies_and_tampering_fails(fed: LocalFederati
     assert {r["job_id"] for r in records} == jobs
     assert {r["analyst"] for r in records} == {"analyst"} and {r["study"] for r in records} == {""}
     assert [r["release_digest"] for r in records] == [e.result_digest for e in events]
-    assert sum(r["epsilon"] for r in records) == pytest.approx(1.5)
+    # each round's own epsilon; together they compose (tightly) to what the trailer says
+    assert sum(r["epsilon"] for r in records) >= float(spent.group(1))
 
     data = export.read_bytes()
     flipped = bytearray(data)

@@ -134,7 +134,7 @@ def test_query_api_and_cli(fed: LocalFederation, tmp_path: Path) -> None:
                           noise="laplace")
         with pytest.raises(ValidationError, match="delta must be 0"):
             coord.query("ward", epsilon=1.0, delta=1e-5, noise="laplace")
-        with pytest.raises(ValidationError, match="at most 1024"):
+        with pytest.raises(ValidationError, match="at most 1,024"):
             coord.query("age", epsilon=1.0, bins={"age": 2000}, strategy="h2")
     assert isinstance(res, QueryJobResult)
     schema = Schema.load(fed.schema_path)

@@ -172,7 +172,7 @@ def test_site_without_budget_for_every_round_is_left_out_before_any_charge(
         settings=roomy_settings(allowed_jobs=("pca", "synth")))
     fed.write_site_config("hospital-3", SiteSettings(
         budget_epsilon=1.8, budget_delta=0.1, connect_timeout_s=30,
-        allowed_jobs=("pca", "synth")))
+        allowed_jobs=("pca", "synth"), accountant="basic"))  # basic: the rounds add up
     fed.start_coordinator()
     fed.start_sites()
     try:

@@ -107,7 +107,12 @@ async def hostile_transfers(fed: LocalFederation, pid: int) -> tuple[float, floa
                 await call.write(site_link_pb2.SiteMessage(result_chunk=Chunk(
                     transfer_id=task_id, index=i, last=False, data=block,
                     total_size=(MIB_EACH + 1) << 20)))
-        await asyncio.sleep(2.0)  # let the coordinator read everything that was sent
+        # let the coordinator read everything that was sent and end the jobs whose transfer it
+        # refused (on a loaded machine the other sites' answers to 48 jobs take a while)
+        waited = time.monotonic() + 90
+        await asyncio.sleep(2.0)
+        while ended < JOBS - 1 and time.monotonic() < waited:
+            await asyncio.sleep(0.5)
         during = rss_mib(pid)
         done = ended
         call.cancel()

@@ -213,7 +213,9 @@ def test_a_one_file_kind_runs_in_both_modes_plans_reports_and_resumes(
     sigma = count_mechanism(5.0, 1e-5).sigma
     assert np.max(np.abs(arrays["counts"] - truth)) < 6 * sigma * math.sqrt(2)
     assert meta["n_rows_total"] == 2400 and secure_meta["n_rows_total"] == 2400
-    assert np.max(np.abs(secure_arrays["counts"] - truth)) < 6 * sigma
+    # two sites, one tolerated colluder: the honest survivor alone carries the central noise,
+    # so the pooled secure sum holds twice the variance (plus the Skellam rounding)
+    assert np.max(np.abs(secure_arrays["counts"] - truth)) < 6 * sigma * math.sqrt(2)
     # hospital-3's policy has no count jobs: it was left out of both, charged nothing
     assert charged_events(fed, "hospital-3") == []
     for s in two:

@@ -247,9 +247,13 @@ def test_partitioned_hospital_job_follows_policy_and_the_site_rejoins(
     assert job.returncode == exit_codes.OK, job.stdout + job.stderr
     assert "from 2 site(s)" in job.stdout, job.stdout
     assert "site hospital-3: result received" not in job.stdout, job.stdout
-    assert "site hospital-3:" in job.stdout, job.stdout  # its outcome (timeout) is reported
+    # Either its silent stream was still held (its task then timed out and is reported) or
+    # keepalive had already dropped it (the job then never asked it): never an answer from it.
     newest = _jobs(topo)[0]
-    assert (newest["state"], newest["sites_ok"], newest["sites_total"]) == ("succeeded", 2, 3)
+    assert (newest["state"], newest["sites_ok"]) == ("succeeded", 2)
+    assert newest["sites_total"] in (2, 3)
+    if newest["sites_total"] == 3:
+        assert "site hospital-3:" in job.stdout, job.stdout
 
     # The site rejoins by itself (no restart, nobody touches it): a job that needs all
     # three sites succeeds.
