@@ -289,20 +289,32 @@ class LocalFederation:
 
     def stop(self, name: str, timeout: float = 15.0) -> int | None:
         """SIGTERM (SIGCONT first, in case it was stopped), wait, SIGKILL if needed."""
+        self._ask_to_stop(name)
+        return self._reap(name, timeout)
+
+    def _ask_to_stop(self, name: str) -> None:
         proc = self.procs[name][0]
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+
+    def _reap(self, name: str, timeout: float) -> int | None:
+        proc = self.procs[name][0]
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         return proc.returncode
 
     def stop_all(self) -> None:
-        """Stop every process (sites first, then the coordinator)."""
+        """Stop every process: all sites at once (they exit in parallel), then the coordinator."""
         if self.metrics:
             simulate_metrics.save_snapshots(self)
-        for name in sorted(self.procs, key=lambda n: n == "coordinator"):
-            self.stop(name)
+        sites = [name for name in self.procs if name != "coordinator"]
+        for name in sites:
+            self._ask_to_stop(name)
+        for name in sites:
+            self._reap(name, 15.0)
+        if "coordinator" in self.procs:
+            self.stop("coordinator")
