@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from scipy.linalg.blas import dsyrk
 
 from dpfed.common.errors import ImpossibleSumError, ProtocolError, ValidationError
+from dpfed.common.linalg import syrk_upper
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
@@ -477,7 +477,7 @@ def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
         for start in range(0, x.shape[0], block):
             z = conditional_round_float(x[start:start + block], plan.scale, plan.bound, rng)
             # exact: integer entries, every partial sum < 2^53; upper triangle filled
-            total += np.rint(np.triu(dsyrk(1.0, z, trans=1, lower=0))).astype(np.int64)
+            total += np.rint(np.triu(syrk_upper(z))).astype(np.int64)
     iu = np.triu_indices(d)
     return total[iu]
 
