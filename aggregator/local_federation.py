@@ -289,32 +289,29 @@ class LocalFederation:
 
     def stop(self, name: str, timeout: float = 15.0) -> int | None:
         """SIGTERM (SIGCONT first, in case it was stopped), wait, SIGKILL if needed."""
-        self._ask_to_stop(name)
-        return self._reap(name, timeout)
+        return self._stop_together([name], timeout)[name]
 
-    def _ask_to_stop(self, name: str) -> None:
-        proc = self.procs[name][0]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-
-    def _reap(self, name: str, timeout: float) -> int | None:
-        proc = self.procs[name][0]
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        return proc.returncode
+    def _stop_together(self, names: list[str], timeout: float) -> dict[str, int | None]:
+        """Signal every process of ``names`` at once, then wait for each (SIGKILL if needed)."""
+        for name in names:
+            proc = self.procs[name][0]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in names:
+            proc = self.procs[name][0]
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return {name: self.procs[name][0].returncode for name in names}
 
     def stop_all(self) -> None:
-        """Stop every process: all sites at once (they exit in parallel), then the coordinator."""
+        """Stop every process: the sites together first, then the coordinator."""
         if self.metrics:
             simulate_metrics.save_snapshots(self)
-        sites = [name for name in self.procs if name != "coordinator"]
-        for name in sites:
-            self._ask_to_stop(name)
-        for name in sites:
-            self._reap(name, 15.0)
+        self._stop_together([n for n in self.procs if n != "coordinator"], 15.0)
         if "coordinator" in self.procs:
             self.stop("coordinator")

@@ -76,7 +76,7 @@ def scree_plot(result: PCAResult, reference: PooledReference | None) -> str:
     ax.set_ylabel("eigenvalue (unit space)")
     ax.set_title("Scree plot: choose K where the curve flattens")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right")
     return figure_to_data_uri(fig)
 
 

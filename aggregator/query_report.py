@@ -39,7 +39,7 @@ def histogram_plot(result: QueryJobResult, truth: np.ndarray | None = None) -> s
     ax.set_title(f"Pooled histogram: strategy {result.strategy}, {result.noise} noise, "
                  f"{result.metadata.get('n_sites')} site(s)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     return figure_to_data_uri(fig)
 
 
@@ -56,7 +56,7 @@ def strategy_plot(result: QueryJobResult) -> str:
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("expected RMSE per query")
     ax.set_title(f"Strategies for {result.metadata.get('workload_name')}")
-    ax.legend()
+    ax.legend(loc="upper right")
     return figure_to_data_uri(fig)
 
 
@@ -129,7 +129,7 @@ def svt_report(result: SVTJobResult, truth: dict[str, np.ndarray] | None = None,
             ax.set_xticklabels(t["query"], rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("sites")
         ax.set_title("Per query: how many sites reported 'above T'")
-        ax.legend(fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
         rep.image(figure_to_data_uri(fig), "sites above per query")
         header = ["query", "sites above", "examined", "which", "value sum", "std error"]
         rows: list[tuple[Any, ...]] = [tuple(r) for r in t.head(MAX_TABLE_ROWS).itertuples(

@@ -51,7 +51,7 @@ def _summary_figure(summaries: dict[str, Any]) -> str:
     axes[1].set_xticks([0.4 - width / 2, 1.4 - width / 2], ["training rows", "holdout"])
     axes[1].set_title("DP share of real rows with a synthetic row\nwithin the threshold",
                       fontsize=9)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(loc="upper right", fontsize=7)
     fig.tight_layout()
     return figure_to_data_uri(fig)
 

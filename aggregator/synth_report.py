@@ -103,7 +103,7 @@ def _marginal_figure(model: SynthModel, synthetic: dict[str, np.ndarray]) -> str
         ax.tick_params(labelsize=7)
     for ax in axes.ravel()[len(cols):]:
         ax.axis("off")
-    axes[0, 0].legend(fontsize=7)
+    axes[0, 0].legend(loc="upper right", fontsize=7)
     fig.tight_layout()
     return figure_to_data_uri(fig)
 

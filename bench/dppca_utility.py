@@ -158,7 +158,7 @@ def save_plot(path: str, epsilons: list[float], results: dict[tuple[str, float],
     ax.set_ylabel("captured energy q / q_o")
     ax.set_title("DPdisPCA, D=200, S=10, N_s=1000, K=50")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"plot: {path}")
 

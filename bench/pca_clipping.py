@@ -220,7 +220,7 @@ def save_plot(path: str, curves: dict[str, dict[str, list[float]]]) -> None:
         ax.set_ylabel("captured variance, DP / exact (real pooled rows)")
         ax.set_title(f"{name} table")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(loc="upper right", fontsize=7)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"plot: {path}")
 

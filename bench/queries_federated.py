@@ -126,7 +126,7 @@ def _plot_histogram(out: Path, truth: np.ndarray, est: np.ndarray, name: str) ->
     ax.plot(est, ".", ms=3, label=f"DP estimate ({name}, Laplace, eps=1 per site, 4 sites)")
     ax.set_xlabel("cell")
     ax.set_ylabel("count")
-    ax.legend(fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.savefig(out / "query_histogram.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -180,7 +180,7 @@ def svt_part(plot: Path | None) -> None:
         ax.set_xlabel("session epsilon per site")
         ax.set_ylim(0, 1.05)
         ax.set_title(f"SVT 'above T': {k} queries, c={cutoff}")
-        ax.legend(fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
         ax.grid(True, alpha=0.3)
         fig.savefig(plot / "svt_precision_recall.png", dpi=110, bbox_inches="tight")
         plt.close(fig)

@@ -275,7 +275,7 @@ def plot_marginals(path: str, n: int, epsilon: float) -> None:
                 ax.bar(x + (i - 1) * width, share.to_numpy(), width, label=label)
             ax.set_xticks(x, labels)
         ax.set_title(f"{name} ({col.type})")
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 0].legend(loc="upper right", fontsize=8)
     fig.suptitle(f"Marginals, real vs DP synthetic (epsilon = {epsilon:g}, n = {n})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

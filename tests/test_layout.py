@@ -166,3 +166,14 @@ def test_no_reference_to_a_document_outside_the_repository() -> None:
                 if not (path.parent / link).exists():
                     missing.append(f"{path.relative_to(ROOT)} links to {link}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_legend_has_a_fixed_place() -> None:
+    # matplotlib's loc="best" (a legend's default) searches for a free spot and warns when the
+    # search takes over a second -- which happens on a busy machine, and the warning is an
+    # error in this suite: a report's figure must not depend on the machine's load.
+    bare = [f"{p.relative_to(ROOT)}:{i}" for pkg in (*PACKAGES, "bench")
+            for p in (ROOT / pkg).rglob("*.py")
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if re.search(r"\.legend\((?![^)]*\bloc=)", line)]
+    assert not bare, bare
