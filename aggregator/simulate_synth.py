@@ -78,10 +78,14 @@ def print_real_comparison(figures: dict[str, Any], n_real: int) -> None:
           f"latent correlation error synthetic {figures['latent_synthetic_error']:.3f}, "
           f"released DP estimate {figures['latent_released_error']:.3f}")
     for name, col in figures["columns"].items():
-        real, syn = col["real_tail"], col["synthetic_tail"]
+        real, syn, missing = col["real_tail"], col["synthetic_tail"], col.get("missing")
+        absent = ("" if missing is None else
+                  f"missing real {missing[0]:.3f} / synthetic {missing[1]:.3f}, ")
         if real is None or syn is None:
+            if absent:
+                print(f"    {name}: {absent}TVD {col['tvd']:.3f}")
             continue
-        print(f"    {name}: p99 real {real[2]:.4g} / synthetic {syn[2]:.4g} (released "
+        print(f"    {name}: {absent}p99 real {real[2]:.4g} / synthetic {syn[2]:.4g} (released "
               f"{col['p99_band']}), sd {real[3]:.4g} / {syn[3]:.4g}, TVD {col['tvd']:.3f}")
 
 

@@ -45,6 +45,7 @@ from dpfed.common.synth.generative import (
 )
 from dpfed.common.synth.link_release import links_from_proportions, split_proportions
 from dpfed.common.synth.links import LatentLinks
+from dpfed.common.synth.missing_cells import from_cells_table, synth_schema
 from dpfed.common.synth.pair_marginals import Pair, PairCorrection, PairGrid
 from dpfed.common.synth.pipeline import aligned_latent, calibrated_links, pair_correction
 from dpfed.common.validation import check_int
@@ -108,13 +109,23 @@ def arrow_table(table: EncodedTable,
     arrays = []
     for col in table.schema.columns:
         values = table.columns[col.name]
+        mask = table.missing.get(col.name)  # missing values: nulls
         if isinstance(col, ContinuousColumn):
-            arrays.append(pa.array(output_values(col, values)))
+            arrays.append(_with_nulls(pa.array(output_values(col, values)), mask))
         else:
             arrays.append(pa.DictionaryArray.from_arrays(
-                pa.array(np.asarray(values, dtype=np.int32)), labels[col.name],
-                ordered=isinstance(col, OrdinalColumn)))
+                _with_nulls(pa.array(np.asarray(values, dtype=np.int32)), mask),
+                labels[col.name], ordered=isinstance(col, OrdinalColumn)))
     return pa.Table.from_arrays(arrays, names=list(table.schema.names))
+
+
+def _with_nulls(array: pa.Array, mask: np.ndarray | None) -> pa.Array:
+    """``array`` (fixed width, no nulls) with nulls where ``mask`` is set, its data not copied."""
+    if mask is None or not mask.any():
+        return array
+    validity = pa.py_buffer(np.packbits(~mask, bitorder="little"))
+    return pa.Array.from_buffers(array.type, len(array), [validity, array.buffers()[1]],
+                                 int(np.count_nonzero(mask)))
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,10 @@ class SynthModel:
     resolution : {"fine", "bins"}
         The continuous columns' cells (the job's ``resolution``; model files written before
         it existed are "bins").
+    missing_cells : bool
+        The cells follow :attr:`cells_schema`: every ``missing = "category"`` column has a
+        missing cell and the synthetic rows have missing values (the job's
+        ``missing_cells``; model files written before it existed: False).
     """
 
     schema: Schema
@@ -164,6 +179,7 @@ class SynthModel:
     metadata: dict[str, Any] = field(default_factory=dict)
     pair_correction: PairCorrection | None = None
     resolution: str = "bins"
+    missing_cells: bool = False
     _decode: list[LatentLinks] = field(default_factory=list, init=False, repr=False,
                                        compare=False)
 
@@ -174,27 +190,37 @@ class SynthModel:
               rng: np.random.Generator, latent_correlation: np.ndarray | None = None,
               factors: np.ndarray | None = None,
               metadata: Mapping[str, Any] | None = None,
-              resolution: str = "bins") -> SynthModel:
+              resolution: str = "bins", missing_cells: bool = False) -> SynthModel:
         """Assemble a model and run the final per-column calibration (post-processing).
 
         :func:`dpfed.common.synth.pipeline.calibrated_links`: generative mode calibrates on
         simulated latent rows, row-aligned mode on the reconstructed latent rows themselves.
         """
-        links = links_from_proportions(schema, proportions, n_bins, continuous_link,
+        cells = synth_schema(schema, missing_cells)
+        links = links_from_proportions(cells, proportions, n_bins, continuous_link,
                                        resolution)
         _, calibrated = calibrated_links(links, factor_model, rng, factors,
                                          n_rows=_public_rows(metadata))
-        blocks = split_proportions(proportions, schema, n_bins, resolution)
+        blocks = split_proportions(proportions, cells, n_bins, resolution)
         decode = np.concatenate([blocks[c.name] if p is None else p
-                                 for c, p in zip(schema.columns, calibrated, strict=True)])
+                                 for c, p in zip(cells.columns, calibrated, strict=True)])
         return cls(schema, mode, continuous_link, n_bins, np.asarray(proportions),
                    decode, factor_model, dp_correlation, latent_correlation, factors,
-                   dict(metadata or {}), None, check_resolution(resolution))
+                   dict(metadata or {}), None, check_resolution(resolution),
+                   bool(missing_cells))
+
+    @property
+    def cells_schema(self) -> Schema:
+        """Return the schema the model's cells and links follow.
+
+        A missing cell per ``missing = "category"`` column when :attr:`missing_cells`.
+        """
+        return synth_schema(self.schema, self.missing_cells)
 
     def pair_grid(self, max_groups: int) -> PairGrid:
         """Return the pair tables' cells for this model's DP proportions (post-processing)."""
-        return PairGrid.from_proportions(self.schema, self.proportions, self.n_bins, max_groups,
-                                         self.resolution)
+        return PairGrid.from_proportions(self.cells_schema, self.proportions, self.n_bins,
+                                         max_groups, self.resolution)
 
     def with_pairs(self, grid: PairGrid, edges: Sequence[Pair], tables: Sequence[np.ndarray],
                    rng: np.random.Generator, *, noise_sd: float = 0.0) -> SynthModel:
@@ -232,7 +258,7 @@ class SynthModel:
     @property
     def links(self) -> LatentLinks:
         """The links fitted from the DP proportions."""
-        return links_from_proportions(self.schema, self.proportions, self.n_bins,
+        return links_from_proportions(self.cells_schema, self.proportions, self.n_bins,
                                       self.continuous_link, self.resolution)
 
     @property
@@ -240,7 +266,7 @@ class SynthModel:
         """The calibrated links used to decode synthetic latent rows (built once per model)."""
         if not self._decode:
             self._decode.append(links_from_proportions(
-                self.schema, self.decode_proportions, self.n_bins, self.continuous_link,
+                self.cells_schema, self.decode_proportions, self.n_bins, self.continuous_link,
                 self.resolution))
         return self._decode[0]
 
@@ -253,7 +279,16 @@ class SynthModel:
     def iter_encoded(self, rows: int | None = None, *, rng: np.random.Generator | None = None,
                      chunk_rows: int = CHUNK_ROWS,
                      workers: int | None = None) -> Iterator[EncodedTable]:
-        """Synthetic rows in chunks (memory independent of ``rows``).
+        """Synthetic rows of :attr:`schema` in chunks (memory independent of ``rows``).
+
+        Missing values are marked (:attr:`EncodedTable.missing`); see :meth:`_iter_cells`.
+        """
+        for chunk in self._iter_cells(rows, rng=rng, chunk_rows=chunk_rows, workers=workers):
+            yield from_cells_table(chunk, self.schema)
+
+    def _iter_cells(self, rows: int | None, *, rng: np.random.Generator | None,
+                    chunk_rows: int, workers: int | None) -> Iterator[EncodedTable]:
+        """Synthetic rows of :attr:`cells_schema` in chunks (memory independent of ``rows``).
 
         Chunks are drawn and decoded on ``workers`` background threads (default: one per CPU
         but one, at most 4; 0: in the calling thread) while the caller uses the previous
@@ -356,6 +391,8 @@ class SynthModel:
                "residual": self.factor_model.residual, "schema_toml": self.schema.to_toml()}
         if self.resolution != "bins":  # absent: files written before the key existed
             out["resolution"] = self.resolution
+        if self.missing_cells:  # absent: files written before the key existed
+            out["missing_cells"] = True
         return out
 
     def to_bytes(self) -> bytes:
@@ -389,8 +426,10 @@ class SynthModel:
                         arrays.get("latent_correlation"), arrays.get("factors"),
                         {k: v for k, v in metadata.items()
                          if k not in ("format", "mode", "continuous_link", "n_bins",
-                                      "residual", "schema_toml", "resolution")},
-                        None, check_resolution(metadata.get("resolution", "bins")))
+                                      "residual", "schema_toml", "resolution",
+                                      "missing_cells")},
+                        None, check_resolution(metadata.get("resolution", "bins")),
+                        metadata.get("missing_cells", False) is True)
         except KeyError as exc:
             raise ValidationError(f"model file lacks {exc}") from None
         if "pair_edges" in arrays:

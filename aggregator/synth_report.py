@@ -45,6 +45,7 @@ from dpfed.common.synth.link_release import (  # noqa: E402
     release_noise_sd,
     split_proportions,
 )
+from dpfed.common.synth.missing_cells import from_cells_table, to_cells_table  # noqa: E402
 from dpfed.common.synth.quantile_link import QuantileLink, bin_codes  # noqa: E402
 
 _COLS_PER_FIGURE_ROW = 4
@@ -56,7 +57,8 @@ MAX_TICK_LABELS = 12
 
 def released_marginals(model: SynthModel) -> dict[str, np.ndarray]:
     """Per column, the released DP marginal on the report's cells (coarse cells)."""
-    blocks = split_proportions(model.proportions, model.schema, model.n_bins, model.resolution)
+    blocks = split_proportions(model.proportions, model.cells_schema, model.n_bins,
+                               model.resolution)
     out = {}
     for link in model.links.links:
         p = blocks[link.column.name]
@@ -70,11 +72,12 @@ def synthetic_marginals(model: SynthModel, table: EncodedTable) -> dict[str, np.
     """Per column, the synthetic proportions on the report's cells (as :func:`released_marginals`).
 
     Categories and levels, or a continuous column's coarse cells (its bins, and its bounds'
-    point cells under ``resolution="fine"``).
+    point cells under ``resolution="fine"``); missing values in their cell (``table``
+    follows :attr:`SynthModel.cells_schema`).
     """
     out: dict[str, np.ndarray] = {}
     links = model.links
-    for col, link in zip(model.schema.columns, links.links, strict=True):
+    for col, link in zip(links.schema.columns, links.links, strict=True):
         values = table.columns[col.name]
         if isinstance(link, QuantileLink):
             codes = link.layout.coarse_codes(values)
@@ -91,7 +94,7 @@ def synthetic_marginals(model: SynthModel, table: EncodedTable) -> dict[str, np.
 
 def _marginal_figure(model: SynthModel, synthetic: dict[str, np.ndarray]) -> str:
     dp = released_marginals(model)
-    cols = model.schema.columns
+    cols = model.cells_schema.columns
     n_rows = math.ceil(len(cols) / _COLS_PER_FIGURE_ROW)
     fig, axes = plt.subplots(n_rows, _COLS_PER_FIGURE_ROW,
                              figsize=(3.2 * _COLS_PER_FIGURE_ROW, 2.4 * n_rows), squeeze=False)
@@ -155,7 +158,7 @@ def released_pair_tables(model: SynthModel) -> list[np.ndarray] | None:
 
 def _group_labels(model: SynthModel, column: int) -> list[str] | None:
     """Tick labels of a column's pair cells: its categories/levels when each is its own cell."""
-    col = model.schema.columns[column]
+    col = model.cells_schema.columns[column]
     correction = model.pair_correction
     if correction is None or isinstance(col, ContinuousColumn):
         return None
@@ -268,13 +271,13 @@ def links_noise_sd(model: SynthModel) -> np.ndarray | None:
             n = len(secure["participants"])
             t = int(secure.get("tolerated_colluders", 0))
             pooled = math.sqrt(float(secure["noise_variance_integer"]) * n / max(n - t, 1))
-            return release_noise_sd(model.schema, model.n_bins, pooled, model.resolution,
+            return release_noise_sd(model.cells_schema, model.n_bins, pooled, model.resolution,
                                     secure=True)
         links = plan["links"]
         sites = len(meta.get("rounds", {}).get("links", [])) or 1
-        sigma = link_histogram_mechanism(model.schema, float(links["epsilon"]),
+        sigma = link_histogram_mechanism(model.cells_schema, float(links["epsilon"]),
                                          float(links["delta"])).sigma * math.sqrt(sites)
-        return release_noise_sd(model.schema, model.n_bins, sigma, model.resolution)
+        return release_noise_sd(model.cells_schema, model.n_bins, sigma, model.resolution)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -290,17 +293,19 @@ def add_real_rows_section(report: Report, model: SynthModel, real: EncodedTable,
     (:func:`~dpfed.common.synth.fidelity.released_quantile_band`). Then the correlations:
     of the values (real vs synthetic) and in the latent space (the real rows' latent
     correlation against the DP release and against the synthetic rows), with heat maps.
-    Only a simulation may do this: it reads real rows.
+    Only a simulation may do this: it reads real rows. ``real`` and ``synthetic`` are rows
+    of :attr:`SynthModel.schema` (missing values marked).
     """
     rng = np.random.default_rng(0)  # evaluation draws only: no privacy involved
     links = model.links
-    released = links.from_latent(rng.standard_normal((min(50_000, 4 * real.n_rows),
-                                                      links.dim)))
+    released = from_cells_table(links.from_latent(rng.standard_normal(
+        (min(50_000, 4 * real.n_rows), links.dim))), model.schema)
     syn = column_fidelity(model.schema, real, synthetic)
     rel = {f.column: f for f in column_fidelity(model.schema, real, released)}
-    blocks = split_proportions(model.proportions, model.schema, model.n_bins, model.resolution)
+    blocks = split_proportions(model.proportions, model.cells_schema, model.n_bins,
+                               model.resolution)
     sd = links_noise_sd(model)
-    sizes = histogram_sizes(model.schema, model.n_bins, model.resolution)
+    sizes = histogram_sizes(model.cells_schema, model.n_bins, model.resolution)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     n = float(model.metadata.get("n_rows_total") or real.n_rows)
     rows = []
@@ -319,10 +324,12 @@ def add_real_rows_section(report: Report, model: SynthModel, real: EncodedTable,
             f"{f.real_tail[2]:.4g} / {f.synthetic_tail[2]:.4g}",
             f"{f.real_tail[3]:.4g} / {f.synthetic_tail[3]:.4g}")
         mode = "-" if f.mode is None else f"{f.mode[0]:.4g}: {f.mode[1]:.3f} / {f.mode[2]:.3f}"
-        rows.append((f.column, f.kind, f.tvd, rel[f.column].tvd, mode, *tails, band))
+        absent = "-" if f.missing is None else f"{f.missing[0]:.3f} / {f.missing[1]:.3f}"
+        rows.append((f.column, f.kind, f.tvd, rel[f.column].tvd, absent, mode, *tails, band))
         figures["columns"][f.column] = {"tvd": f.tvd, "tvd_released": rel[f.column].tvd,
                                         "real_tail": f.real_tail,
-                                        "synthetic_tail": f.synthetic_tail, "p99_band": band}
+                                        "synthetic_tail": f.synthetic_tail, "p99_band": band,
+                                        "missing": f.missing}
     report.heading("Simulation only: the synthetic table against the real rows")
     report.paragraph(
         f"dpfed simulate made every site's rows, so it can compare the synthetic table with "
@@ -337,6 +344,7 @@ def add_real_rows_section(report: Report, model: SynthModel, real: EncodedTable,
         "from its public noise level; tails too thin to tell from the noise are cut off by "
         "the estimate and can fall below it).")
     report.table(("column", "type", "TVD real vs synthetic", "TVD real vs released",
+                  "missing rate real / synthetic",
                   "most common real value: share real / synthetic", "p1 real / synthetic",
                   "p50 real / synthetic", "p99 real / synthetic", "sd real / synthetic",
                   "released p99 [band]"), rows)
@@ -364,7 +372,7 @@ def add_real_rows_section(report: Report, model: SynthModel, real: EncodedTable,
 
 
 def _latent_correlation(links: Any, table: EncodedTable) -> np.ndarray:
-    latent = links.to_latent(table, np.random.default_rng(1))
+    latent = links.to_latent(to_cells_table(table, links.schema), np.random.default_rng(1))
     return np.asarray(np.corrcoef(latent, rowvar=False))
 
 
@@ -378,10 +386,11 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
     ``figures`` when given.
     """
     table, _ = encode_table(model.schema, sample)
-    synthetic = synthetic_marginals(model, table)
+    cells = to_cells_table(table, model.cells_schema)  # missing values in their cells
+    synthetic = synthetic_marginals(model, cells)
     dp = released_marginals(model)
     links = model.links
-    latent = links.to_latent(table, production_rng())
+    latent = links.to_latent(cells, production_rng())
     synth_corr = np.corrcoef(latent, rowvar=False) if table.n_rows > 1 else np.eye(links.dim)
     report = Report(title)
     meta = model.metadata
@@ -438,7 +447,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
     report.heading("Marginals: released DP marginal vs synthetic")
     report.table(("column", "type", "TVD(DP marginal, synthetic)"),
                  [(c.name, c.type, 0.5 * float(np.abs(dp[c.name] - synthetic[c.name]).sum()))
-                  for c in model.schema.columns])
+                  for c in model.cells_schema.columns])
     report.image(_marginal_figure(model, synthetic), "DP vs synthetic marginals")
     report.heading("Correlations in the latent space")
     report.paragraph("Left: the correlation of the DP latent second moment the sites released "
@@ -446,7 +455,7 @@ def synth_report(model: SynthModel, sample: pd.DataFrame, *, title: str = "dpfed
                      "correlation of the synthetic rows mapped back to the latent space.")
     report.image(_heatmaps(model.dp_correlation, synth_corr, links.latent_names),
                  "latent correlation heat maps")
-    add_pairs_section(report, model, table)
+    add_pairs_section(report, model, cells)
     if real is not None:
         found = add_real_rows_section(report, model, real, table)
         if figures is not None:

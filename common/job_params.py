@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from dpfed.common.data.schema import ContinuousColumn
 from dpfed.common.errors import ValidationError
 from dpfed.common.job_choices import AGGREGATIONS, CENTERINGS, SITE_WEIGHTINGS
 from dpfed.common.jobs.params import (
@@ -412,6 +413,12 @@ def _split_field(value: Any, ctx: ParseContext) -> tuple[tuple[str, float, float
     return _split(mode, value, with_pairs)
 
 
+def _missing_cells(value: Any, _ctx: ParseContext) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"missing_cells must be true or false, got {value!r}")
+    return value
+
+
 def _pair_gate(value: Any, ctx: ParseContext) -> bool:
     if not isinstance(value, bool):
         raise ValidationError(f"pair_gate must be true or false, got {value!r}")
@@ -474,6 +481,12 @@ class SynthParams(Params):
         table would carry (:func:`dpfed.common.synth.pipeline.pair_forest`): True for new
         jobs (:attr:`NEW_JOB_DEFAULTS`), False (every pair of the forest) for stored jobs
         without the key.
+    missing_cells : bool
+        Every ``missing = "category"`` column's releases carry *missing* as a cell of its
+        own and the synthetic table has missing values at the released rate
+        (:mod:`dpfed.common.synth.missing_cells`): True for new jobs
+        (:attr:`NEW_JOB_DEFAULTS`); False (a missing value released as the column's fill
+        value) for stored jobs without the key.
     composition : {"basic", "zcdp"}
         How the split turns into each round's calibration
         (:mod:`dpfed.common.privacy.composition`): ``basic`` (default) gives every round its
@@ -516,10 +529,13 @@ class SynthParams(Params):
     resolution: str = param(  # absent when "bins": jobs made before the key resume unchanged
         "bins", parse=choice("--resolution", RESOLUTIONS), omit=lambda p: p.resolution == "bins")
     pair_gate: bool = param(False, parse=_pair_gate, omit=lambda p: not p.pair_gate)
+    missing_cells: bool = param(False, parse=_missing_cells, omit=lambda p: not p.missing_cells)
 
-    #: A job being submitted gets the fine cells and the pair gate; a stored job without the
-    #: keys parses as "bins" and no gate, so its canonical mapping keeps its bytes.
-    new_job_defaults: ClassVar[Mapping[str, Any]] = {"resolution": "fine", "pair_gate": True}
+    #: A job being submitted gets the fine cells, the pair gate and the missing cells; a
+    #: stored job without the keys parses as "bins", no gate and no missing cells, so its
+    #: canonical mapping keeps its bytes.
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {"resolution": "fine", "pair_gate": True,
+                                                     "missing_cells": True}
 
     def validate(self, schema: Schema | None) -> None:
         """Refuse unless A joint model of one column is its marginal: synth needs at least two."""
@@ -527,6 +543,14 @@ class SynthParams(Params):
             raise ValidationError(
                 f"the federation schema has {len(schema.columns)} column(s); synth needs at "
                 "least 2 (ordinal, nominal or continuous)")
+        if schema is not None and self.missing_cells and self.continuous_link == "identity":
+            absent = [c.name for c in schema.columns if isinstance(c, ContinuousColumn)
+                      and c.missing == "category"]
+            if absent:
+                raise ValidationError(
+                    f"continuous_link 'identity' cannot generate the missing values of "
+                    f"{absent} (missing = \"category\"): use the quantile link (the default), "
+                    "or missing_cells = false to release them as their fill value")
 
     def aggregation_mode(self) -> Aggregation:
         """How the job's sums travel."""

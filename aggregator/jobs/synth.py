@@ -30,7 +30,7 @@ from dpfed.common.evaluation.holdout import holdout_size, training_count
 from dpfed.common.job_params import SynthParams
 from dpfed.common.jobs.contract import Pooled
 from dpfed.common.jobs.synth import check_budget_for_cells, pair_noise, pair_noise_note
-from dpfed.common.jobs.synth_evaluation import EVALUATE, EVALUATE_SUMMARY, Sample
+from dpfed.common.jobs.synth_evaluation import EVALUATE, EVALUATE_SUMMARY, Sample, sample_arrays
 from dpfed.common.jobs.synth_pairs import PAIR_SCORES, PAIRS, PairInput
 from dpfed.common.jobs.synth_rounds import (
     FACTORS,
@@ -38,6 +38,7 @@ from dpfed.common.jobs.synth_rounds import (
     LINKS,
     LinksInput,
     LoadingsInput,
+    cells_schema,
     proportions,
 )
 from dpfed.common.privacy.rng import production_rng
@@ -58,13 +59,14 @@ async def run(job: Job[SynthParams]) -> JobOutput:
     """Run the rounds and fit the model (post-processing only)."""
     params = job.params
     schema = job.federation.schema
-    dim = latent_dim(schema)
+    cells = cells_schema(schema, params)  # a missing cell per "category" column (new jobs)
+    dim = latent_dim(cells)
     _check_budget(job)
     counts = await job.release(LINKS, None)
     props = proportions(counts.value, schema, params)
-    links_in = LinksInput(props, links_digest(schema, props, params.n_bins,
+    links_in = LinksInput(props, links_digest(cells, props, params.n_bins,
                                               params.continuous_link, params.resolution))
-    links = await asyncio.to_thread(links_from_proportions, schema, props, params.n_bins,
+    links = await asyncio.to_thread(links_from_proportions, cells, props, params.n_bins,
                                     params.continuous_link, params.resolution)
     job.emit("links", f"links built from {len(counts.rows)} site(s)' pooled counts (digest "
              f"{links_in.digest[:12]})")
@@ -106,7 +108,7 @@ async def run(job: Job[SynthParams]) -> JobOutput:
         SynthModel.build, schema, mode=params.mode, continuous_link=params.continuous_link,
         n_bins=params.n_bins, proportions=props, factor_model=fm, dp_correlation=dp_corr,
         rng=rng, latent_correlation=corr, factors=factors, metadata=metadata,
-        resolution=params.resolution)
+        resolution=params.resolution, missing_cells=params.missing_cells)
     if pairs is not None:
         job.emit("pairs", f"fitting the model to {len(pairs.edges)} DP pair table(s)", 0.95)
         model = await asyncio.to_thread(model.with_pairs, pairs.grid, pairs.edges,
@@ -139,7 +141,7 @@ def _check_budget(job: Job[SynthParams]) -> None:
         rows = [training_count(n) for n in rows]  # the holdout trains nothing
     if not rows or min(rows) <= 0:
         return
-    schema = job.federation.schema
+    schema = cells_schema(job.federation.schema, params)
     check_budget_for_cells(schema, params, job.spec.epsilon, job.spec.delta, rows)
     noisy = pair_noise_note(schema, params, job.spec.epsilon, job.spec.delta, rows)
     if noisy:
@@ -185,8 +187,8 @@ def plan_pairs(schema: Schema, params: SynthParams, props: np.ndarray
     most = params.max_pairs(len(schema.columns))
     if not params.pair_rounds or most == 0:
         return None
-    grid = PairGrid.from_proportions(schema, props, params.n_bins, params.pair_groups,
-                                     params.resolution)
+    grid = PairGrid.from_proportions(cells_schema(schema, params), props, params.n_bins,
+                                     params.pair_groups, params.resolution)
     candidates = grid.candidate_pairs()
     if not candidates:
         log.info("no pair table has at most %d cells; pair rounds skipped", MAX_PAIR_CELLS)
@@ -271,12 +273,10 @@ async def _evaluate(job: Job[SynthParams], model: SynthModel,
                     model_sites: list[str]) -> dict[str, Any]:
     """Return the evaluation rounds at the model's sites; what the model records of them."""
     params = job.params
-    schema = job.federation.schema
     sample = EncodedTable.concatenate(list(model.iter_encoded(
         None if model.factors is not None else params.evaluate_rows)))
     take = min(sample.n_rows, params.evaluate_rows)
-    asked = Sample({f"col:{c.name}": np.ascontiguousarray(sample.columns[c.name][:take])
-                    for c in schema.columns}, take)
+    asked = Sample(sample_arrays(sample, take), take)
     job.emit("evaluate", f"sending a {take}-row synthetic sample to {len(model_sites)} "
              "site(s) for their local evaluation (nothing comes back, nothing is charged)",
              0.95)

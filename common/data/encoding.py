@@ -153,6 +153,14 @@ class EncodedTable:
         mask = self.missing.get(name)
         return np.zeros(self.n_rows, dtype=bool) if mask is None else mask
 
+    def take(self, rows: np.ndarray) -> EncodedTable:
+        """Return the rows ``rows`` selects (a boolean mask or indices), missing marks kept."""
+        index = np.asarray(rows)
+        cols = {k: v[index] for k, v in self.columns.items()}
+        n = int(np.count_nonzero(index)) if index.dtype == bool else int(index.shape[0])
+        return EncodedTable(self.schema, cols, n,
+                            {k: m[index] for k, m in self.missing.items()})
+
     def to_frame(self) -> pd.DataFrame:
         """Decode to a DataFrame with the schema's types; missing values are NA.
 

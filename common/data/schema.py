@@ -83,6 +83,9 @@ class ContinuousColumn:
     integer: bool = False
     missing: str | None = None
     impute: float | None = None
+    #: Set only by :func:`dpfed.common.synth.missing_cells.cells_schema`: the synthesizer's
+    #: cells of this column end with a *missing* cell (never read from a schema file).
+    missing_cell: bool = False
 
     def __post_init__(self) -> None:
         if self.integer and not (float(self.min).is_integer() and float(self.max).is_integer()):
@@ -149,6 +152,9 @@ class OrdinalColumn:
     type: Literal["ordinal"] = "ordinal"
     missing: str | None = None
     impute: str | None = None
+    #: Set only by :func:`dpfed.common.synth.missing_cells.cells_schema`: the last level is
+    #: the synthesizer's *missing* cell.
+    missing_cell: bool = False
 
     def __post_init__(self) -> None:
         _check_missing(self.name, self.missing, self.impute)
@@ -181,6 +187,9 @@ class NominalColumn:
     missing: str | None = None
     impute: str | None = None
     other: bool = False
+    #: Set only by :func:`dpfed.common.synth.missing_cells.cells_schema`: the last category
+    #: is the synthesizer's *missing* cell.
+    missing_cell: bool = False
 
     def __post_init__(self) -> None:
         _check_missing(self.name, self.missing, self.impute)
@@ -379,6 +388,8 @@ def _column_dict(c: Column) -> dict[str, Any]:
         entry["missing"] = c.missing
     if impute is not None:
         entry["impute"] = impute
+    if c.missing_cell:
+        entry["missing_cell"] = True
     return entry
 
 

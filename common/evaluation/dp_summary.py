@@ -126,8 +126,7 @@ class SummaryAccumulator:
         """Add one chunk of training rows; ``compared`` marks the rows of the compared subsample."""
         self.hist.add(table)
         if np.any(compared):
-            part = EncodedTable(self.schema, {k: v[compared] for k, v in table.columns.items()},
-                                int(np.count_nonzero(compared)))
+            part = table.take(compared)
             self.near_train += near_count(summary_features(self.schema, part), self.tree,
                                           self.threshold)
             self.n_compared += part.n_rows

@@ -129,8 +129,7 @@ class TrainingRows:
 
 
 def _rows(table: EncodedTable, mask: np.ndarray) -> EncodedTable:
-    cols = {k: v[mask] for k, v in table.columns.items()}
-    return EncodedTable(table.schema, cols, int(np.count_nonzero(mask)))
+    return table.take(mask)
 
 
 def split_rows(data: DataAccess, key: bytes) -> tuple[EncodedTable, EncodedTable]:

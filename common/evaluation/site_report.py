@@ -53,7 +53,7 @@ def _cap(table: EncodedTable, max_rows: int) -> EncodedTable:
     if table.n_rows <= max_rows:
         return table
     idx = np.sort(np.random.default_rng(20240611).permutation(table.n_rows)[:max_rows])
-    return EncodedTable(table.schema, {k: v[idx] for k, v in table.columns.items()}, max_rows)
+    return table.take(idx)
 
 
 def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,
@@ -94,7 +94,8 @@ def _fidelity_rows(fidelity: list[ColumnFidelity]) -> str:
         if f.real_tail is not None and f.synthetic_tail is not None:
             tails = [f"{a:.4g} / {b:.4g}" for a, b in zip(f.real_tail, f.synthetic_tail,
                                                           strict=True)]
-        rows.append(_row([f.column, f.kind, f.tvd, mode, *tails]))
+        absent = "-" if f.missing is None else f"{f.missing[0]:.3f} / {f.missing[1]:.3f}"
+        rows.append(_row([f.column, f.kind, f.tvd, absent, mode, *tails]))
     return "".join(rows)
 
 
@@ -130,7 +131,9 @@ def _html(site_id: str, r: SyntheticReport, fidelity: list[ColumnFidelity]) -> s
             "<h2>What the columns look like: this site's training rows / synthetic</h2>"
             "<p>TVD on the categories, or for continuous columns on 20 cells cut at quantiles "
             "of this site's rows, each cut halfway between two distinct values (a point mass "
-            "such as zero visits sits inside its cell); the share of the most common value; "
-            "the tails.</p><table><tr><th>column</th><th>type</th><th>TVD</th>"
+            "such as zero visits sits inside its cell), missing values (missing = \"category\") "
+            "a cell of their own; the missing rate; the share of the most common value; "
+            "the tails of the values.</p><table><tr><th>column</th><th>type</th><th>TVD</th>"
+            "<th>missing rate real / synthetic</th>"
             "<th>most common value: share real / synthetic</th><th>p1</th><th>p50</th>"
             f"<th>p99</th><th>sd</th></tr>{_fidelity_rows(fidelity)}</table></body></html>")

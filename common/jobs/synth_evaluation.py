@@ -55,9 +55,12 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
     """Validate a synthetic sample sent by the coordinator (one array per column, ``col:<name>``).
 
     Continuous columns must be finite and within the schema bounds, categorical columns valid
-    codes; every column the same length (1..MAX_EVALUATION_ROWS).
+    codes; every column the same length (1..MAX_EVALUATION_ROWS). A ``missing = "category"``
+    column may come with a boolean ``missing:<name>`` array marking its missing values
+    (:func:`sample_arrays`; the column holds its fill value there).
     """
     columns: dict[str, np.ndarray] = {}
+    missing: dict[str, np.ndarray] = {}
     n: int | None = None
     for col in schema.columns:
         a = arrays.get(f"col:{col.name}")
@@ -78,8 +81,30 @@ def synthetic_from_arrays(schema: Schema, arrays: Mapping[str, np.ndarray]) -> E
             if not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= size:
                 raise ValidationError(f"evaluation column {col.name!r} has invalid codes")
             columns[col.name] = a.astype(np.int32)
+        mask = arrays.get(f"missing:{col.name}")
+        if mask is not None:
+            if col.missing != "category" or mask.dtype != np.bool_ or mask.shape != (n,):
+                raise ValidationError(f"missing:{col.name} must be a boolean array of {n} "
+                                      "entries, for a missing = \"category\" column only")
+            if mask.any():
+                missing[col.name] = np.asarray(mask)
     assert n is not None
-    return EncodedTable(schema, columns, n)
+    return EncodedTable(schema, columns, n, missing)
+
+
+def sample_arrays(sample: EncodedTable, rows: int) -> dict[str, np.ndarray]:
+    """Return the first ``rows`` rows of ``sample`` as the evaluation round's arrays.
+
+    One array per column (``col:<name>``) and, for a column with missing values, a boolean
+    ``missing:<name>`` marking them, as :func:`synthetic_from_arrays` reads them.
+    """
+    out = {}
+    for col in sample.schema.columns:
+        out[f"col:{col.name}"] = np.ascontiguousarray(sample.columns[col.name][:rows])
+        mask = sample.missing_mask(col.name)[:rows]
+        if mask.any():
+            out[f"missing:{col.name}"] = np.ascontiguousarray(mask, dtype=np.bool_)
+    return out
 
 
 def _secret(site: Site) -> bytes:

@@ -36,12 +36,14 @@ from dpfed.common.jobs.synth_rounds import (
     LinksInput,
     SynthRound,
     base_params,
+    cells_schema,
     check_links,
     secure_base,
     secure_params,
     site_params,
     training_rows,
 )
+from dpfed.common.synth.missing_cells import CellRows
 from dpfed.common.synth.pair_marginals import (
     MAX_GROUPS,
     MAX_PAIR_CELLS,
@@ -134,7 +136,7 @@ def exact_pair_tables(grid: PairGrid, pairs: list[Pair], data: DataAccess
                       ) -> PairTableAccumulator:
     """Return the exact 2-way tables of ``pairs`` over ``data``'s rows (site-internal)."""
     acc = PairTableAccumulator(grid, pairs)
-    for table, _report in data.iter_chunks():
+    for table, _report in CellRows(data, grid.schema).iter_chunks():
         acc.add(table)
     return acc
 
@@ -170,7 +172,8 @@ def _grid(task: Task, site: Site, params: SynthParams, digest: Any
         raise ValidationError("the pair rounds need a schema of at least 2 columns")
     check_links(site.data.schema, params, digest, task.arrays)
     proportions = np.asarray(task.arrays["link_proportions"], dtype=np.float64)
-    return (PairGrid.from_proportions(site.data.schema, proportions, params.n_bins,
+    return (PairGrid.from_proportions(cells_schema(site.data.schema, params), proportions,
+                                      params.n_bins,
                                       params.pair_groups, params.resolution), proportions)
 
 

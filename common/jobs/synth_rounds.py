@@ -65,6 +65,7 @@ from dpfed.common.synth.link_release import (
     sum_histograms,
 )
 from dpfed.common.synth.links import LatentLinks, clip_to_unit_ball, default_clip_norm, latent_dim
+from dpfed.common.synth.missing_cells import CellRows, synth_schema
 from dpfed.common.synth.pipeline import combine_factors
 from dpfed.common.transport.protocol import Task, TaskResult
 
@@ -135,9 +136,22 @@ def training_rows(task: Task, site: Site, params: SynthParams) -> DataAccess:
     return TrainingRows(site.data, job_key(site_secret(site.state_dir), task.job_id))
 
 
+def cells_schema(schema: Schema, params: SynthParams) -> Schema:
+    """Return the schema the job's cells follow.
+
+    A missing cell per ``missing = "category"`` column if the job has ``missing_cells``
+    (:mod:`dpfed.common.synth.missing_cells`).
+    """
+    return synth_schema(schema, params.missing_cells)
+
+
 def check_links(schema: Schema, params: SynthParams, links_digest_sent: Any,
                 arrays: Mapping[str, np.ndarray]) -> LatentLinks:
-    """Rebuild the links a task carries and check their digest (ValidationError on mismatch)."""
+    """Rebuild the links a task carries and check their digest (ValidationError on mismatch).
+
+    ``schema`` is the federation schema; the links follow :func:`cells_schema`.
+    """
+    schema = cells_schema(schema, params)
     props = arrays.get("link_proportions")
     if props is None:
         raise ValidationError("the task carries no link_proportions")
@@ -156,9 +170,10 @@ def check_links(schema: Schema, params: SynthParams, links_digest_sent: Any,
 def latent_rows(site: Site, data: DataAccess, links: LatentLinks, params: SynthParams,
                 rng: np.random.Generator) -> Iterator[tuple[np.ndarray, int]]:
     """Stream the latent rows under ``links``, clipped into the unit ball by the public norm."""
-    dim = latent_dim(site.data.schema)
+    del site
+    dim = links.dim
     clip = params.clip_norm if params.clip_norm is not None else default_clip_norm(dim)
-    for table, _report in data.iter_chunks():
+    for table, _report in CellRows(data, links.schema).iter_chunks():
         yield clip_to_unit_ball(links.to_latent(table, rng), clip)
 
 
@@ -244,7 +259,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
     def prepare(self, task: Task, site: Site) -> Release:
         """Count every column, price the noise."""
         _extra, params = site_params(task, site)
-        schema = site.data.schema
+        schema = cells_schema(site.data.schema, params)
         acc = link_counts(training_rows(task, site, params), params)
         require_rows(acc.n_rows)
         return noisy_release(
@@ -257,7 +272,7 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
                      tolerated: int) -> Contribution:
         """Return the exact weighted counts."""
         params = secure_params(task, site)
-        schema = site.data.schema
+        schema = cells_schema(site.data.schema, params)
         data = training_rows(task, site, params)  # the evaluation holdout trains nothing
 
         def compute(_plan: Any, _rng: np.random.Generator) -> tuple[np.ndarray, int]:
@@ -278,7 +293,8 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
     def check(self, result: TaskResult, ask: Ask[SynthParams, None]) -> None:
         """Finite histograms of the schema's size."""
         check_rows(result)
-        size = sum(histogram_sizes(ask.schema, ask.params.n_bins, ask.params.resolution))
+        size = sum(histogram_sizes(cells_schema(ask.schema, ask.params), ask.params.n_bins,
+                                   ask.params.resolution))
         check_finite(result.arrays.get("histograms"), (size,), "histograms", 1e12)
 
     def pool(self, results: Mapping[str, TaskResult],
@@ -286,11 +302,12 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
         """Return the sum of the sites' histograms, their public row count and noise."""
         order = sorted(results)
         params = ask.params
-        total = sum_histograms([results[s].arrays["histograms"] for s in order], ask.schema,
+        schema = cells_schema(ask.schema, params)
+        total = sum_histograms([results[s].arrays["histograms"] for s in order], schema,
                                params.n_bins, params.resolution)
-        sigma = link_histogram_mechanism(ask.schema, ask.budget.epsilon, ask.budget.delta).sigma
+        sigma = link_histogram_mechanism(schema, ask.budget.epsilon, ask.budget.delta).sigma
         return PooledCounts(total, sum(int(results[s].metadata["n_rows"]) for s in order),
-                            release_noise_sd(ask.schema, params.n_bins,
+                            release_noise_sd(schema, params.n_bins,
                                              sigma * math.sqrt(len(order)), params.resolution))
 
     def encoding(self, ask: Ask[SynthParams, None]) -> SumEncoding:
@@ -300,34 +317,37 @@ class Links(SynthRound, SumRound[SynthParams, None, PooledCounts]):
         its bins add to (:func:`dpfed.common.synth.link_release.secure_link_groups`).
         """
         n_bins, resolution = ask.params.n_bins, ask.params.resolution
-        groups, weights, partial = secure_link_groups(ask.schema, n_bins, resolution)
+        schema = cells_schema(ask.schema, ask.params)
+        groups, weights, partial = secure_link_groups(schema, n_bins, resolution)
         return SumEncoding(
-            dim=sum(histogram_sizes(ask.schema, n_bins, resolution)),
-            row_norm=secure_link_row_norm(ask.schema, n_bins, resolution),
+            dim=sum(histogram_sizes(schema, n_bins, resolution)),
+            row_norm=secure_link_row_norm(schema, n_bins, resolution),
             params=secure_base(ask.params, ask.schema, self.source), groups=groups,
             weights=weights, partial=partial)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, None]) -> PooledCounts:
         """Return the pooled counts, each column divided by its weight, and their noise."""
         n_bins, resolution = ask.params.n_bins, ask.params.resolution
+        schema = cells_schema(ask.schema, ask.params)
         return PooledCounts(
-            secure_pooled_counts(summed.value, ask.schema, n_bins, resolution),
+            secure_pooled_counts(summed.value, schema, n_bins, resolution),
             summed.n_rows_total,
-            release_noise_sd(ask.schema, n_bins, math.sqrt(summed.plan.pooled_variance),
+            release_noise_sd(schema, n_bins, math.sqrt(summed.plan.pooled_variance),
                              resolution, secure=True))
 
 
 def link_counts(data: DataAccess, params: SynthParams) -> LinkHistogramAccumulator:
-    """Every column's exact histogram over ``data`` (site-internal)."""
-    acc = LinkHistogramAccumulator(data.schema, params.n_bins, params.resolution)
-    for table, _report in data.iter_chunks():
+    """Every column's exact histogram over ``data`` (site-internal), on the job's cells."""
+    rows = CellRows(data, cells_schema(data.schema, params))
+    acc = LinkHistogramAccumulator(rows.schema, params.n_bins, params.resolution)
+    for table, _report in rows.iter_chunks():
         acc.add(table)
     return acc
 
 
 def proportions(pooled: PooledCounts, schema: Schema, params: SynthParams) -> np.ndarray:
     """Return the DP proportions of every column's cells (post-processing of the pooled counts)."""
-    return proportions_from_histograms(pooled.counts, schema, params.n_bins,
+    return proportions_from_histograms(pooled.counts, cells_schema(schema, params), params.n_bins,
                                        n_rows=pooled.n_rows, resolution=params.resolution,
                                        noise_sd=pooled.noise_sd)
 
@@ -395,7 +415,7 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
             log.info("task=%s clipped_rows=%d (local only)", task.task_id, clipped)
 
         return planned_contribution(task, participants, tolerated, statistic=self.statistic,
-                                    dim=latent_dim(site.data.schema), row_norm=1.0,
+                                    dim=links.dim, row_norm=1.0,
                                     compute=rows_statistic(rows))
 
     def request(self, ask: Ask[SynthParams, LinksInput]) -> Request:
@@ -406,7 +426,7 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
     def check(self, result: TaskResult, ask: Ask[SynthParams, LinksInput]) -> None:
         """Require A finite p x p factor."""
         check_rows(result)
-        dim = latent_dim(ask.schema)
+        dim = latent_dim(cells_schema(ask.schema, ask.params))
         check_finite(result.arrays.get("factor"), (dim, dim), "factor", 1e6)
 
     def pool(self, results: Mapping[str, TaskResult],
@@ -415,17 +435,18 @@ class Latent(SynthRound, SumRound[SynthParams, LinksInput, PCAEstimate]):
         sites = sorted(results)
         return combine_factors([results[s].arrays["factor"] for s in sites],
                                [int(results[s].metadata["n_rows"]) for s in sites],
-                               latent_dim(ask.schema))
+                               latent_dim(cells_schema(ask.schema, ask.params)))
 
     def encoding(self, ask: Ask[SynthParams, LinksInput]) -> SumEncoding:
         """Return A Gram sum of the latent dimension over unit-ball rows."""
-        return SumEncoding(dim=latent_dim(ask.schema), row_norm=1.0, params={
-            **secure_base(ask.params, ask.schema, self.source),
-            "links_digest": ask.inputs.digest}, arrays=ask.inputs.arrays)
+        return SumEncoding(
+            dim=latent_dim(cells_schema(ask.schema, ask.params)), row_norm=1.0,
+            params={**secure_base(ask.params, ask.schema, self.source),
+                    "links_digest": ask.inputs.digest}, arrays=ask.inputs.arrays)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[SynthParams, LinksInput]) -> PCAEstimate:
         """``G / N`` and its eigendecomposition."""
-        dim = latent_dim(ask.schema)
+        dim = latent_dim(cells_schema(ask.schema, ask.params))
         a = symmetric_from_upper(summed.value, dim) / summed.n_rows_total
         return decompose_second_moment(a, dim)
 
@@ -438,7 +459,7 @@ def latent_gram(task: Task, site: Site, params: SynthParams, digest: Any,
     through it; by default a fresh production generator).
     """
     links = check_links(site.data.schema, params, digest, task.arrays)
-    gram = GramAccumulator(latent_dim(site.data.schema))
+    gram = GramAccumulator(links.dim)
     clipped = 0
     rng = latent_rng if latent_rng is not None else production_rng()
     for unit, n_clipped in latent_rows(site, training_rows(task, site, params), links, params,
@@ -523,7 +544,7 @@ def factor_rows(task: Task, site: Site, params: SynthParams, digest: Any,
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Return the site's clipped latent rows and the task's checked loadings (site-internal)."""
     links = check_links(site.data.schema, params, digest, task.arrays)
-    dim = latent_dim(site.data.schema)
+    dim = links.dim
     loadings = task.arrays.get("loadings")
     if loadings is None:
         raise ValidationError("the factors round needs the loadings")

@@ -30,8 +30,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scipy import optimize
-
 from dpfed.common.errors import BudgetExceededError, ValidationError
 from dpfed.common.validation import check_choice, check_delta, check_nonnegative, check_positive
 
@@ -125,6 +123,7 @@ def zcdp_to_epsilon(rho: float, delta: float) -> float:
         return a * r + (math.log(1.0 / dl) + (a - 1.0) * math.log1p(-1.0 / a) - math.log(a)) / (
             a - 1.0)
 
+    from scipy import optimize  # here: a module-level import costs every start-up
     res = optimize.minimize_scalar(bound, bounds=(-20.0, 20.0), method="bounded",
                                    options={"xatol": 1e-10})
     best = float(res.fun) if res.success else standard
@@ -139,6 +138,7 @@ def rho_for_epsilon(epsilon: float, delta: float) -> float:
     while zcdp_to_epsilon(hi, dl) < eps:  # ... and grows without bound in rho
         hi *= 2.0
     # (a relative tolerance only: rho can be 1e-12 and smaller at tiny epsilon)
+    from scipy import optimize  # here: a module-level import costs every start-up
     rho = float(optimize.brentq(lambda r: zcdp_to_epsilon(r, dl) - eps, 1e-300, hi,
                                 xtol=1e-300, rtol=1e-13))
     step = 1e-13 * rho

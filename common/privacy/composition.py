@@ -37,8 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scipy import optimize
-
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.accounting import rho_for_epsilon
 from dpfed.common.privacy.mechanisms import gaussian_sigma
@@ -75,6 +73,7 @@ def epsilon_for_rho(rho: float, delta: float) -> float:
         lo /= 2.0
         if lo < 1e-12:
             raise ValidationError(f"rho {r:g} is too small to express at delta {dl:g}")
+    from scipy import optimize  # here: a module-level import costs every start-up
     eps = float(optimize.brentq(excess, lo, hi, xtol=1e-15, rtol=1e-13))
     while excess(eps) < 0.0:  # the root from below: never less noise than sigma_i
         eps = math.nextafter(eps, 0.0) * (1.0 - 1e-13)

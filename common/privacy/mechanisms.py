@@ -26,7 +26,6 @@ from fractions import Fraction
 from typing import Literal
 
 import numpy as np
-from scipy import optimize
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.linalg import mirror_upper
@@ -154,6 +153,7 @@ def _analytic_sigma_unit(epsilon: float, delta: float) -> float:
         lo -= 5.0
     while gap(hi) > 0:
         hi += 5.0
+    from scipy import optimize  # here: a module-level import costs every start-up
     root = optimize.brentq(gap, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps, maxiter=500)
     sigma = math.exp(root)
     # delta (from above) is decreasing in sigma: step up until the condition holds.

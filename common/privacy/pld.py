@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
-from scipy import optimize, signal, special
+from scipy import special
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.validation import check_delta, check_nonnegative, check_positive
@@ -159,7 +159,7 @@ def _convolve(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
     small_a, small_b = a.copy(), b.copy()
     small_a[spikes_a] = 0.0
     small_b[spikes_b] = 0.0
-    out = signal.fftconvolve(small_a, small_b)
+    out = _fft_convolve(small_a, small_b)
     n = out.size
     error = (math.sqrt(n) * (5.0 * math.log2(n) + 10.0) * _U
              * float(np.linalg.norm(small_a)) * float(np.linalg.norm(small_b)))
@@ -169,6 +169,17 @@ def _convolve(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
     for j in spikes_b:  # a_small * b_spikes
         out[j:j + a.size] += b[j] * small_a
     return out, error
+
+
+def _fft_convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Return the full linear convolution of two real vectors (numpy's real FFT, pocketfft).
+
+    numpy's FFT rather than scipy.signal's: the same algorithm, and importing scipy.signal
+    (which pulls in scipy.stats) took seconds of every site and CLI start-up that opens a ledger.
+    """
+    n = a.size + b.size - 1
+    size = 1 << (n - 1).bit_length()
+    return np.fft.irfft(np.fft.rfft(a, size) * np.fft.rfft(b, size), size)[:n]
 
 
 def _same_step(a: LossDistribution, b: LossDistribution) -> tuple[LossDistribution,
@@ -330,6 +341,7 @@ def epsilon_at(delta: float, *, mu: float, loss: LossDistribution | None,
     if f(top) > dl:
         return math.inf
     log_dl = math.log(dl)
+    from scipy import optimize  # here: a module-level import costs every start-up
     root = float(optimize.brentq(lambda e: math.log(max(f(e), 1e-300)) - log_dl, 0.0, top,
                                  xtol=1e-12, rtol=1e-10))
     step = 1e-13 * root + 1e-15

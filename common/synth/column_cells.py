@@ -20,11 +20,15 @@ number of continuous columns -- never of the data. Two layouts (the job's ``reso
 
 A leaf is a value range ``[lo, hi)`` (``lo == hi``: a point cell, decoded to that value);
 integer columns' multi-number leaves decode to their whole numbers evenly.
+
+A column the synthesizer models missingness of (``missing_cell``,
+:mod:`dpfed.common.synth.missing_cells`) has one more leaf and coarse cell after the upper
+bound's, the *missing* cell: a missing value (NaN) is counted there and it decodes to NaN.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -91,6 +95,9 @@ class ColumnCells:
         Every leaf's share of the column's range before any data (its width; 1 for a whole
         number, 0 for a bound of a non-integer column): how an estimate spreads mass it has
         no evidence to place (:mod:`dpfed.common.synth.marginal_estimate`).
+    has_missing : bool
+        The last leaf (and coarse cell) is the *missing* cell (module docstring): its range
+        is NaN, its prior 0.
     """
 
     column: ContinuousColumn
@@ -104,11 +111,22 @@ class ColumnCells:
     kind: str
     n_bins: int
     sub: int
+    has_missing: bool = False
 
     @property
     def n_leaves(self) -> int:
-        """Number of leaves (the link's cells)."""
+        """Number of leaves (the link's cells), the missing cell included."""
         return int(self.lo.shape[0])
+
+    @property
+    def n_value_leaves(self) -> int:
+        """Number of leaves that hold values (all but the missing cell)."""
+        return self.n_leaves - int(self.has_missing)
+
+    @property
+    def n_value_coarse(self) -> int:
+        """Number of coarse cells that hold values (all but the missing cell)."""
+        return self.n_coarse - int(self.has_missing)
 
     @property
     def has_fine(self) -> bool:
@@ -120,20 +138,32 @@ class ColumnCells:
         """Indices of the leaves the fine level releases (every leaf inside a bin)."""
         if not self.has_fine:
             return np.zeros(0, dtype=np.intp)
-        return np.arange(1, self.n_leaves - 1, dtype=np.intp)
+        return np.arange(1, self.n_value_leaves - 1, dtype=np.intp)
 
     @property
     def release_size(self) -> int:
         """Cells this column adds to the link round's release (coarse, then fine)."""
-        return self.n_coarse + (self.n_leaves - 2 if self.has_fine else 0)
+        return self.n_coarse + (self.n_value_leaves - 2 if self.has_fine else 0)
 
     # ------------------------------------------------------------------ codes
     def codes(self, values: np.ndarray) -> np.ndarray:
-        """Leaf of every value (values outside the bounds are clipped to them first)."""
+        """Leaf of every value (values outside the bounds are clipped to them first).
+
+        With a missing cell, NaN (a missing value) is counted in it.
+        """
+        if self.has_missing:
+            raw = np.asarray(values, dtype=np.float64)
+            absent = np.isnan(raw)
+            out = self._value_codes(np.where(absent, self.column.min, raw))
+            out[absent] = self.n_leaves - 1
+            return out
+        return self._value_codes(values)
+
+    def _value_codes(self, values: np.ndarray) -> np.ndarray:
         col = self.column
         v = np.clip(np.asarray(values, dtype=np.float64), col.min, col.max)
         if self.kind == "bins":
-            return _bin_codes(col, v, self.n_bins)
+            return np.asarray(_bin_codes(col, v, self.n_bins), dtype=np.intp)
         if self.kind == "whole":
             return np.asarray(np.rint(v) - col.min, dtype=np.intp)
         if col.integer:
@@ -149,7 +179,7 @@ class ColumnCells:
         within = np.clip(np.floor((t - bins) * s), 0, s - 1)
         out = (1 + bins * s + within).astype(np.intp)
         out[v <= col.min] = 0
-        out[v >= col.max] = self.n_leaves - 1
+        out[v >= col.max] = self.n_value_leaves - 1
         return np.asarray(out, dtype=np.intp)
 
     def coarse_codes(self, values: np.ndarray) -> np.ndarray:
@@ -162,7 +192,7 @@ class ColumnCells:
 
         A point leaf decodes to its value; an interval leaf to ``lo + position (hi - lo)``;
         an integer column's multi-number leaf to its ``floor(position count)``-th whole
-        number. Always within the schema bounds.
+        number. Always within the schema bounds; the missing cell decodes to NaN.
         """
         k = np.asarray(leaves, dtype=np.intp)
         t = np.clip(np.asarray(position, dtype=np.float64), 0.0, 1.0 - 1e-12)
@@ -197,7 +227,7 @@ def _integer_leaf_table(column: ContinuousColumn, n_bins: int, sub: int) -> np.n
     whole = np.arange(int(column.min), int(column.max) + 1, dtype=np.float64)
     # Every leaf holds [first, first + count) (integer columns): invert that map.
     table = np.zeros(whole.shape[0], dtype=np.intp)
-    for leaf in range(cells.n_leaves):
+    for leaf in range(cells.n_value_leaves):
         start = int(cells.first[leaf] - column.min)
         table[start:start + int(cells.count[leaf])] = leaf
     return table
@@ -207,6 +237,24 @@ def _integer_leaf_table(column: ContinuousColumn, n_bins: int, sub: int) -> np.n
 def column_cells(column: ContinuousColumn, n_bins: int, sub: int,
                  resolution: str = "fine") -> ColumnCells:
     """Return the cells of ``column`` (cached: a pure function of public values)."""
+    cells = _value_cells(column, n_bins, sub, resolution)
+    return _with_missing_cell(cells) if column.missing_cell else cells
+
+
+def _with_missing_cell(cells: ColumnCells) -> ColumnCells:
+    """Append the missing cell: one more leaf and coarse cell, range NaN, prior 0."""
+    nan = np.array([np.nan])
+    return replace(cells, lo=np.concatenate([cells.lo, nan]),
+                   hi=np.concatenate([cells.hi, nan]),
+                   first=np.concatenate([cells.first, nan]),
+                   count=np.concatenate([cells.count, [0.0]]),
+                   coarse=np.concatenate([cells.coarse, [cells.n_coarse]]).astype(np.intp),
+                   n_coarse=cells.n_coarse + 1, prior=np.concatenate([cells.prior, [0.0]]),
+                   has_missing=True)
+
+
+def _value_cells(column: ContinuousColumn, n_bins: int, sub: int,
+                 resolution: str) -> ColumnCells:
     kind = check_resolution(resolution)
     b = check_int(n_bins, "n_bins", minimum=2)
     s = check_int(sub, "sub_bins", minimum=1)

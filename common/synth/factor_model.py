@@ -114,6 +114,7 @@ from dpfed.common.synth.links import (
     latent_dim,
     needs_link_statistics,
 )
+from dpfed.common.synth.missing_cells import from_cells_table, synth_schema, to_cells_table
 from dpfed.common.synth.pair_marginals import (
     DEFAULT_GROUPS,
     MAX_GROUPS,
@@ -680,10 +681,16 @@ class FactorModelSynthesizer:
                  rng: np.random.Generator | None = None,
                  links: LatentLinks | None = None, pairs: int | None = None,
                  pair_groups: int = DEFAULT_GROUPS, composition: str = "basic",
-                 resolution: str = "fine", pair_gate: bool = True) -> None:
+                 resolution: str = "fine", pair_gate: bool = True,
+                 missing_cells: bool = True) -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
-        self.schema = schema
+        #: The table's schema (what fit() reads and sample() returns); ``schema`` is the one
+        #: the cells follow (:mod:`dpfed.common.synth.missing_cells`).
+        self.output_schema = schema
+        self.schema = self._cells_schema(schema, bool(missing_cells), links, continuous_link,
+                                         continuous_scaling)
+        schema = self.schema
         self.epsilon = check_epsilon(epsilon)
         self.delta = check_delta(delta)
         self.mode = check_choice(mode, "mode", MODES)
@@ -762,6 +769,27 @@ class FactorModelSynthesizer:
         self._factors: np.ndarray | None = None
         self.proportions_: np.ndarray | None = None
         self._fitted = False
+
+    @staticmethod
+    def _cells_schema(schema: Schema, missing_cells: bool, links: LatentLinks | None,
+                      continuous_link: str, continuous_scaling: str) -> Schema:
+        """Return the schema the cells follow: a missing cell per "category" column if asked.
+
+        Given ``links`` decide by the schema they were built for. Only the quantile link
+        (with ``continuous_scaling='dp'``) can carry a continuous column's missing cell.
+        """
+        cells = synth_schema(schema, missing_cells)
+        if links is not None and isinstance(links, LatentLinks):
+            return cells if links.schema.digest() == cells.digest() else schema
+        absent = [c.name for c in schema.columns if isinstance(c, ContinuousColumn)
+                  and c.missing == "category"]
+        if cells is not schema and absent and (continuous_link != "quantile"
+                                               or continuous_scaling != "dp"):
+            raise ValidationError(
+                f"missing_cells=True: the missing values of {absent} (missing = \"category\") "
+                "need continuous_link='quantile' and continuous_scaling='dp'; or pass "
+                "missing_cells=False to model them as their fill value")
+        return cells
 
     def _check_pairs(self, pairs: int | None, links: LatentLinks | None,
                      split: Mapping[str, float] | None) -> int:
@@ -860,7 +888,8 @@ class FactorModelSynthesizer:
         DataError
             Missing schema columns, rows that break an "error" row policy, or no rows left.
         """
-        table, report = encode_table(self.schema, data, policy=self.row_policy)
+        encoded, report = encode_table(self.output_schema, data, policy=self.row_policy)
+        table = to_cells_table(encoded, self.schema)
         if table.n_rows == 0:
             raise DataError("no rows left to fit after encoding (see the encoding report)")
         budget = self._allocation()
@@ -1011,15 +1040,16 @@ class FactorModelSynthesizer:
                     f"mode='row_aligned' releases one synthetic row per real row: n must be "
                     f"None or {self.n_rows_}, got {n!r}")
             assert self._factors is not None
-            return self.decode_links_.from_latent(aligned_latent(self._factors, self.model_))
+            return from_cells_table(self.decode_links_.from_latent(
+                aligned_latent(self._factors, self.model_)), self.output_schema)
         rows = self.n_rows_ if n is None else check_int(n, "n", minimum=0)
         correction = self.pair_correction_
         parts = list(iter_samples(self.model_, self.decode_links_, rows, self._rng,
                                   correct=None if correction is None else partial(
                                       correction.apply, in_place=True)))
         if not parts:
-            return self.decode_links_.from_latent(np.zeros((0, self.decode_links_.dim)))
-        return EncodedTable.concatenate(parts)
+            parts = [self.decode_links_.from_latent(np.zeros((0, self.decode_links_.dim)))]
+        return from_cells_table(EncodedTable.concatenate(parts), self.output_schema)
 
     def sample(self, n: int | None = None) -> pd.DataFrame:
         """Return a synthetic DataFrame with the schema's types.

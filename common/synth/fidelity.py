@@ -10,7 +10,9 @@ mass -- zero visits, a floor, values recorded in half years -- sits inside its c
 counts as matched only if the synthetic rows put their mass on it; the benchmarks score on
 the same cells), the share of the most common real value in both tables, and the 1st, 50th
 and 99th percentiles and the standard deviation of both. Per categorical column: the TVD on
-its categories. :func:`released_quantile_band` is the range in which a quantile of the real
+its categories. A ``missing = "category"`` column's missing values are one more cell of its
+TVD, its tails and point masses are those of its values, and both tables' missing rates are
+reported. :func:`released_quantile_band` is the range in which a quantile of the real
 rows is expected given the DP release a model was fitted to (its public noise level): the
 accuracy the budget allows.
 """
@@ -52,8 +54,10 @@ def _tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
 class ColumnFidelity:
     """One column of a synthetic table against the real rows (see the module docstring).
 
-    ``tail`` is None for categorical columns; else ``(p1, p50, p99, sd)`` of the real and of
-    the synthetic values, and ``mode`` the most common real value with its share in both.
+    ``tail`` is None for categorical columns (and columns without values); else ``(p1, p50,
+    p99, sd)`` of the real and of the synthetic values, and ``mode`` the most common real
+    value with its share in both. ``missing`` is (real, synthetic) missing rate for a
+    ``missing = "category"`` column, else None.
     """
 
     column: str
@@ -62,6 +66,7 @@ class ColumnFidelity:
     real_tail: tuple[float, float, float, float] | None = None
     synthetic_tail: tuple[float, float, float, float] | None = None
     mode: tuple[float, float, float] | None = None
+    missing: tuple[float, float] | None = None
 
 
 def _tail(v: np.ndarray) -> tuple[float, float, float, float]:
@@ -77,21 +82,36 @@ def column_fidelity(schema: Schema, real: EncodedTable,
     out = []
     for col in schema.columns:
         r, s = real.columns[col.name], synthetic.columns[col.name]
+        cell = col.missing == "category"
+        rm, sm = real.missing_mask(col.name), synthetic.missing_mask(col.name)
+        missing = (float(rm.mean()), float(sm.mean())) if cell else None
         if isinstance(col, ContinuousColumn):
-            rv, sv = np.asarray(r, dtype=np.float64), np.asarray(s, dtype=np.float64)
+            rv = np.asarray(r, dtype=np.float64)[~rm]
+            sv = np.asarray(s, dtype=np.float64)[~sm]
             cuts = quantile_cuts(rv)
-            tvd = _tvd(np.searchsorted(cuts, rv, side="right"),
-                       np.searchsorted(cuts, sv, side="right"), cuts.size + 1)
+            tvd = _tvd(_with_missing(np.searchsorted(cuts, r, side="right"), rm, cuts.size + 1),
+                       _with_missing(np.searchsorted(cuts, s, side="right"), sm, cuts.size + 1),
+                       cuts.size + 1 + int(cell))
+            if rv.size == 0 or sv.size == 0:
+                out.append(ColumnFidelity(col.name, col.type, tvd, missing=missing))
+                continue
             values, counts = np.unique(rv, return_counts=True)
             top = float(values[int(np.argmax(counts))])
             mode = (top, float(np.mean(rv == top)), float(np.mean(sv == top)))
-            out.append(ColumnFidelity(col.name, col.type, tvd, _tail(rv), _tail(sv), mode))
+            out.append(ColumnFidelity(col.name, col.type, tvd, _tail(rv), _tail(sv), mode,
+                                      missing))
         else:
             size = col.n_levels if isinstance(col, OrdinalColumn) else col.n_categories
             out.append(ColumnFidelity(col.name, col.type,
-                                      _tvd(np.asarray(r, dtype=np.intp),
-                                           np.asarray(s, dtype=np.intp), size)))
+                                      _tvd(_with_missing(np.asarray(r, dtype=np.intp), rm, size),
+                                           _with_missing(np.asarray(s, dtype=np.intp), sm, size),
+                                           size + int(cell)), missing=missing))
     return out
+
+
+def _with_missing(codes: np.ndarray, mask: np.ndarray, cell: int) -> np.ndarray:
+    """``codes`` with the missing rows in cell ``cell``."""
+    return np.where(mask, cell, codes) if mask.any() else codes
 
 
 def released_quantile_band(cells: ColumnCells, proportions: np.ndarray, coarse_sd: np.ndarray,
@@ -113,17 +133,20 @@ def released_quantile_band(cells: ColumnCells, proportions: np.ndarray, coarse_s
     sd = np.asarray(coarse_sd, dtype=np.float64)
     if p.shape != (cells.n_leaves,) or sd.shape != (cells.n_coarse,):
         raise ValidationError("proportions must be one per leaf and coarse_sd one per coarse cell")
+    # Quantiles of the values: a missing cell (the last leaf and coarse cell) is left out.
+    leaves, coarse = cells.n_value_leaves, cells.n_value_coarse
+    p, sd = p[:leaves], sd[:coarse]
     cdf = np.concatenate([[0.0], np.cumsum(p / p.sum())])
 
     def quantile(level: float) -> float:
         u = min(max(level, 0.0), 1.0)
-        k = int(np.clip(np.searchsorted(cdf, u, side="right") - 1, 0, cells.n_leaves - 1))
+        k = int(np.clip(np.searchsorted(cdf, u, side="right") - 1, 0, leaves - 1))
         t = (u - cdf[k]) / max(p[k] / p.sum(), 1e-300)
         return float(cells.values(np.array([k]), np.array([t]))[0])
 
     x = quantile(q)
     beyond = cells.coarse[cells.codes(np.array([x]))[0]]
-    kept = np.bincount(cells.coarse, weights=p, minlength=cells.n_coarse) > 1e-4 * p.sum()
+    kept = np.bincount(cells.coarse[:leaves], weights=p, minlength=coarse) > 1e-4 * p.sum()
     kept[:beyond] = False
     s = float(np.sqrt(np.sum(sd[kept] ** 2))) / max(float(n_rows), 1.0)
     # The release resolves its coarse cells; inside one, the leaves only where they stood out

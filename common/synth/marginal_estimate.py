@@ -226,24 +226,49 @@ def fine_shape(cells: ColumnCells, bin_mass: np.ndarray, noisy: np.ndarray,
     return np.asarray(out[inner, col])
 
 
+#: A missing cell's noisy count must exceed this many of its noise standard deviations to be
+#: kept (below, the column is estimated complete): as the tree's empty halves, noise alone
+#: does not invent missing values.
+MISSING_TAU = 2.0
+
+
+def missing_mass(count: float, sd: float, n_rows: float) -> float:
+    """Rows of the missing cell from its noisy ``count`` (noise ``sd``): 0 unless significant.
+
+    A count below :data:`MISSING_TAU` standard deviations is read as 0; otherwise it is kept,
+    at most ``n_rows``. Post-processing.
+    """
+    if not count > MISSING_TAU * sd:
+        return 0.0
+    return float(min(count, n_rows))
+
+
 def column_masses(cells: ColumnCells, block: np.ndarray, sd: np.ndarray,
                   n_rows: float) -> np.ndarray:
     """Leaf masses (summing to ``n_rows``) of one continuous column from its release block.
 
     ``block`` is the column's noisy release (coarse cells, then fine leaves) and ``sd`` the
-    public noise standard deviation of each of its cells.
+    public noise standard deviation of each of its cells. A missing cell (last coarse cell
+    and leaf) is estimated on its own (:func:`missing_mass`); the rest of ``n_rows`` is placed
+    on the value cells.
     """
     y = np.asarray(block, dtype=np.float64)
     s = np.asarray(sd, dtype=np.float64)
     if y.shape != (cells.release_size,) or s.shape != y.shape:
         raise ValidationError(f"column {cells.column.name!r}: release block of "
                               f"{cells.release_size} cells expected, got {y.shape}")
-    c = cells.n_coarse
-    coarse_prior = np.bincount(cells.coarse, weights=cells.prior, minlength=c)
-    coarse = allocate(np.array([float(n_rows)]), y[:c], s[:c] ** 2, coarse_prior)[0]
-    if not cells.has_fine:
-        return np.asarray(coarse)
+    c = cells.n_value_coarse
+    absent = missing_mass(float(y[c]), float(s[c]), n_rows) if cells.has_missing else 0.0
+    coarse_prior = np.bincount(cells.coarse, weights=cells.prior, minlength=cells.n_coarse)[:c]
+    coarse = allocate(np.array([float(n_rows) - absent]), y[:c], s[:c] ** 2, coarse_prior)[0]
     out = np.zeros(cells.n_leaves)
-    out[0], out[-1] = coarse[0], coarse[-1]
-    out[cells.fine_leaves] = fine_shape(cells, coarse[1:-1], y[c:], s[c:] ** 2)
+    if cells.has_missing:
+        out[-1] = absent
+    if not cells.has_fine:
+        out[:c] = coarse
+        return out
+    first, last = 0, cells.n_value_leaves - 1
+    out[first], out[last] = coarse[0], coarse[c - 1]
+    start = cells.n_coarse
+    out[cells.fine_leaves] = fine_shape(cells, coarse[1:c - 1], y[start:], s[start:] ** 2)
     return out

@@ -115,21 +115,21 @@ class PairGrid:
 
         Ordinal and continuous columns with more than ``max_groups`` cells are cut at the
         ``j / max_groups`` quantiles of their DP proportions (a cell goes to the group of its
-        midpoint); nominal columns keep one group per category.
+        midpoint); nominal columns keep one group per category. A column's missing cell
+        (``missing_cell``) is a group of its own, after its values' groups.
         """
         g = check_int(max_groups, "pair_groups", minimum=2, maximum=MAX_GROUPS)
         blocks = split_proportions(proportions, schema, n_bins, resolution)
         maps = []
         for col in schema.columns:
             p = np.asarray(blocks[col.name], dtype=np.float64)
-            if isinstance(col, NominalColumn) or p.size <= g:
+            if isinstance(col, NominalColumn):
                 maps.append(np.arange(p.size, dtype=np.intp))
                 continue
-            total = float(p.sum())
-            mid = (np.cumsum(p) - p / 2.0) / (total if total > 0 else 1.0)
-            raw = np.minimum((mid * g).astype(np.intp), g - 1)
-            _, dense = np.unique(raw, return_inverse=True)
-            maps.append(dense.astype(np.intp))
+            values = _value_groups(p[:-1] if col.missing_cell else p, g)
+            if col.missing_cell:
+                values = np.append(values, values[-1] + 1)
+            maps.append(values)
         return cls(schema, int(n_bins), tuple(maps), g, resolution)
 
     def all_pairs(self) -> list[Pair]:
@@ -173,6 +173,17 @@ class PairGrid:
         blocks = split_proportions(proportions, self.schema, self.n_bins, self.resolution)
         return [np.bincount(m, weights=blocks[c.name], minlength=s)
                 for c, m, s in zip(self.schema.columns, self.groups, self.sizes, strict=True)]
+
+
+def _value_groups(p: np.ndarray, g: int) -> np.ndarray:
+    """Group of every cell of an ordered column: ``g`` about equally likely runs of cells."""
+    if p.size <= g:
+        return np.arange(p.size, dtype=np.intp)
+    total = float(p.sum())
+    mid = (np.cumsum(p) - p / 2.0) / (total if total > 0 else 1.0)
+    raw = np.minimum((mid * g).astype(np.intp), g - 1)
+    _, dense = np.unique(raw, return_inverse=True)
+    return np.asarray(dense, dtype=np.intp)
 
 
 def check_pairs(pairs: Iterable[Sequence[int]], n_columns: int) -> list[Pair]:
@@ -616,6 +627,8 @@ class PairCorrection:
             for edge in redraw.edges:
                 g += values >= edge
         g[values <= col.min] = 0
+        if col.missing_cell:  # NaN: the missing cell, the last group
+            g[np.isnan(values)] = self.grid.sizes[column] - 1
         return g
 
     def _draw_cell(self, column: int, group: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -254,12 +254,15 @@ class QuantileLink(ContinuousLink):
         # Cells whose decoded values are a straight line in probability with their neighbour:
         # interval cells (lo < hi) of equal density; anything else breaks the line.
         spike = ~np.isnan(self.points)
-        width = np.where(spike, 0.0, cells.hi - cells.lo)
+        # A missing cell decodes to NaN everywhere inside it: a point cell's run of its own.
+        absent = np.zeros(self.n_bins, dtype=bool)
+        absent[cells.n_value_leaves:] = True
+        width = np.where(spike | absent, 0.0, cells.hi - cells.lo)
         density = np.divide(width, self.proportions)
         point = width <= 0.0
         # Integer columns: every cell decodes on its own (a whole number, or several spread
         # evenly: those through the cells).
-        whole = cells.column.integer & (cells.count != 1)
+        whole = cells.column.integer & (cells.count != 1) & ~absent
         smooth = ~point & (not cells.column.integer)
         same = np.zeros(self.n_bins, dtype=bool)  # cell k continues cell k - 1's line
         same[1:] = (smooth[1:] & smooth[:-1]
@@ -320,11 +323,18 @@ class QuantileLink(ContinuousLink):
                                   self.n_bins - 1))
 
     def moments(self) -> tuple[float, float]:
-        """Mean and variance of the decoded column (piecewise-uniform density on the cells)."""
-        lo, hi = self.layout.lo, self.layout.hi
+        """Mean and variance of the decoded column (piecewise-uniform density on the cells).
+
+        Of its values: a missing cell's mass is left out.
+        """
+        k = self.layout.n_value_leaves
+        lo, hi = self.layout.lo[:k], self.layout.hi[:k]
+        p = self.proportions[:k]
+        if self.layout.has_missing:
+            p = p / p.sum()
         mid = 0.5 * (lo + hi)
-        mean = float(self.proportions @ mid)
-        second = float(self.proportions @ (mid * mid + (hi - lo) ** 2 / 12.0))
+        mean = float(p @ mid)
+        second = float(p @ (mid * mid + (hi - lo) ** 2 / 12.0))
         return mean, max(second - mean * mean, 0.0)
 
 

@@ -169,8 +169,10 @@ def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> 
     p = SynthParams.parse(old, None)
     assert p.rounds == ("links", "pca") and not p.pair_rounds and p.max_pairs(4) == 0
     assert p.to_mapping() == old
-    # Submitted anew it gets the defaults of new jobs (the fine 1-way cells) and nothing else.
-    assert validate(SCHEMA, 2.0, 1e-5, **old) == {**old, "resolution": "fine"}
+    # Submitted anew it gets the defaults of new jobs (the fine 1-way cells, missing cells)
+    # and nothing else.
+    assert validate(SCHEMA, 2.0, 1e-5, **old) == {**old, "resolution": "fine",
+                                                  "missing_cells": True}
 
 
 @pytest.mark.parametrize("bad", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpfed.common.data.encoding import EncodedTable, EncodingReport
 from dpfed.common.jobs.contract import DataAccess, Release, Site
 from dpfed.common.jobs.svt import BATCH
 from dpfed.common.privacy.accounting import BudgetPolicy
@@ -42,6 +44,13 @@ class Table(FrameData):
 
     def __init__(self, frame: pd.DataFrame) -> None:
         super().__init__(SCHEMA, frame, chunk_rows=None)
+        self._encoded: list[tuple[EncodedTable, EncodingReport]] | None = None
+
+    def iter_chunks(self) -> Iterator[tuple[EncodedTable, EncodingReport]]:
+        # The rows never change: encode once (the audit runs thousands of tasks on them).
+        if self._encoded is None:
+            self._encoded = list(super().iter_chunks())
+        return iter(self._encoded)
 
 
 def table(n_icu: int, n: int = 10) -> Table:
@@ -51,7 +60,9 @@ def table(n_icu: int, n: int = 10) -> Table:
 
 def runner(path: Path, data: Table, handler: SVTHandler | None = None,
            budget: float = 1e6) -> TaskRunner:
-    ledger = Ledger(path / "ledger.sqlite", BudgetPolicy(budget, 1e-3))
+    # basic composition: these tests are about sessions, and the audit's thousands of charges
+    # need not recompose a privacy-loss distribution each time
+    ledger = Ledger(path / "ledger.sqlite", BudgetPolicy(budget, 1e-3, accountant="basic"))
     handlers = {"svt": handler} if handler is not None else None
     return TaskRunner(data, ledger, ("svt",), handlers=handlers)
 

@@ -18,7 +18,7 @@ RECORD = Path(__file__).resolve().parent.parent / "file_durations.json"
 
 
 def file_durations(junit_xml: Path) -> dict[str, float]:
-    """Seconds per test file (keyed by its path under tests/) in a JUnit XML report."""
+    """Seconds per test file (its path from the repository root) in a JUnit XML report."""
     totals: dict[str, float] = defaultdict(float)
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
         module = case.get("classname", "")
