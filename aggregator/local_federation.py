@@ -49,6 +49,8 @@ class SiteSettings:
     analyst_budgets: tuple[tuple[str, float], ...] = ()
     #: ``policy.evaluation_summary`` ("none" or "dp").
     evaluation_summary: str = "none"
+    #: ``policy.secure_tolerated_dropouts``: sites a secure sum may lose mid-round.
+    secure_tolerated_dropouts: int = 0
 
 
 @dataclass
@@ -165,6 +167,8 @@ class LocalFederation:
             policy += f"max_epsilon_per_task = {s.max_epsilon_per_task}\n"
         if s.evaluation_summary != "none":
             policy += f"evaluation_summary = {json.dumps(s.evaluation_summary)}\n"
+        if s.secure_tolerated_dropouts:
+            policy += f"secure_tolerated_dropouts = {s.secure_tolerated_dropouts}\n"
         shares = "".join(f"{name} = {eps}\n" for name, eps in s.analyst_budgets)
         analysts = f"\n[budget.analysts]\n{shares}" if shares else ""
         testing = ("" if s.noise_seed is None else

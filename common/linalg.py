@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from scipy.linalg import blas
 
 #: Elements of the temporary used per block by :func:`mirror_upper` (~32 MiB of float64).
 _BLOCK_ELEMENTS = 1 << 22
@@ -25,3 +26,22 @@ def mirror_upper(a: np.ndarray) -> np.ndarray:
         diag = a[i0:i1, i0:i1]
         diag[...] = np.triu(diag) + np.triu(diag, 1).T
     return a
+
+
+def syrk_upper(x: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
+    """Return ``x^T x`` (upper triangle filled; plus ``into`` if given) with BLAS ``dsyrk``.
+
+    ``x`` (n x p, float64) is passed in whichever memory order it has, never copied: a
+    column-major ``x`` as ``A`` with ``trans = 1``, a row-major one as the column-major
+    ``A = x^T`` with ``trans = 0`` (f2py would copy a row-major ``A`` to column order).
+    ``into`` (p x p, column-major) is updated in place.
+    """
+    if x.flags.f_contiguous:
+        a, trans = x, 1
+    else:
+        a, trans = (x.T if x.T.flags.f_contiguous else np.asfortranarray(x.T)), 0
+    if into is None:
+        out: np.ndarray = blas.dsyrk(1.0, a, trans=trans, lower=0)
+        return out
+    out = blas.dsyrk(1.0, a, beta=1.0, c=into, trans=trans, lower=0, overwrite_c=1)
+    return out

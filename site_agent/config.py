@@ -52,6 +52,7 @@ Example (paths are relative to the file)::
     secure_aggregation = "allowed"   # off | allowed | required
     secure_min_participants = 2      # refuse secure rounds with fewer verified sites
     secure_tolerated_colluders = 1   # other parties (coordinator counted) that may collude
+    secure_tolerated_dropouts = 0    # sites that may vanish mid-sum (each adds more noise)
     evaluation_summary = "none"      # none | dp: release a DP summary of synth evaluations
     approval = "auto"                # auto | manual: jobs wait for 'dpfed-site approve ID'
 
@@ -365,6 +366,8 @@ def load_site_config(path: str | Path, overrides: dict[str, Any] | None = None) 
                                             maximum=MAX_PARTICIPANTS) or 2,
             tolerated=policy.integer("secure_tolerated_colluders", 1, minimum=0,
                                      maximum=MAX_PARTICIPANTS) or 0,
+            tolerated_dropouts=policy.integer("secure_tolerated_dropouts", 0, minimum=0,
+                                              maximum=MAX_PARTICIPANTS) or 0,
             federation_list=revocation_list,
         )
     except ValidationError as exc:

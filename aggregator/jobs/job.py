@@ -376,7 +376,10 @@ class Job(Generic[P]):
                       lo + (hi - lo) * done / len(targets))
 
         async def one(site_id: str) -> None:
-            record(*await self._run_at_site(site_id, task, payload, deadline, outgoing))
+            own = outgoing.site_arrays.get(site_id)
+            data = payload if not own else task_to_bytes(
+                dataclasses.replace(task, arrays={**task.arrays, **own}))
+            record(*await self._run_at_site(site_id, task, data, deadline, outgoing))
 
         running = {asyncio.ensure_future(one(s)): s for s in targets}
         pending = set(running)

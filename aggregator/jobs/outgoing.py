@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,3 +27,5 @@ class OutgoingTask:
     arrays: Mapping[str, np.ndarray]
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     check: Callable[[TaskResult], None] | None = None
+    #: Arrays for one site only (site id -> arrays added to its copy of the task).
+    site_arrays: Mapping[str, Mapping[str, np.ndarray]] = field(default_factory=dict)

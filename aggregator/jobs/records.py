@@ -29,6 +29,7 @@ def sum_record(summed: SecureSum) -> dict[str, Any]:
     plan = summed.plan
     cal = plan.calibration
     return {"statistic": plan.statistic, "participants": list(plan.participants),
+            "survivors": sorted(summed.rows), "tolerated_dropouts": plan.dropouts,
             "tolerated_colluders": plan.tolerated, "attempts": summed.attempts,
             "epsilon": cal.epsilon, "delta": cal.delta, "achieved_epsilon": cal.achieved_epsilon,
             "scale": plan.scale, "noise_variance_integer": plan.mu_total,

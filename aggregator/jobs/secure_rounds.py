@@ -1,26 +1,32 @@
-"""A round as a secure sum: relay signed keys, plan, collect masked vectors, decode, check.
+"""A round as a secure sum: keys, shares, masked vectors, a signed view, reveals, decode.
 
-One secure sum is two tasks of the ``secagg`` kind (docs/secure-aggregation.md):
-``<round>-keys-<attempt>`` collects every eligible site's signed ephemeral key and policy;
-``<round>-sum-<attempt>`` sends the participants, the relayed keys and the public plan, and
-collects the masked contributions. A participant that does not contribute leaves masks that
-cannot cancel: the attempt is abandoned (nothing is unmasked; its charges stay on the
-ledgers) and retried without that site, with fresh keys. The decoded integer sum is checked
-against the bounds the statistic and the public row counts imply before anything uses it.
+One secure sum is five tasks of the ``secagg`` kind (docs/secure-aggregation.md):
+``<round>-keys-<attempt>`` collects every eligible site's signed round keys and policy;
+``<round>-shares-<attempt>`` relays them and collects each site's sealed Shamir shares;
+``<round>-sum-<attempt>`` sends each dealer the shares addressed to it and the public plan,
+and collects the masked contributions; ``<round>-confirm-<attempt>`` has every survivor sign
+the participant and survivor sets, and ``<round>-unmask-<attempt>`` relays the signatures and
+collects the revealed shares, from which the survivors' self-masks and the dropped sites'
+pairwise masks are rebuilt. Up to ``d`` dealers may drop after dealing; more, or fewer than
+``T`` revealers, abandon the attempt (nothing is unmasked; its charges stay on the ledgers),
+which is retried without them, with fresh keys. The decoded integer sum is checked against
+the bounds the statistic and the public row counts imply before anything uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
-from collections.abc import Collection
+from collections.abc import Awaitable, Collection, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from dpfed.aggregator.jobs.outgoing import OutgoingTask
-from dpfed.common.errors import ProtocolError, QuorumError
+from dpfed.common.errors import ImpossibleSumError, ProtocolError, QuorumError
 from dpfed.common.jobs.contract import (
     Ask,
     Budget,
@@ -33,9 +39,18 @@ from dpfed.common.jobs.contract import (
 from dpfed.common.jobs.params import Params
 from dpfed.common.jobs.registry import SECURE_TASK_KIND
 from dpfed.common.jobs.results import RESULT_ENVELOPE_BYTES
+from dpfed.common.secagg.dropouts import (
+    SEALED_BYTES,
+    dropout_limit,
+    mask_public,
+    recovery_correction,
+    threshold,
+)
+from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
-from dpfed.common.secagg.secure_sum import decode_integer_sum, plan_for, plan_within_rho
-from dpfed.common.transport.protocol import RefusalCode, TaskResult
+from dpfed.common.secagg.secure_sum import decode_survivors, plan_for, plan_within_rho
+from dpfed.common.secagg.shamir import SHARE_BYTES
+from dpfed.common.transport.protocol import RefusalCode, SiteStatus, TaskResult
 
 if TYPE_CHECKING:
     from dpfed.aggregator.jobs.job import Job
@@ -57,8 +72,8 @@ KEYS_RESULT_BYTES = 3 * (16 << 10) + RESULT_ENVELOPE_BYTES
 
 def _check_keys(result: TaskResult, site_id: str) -> None:
     signed_key_from_arrays(result.arrays, site_id)  # shape and size checks
-    for name in ("min_participants", "tolerated"):
-        value = result.metadata.get(name)
+    for name in ("min_participants", "tolerated", "dropouts"):
+        value = result.metadata.get(name, 0 if name == "dropouts" else None)
         if not isinstance(value, int) or not 0 <= value <= 1000:
             raise ProtocolError(f"secure keys lack a valid {name}")
 
@@ -102,90 +117,233 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
     ------
     QuorumError
         Fewer sites than the job's quorum or the strictest site policy requires, or no
-        attempt in which every participant contributed.
+        attempt that could be decoded (more drops than tolerated, every time).
     ImpossibleSumError
         The decoded sum is one no honest run produces (a participant shifted its integers).
     """
     name = rnd.name
     enc = rnd.encoding(ask)
     lo, hi = progress
+    span = hi - lo
     excluded: set[str] = set()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         sum_round = f"{name}-sum-{attempt}"
+        sum_task_id = f"{job.job_id}/{sum_round}"
+        ids = {"job_id": job.job_id, "sum_round": sum_round, "sum_task_id": sum_task_id}
         await job.wait_for_sites()  # a resumed job: the sites dial back in first
         eligible = [s.site_id for s in job.registry.connected() if s.site_id not in excluded
                     and job.kind.name in s.hello.allowed_kinds
                     and (among is None or s.site_id in among)]
         keys = await job.dispatch(
             OutgoingTask(f"{name}-keys-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
-                 {"stage": "keys", "job_id": job.job_id, "sum_round": sum_round,
-                  "sum_task_id": f"{job.job_id}/{sum_round}"}, {}, KEYS_RESULT_BYTES),
-            only=eligible, progress=(lo, lo + (hi - lo) * 0.2))
+                         {"stage": "keys", **ids}, {}, KEYS_RESULT_BYTES),
+            only=eligible, progress=(lo, lo + span * 0.1))
         for site_id in list(keys):
             try:
                 _check_keys(keys[site_id], site_id)
             except Exception as exc:  # a malformed answer excludes the site, never the job
                 log.warning("site=%s sent invalid keys: %s", site_id, exc)
                 keys.pop(site_id)
-        participants = sorted(keys)
-        tolerated = max(int(keys[s].metadata["tolerated"]) for s in participants) if keys else 0
+        order = sorted(keys)
+        tolerated = max(int(keys[s].metadata["tolerated"]) for s in order) if keys else 0
+        wanted_drops = max([int(keys[s].metadata.get("dropouts", 0)) for s in order] or [0])
         needed = max([job.min_sites, tolerated + 1, 2]
-                     + [int(keys[s].metadata["min_participants"]) for s in participants])
-        if len(participants) < needed:
+                     + [int(keys[s].metadata["min_participants"]) for s in order])
+        if len(order) < needed:
             raise QuorumError(f"secure aggregation needs at least {needed} participating sites "
                               f"(the job's quorum and the sites' policies); "
-                              f"{len(participants)} sent keys")
+                              f"{len(order)} sent keys")
+        relayed: dict[str, np.ndarray] = {}
+        for s in order:
+            relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
+        threshold_ = threshold(len(order), tolerated)
+        shares = await _quietly(job.dispatch(
+            OutgoingTask(f"{name}-shares-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
+                         {"stage": "shares", **ids, "participants": order,
+                          "tolerated": tolerated}, relayed,
+                         _shares_bytes(len(order)),
+                         functools.partial(check_shares, order=order)),
+            only=order, progress=(lo + span * 0.1, lo + span * 0.2), quorum=1))
+        participants = sorted(shares)
+        dropouts = dropout_limit(len(participants), threshold_, tolerated, wanted_drops)
+        if len(participants) < needed or dropouts < 0:
+            excluded.update(s for s in order if s not in shares)
+            _retrying(job, name, attempt, sorted(set(order) - set(shares)), lo + span * 0.5)
+            continue
         rows = {}
         for s in participants:
             session = job.registry.get(s)
             rows[s] = session.hello.row_count if session is not None else 0
         planned = await _plan(rnd, enc, ask.budget, participants, tolerated,
                               max(1, sum(rows.values())))
+        planned = PlannedSum(dataclasses.replace(planned.plan, dropouts=dropouts),
+                             planned.detail)
         plan = planned.plan
         budget = Budget(plan.calibration.epsilon if ask.budget.rho is not None
                         else ask.budget.epsilon, ask.budget.delta, ask.budget.rho)
-        relayed: dict[str, np.ndarray] = dict(enc.arrays)
-        for s in participants:
-            relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
         params = {"stage": "contribute", "sum_round": sum_round, **dict(enc.params),
                   **plan_params(plan, row_norm=enc.row_norm)}
         job.emit("secure", f"secure sum {name!r} attempt {attempt}: {len(participants)} "
-                 f"participants, tolerating {tolerated} colluding parties",
-                 lo + (hi - lo) * 0.25)
-        try:
-            results = await job.dispatch(
-                OutgoingTask(sum_round, SECURE_TASK_KIND, budget, params, relayed,
-                             8 * plan.n_values + RESULT_ENVELOPE_BYTES,
-                             functools.partial(_check_masked, n_values=plan.n_values)),
-                only=participants, progress=(lo + (hi - lo) * 0.3, hi))
-        except QuorumError:
-            results = {}
-        missing = sorted(set(participants) - set(results))
-        if not missing:
-            return _decoded(rnd, ask, enc, planned, budget, results, attempt)
+                 f"participants, tolerating {tolerated} colluding parties and {dropouts} "
+                 "dropouts", lo + span * 0.25)
+        results = await _quietly(job.dispatch(
+            OutgoingTask(sum_round, SECURE_TASK_KIND, budget, params, dict(enc.arrays),
+                         8 * plan.n_values + RESULT_ENVELOPE_BYTES,
+                         functools.partial(_check_masked, n_values=plan.n_values),
+                         addressed_shares(shares, participants)),
+            only=participants, progress=(lo + span * 0.3, lo + span * 0.8), quorum=1))
+        survivors = sorted(results)
+        if len(survivors) >= max(len(participants) - dropouts, job.min_sites):
+            view = {**ids, "participants": participants, "survivors": survivors}
+            signed = await _quietly(job.dispatch(
+                OutgoingTask(f"{name}-confirm-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
+                             {"stage": "confirm", **view}, {}, KEYS_RESULT_BYTES),
+                only=survivors, progress=(lo + span * 0.8, lo + span * 0.85), quorum=1))
+            signatures = {k: v for r in signed.values() for k, v in r.arrays.items()
+                          if k.startswith("view_signature/")}
+            revealed = await _quietly(job.dispatch(
+                OutgoingTask(f"{name}-unmask-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
+                             {"stage": "unmask", **view}, signatures,
+                             _reveal_bytes(len(participants)),
+                             functools.partial(check_reveal, survivors=survivors,
+                                               participants=participants)),
+                only=sorted(signed), progress=(lo + span * 0.85, hi), quorum=1))
+            if len(signed) >= threshold_ and len(revealed) >= threshold_:
+                recovery = Recovery(order, participants, keys, shares, revealed, threshold_,
+                                    MaskContext(job.job_id, sum_round, sum_task_id))
+                try:
+                    return await _decoded(rnd, ask, enc, planned, budget, results, attempt,
+                                          recovery)
+                except ImpossibleSumError:
+                    raise
+                except ProtocolError as exc:  # too few shares matched their commitments
+                    log.warning("job=%s %s attempt %d: masks not recovered: %s", job.job_id,
+                                name, attempt, exc)
+        missing = sorted(s for s in order if job.outcomes.get(s) is None
+                         or job.outcomes[s].status != SiteStatus.OK)
         # Sites that vanished or failed are left out of the next attempt; a site that only
         # refused as a conflict (its ledger holds an earlier run's answer to this task id, e.g.
         # after it restarted) may take part again with fresh task ids.
         excluded.update(s for s in missing if job.outcomes.get(s) is None
                         or job.outcomes[s].code is not RefusalCode.CONFLICT)
-        log.warning("job=%s %s attempt %d: no contribution from %s; retrying without them "
-                    "(their masks cannot cancel)", job.job_id, name, attempt, missing)
-        job.emit("secure", f"secure sum {name!r}: {', '.join(missing)} did not contribute; "
-                 "retrying with fresh keys", lo + (hi - lo) * 0.5)
+        _retrying(job, name, attempt, missing, lo + span * 0.5)
     raise QuorumError(f"secure sum {name!r} failed {MAX_ATTEMPTS} times: participants kept "
                       "dropping out")
 
 
-def _decoded(rnd: SumRound[P, I, V], ask: Ask[P, I], enc: SumEncoding, planned: PlannedSum,
-             budget: Budget, results: dict[str, TaskResult], attempt: int) -> Pooled[V]:
-    """Decode the sum, check it is one honest sites can produce, pool it."""
+async def _quietly(dispatched: Awaitable[dict[str, TaskResult]]) -> dict[str, TaskResult]:
+    """Return the answers of a stage (each stage's own count is checked by the caller)."""
+    try:
+        return await dispatched
+    except QuorumError:
+        return {}
+
+
+def _retrying(job: Job[Any], name: str, attempt: int, missing: list[str],
+              progress: float) -> None:
+    log.warning("job=%s %s attempt %d: too few sites completed the sum (missing %s); "
+                "retrying with fresh keys", job.job_id, name, attempt, missing)
+    job.emit("secure", f"secure sum {name!r}: {', '.join(missing) or 'a site'} did not "
+             "contribute; retrying with fresh keys", progress)
+
+
+def _shares_bytes(n: int) -> int:
+    return n * (SEALED_BYTES + 2 * 32 + 3 * 64) + RESULT_ENVELOPE_BYTES
+
+
+def _reveal_bytes(n: int) -> int:
+    return n * (SHARE_BYTES + 64) + RESULT_ENVELOPE_BYTES
+
+
+def check_shares(result: TaskResult, order: list[str]) -> None:
+    """Refuse a shares answer that is not one dealer's sealed shares for exactly ``order``."""
+    committed = {k.split("/", 1)[1] for k in result.arrays if k.startswith("commit_self/")}
+    sealed = {k.split("/", 1)[1] for k in result.arrays if k.startswith("sealed/")}
+    dealers = sorted(committed - sealed)
+    if len(dealers) != 1 or dealers[0] not in order:
+        raise ProtocolError("the shares lack the dealer's own commitment")
+    dealer = dealers[0]
+    for peer in order:
+        fields = ((("commit_self", 32),) if peer == dealer else
+                  (("sealed", SEALED_BYTES), ("commit_self", 32), ("commit_key", 32)))
+        for f, size in fields:
+            arr = result.arrays.get(f"{f}/{peer}")
+            if arr is None or arr.dtype != np.uint8 or arr.shape != (size,):
+                raise ProtocolError(f"the shares lack a valid {f}/{peer}")
+    if len(result.arrays) != 3 * len(order) - 2:
+        raise ProtocolError("the shares carry arrays for sites that are not participants")
+
+
+def check_reveal(result: TaskResult, survivors: list[str], participants: list[str]) -> None:
+    """Refuse a reveal that is not exactly the view's shares (self: survivors, key: dropped)."""
+    dropped = [s for s in participants if s not in survivors]
+    expected = {f"self/{v}" for v in survivors} | {f"key/{u}" for u in dropped}
+    if set(result.arrays) != expected:
+        raise ProtocolError("the reveal does not hold exactly the shares the view calls for")
+    for arr in result.arrays.values():
+        if arr.dtype != np.uint8 or arr.shape != (SHARE_BYTES,):
+            raise ProtocolError(f"a revealed share must be {SHARE_BYTES} bytes")
+
+
+def addressed_shares(shares: Mapping[str, TaskResult],
+               participants: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """Per recipient: the sealed shares and commitments every other participant dealt it."""
+    out: dict[str, dict[str, np.ndarray]] = {r: {} for r in participants}
+    for dealer in participants:
+        arrays = shares[dealer].arrays
+        for recipient in participants:
+            if recipient != dealer:
+                out[recipient].update({f"{f}/{dealer}": arrays[f"{f}/{recipient}"]
+                                       for f in ("sealed", "commit_self", "commit_key")})
+    return out
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What the coordinator needs to remove the masks the survivors' vectors still carry."""
+
+    order: list[str]
+    participants: list[str]
+    keys: Mapping[str, TaskResult]
+    shares: Mapping[str, TaskResult]
+    revealed: Mapping[str, TaskResult]
+    threshold: int
+    context: MaskContext
+
+    def correction(self, survivors: list[str], n_values: int) -> np.ndarray:
+        """Rebuild the survivors' self-masks and the dropped sites' pairwise masks."""
+        commitments = {}
+        for dealer in self.participants:
+            for name, arr in self.shares[dealer].arrays.items():
+                field_, recipient = name.split("/", 1)
+                if field_ in ("commit_self", "commit_key"):
+                    commitments[(dealer, recipient, field_[7:])] = arr.tobytes()
+        revealed: dict[str, dict[str, dict[str, bytes]]] = {}
+        for revealer, result in self.revealed.items():
+            for name, arr in result.arrays.items():
+                kind, owner = name.split("/", 1)
+                revealed.setdefault(revealer, {}).setdefault(kind, {})[owner] = arr.tobytes()
+        publics = {s: mask_public(signed_key_from_arrays(self.keys[s].arrays, s).public_key)
+                   for s in self.participants}
+        return recovery_correction(n_values=n_values, order=self.participants,
+                                   survivors=survivors, mask_publics=publics,
+                                   revealed=revealed, commitments=commitments,
+                                   threshold_=self.threshold, context=self.context)
+
+
+async def _decoded(rnd: SumRound[P, I, V], ask: Ask[P, I], enc: SumEncoding,
+                   planned: PlannedSum, budget: Budget, results: dict[str, TaskResult],
+                   attempt: int, recovery: Recovery) -> Pooled[V]:
+    """Unmask and decode the sum, check it is one honest sites can produce, pool it."""
     plan = planned.plan
-    total = decode_integer_sum({s: results[s].arrays["masked"] for s in plan.participants},
-                               plan)
-    rows = {s: int(results[s].metadata["n_rows"]) for s in plan.participants}
+    survivors = sorted(results)
+    correction = await asyncio.to_thread(recovery.correction, survivors, plan.n_values)
+    total = decode_survivors({s: results[s].arrays["masked"] for s in survivors}, plan,
+                             correction)
+    rows = {s: int(results[s].metadata["n_rows"]) for s in survivors}
     rnd.check_sum(total, planned, sum(rows.values()), enc)
     summed = SecureSum(total.astype(np.float64) / plan.scale ** plan.degree, plan, rows,
                        attempt, planned.detail, rnd.secure_releases)
     value = rnd.pool_secure(summed, Ask(ask.params, ask.schema, ask.inputs, budget))
-    return Pooled(rnd.name, value, budget, rows, dict.fromkeys(plan.participants, plan.cost()),
+    return Pooled(rnd.name, value, budget, rows, dict.fromkeys(survivors, plan.cost()),
                   {}, summed)

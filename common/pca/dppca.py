@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import linalg
-from scipy.linalg import blas
 
 from dpfed.common.errors import ValidationError
-from dpfed.common.linalg import mirror_upper
+from dpfed.common.linalg import mirror_upper, syrk_upper
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.mechanisms import SymmetricGaussianMechanism
 from dpfed.common.validation import check_finite_array, check_int
@@ -93,15 +92,7 @@ class GramAccumulator:
             self._buffered = 0
 
     def _syrk(self, x: np.ndarray) -> None:
-        if x.flags.f_contiguous:
-            # C := 1.0 * A^T A + 1.0 * C with A = X (n x p, column-major).
-            self._upper = blas.dsyrk(1.0, x, beta=1.0, c=self._upper, trans=1, lower=0,
-                                     overwrite_c=1)
-        else:
-            # A row-major X is a column-major X^T (p x n): C := X^T (X^T)^T + C.
-            xt = x.T if x.T.flags.f_contiguous else np.asfortranarray(x.T)
-            self._upper = blas.dsyrk(1.0, xt, beta=1.0, c=self._upper, trans=0, lower=0,
-                                     overwrite_c=1)
+        self._upper = syrk_upper(x, into=self._upper)
 
     def gram(self) -> np.ndarray:
         """Return the full symmetric ``G`` (C order) and hand it over: no p x p copy is made.

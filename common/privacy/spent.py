@@ -50,7 +50,7 @@ from dpfed.common.validation import check_delta
 
 GAUSSIAN_MECHANISMS = frozenset({"gaussian", "symmetric-gaussian", "matrix-gaussian"})
 LAPLACE_MECHANISMS = frozenset({"laplace", "matrix-laplace"})
-_SECURE_SKELLAM = re.compile(r"secure-skellam\[n=(\d{1,6}),t=(\d{1,6})\]")
+_SECURE_SKELLAM = re.compile(r"secure-skellam\[n=(\d{1,6}),t=(\d{1,6})(?:,d=(\d{1,6}))?\]")
 #: Relative tolerance of the consistency check between a pair and the event's (epsilon, delta).
 _CONSISTENCY = 1e-6
 #: Largest privacy loss the composed discretised pairs may reach. Pairs past it (events of a
@@ -126,18 +126,19 @@ def _skellam_variance(mechanism: str, noise_scale: float) -> float | None:
     """Return the pooled Skellam variance protecting the site (None: another mechanism).
 
     ``skellam``: ``noise_scale`` is the pooled standard deviation. A secure round's event
-    (``secure-skellam[n=N,t=T]``) stores the standard deviation of the site's own share
-    ``mu / (N - T)``: the ``N - T`` honest shares carry ``mu``.
+    (``secure-skellam[n=N,t=T]``, or ``[n=N,t=T,d=D]`` when ``D`` drops are tolerated)
+    stores the standard deviation of the site's own share ``mu / (N - T - D)``: the
+    ``N - T - D`` honest survivors of the worst case carry ``mu``.
     """
     if mechanism == "skellam":
         return noise_scale * noise_scale
     match = _SECURE_SKELLAM.fullmatch(mechanism)
     if match is None:
         return None
-    n, t = int(match.group(1)), int(match.group(2))
-    if not 0 <= t < n:
+    n, t, d = int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+    if not 0 <= t < n - d:
         return None
-    return noise_scale * noise_scale * (n - t)
+    return noise_scale * noise_scale * (n - t - d)
 
 
 @lru_cache(maxsize=65536)

@@ -45,6 +45,8 @@ RING_BITS = 64
 SAFE_ABS = 2 ** 62
 #: Rounding failures tolerated before giving up (each retry succeeds with prob >= 1 - beta).
 _MAX_ROUNDS = 64
+#: Values rounded per pass (256 KiB of float64): scaled rows, uniforms and norms stay in cache.
+_PASS_VALUES = 1 << 15
 
 
 def rounded_norm_bound(scaled_norm: float, dim: int, beta: float = math.exp(-20)) -> float:
@@ -66,7 +68,10 @@ def conditional_round_float(rows: np.ndarray, scale: float, bound: float,
     ``floor(y + U)`` with ``U ~ Uniform[0, 1)`` rounds ``y`` up with probability equal to its
     fractional part (unbiased). Rows whose rounded norm exceeds ``bound`` are rounded again
     (rare: see :func:`rounded_norm_bound`). Values are exact integers held in float64, ready
-    for BLAS; :func:`conditional_round` returns them as int64.
+    for BLAS; :func:`conditional_round` returns them as int64. The rows are rounded in passes
+    of about ``_PASS_VALUES`` values, so that the scaled values, their uniforms and their norms
+    stay in the CPU cache; the uniforms are drawn in row order, as one draw for the whole array
+    would draw them, and the retries after all rows.
 
     Raises
     ------
@@ -79,14 +84,24 @@ def conditional_round_float(rows: np.ndarray, scale: float, bound: float,
         raise ValidationError("rows must be a finite 2-D array")
     s = check_positive(scale, "scale")
     b2 = check_positive(bound, "bound") ** 2 * (1 + 1e-12)
-    z = np.multiply(x, s)
-    z += rng.random(z.shape)
-    np.floor(z, out=z)
-    todo = np.flatnonzero(np.einsum("ij,ij->i", z, z) > b2)
+    n, d = x.shape
+    z = np.empty((n, d), dtype=np.float64)
+    step = max(1, _PASS_VALUES // max(d, 1))
+    uniforms = np.empty((min(step, n), d), dtype=np.float64)
+    too_long = [np.zeros(0, dtype=np.intp)]
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        part, u = z[start:stop], uniforms[:stop - start]
+        rng.random(out=u)
+        np.multiply(x[start:stop], s, out=part)
+        part += u
+        np.floor(part, out=part)
+        too_long.append(start + np.flatnonzero(np.einsum("ij,ij->i", part, part) > b2))
+    todo = np.concatenate(too_long)
     for _ in range(_MAX_ROUNDS):
         if todo.size == 0:
             return z
-        retry = np.floor(x[todo] * s + rng.random((todo.size, x.shape[1])))
+        retry = np.floor(x[todo] * s + rng.random((todo.size, d)))
         ok = np.einsum("ij,ij->i", retry, retry) <= b2
         z[todo[ok]] = retry[ok]
         todo = todo[~ok]

@@ -1,9 +1,10 @@
 """Ephemeral key agreement keys, signed with each site's certificate key.
 
-For every secure round each site makes a fresh X25519 key pair and signs its public half with
-the ECDSA key of its federation certificate. The coordinator only relays the signed keys; each
-site checks every peer's certificate against the federation CA, that the certificate names the
-site id the key claims, and the signature over (domain tag, job, round, task, site id, public
+For every secure round each site makes fresh X25519 keys (a mask key and a channel key:
+:class:`dpfed.common.secagg.dropouts.RoundKeys`) and signs their public halves with the ECDSA
+key of its federation certificate. The coordinator only relays the signed keys; each site
+checks every peer's certificate against the federation CA, that the certificate names the site
+id the key claims, and the signature over (domain tag, job, round, task, site id, public
 key). A coordinator that substitutes a key — to sit in the middle of a pair and unmask one
 site's contribution — cannot produce a valid signature, so the site refuses the round before it
 releases anything. The coordinator may hold the kits of revoked sites (or a certificate the CA
@@ -153,9 +154,10 @@ def _verified_certificate(signed: SignedKey, *, context: MaskContext, ca: x509.C
     if principal.role != "site" or principal.name != signed.site_id:
         raise AuthenticationError(f"a key claimed for site {signed.site_id!r} comes with the "
                                   f"certificate of {principal}")
-    if len(signed.public_key) != 32:
+    if len(signed.public_key) not in (32, 64):
         raise ProtocolError(f"the ephemeral key of {signed.site_id!r} has "
-                            f"{len(signed.public_key)} bytes, expected 32")
+                            f"{len(signed.public_key)} bytes, expected 32 (a mask key) or 64 "
+                            "(a mask and a channel key)")
     public = cert.public_key()
     if not isinstance(public, ec.EllipticCurvePublicKey):
         raise AuthenticationError(f"the certificate of {signed.site_id!r} has no EC key")

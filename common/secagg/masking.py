@@ -12,10 +12,8 @@ stream. The ephemeral X25519 keys are fresh for every round, and the HKDF ``info
 job id, round and task id as well, so even a site that (wrongly) reused an ephemeral key
 would derive a different seed for a different task.
 
-Dropouts: dpfed does not implement the secret-shared mask recovery of the full protocol. A
-site that vanishes after the key exchange leaves its pairwise vectors uncancelled; the round
-is then aborted and retried with the remaining sites and fresh keys (nothing is unmasked, and
-the aborted attempt's charges stay on the ledgers, conservatively).
+Dropouts: the pairwise vectors of a site that vanishes are removed with its mask key, rebuilt
+from Shamir shares (:mod:`dpfed.common.secagg.dropouts`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,10 @@ class SecureAggregationPolicy:
     tolerated : int
         How many other parties (the coordinator counted) may collude; noise shares are sized
         so the honest ones alone meet the target.
+    tolerated_dropouts : int
+        How many participants may vanish after dealing their shares with the sum still
+        completing (``secure_tolerated_dropouts``); every site then adds
+        ``mu / (n - t - d)``, so the honest survivors of the worst case carry ``mu``.
     federation_list : Path or None
         The site's ``revoked.toml`` (``[tls] revocation_list``): read at the first secure
         round and again whenever it changes (the agent's coordinator check reads it at
@@ -57,12 +61,14 @@ class SecureAggregationPolicy:
     min_participants: int = 2
     tolerated: int = 1
     federation_list: Path | None = None
+    tolerated_dropouts: int = 0
     _watched: list[WatchedAccessList] = field(default_factory=list, init=False, repr=False,
                                               compare=False)
 
     def summary(self) -> str:
-        """One line for ``dpfed sites``: the mode, the minimum participants and t."""
-        return f"{self.mode}, min {self.min_participants} sites, t={self.tolerated}"
+        """One line for ``dpfed sites``: the mode, the minimum participants, t (and d if > 0)."""
+        drops = f", d={self.tolerated_dropouts}" if self.tolerated_dropouts else ""
+        return f"{self.mode}, min {self.min_participants} sites, t={self.tolerated}{drops}"
 
     @classmethod
     def from_summary(cls, text: str) -> SecureAggregationPolicy:
@@ -76,11 +82,13 @@ class SecureAggregationPolicy:
         if not text:
             return cls("off")
         parts = [p.strip() for p in text.split(",")]
-        if (len(parts) != 3 or parts[1][:4] != "min " or parts[1][-6:] != " sites"
-                or parts[2][:2] != "t="):
+        if (len(parts) not in (3, 4) or parts[1][:4] != "min " or parts[1][-6:] != " sites"
+                or parts[2][:2] != "t=" or (len(parts) == 4 and parts[3][:2] != "d=")):
             raise ValidationError(f"not a secure-aggregation policy summary: {text[:120]!r}")
         try:
-            return cls(parts[0], int(parts[1][4:-6]), int(parts[2][2:]))
+            drops = int(parts[3][2:]) if len(parts) == 4 else 0
+            return cls(parts[0], int(parts[1][4:-6]), int(parts[2][2:]),
+                       tolerated_dropouts=drops)
         except ValueError:
             raise ValidationError(f"not a secure-aggregation policy summary: "
                                   f"{text[:120]!r}") from None
@@ -89,6 +97,7 @@ class SecureAggregationPolicy:
         check_choice(self.mode, "secure_aggregation", SECURE_MODES)
         check_int(self.min_participants, "secure_min_participants", minimum=2)
         check_int(self.tolerated, "secure_tolerated_colluders", minimum=0)
+        check_int(self.tolerated_dropouts, "secure_tolerated_dropouts", minimum=0)
         if self.tolerated >= self.min_participants:
             raise ValidationError(
                 f"secure_tolerated_colluders ({self.tolerated}) must be smaller than "

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from scipy.linalg.blas import dsyrk
 
 from dpfed.common.errors import ImpossibleSumError, ProtocolError, ValidationError
+from dpfed.common.linalg import syrk_upper
 from dpfed.common.privacy.accounting import PrivacyCost
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
@@ -34,7 +34,13 @@ from dpfed.common.secagg.fixed_point import (
     to_ring,
 )
 from dpfed.common.secagg.keys import SignedKey, verify_signed_key
-from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_seed, sum_masked
+from dpfed.common.secagg.masking import (
+    MaskContext,
+    apply_masks,
+    derive_pair_seed,
+    mask_stream,
+    sum_masked,
+)
 from dpfed.common.validation import check_int, check_positive
 
 __all__ = [
@@ -45,9 +51,11 @@ __all__ = [
     "check_participants",
     "count_groups",
     "decode_integer_sum",
+    "decode_survivors",
     "decode_sum",
     "integer_gram_upper",
     "integer_row_sum",
+    "masked_contribution",
     "plan_counts",
     "plan_weighted_counts",
     "plan_for",
@@ -94,6 +102,10 @@ class SecureSumPlan:
         The sorted site ids whose masks must cancel.
     calibration : SkellamCalibration
         The (epsilon, delta) and sensitivities ``mu_total`` was calibrated for.
+    dropouts : int
+        How many participants may drop after dealing their shares with the sum still decoded
+        (docs/secure-aggregation.md, "Dropouts"): every share is sized so the honest survivors
+        of the worst case, ``n - t - d`` sites, alone carry ``mu_total``.
     """
 
     statistic: str
@@ -104,6 +116,15 @@ class SecureSumPlan:
     tolerated: int
     participants: tuple[str, ...]
     calibration: SkellamCalibration
+    dropouts: int = 0
+
+    def __post_init__(self) -> None:
+        check_int(self.dropouts, "dropouts", minimum=0)
+        if len(self.participants) - self.tolerated - self.dropouts < 1:
+            raise ValidationError(
+                f"a secure sum of {len(self.participants)} participants tolerating "
+                f"{self.tolerated} colluders cannot also tolerate {self.dropouts} dropouts "
+                "(no honest survivor would remain)")
 
     @property
     def n_values(self) -> int:
@@ -119,17 +140,20 @@ class SecureSumPlan:
     def cost(self) -> PrivacyCost:
         """Return what every participant's ledger is charged for the sum: the pooled guarantee.
 
-        The mechanism name records the mode, the number of participants and ``t``.
+        The mechanism name records the mode, the number of participants, ``t`` and (when
+        drops are tolerated) ``d``: the accountant reads the honest variance back as
+        ``share * (n - t - d)``.
         """
         cal = self.calibration
+        d = f",d={self.dropouts}" if self.dropouts else ""
         return PrivacyCost(cal.epsilon, cal.delta, cal.cost().rho,
-                           f"secure-skellam[n={len(self.participants)},t={self.tolerated}]",
+                           f"secure-skellam[n={len(self.participants)},t={self.tolerated}{d}]",
                            cal.l2_sensitivity, self.share ** 0.5)
 
     @property
     def share(self) -> float:
-        """Variance each site adds."""
-        return self.mu_total / (len(self.participants) - self.tolerated)
+        """Variance each site adds: ``mu / (n - t - d)``."""
+        return self.mu_total / (len(self.participants) - self.tolerated - self.dropouts)
 
     @property
     def pooled_variance(self) -> float:
@@ -453,7 +477,7 @@ def integer_gram_upper(chunks: Iterable[np.ndarray], plan: SecureSumPlan,
         for start in range(0, x.shape[0], block):
             z = conditional_round_float(x[start:start + block], plan.scale, plan.bound, rng)
             # exact: integer entries, every partial sum < 2^53; upper triangle filled
-            total += np.rint(np.triu(dsyrk(1.0, z, trans=1, lower=0))).astype(np.int64)
+            total += np.rint(np.triu(syrk_upper(z))).astype(np.int64)
     iu = np.triu_indices(d)
     return total[iu]
 
@@ -502,15 +526,28 @@ def site_contribution(statistic: np.ndarray, *, plan: SecureSumPlan, own_id: str
     if stat.dtype != np.int64 or stat.shape != (plan.n_values,):
         raise ValidationError(f"statistic must be int64 of shape ({plan.n_values},), "
                               f"got {stat.dtype} {stat.shape}")
-    seeds = {}
-    for peer in plan.participants:
-        if peer == own_id:
-            continue
-        public = verify_signed_key(signed_keys[peer], context=context, ca=ca, now=now)
-        seeds[peer] = derive_pair_seed(own_key, public, own_id=own_id, peer_id=peer,
-                                       context=context)
-    noisy = stat + skellam_noise(plan.n_values, plan.share, rng)
-    return apply_masks(to_ring(noisy), own_id=own_id, seeds=seeds)
+    publics = {peer: verify_signed_key(signed_keys[peer], context=context, ca=ca, now=now)[:32]
+               for peer in plan.participants if peer != own_id}
+    return masked_contribution(stat, plan=plan, own_id=own_id, mask_key=own_key,
+                               mask_publics=publics, context=context, rng=rng)
+
+
+def masked_contribution(statistic: np.ndarray, *, plan: SecureSumPlan, own_id: str,
+                        mask_key: X25519PrivateKey, mask_publics: Mapping[str, bytes],
+                        context: MaskContext, rng: np.random.Generator,
+                        self_seed: bytes | None = None) -> np.ndarray:
+    """Add this site's Skellam share, its pairwise masks and (if given) its self-mask.
+
+    ``mask_publics``: every other participant's verified 32-byte mask public key.
+    """
+    seeds = {peer: derive_pair_seed(mask_key, public, own_id=own_id, peer_id=peer,
+                                    context=context)
+             for peer, public in mask_publics.items()}
+    noisy = np.asarray(statistic, dtype=np.int64) + skellam_noise(plan.n_values, plan.share, rng)
+    masked = apply_masks(to_ring(noisy), own_id=own_id, seeds=seeds)
+    if self_seed is not None:
+        masked += mask_stream(self_seed, plan.n_values)
+    return masked
 
 
 def decode_integer_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) -> np.ndarray:
@@ -527,8 +564,26 @@ def decode_integer_sum(masked: Mapping[str, np.ndarray], plan: SecureSumPlan) ->
         missing = sorted(set(plan.participants) - set(masked))
         raise ProtocolError(f"secure sum incomplete: no contribution from {missing}; the masks "
                             "cannot cancel, retry the round with fresh keys")
+    return decode_survivors(masked, plan, np.zeros(plan.n_values, dtype=np.uint64))
+
+
+def decode_survivors(masked: Mapping[str, np.ndarray], plan: SecureSumPlan,
+                     correction: np.ndarray) -> np.ndarray:
+    """Sum the survivors' masked vectors minus the rebuilt masks (int64).
+
+    ``correction``: the survivors' self-masks and their pairwise masks with dropped sites
+    (:func:`dpfed.common.secagg.dropouts.recovery_correction`).
+
+    Raises
+    ------
+    ImpossibleSumError
+        The sum lies outside the ring's safe range (no honest run gets there).
+    """
+    survivors = sorted(masked)
+    if not set(survivors) <= set(plan.participants):
+        raise ProtocolError("a contribution from a site that is not a participant")
     try:
-        return from_ring(sum_masked([masked[s] for s in plan.participants]))
+        return from_ring(sum_masked([masked[s] for s in survivors]) - correction)
     except ValidationError as exc:
         raise ImpossibleSumError(f"{ImpossibleSumError.REASON}: {exc}") from None
 

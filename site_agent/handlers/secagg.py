@@ -1,43 +1,64 @@
-"""Site step of secure aggregation: sign an ephemeral key, then send a noised and masked sum.
+"""Site step of secure aggregation: keys, shares, a noised and masked sum, then recovery.
 
-Two stages of the kind ``secagg`` (docs/secure-aggregation.md has the protocol and its
-privacy argument). ``keys`` signs a fresh X25519 key for the sum task named in the
-parameters with the site's certificate key and returns it with the site's policy; nothing is
-read or charged, and a retried keys task gets the same key back (held in memory only: a site
-restarted after the key exchange refuses the sum, and the coordinator retries with fresh
-keys). ``contribute`` finds the round the task names (``source``, ``statistic``), lets it
-recompute the plan and bind its exact statistic, verifies every participant's signed key
-and that every participant is a listed, unrevoked site (``SecureAggregationPolicy.check_round``),
-and adds this site's Skellam share ``mu / (n - t)`` and its pairwise masks; the ledger charges
-the pooled guarantee first.
+Five stages of the kind ``secagg`` (docs/secure-aggregation.md has the protocol and its
+privacy argument). ``keys`` signs two fresh X25519 keys (mask and channel) for the sum task
+named in the parameters; nothing is read or charged, and a retried task gets the same keys
+back (held in memory only: a site restarted mid-sum refuses it, and the coordinator retries
+with fresh keys). ``shares`` verifies every participant's signed keys, that every one is a
+listed, unrevoked site (``SecureAggregationPolicy.check_round``; verified once per sum and
+cached), and deals Shamir shares of the site's mask key and a fresh self-mask seed.
+``contribute`` checks the shares dealt to it, lets the round the task names (``source``,
+``statistic``) recompute the plan and bind its exact statistic, and adds the Skellam share
+``mu / (n - t - d)``, its pairwise masks and its self-mask; the ledger charges the pooled
+guarantee first. ``confirm`` signs the participant and survivor sets it is shown (one view
+per sum); ``unmask`` checks that enough survivors signed that same view and reveals the
+survivors' self-mask shares and the dropped sites' mask-key shares, never both for one site.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from dpfed.common.errors import ValidationError
+from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.jobs.contract import DataAccess, Free, NewCharge, Release, Site
 from dpfed.common.jobs.registry import secure_round
 from dpfed.common.jobs.release import require_rows
 from dpfed.common.privacy.accounting import PrivacyCost
-from dpfed.common.secagg.keys import SignedKey, generate_ephemeral, sign_ephemeral
+from dpfed.common.secagg.dropouts import (
+    Dealt,
+    RevealRecord,
+    RoundKeys,
+    deal,
+    mask_public,
+    open_share,
+    sign_view,
+    threshold,
+    verify_view,
+)
+from dpfed.common.secagg.keys import SignedKey, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
-from dpfed.common.secagg.messages import signed_key_arrays, signed_key_from_arrays
+from dpfed.common.secagg.messages import (
+    MAX_PARTICIPANTS,
+    as_array,
+    as_bytes,
+    signed_key_arrays,
+    signed_key_from_arrays,
+)
 from dpfed.common.secagg.policy import SecureAggregationPolicy
-from dpfed.common.secagg.secure_sum import SecureSumPlan, site_contribution
+from dpfed.common.secagg.secure_sum import SecureSumPlan, masked_contribution
 from dpfed.common.transport.certs import (
     parse_certificates,
     parse_private_key,
@@ -77,8 +98,41 @@ class SiteIdentity:
                                                      "site key"), cert_pem, ca_cert)
 
 
+@dataclass
+class SumState:
+    """What a site holds for one secure sum between its stages (memory only)."""
+
+    keys: RoundKeys
+    signed: SignedKey
+    #: Set by ``shares``: the participants dealt to, their verified keys, t and the threshold.
+    order: tuple[str, ...] = ()
+    verified: dict[str, SignedKey] = field(default_factory=dict)
+    tolerated: int = 0
+    threshold: int = 0
+    self_seed: bytes = b""
+    own_self_share: bytes = b""
+    dealt: TaskResult | None = None
+    #: Set by ``contribute``: who it masked with, the tolerated drops and the shares it holds.
+    participants: tuple[str, ...] = ()
+    dropouts: int = 0
+    received: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+    #: Set by ``confirm``: the one view (participants, survivors) it signed, and its signature.
+    view: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    view_signature: bytes = b""
+    reveals: RevealRecord = field(default_factory=RevealRecord)
+
+
+def _site_list(params: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    value = params.get(name)
+    if (not isinstance(value, list) or not all(isinstance(v, str) for v in value)
+            or len(value) > MAX_PARTICIPANTS or len(set(value)) != len(value)):
+        raise ValidationError(f"{name} must be a list of at most {MAX_PARTICIPANTS} distinct "
+                              "site ids")
+    return tuple(sorted(value))
+
+
 class SecureAggregationHandler(TaskHandler):
-    """The ``secagg`` kind: the ``keys`` and ``contribute`` stages of one secure sum."""
+    """The ``secagg`` kind: the five stages of one secure sum."""
 
     def __init__(self, identity: SiteIdentity, policy: SecureAggregationPolicy,
                  allowed_kinds: tuple[str, ...] | None = None) -> None:
@@ -86,7 +140,7 @@ class SecureAggregationHandler(TaskHandler):
         self.policy = policy
         #: The site's allowed job kinds; a round of another kind is refused (None: any).
         self.allowed_kinds = allowed_kinds
-        self._pending: OrderedDict[str, tuple[X25519PrivateKey, SignedKey]] = OrderedDict()
+        self._pending: OrderedDict[str, SumState] = OrderedDict()
         self._lock = threading.Lock()
         #: The site's ledger, set by :meth:`for_site`; rounds that keep site secrets beside it
         #: (the synth evaluation holdout) read them.
@@ -99,37 +153,52 @@ class SecureAggregationHandler(TaskHandler):
         return bound
 
     def prepare(self, task: Task, data: DataAccess) -> Release:
-        """Prepare the ``keys`` stage (free) or the ``contribute`` stage (charged)."""
+        """Prepare one stage: ``contribute`` is charged, the others are free."""
         if self.policy.mode == "off":
             raise ValidationError("this site's policy does not take part in secure aggregation")
         stage = task.params.get("stage")
-        if stage == "keys":
-            answer = self._keys(task)
-            return Release(Free(), lambda _rng: answer)
-        if stage != "contribute":
-            raise ValidationError("stage must be 'keys' or 'contribute' for a secagg task")
-        return self._contribute(task, data)
+        if stage == "contribute":
+            return self._contribute(task, data)
+        stages = {"keys": self._keys, "shares": self._shares, "confirm": self._confirm,
+                  "unmask": self._unmask}
+        if stage not in stages:
+            raise ValidationError("stage must be 'keys', 'shares', 'contribute', 'confirm' or "
+                                  "'unmask' for a secagg task")
+        answer = stages[str(stage)](task)
+        return Release(Free(), lambda _rng: answer)
+
+    def _answer(self, task: Task, arrays: Mapping[str, np.ndarray],
+                metadata: Mapping[str, Any] | None = None) -> TaskResult:
+        return TaskResult(task.task_id, PrivacyCost(0.0, 0.0, 0.0, "secagg-keys"), dict(arrays),
+                          dict(metadata or {}))
+
+    def _state(self, context: MaskContext) -> SumState:
+        with self._lock:
+            state = self._pending.get(context.task_id)
+        if state is None:
+            raise ValidationError("no ephemeral key for this secure round (the site restarted "
+                                  "after the key exchange); retry the round with fresh keys")
+        return state
 
     # ------------------------------------------------------------------ keys (no data)
     def _keys(self, task: Task) -> TaskResult:
-        """Sign a fresh ephemeral key for the named sum task (the same one on a retry)."""
+        """Sign fresh round keys for the named sum task (the same ones on a retry)."""
         context = self._context(task.params)
         with self._lock:
-            held = self._pending.get(context.task_id)
-            if held is None:
-                key, public = generate_ephemeral()
-                signed = sign_ephemeral(site_id=self.identity.site_id, public_key=public,
+            state = self._pending.get(context.task_id)
+            if state is None:
+                keys = RoundKeys.generate()
+                signed = sign_ephemeral(site_id=self.identity.site_id, public_key=keys.public,
                                         context=context, signing_key=self.identity.signing_key,
                                         certificate_pem=self.identity.certificate_pem)
-                self._pending[context.task_id] = (key, signed)
+                state = self._pending[context.task_id] = SumState(keys, signed)
                 while len(self._pending) > _MAX_PENDING:
                     self._pending.popitem(last=False)
-                held = (key, signed)
-        log.info("task=%s signed an ephemeral key for %s", task.task_id, context.task_id)
-        return TaskResult(task.task_id, PrivacyCost(0.0, 0.0, 0.0, "secagg-keys"),
-                          signed_key_arrays(held[1]),
-                          {"min_participants": self.policy.min_participants,
-                           "tolerated": self.policy.tolerated, "mode": self.policy.mode})
+        log.info("task=%s signed round keys for %s", task.task_id, context.task_id)
+        return self._answer(task, signed_key_arrays(state.signed),
+                            {"min_participants": self.policy.min_participants,
+                             "tolerated": self.policy.tolerated, "mode": self.policy.mode,
+                             "dropouts": self.policy.tolerated_dropouts})
 
     @staticmethod
     def _context(params: Mapping[str, Any]) -> MaskContext:
@@ -140,65 +209,192 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError("a secure round names its job_id, sum_round and sum_task_id")
         return MaskContext(str(job_id), str(round_name), str(sum_task))
 
+    # ------------------------------------------------------------------ shares (no data)
+    def _shares(self, task: Task) -> TaskResult:
+        """Verify every participant's keys once, then deal shares of the mask key and seed."""
+        context = self._context(task.params)
+        state = self._state(context)
+        order = _site_list(task.params, "participants")
+        tolerated = check_int(task.params.get("tolerated"), "tolerated", minimum=0)
+        if state.dealt is not None:
+            if (order, tolerated) != (state.order, state.tolerated):
+                raise ValidationError("secure round refused: shares were already dealt to "
+                                      "another participant set")
+            return state.dealt
+        me = self.identity.site_id
+        if me not in order:
+            raise ValidationError(f"secure round refused: {me!r} is not among the participants")
+        if tolerated < self.policy.tolerated:
+            raise ValidationError(f"secure round refused: noise sized for {tolerated} "
+                                  f"colluding parties; this site's policy requires "
+                                  f"{self.policy.tolerated}")
+        try:
+            signed = {s: signed_key_from_arrays(task.arrays, s) for s in order}
+        except ValidationError as exc:
+            raise ValidationError(f"secure round refused: {exc}") from None
+        if signed[me] != state.signed:
+            raise ValidationError("secure round refused: the relayed key of this site is not "
+                                  "the one it signed")
+        try:  # every peer verified, listed and unrevoked -- once per sum, then cached
+            self.policy.check_round(order, signed, context=context, ca=self.identity.ca)
+        except ValidationError as exc:
+            log.warning("task=%s %s", task.task_id, exc)
+            raise
+        short = [s for s in order if len(signed[s].public_key) != 64]
+        if short:
+            raise ValidationError(f"secure round refused: {short} sent no channel key (a site "
+                                  "of an older dpfed cannot take part in dropout recovery)")
+        threshold_ = threshold(len(order), tolerated)
+        seed = os.urandom(32)
+        dealt, own_share, own_commit = deal(
+            state.keys, seed, own_id=me, publics={s: signed[s].public_key for s in order},
+            context=context, threshold_=threshold_)
+        arrays = {f"commit_self/{me}": as_array(own_commit)}
+        for peer, d in dealt.items():
+            arrays.update({f"sealed/{peer}": as_array(d.sealed),
+                           f"commit_self/{peer}": as_array(d.commit_self),
+                           f"commit_key/{peer}": as_array(d.commit_key)})
+        with self._lock:
+            state.order, state.verified, state.tolerated = order, signed, tolerated
+            state.threshold, state.self_seed, state.own_self_share = threshold_, seed, own_share
+            state.dealt = self._answer(task, arrays)
+        return state.dealt
+
     # ------------------------------------------------------------------ contribute
     def _contribute(self, task: Task, data: DataAccess) -> Release:
-        """Verify every key, let the round plan and bind its statistic, price the release."""
+        """Check the shares held, let the round plan and bind its statistic, price the release."""
         p = task.params
         context = MaskContext(task.job_id, str(p.get("sum_round", "")), task.task_id)
-        with self._lock:
-            held = self._pending.get(task.task_id)
-        if held is None:
-            raise ValidationError("no ephemeral key for this secure round (the site restarted "
-                                  "after the key exchange); retry the round with fresh keys")
-        participants = p.get("participants")
-        if not isinstance(participants, list) or not all(isinstance(s, str)
-                                                         for s in participants):
-            raise ValidationError("participants must be a list of site ids")
+        state = self._state(context)
+        if state.dealt is None:
+            raise ValidationError("secure round refused: this site dealt no shares for it")
+        me = self.identity.site_id
+        participants = _site_list(p, "participants")
+        if me not in participants or not set(participants) <= set(state.order):
+            raise ValidationError("secure round refused: the participants are not a subset of "
+                                  "those this site dealt shares to, with this site")
+        if len(participants) < self.policy.min_participants:
+            raise ValidationError(f"secure round refused: {len(participants)} participants; "
+                                  f"this site's policy requires at least "
+                                  f"{self.policy.min_participants}")
+        received = {}
+        for dealer in participants:
+            if dealer == me:
+                continue
+            try:
+                dealt = Dealt(*(as_bytes(task.arrays, f"{f}/{dealer}")
+                                for f in ("sealed", "commit_self", "commit_key")))
+                received[dealer] = open_share(state.keys, dealt, own_id=me, dealer=dealer,
+                                              dealer_public=state.verified[dealer].public_key,
+                                              context=context)
+            except (ValidationError, ProtocolError) as exc:
+                raise ValidationError(f"secure round refused: {exc}") from None
         source = p.get("source", "pca")
         kind, rnd = secure_round(str(source), str(p.get("statistic")))
         if self.allowed_kinds is not None and kind.name not in self.allowed_kinds:
             raise ValidationError(f"secure round refused: this site does not run "
                                   f"{kind.name!r} jobs (allowed: "
                                   f"{', '.join(self.allowed_kinds)})")
-        contribution = rnd.contribution(task, Site(data, self.ledger_path), participants,
-                                        check_int(p.get("tolerated"), "tolerated", minimum=0))
-        plan = contribution.plan
-        try:
-            signed = {s: signed_key_from_arrays(task.arrays, s) for s in plan.participants}
-        except ValidationError as exc:
-            raise ValidationError(f"secure round refused: {exc}") from None
-        if signed.get(self.identity.site_id) != held[1]:
-            raise ValidationError("secure round refused: the relayed key of this site is not "
-                                  "the one it signed")
-
-        if plan.tolerated < self.policy.tolerated:
-            raise ValidationError(f"secure round refused: noise sized for {plan.tolerated} "
-                                  f"colluding parties; this site's policy requires "
-                                  f"{self.policy.tolerated}")
+        tolerated = check_int(p.get("tolerated"), "tolerated", minimum=0)
+        if tolerated != state.tolerated:
+            raise ValidationError("secure round refused: t differs from the one shares were "
+                                  "dealt for")
+        contribution = rnd.contribution(task, Site(data, self.ledger_path), list(participants),
+                                        tolerated)
+        dropouts = check_int(p.get("dropouts", 0), "dropouts", minimum=0)
+        plan = dataclasses.replace(contribution.plan, dropouts=dropouts)
+        if len(participants) - dropouts < state.threshold:
+            raise ValidationError(f"secure round refused: {dropouts} dropouts among "
+                                  f"{len(participants)} participants leave fewer survivors "
+                                  f"than the threshold {state.threshold}")
         cost = plan.cost()
-        try:  # every peer is verified, listed and unrevoked before the ledger is touched
-            self.policy.check_round(plan.participants, signed, context=context,
-                                    ca=self.identity.ca)
-        except ValidationError as exc:
-            log.warning("task=%s %s", task.task_id, exc)
-            raise
+        publics = {s: mask_public(state.verified[s].public_key) for s in participants
+                   if s != me}
+        with self._lock:
+            state.participants, state.dropouts, state.received = participants, dropouts, received
 
         def produce(rng: np.random.Generator) -> TaskResult:
             stat, n_rows = contribution.compute(rng)
             require_rows(n_rows)  # raised inside the ledger's transaction: nothing is charged
-            masked = self.masked(stat, plan, held[0], signed, context, rng)
+            masked = self.masked(stat, plan, state, publics, context, rng)
             return TaskResult(task.task_id, cost, {"masked": masked},
                               {"n_rows": n_rows, "statistic": plan.statistic, "source": source,
                                **contribution.metadata})
 
         return Release(NewCharge(cost), produce)
 
-    def masked(self, statistic: np.ndarray, plan: SecureSumPlan, own_key: X25519PrivateKey,
-               signed: Mapping[str, SignedKey], context: MaskContext,
+    def masked(self, statistic: np.ndarray, plan: SecureSumPlan, state: SumState,
+               publics: Mapping[str, bytes], context: MaskContext,
                rng: np.random.Generator) -> np.ndarray:
-        """Return this site's noised and masked vector (see :func:`site_contribution`)."""
-        return site_contribution(statistic, plan=plan, own_id=self.identity.site_id,
-                                 own_key=own_key, signed_keys=signed, context=context,
-                                 ca=self.identity.ca,
-                                 min_participants=self.policy.min_participants,
-                                 tolerated=self.policy.tolerated, rng=rng)
+        """Return this site's noised and masked vector (see :func:`masked_contribution`)."""
+        stat = np.asarray(statistic)
+        if stat.dtype != np.int64 or stat.shape != (plan.n_values,):
+            raise ValidationError(f"statistic must be int64 of shape ({plan.n_values},), "
+                                  f"got {stat.dtype} {stat.shape}")
+        return masked_contribution(stat, plan=plan, own_id=self.identity.site_id,
+                                   mask_key=state.keys.mask, mask_publics=publics,
+                                   context=context, rng=rng, self_seed=state.self_seed)
+
+    # ------------------------------------------------------------------ confirm, unmask
+    def _view(self, task: Task, state: SumState) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        participants = _site_list(task.params, "participants")
+        survivors = _site_list(task.params, "survivors")
+        if participants != state.participants:
+            raise ValidationError("secure round refused: the participant set differs from the "
+                                  "one this site masked with")
+        if not set(survivors) <= set(participants) or self.identity.site_id not in survivors:
+            raise ValidationError("secure round refused: the survivors must be participants, "
+                                  "this site among them")
+        least = max(state.threshold, len(participants) - state.dropouts)
+        if len(survivors) < least:
+            raise ValidationError(f"secure round refused: {len(survivors)} survivors; the sum "
+                                  f"needs at least {least} (the threshold, and the drops its "
+                                  "noise was sized for)")
+        return participants, survivors
+
+    def _confirm(self, task: Task) -> TaskResult:
+        """Sign the participant and survivor sets shown (one view per sum)."""
+        context = self._context(task.params)
+        state = self._state(context)
+        view = self._view(task, state)
+        with self._lock:
+            if state.view is not None and state.view != view:
+                raise ValidationError("secure round refused: this site already signed other "
+                                      "participant and survivor sets for this sum")
+            if state.view is None:
+                state.view = view
+                state.view_signature = sign_view(self.identity.signing_key, context, *view)
+        return self._answer(task, {f"view_signature/{self.identity.site_id}":
+                                   as_array(state.view_signature)})
+
+    def _unmask(self, task: Task) -> TaskResult:
+        """Reveal shares once enough survivors signed the view this site signed."""
+        context = self._context(task.params)
+        state = self._state(context)
+        view = self._view(task, state)
+        if state.view != view:
+            raise ValidationError("secure round refused: the participant and survivor sets "
+                                  "differ from those this site signed")
+        participants, survivors = view
+        signers = sorted(name.split("/", 1)[1] for name in task.arrays
+                         if name.startswith("view_signature/"))
+        bad = [s for s in signers if s not in survivors or not verify_view(
+            state.verified[s].certificate_pem, as_bytes(task.arrays, f"view_signature/{s}"),
+            context, participants, survivors)]
+        if bad:
+            raise ValidationError(f"secure round refused: the view signatures of {bad} do not "
+                                  "sign the sets this site signed (the coordinator showed "
+                                  "sites different sets)")
+        if len(signers) < state.threshold:
+            raise ValidationError(f"secure round refused: {len(signers)} survivors signed the "
+                                  f"sets; revealing needs {state.threshold}")
+        me = self.identity.site_id
+        dropped = [s for s in participants if s not in survivors]
+        with self._lock:
+            state.reveals.allow(survivors, dropped)
+        arrays = {f"self/{v}": as_array(state.own_self_share if v == me
+                                         else state.received[v][0]) for v in survivors}
+        arrays.update({f"key/{u}": as_array(state.received[u][1]) for u in dropped})
+        log.info("task=%s revealed self-mask shares of %d survivors and key shares of %d "
+                 "dropped sites", task.task_id, len(survivors), len(dropped))
+        return self._answer(task, arrays)

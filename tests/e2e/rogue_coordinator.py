@@ -20,7 +20,8 @@ import numpy as np
 
 from dpfed import __version__
 from dpfed.common.pb.v1 import site_link_pb2, site_link_pb2_grpc
-from dpfed.common.secagg.keys import generate_ephemeral, sign_ephemeral
+from dpfed.common.secagg.dropouts import RoundKeys
+from dpfed.common.secagg.keys import sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import signed_key_arrays
 from dpfed.common.transport.certs import parse_private_key, read_pem_file
@@ -148,8 +149,8 @@ class RogueCoordinator(site_link_pb2_grpc.SiteLinkServicer):
 def sign_as(certs: Path, site_id: str, context: MaskContext) -> dict[str, np.ndarray]:
     """The relayed-key arrays of a key signed with ``site_id``'s kit (held by the coordinator)."""
     kit = certs / "sites" / site_id
-    _key, public = generate_ephemeral()
-    signed = sign_ephemeral(site_id=site_id, public_key=public, context=context,
+    signed = sign_ephemeral(site_id=site_id, public_key=RoundKeys.generate().public,
+                            context=context,
                             signing_key=parse_private_key(read_pem_file(kit / "site.key", "key"),
                                                           kit / "site.key", "key"),
                             certificate_pem=read_pem_file(kit / "site.pem", "certificate"))

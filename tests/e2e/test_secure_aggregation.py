@@ -19,7 +19,6 @@ from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.pca.features import max_feature_norm
 from dpfed.common.privacy.accounting import BudgetPolicy
-from dpfed.common.secagg.fixed_point import from_ring
 from dpfed.common.secagg.masking import sum_masked
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.ledger import Ledger
@@ -76,12 +75,11 @@ def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
         top_bytes = (masked[site].view(np.uint8).reshape(-1, 8)[:, 7]).astype(np.int64)
         p_value = stats.chisquare(np.bincount(top_bytes // 64, minlength=4)).pvalue
         assert p_value > 1e-4, (site, p_value)
-    # ...and the sum of exactly those messages is the pooled Gram of the unit-ball rows.
-    pooled = from_ring(sum_masked(list(masked.values()))).astype(np.float64)
-    reference = pooled_reference(schema, paths, centred=False).matrix
-    p = reference.shape[0]
-    upper = reference[np.triu_indices(p)] * 4500 / max_feature_norm(schema) ** 2
-    assert np.max(np.abs(pooled / secure["scale"] ** 2 - upper)) / 4500 < 1e-2
+    # ...and even their sum is uniform: each carries its site's self-mask, which the
+    # coordinator only rebuilds from the survivors' revealed shares (the result above shows
+    # it did); the messages alone give nothing.
+    summed = sum_masked(list(masked.values()))
+    assert np.max(np.abs(summed.view(np.int64).astype(np.float64))) > 2.0 ** 40
 
 
 def pooled_mean(schema: Schema, paths: list[Path]) -> np.ndarray:

@@ -12,18 +12,15 @@ the same set-up still goes through.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.features import UnitBallMap
-from dpfed.common.secagg.masking import MaskContext
-from dpfed.common.secagg.messages import plan_params
-from dpfed.common.secagg.secure_sum import plan_gram
 from dpfed.common.transport.certs import (
     certificate_pem,
     load_ca,
@@ -31,9 +28,10 @@ from dpfed.common.transport.certs import (
     private_key_pem,
     revoke_certificate,
 )
-from dpfed.common.transport.protocol import Refusal, Task, TaskResult
+from dpfed.common.transport.protocol import Refusal, TaskResult
 from tests.e2e.federations import charged_events, roomy_settings
 from tests.e2e.rogue_coordinator import RogueCoordinator, sign_as
+from tests.support.secure_driver import SumDriver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -63,34 +61,36 @@ async def rogue(tmp_path: Path) -> AsyncIterator[Rogue]:
         await coordinator.wait_for(*REAL)
         yield fed, coordinator
     finally:
-        for site_id in REAL:
-            fed.stop(site_id)
+        # off the event loop: the rogue coordinator serves the sites' goodbyes meanwhile
+        await asyncio.to_thread(fed.stop_all)
         await coordinator.stop()
 
 
 async def secure_round(fed: LocalFederation, coordinator: RogueCoordinator, attempt: int,
                        participants: list[str]) -> dict[str, TaskResult | Refusal]:
-    """Run one secure Gram sum: real sites sign their own keys, the others are forged."""
-    sum_round = f"pca-sum-{attempt}"
-    context = MaskContext(JOB, sum_round, f"{JOB}/{sum_round}")
+    """Run one secure Gram sum: real sites sign their own keys, the others are forged.
+
+    Returns each real site's refusal of the shares stage (where every peer is verified), or
+    its contribution when the whole sum went through.
+    """
+    driver = SumDriver(coordinator.ask, job_id=JOB, sum_round=f"pca-sum-{attempt}",
+                       dim=UnitBallMap(Schema.load(fed.schema_path)).n_features,
+                       total_rows=300 * len(participants))
     real = [s for s in participants if s in REAL]
-    relayed: dict[str, np.ndarray] = {}
-    for site_id in real:
-        keys = await coordinator.ask(site_id, Task(
-            f"{JOB}/pca-keys-{attempt}", JOB, "secagg", 0.0, 0.0,
-            {"stage": "keys", "job_id": JOB, "sum_round": sum_round,
-             "sum_task_id": context.task_id}))
-        assert isinstance(keys, TaskResult), keys
-        relayed.update(keys.arrays)
+    await driver.keys(real)
+    relayed = driver.relayed()
     for site_id in set(participants) - set(real):
-        relayed.update(sign_as(fed.certs, site_id, context))
-    dim = UnitBallMap(Schema.load(fed.schema_path)).n_features
-    plan = plan_gram(dim=dim, total_rows=300 * len(participants), epsilon=1.0, delta=1e-5,
-                     participants=participants, tolerated=1)
-    task = Task(context.task_id, JOB, "secagg", 1.0, 1e-5,
-                {"stage": "contribute", "sum_round": sum_round,
-                 **plan_params(plan, row_norm=1.0)}, relayed)
-    return {s: await coordinator.ask(s, task) for s in real}
+        relayed.update(sign_as(fed.certs, site_id, driver.context))
+    await driver.shares(sorted(participants), 1, relayed=relayed, sites=real)
+    if driver.refusals.get("shares"):
+        return {s: driver.refusals["shares"].get(s) or driver.answers["shares"][s]
+                for s in real}
+    plan = driver.plan(sorted(participants), 1, 0)
+    await driver.contribute(plan)
+    await driver.confirm(sorted(participants), sorted(participants))
+    await driver.unmask(sorted(participants), sorted(participants))
+    driver.decode(plan)
+    return dict(driver.answers["contribute"])
 
 
 def refused(answer: TaskResult | Refusal, *words: str) -> bool:

@@ -14,7 +14,7 @@ import pytest
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.schema import Schema
 from dpfed.common.privacy.accounting import BudgetPolicy
-from dpfed.common.secagg.keys import generate_ephemeral
+from dpfed.common.secagg.dropouts import RoundKeys
 from dpfed.common.secagg.messages import plan_params
 from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import plan_gram
@@ -25,6 +25,7 @@ from dpfed.site_agent.handlers import default_handlers
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
+from tests.support.secure_driver import dealt
 
 SCHEMA = Schema.from_toml("""
 [[columns]]
@@ -90,10 +91,11 @@ def _contribute(arrays: dict[str, np.ndarray]) -> Task:
 
 def test_keys_are_free_and_an_honest_contribution_is_charged_once(
         runners: dict[str, TaskRunner]) -> None:
-    keys = _keys(runners)
-    relayed = {k: v for arrays in keys.values() for k, v in arrays.items()}
-    for r in runners.values():
-        answer = r.run(_contribute(relayed))
+    _keys(runners)  # free, and the same keys on a retry
+    arrays = dealt(runners, job_id=JOB, sum_round=SUM)
+    for s, r in runners.items():
+        assert r.ledger.events() == []  # keys and shares are free
+        answer = r.run(_contribute(arrays[s]))
         assert isinstance(answer, bytes), answer
         masked = result_from_bytes(answer).arrays["masked"]
         assert masked.dtype == np.uint64 and masked.shape == (3,)
@@ -106,22 +108,27 @@ def test_a_substituted_key_is_refused_and_nothing_is_charged(
         runners: dict[str, TaskRunner]) -> None:
     keys = _keys(runners)
     relayed = {k: v for arrays in keys.values() for k, v in arrays.items()}
-    _, evil = generate_ephemeral()  # the coordinator's own key in place of hospital-b's
+    evil = RoundKeys.generate().public  # the coordinator's own keys in place of hospital-b's
     relayed["public_key/hospital-b"] = np.frombuffer(evil, np.uint8).copy()
-    answer = runners["hospital-a"].run(_contribute(relayed))
+    answer = runners["hospital-a"].run(Task(
+        f"{JOB}/pca-shares-1", JOB, "secagg", 0.0, 0.0,
+        {"stage": "shares", "job_id": JOB, "sum_round": SUM, "sum_task_id": f"{JOB}/{SUM}",
+         "participants": list(SITES), "tolerated": 1}, relayed))
     assert isinstance(answer, Refusal) and answer.code == "invalid"
     assert "substituted or replayed" in answer.reason
+    # no shares dealt, so no contribution either
+    answer = runners["hospital-a"].run(_contribute(relayed))
+    assert isinstance(answer, Refusal) and "dealt no shares" in answer.reason
     assert runners["hospital-a"].ledger.events() == []
 
 
 def test_a_round_below_the_site_policy_is_refused(runners: dict[str, TaskRunner]) -> None:
-    keys = _keys(runners)
-    relayed = {k: v for arrays in keys.values() for k, v in arrays.items()}
-    task = _contribute(relayed)
+    arrays = dealt(runners, job_id=JOB, sum_round=SUM)
+    task = _contribute(arrays["hospital-a"])
     weak = Task(task.task_id, task.job_id, task.kind, task.epsilon, task.delta,
                 {**task.params, "tolerated": 0}, task.arrays)
     answer = runners["hospital-a"].run(weak)
-    assert isinstance(answer, Refusal) and "colluding" in answer.reason
+    assert isinstance(answer, Refusal) and "t differs" in answer.reason
     assert runners["hospital-a"].ledger.events() == []
 
 

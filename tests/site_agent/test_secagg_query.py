@@ -27,7 +27,6 @@ from dpfed.common.queries.workloads import all_range_workload
 from dpfed.common.secagg.linear_sum import integer_strategy, plan_linear
 from dpfed.common.secagg.messages import plan_params
 from dpfed.common.secagg.policy import SecureAggregationPolicy
-from dpfed.common.secagg.secure_sum import decode_sum
 from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
@@ -36,6 +35,7 @@ from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdent
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
 from tests.support.schemas import AGE_WARD as SCHEMA
+from tests.support.secure_driver import dealt, run_sum
 from tests.support.tables import FrameData
 
 SITES = ("hospital-a", "hospital-b", "hospital-c")
@@ -72,16 +72,9 @@ def fed(tmp_path: Path) -> Path:
     return root
 
 
-def _keys(runners: dict[str, TaskRunner]) -> dict[str, np.ndarray]:
-    task = Task(f"{JOB}/query-keys-1", JOB, "secagg", 0.0, 0.0,
-                {"stage": "keys", "job_id": JOB, "sum_round": SUM,
-                 "sum_task_id": f"{JOB}/{SUM}"})
-    relayed: dict[str, np.ndarray] = {}
-    for r in runners.values():
-        answer = r.run(task)
-        assert isinstance(answer, bytes), answer
-        relayed.update(result_from_bytes(answer).arrays)
-    return relayed
+def _keys(runners: dict[str, TaskRunner]) -> dict[str, dict[str, np.ndarray]]:
+    """Per site: the relayed keys and the shares dealt to it (the keys and shares stages)."""
+    return dealt(runners, job_id=JOB, sum_round=SUM)
 
 
 def _contribute(relayed: dict[str, np.ndarray], a: np.ndarray, *, epsilon: float = 1.0,
@@ -105,23 +98,23 @@ def _pooled_histogram(runners: dict[str, TaskRunner]) -> np.ndarray:
 def test_an_honest_secure_query_is_charged_once_and_decodes_to_the_pooled_answers(
         tmp_path: Path, fed: Path) -> None:
     runners = {s: _runner(tmp_path, s, fed, ("query",)) for s in SITES}
-    relayed = _keys(runners)
     a = strategy("h2", 8)
-    task = _contribute(relayed, a, epsilon=50.0)
-    masked = {}
+    task = _contribute({}, a, epsilon=50.0)
+    linear = plan_linear(a, scale=SCALE, epsilon=50.0, delta=1e-6, participants=SITES,
+                         tolerated=1)
+    sent: dict[str, Task] = {}
+    answers, total = run_sum(runners, task, linear.plan, 1.0, sent)
+    assert total is not None
     for site, r in runners.items():
-        answer = r.run(task)
+        answer = answers[site]
         assert isinstance(answer, bytes), answer
         result = result_from_bytes(answer)
         assert result.metadata["strategy_digest"] == strategy_digest(a)
         assert result.metadata["n_rows"] == 300 and result.metadata["statistic"] == "linear"
-        masked[site] = result.arrays["masked"]
-        assert r.run(task) == answer  # a resent task replays the ledger, no second charge
+        assert r.run(sent[site]) == answer  # a resent task replays the ledger, no second charge
         (event,) = r.ledger.events()
         assert event.mechanism == "secure-skellam[n=3,t=1]" and event.epsilon == 50.0
-    linear = plan_linear(a, scale=SCALE, epsilon=50.0, delta=1e-6, participants=SITES,
-                         tolerated=1)
-    decoded = decode_sum(masked, linear.plan)
+    decoded = total.astype(np.float64) / linear.plan.scale
     expected = linear.strategy @ _pooled_histogram(runners)
     assert np.max(np.abs(decoded - expected)) < 6 * linear.answer_variance ** 0.5
 
@@ -172,7 +165,7 @@ def test_replace_one_sensitivity_search_through_the_site_code_path(name: str) ->
 def test_a_tampered_strategy_or_a_site_without_query_jobs_is_refused_before_any_charge(
         tmp_path: Path, fed: Path) -> None:
     runners = {s: _runner(tmp_path, s, fed, ("query",)) for s in SITES}
-    relayed = _keys(runners)
+    relayed = _keys(runners)["hospital-a"]
     a = optimize_strategy(all_range_workload(8), noise="gaussian").matrix
     spec = {"name": "matrix", "digest": strategy_digest(a), "shape": list(a.shape)}
     tampered = a.copy()
@@ -183,7 +176,9 @@ def test_a_tampered_strategy_or_a_site_without_query_jobs_is_refused_before_any_
     assert runners["hospital-a"].ledger.events() == []
     (tmp_path / "b").mkdir()
     no_query = _runner(tmp_path / "b", "hospital-b", fed, ("pca",))
-    relayed.update(_keys({"hospital-b": no_query}))
+    others = {s: _runner(tmp_path / "b", s, fed, ("query",)) for s in ("hospital-a",
+                                                                         "hospital-c")}
+    relayed = _keys({**others, "hospital-b": no_query})["hospital-b"]
     answer = no_query.run(_contribute(relayed, strategy("h2", 8)))
     assert isinstance(answer, Refusal) and "does not run 'query' jobs" in answer.reason
     assert no_query.ledger.events() == []

@@ -28,9 +28,6 @@ from dpfed.common.jobs.registry import secure_round, sum_kinds
 from dpfed.common.jobs.synth_rounds import LATENT, LINKS
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg import secure_sum
-from dpfed.common.secagg.fixed_point import from_ring
-from dpfed.common.secagg.masking import sum_masked
-from dpfed.common.secagg.messages import plan_params
 from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import SecureSumPlan, plan_for
 from dpfed.common.synth import link_release
@@ -53,6 +50,7 @@ from tests.site_agent.test_synth_handler import (
     params,
     public_proportions,
 )
+from tests.support.secure_driver import run_sum
 
 SITES = ("hospital-a", "hospital-b", "hospital-c")
 C = len(SCHEMA.columns)
@@ -252,36 +250,25 @@ def runners(tmp_path: Path) -> dict[str, TaskRunner]:
 
 
 def _secure_round(runners: dict[str, TaskRunner], task: Task, statistic: str, dim: int,
-                  row_norm: float, epsilon: float) -> tuple[dict[str, bytes | Refusal],
-                                                            SecureSumPlan]:
-    sum_round = task.task_id.split("/")[-1]
-    keys_task = Task(f"j/{sum_round}-keys", "j", "secagg", 0.0, 0.0,
-                     {"stage": "keys", "job_id": "j", "sum_round": sum_round,
-                      "sum_task_id": task.task_id})
-    relayed: dict[str, np.ndarray] = dict(task.arrays)
-    for r in runners.values():
-        answer = r.run(keys_task)
-        assert isinstance(answer, bytes)
-        relayed.update(result_from_bytes(answer).arrays)
+                  row_norm: float, epsilon: float
+                  ) -> tuple[dict[str, bytes | Refusal], SecureSumPlan, np.ndarray | None]:
     plan = plan_for(statistic, dim=dim, total_rows=240, epsilon=epsilon, delta=1e-6,
                     participants=SITES, tolerated=1, row_norm=row_norm)
-    contribute = Task(task.task_id, "j", "secagg", epsilon, 1e-6,
-                      {**task.params, "sum_round": sum_round,
-                       **plan_params(plan, row_norm=row_norm)}, relayed)
-    return {s: r.run(contribute) for s, r in runners.items()}, plan
+    contribute = Task(task.task_id, "j", "secagg", epsilon, 1e-6, task.params, task.arrays)
+    answers, total = run_sum(runners, contribute, plan, row_norm)
+    return answers, plan, total
 
 
 def test_secure_synth_rounds_decode_to_the_pooled_statistics(
         runners: dict[str, TaskRunner]) -> None:
     size = sum(link_release.histogram_sizes(SCHEMA, N_BINS))
-    answers, plan = _secure_round(runners, counts_task(), "weighted_counts", size,
-                                  link_release.secure_link_row_norm(SCHEMA, N_BINS), 200.0)
-    masked = []
+    answers, plan, total = _secure_round(
+        runners, counts_task(), "weighted_counts", size,
+        link_release.secure_link_row_norm(SCHEMA, N_BINS), 200.0)
     for s, answer in answers.items():
         assert isinstance(answer, bytes), answer
         result = result_from_bytes(answer)
         assert result.metadata["source"] == "synth_counts"
-        masked.append(result.arrays["masked"])
         (event,) = runners[s].ledger.events()
         assert event.mechanism == "secure-skellam[n=3,t=1]" and event.epsilon == 200.0
     pooled = np.zeros(size)
@@ -291,16 +278,15 @@ def test_secure_synth_rounds_decode_to_the_pooled_statistics(
             acc.add(table)
         pooled += acc.counts
     weights = link_release.secure_cell_weights(SCHEMA, N_BINS)
-    decoded = from_ring(sum_masked(masked)).astype(np.float64) / plan.scale / weights
+    assert total is not None
+    decoded = total.astype(np.float64) / plan.scale / weights
     assert np.max(np.abs(decoded - pooled)) <= 3.0  # epsilon 200: noise sd ~ 0.1 count
 
     # the latent Gram: every site clips its latent rows into the unit ball
     dim = latent_dim(SCHEMA)
-    answers, plan = _secure_round(runners, latent_task(), "gram", dim, 1.0, 200.0)
-    masked = [result_from_bytes(a).arrays["masked"] for a in answers.values()
-              if isinstance(a, bytes)]
-    assert len(masked) == 3
-    gram = from_ring(sum_masked(masked)).astype(np.float64) / plan.scale ** 2
+    answers, plan, total = _secure_round(runners, latent_task(), "gram", dim, 1.0, 200.0)
+    assert total is not None and all(isinstance(a, bytes) for a in answers.values())
+    gram = total.astype(np.float64) / plan.scale ** 2
     diag = gram[[i * dim - i * (i - 1) // 2 for i in range(dim)]]  # the upper triangle's diagonal
     assert 0 < diag.sum() <= 240 * (1 + 1e-3)  # trace = sum of squared norms <= N
     assert [len(r.ledger.events()) for r in runners.values()] == [2, 2, 2]
@@ -313,12 +299,13 @@ def test_a_tampered_links_digest_is_refused_before_any_charge(
     tampered[0], tampered[1] = tampered[1] + 0.01, tampered[0] - 0.01
     bad = Task(task.task_id, task.job_id, task.kind, task.epsilon, task.delta, task.params,
                {"link_proportions": tampered})
-    answers, _ = _secure_round(runners, bad, "gram", latent_dim(SCHEMA), 1.0, 1.0)
+    answers, _, _ = _secure_round(runners, bad, "gram", latent_dim(SCHEMA), 1.0, 1.0)
     for s, answer in answers.items():
         assert isinstance(answer, Refusal) and "link digest mismatch" in answer.reason
         assert runners[s].ledger.events() == []
     # a plan whose row bound is not the source's is refused too
-    answers, _ = _secure_round(runners, latent_task(), "gram", latent_dim(SCHEMA), 2.0, 1.0)
+    answers, _, _ = _secure_round(runners, latent_task(), "gram", latent_dim(SCHEMA), 2.0,
+                                  1.0)
     assert all(isinstance(a, Refusal) and "row_norm" in a.reason for a in answers.values())
 
 

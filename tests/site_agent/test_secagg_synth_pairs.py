@@ -31,8 +31,6 @@ from dpfed.common.jobs.contract import Contribution, DataAccess, Site
 from dpfed.common.jobs.registry import secure_round
 from dpfed.common.jobs.synth_pairs import PAIR_SCORES, PAIRS, SCORE_BOUND, floored_scores
 from dpfed.common.secagg import secure_sum
-from dpfed.common.secagg.fixed_point import from_ring
-from dpfed.common.secagg.masking import sum_masked
 from dpfed.common.secagg.secure_sum import SecureSumPlan
 from dpfed.common.synth import link_release
 from dpfed.common.synth.link_release import links_digest, proportions_from_histograms
@@ -302,7 +300,7 @@ def test_a_tampered_links_digest_is_refused_before_any_charge(
             (pair_task("synth_pair_scores", props=tampered, digest=honest), "scores", 6, 2.0),
             (pair_task("synth_pairs", props=tampered, digest=honest, edges=EDGES), "counts",
              n_cells, math.sqrt(len(EDGES)))):
-        answers, _ = _secure_round(runners, task, statistic, dim, row_norm, 1.0)
+        answers, _, _ = _secure_round(runners, task, statistic, dim, row_norm, 1.0)
         for answer in answers.values():
             assert isinstance(answer, Refusal) and "link digest mismatch" in answer.reason
     assert _no_charges(runners)
@@ -323,7 +321,7 @@ def test_a_tampered_links_digest_is_refused_before_any_charge(
 def test_invalid_edges_are_refused_before_any_charge(
         runners: dict[str, TaskRunner], edges: object, reason: str) -> None:
     task = pair_task("synth_pairs", edges=edges)
-    answers, _ = _secure_round(runners, task, "counts", 4 * 4, 1.0, 1.0)
+    answers, _, _ = _secure_round(runners, task, "counts", 4 * 4, 1.0, 1.0)
     for answer in answers.values():
         assert isinstance(answer, Refusal) and reason in answer.reason, answer
     assert _no_charges(runners)
@@ -334,11 +332,11 @@ def test_invalid_edges_are_refused_before_any_charge(
                                                 ("6", "pair_groups must be an integer")])
 def test_invalid_pair_groups_and_a_foreign_bound_are_refused(
         runners: dict[str, TaskRunner], groups: object, reason: str) -> None:
-    answers, _ = _secure_round(runners, pair_task("synth_pair_scores", groups=groups),
+    answers, _, _ = _secure_round(runners, pair_task("synth_pair_scores", groups=groups),
                                "scores", 6, 2.0, 1.0)
     assert all(isinstance(a, Refusal) and reason in a.reason for a in answers.values())
     # a plan whose per-entry bound is not the source's (b = 1 would halve the noise)
-    answers, _ = _secure_round(runners, pair_task("synth_pair_scores"), "scores", 6, 1.0, 1.0)
+    answers, _, _ = _secure_round(runners, pair_task("synth_pair_scores"), "scores", 6, 1.0, 1.0)
     assert all(isinstance(a, Refusal) and "row_norm" in a.reason for a in answers.values())
     # a task whose pair_groups is not the job's (the grid, hence the cells, would differ)
     mismatched = pair_task("synth_pair_scores")
@@ -346,7 +344,7 @@ def test_invalid_pair_groups_and_a_foreign_bound_are_refused(
                       mismatched.epsilon, mismatched.delta,
                       {**mismatched.params, "job": job_params(pair_groups=6)},
                       mismatched.arrays)
-    answers, _ = _secure_round(runners, mismatched, "scores", 6, 2.0, 1.0)
+    answers, _, _ = _secure_round(runners, mismatched, "scores", 6, 2.0, 1.0)
     assert all(isinstance(a, Refusal) and "differs from the job's" in a.reason
                for a in answers.values())
     assert _no_charges(runners)
@@ -370,29 +368,26 @@ def test_secure_pair_rounds_decode_to_the_pooled_statistics(
         runners: dict[str, TaskRunner]) -> None:
     assert secure_round("synth_pair_scores", "scores")[0].name == "synth"
     assert secure_round("synth_pairs", "counts")[0].name == "synth"
-    answers, plan = _secure_round(runners, pair_task("synth_pair_scores"), "scores", 6,
-                                  float(SCORE_BOUND), 200.0)
-    masked = []
+    answers, plan, total = _secure_round(runners, pair_task("synth_pair_scores"), "scores", 6,
+                                         float(SCORE_BOUND), 200.0)
     for s, answer in answers.items():
         assert isinstance(answer, bytes), answer
         result = result_from_bytes(answer)
         assert result.metadata["source"] == "synth_pair_scores"
         assert result.metadata["statistic"] == "scores"
-        masked.append(result.arrays["masked"])
         (event,) = runners[s].ledger.events()
         assert event.mechanism == "secure-skellam[n=3,t=1]" and event.epsilon == 200.0
-    decoded = from_ring(sum_masked(masked)).astype(np.float64) / plan.scale
+    assert total is not None
+    decoded = total.astype(np.float64) / plan.scale
     pooled = sum(_exact(i, None) for i in range(len(SITES)))
     assert np.max(np.abs(decoded - pooled)) <= 3.0  # epsilon 200: noise sd ~ 0.1
 
     edges = [(a, b) for a, b in EDGES]
     dim = sum(grid().cells(e) for e in edges)
-    answers, plan = _secure_round(runners, pair_task("synth_pairs", edges=EDGES), "counts",
-                                  dim, math.sqrt(len(EDGES)), 200.0)
-    masked = [result_from_bytes(a).arrays["masked"] for a in answers.values()
-              if isinstance(a, bytes)]
-    assert len(masked) == 3
-    decoded = from_ring(sum_masked(masked)).astype(np.float64)
+    answers, plan, total = _secure_round(runners, pair_task("synth_pairs", edges=EDGES),
+                                         "counts", dim, math.sqrt(len(EDGES)), 200.0)
+    assert total is not None and all(isinstance(a, bytes) for a in answers.values())
+    decoded = total.astype(np.float64)
     pooled = sum(_exact(i, edges) for i in range(len(SITES)))
     assert np.max(np.abs(decoded - pooled)) <= 3.0
     assert [len(r.ledger.events()) for r in runners.values()] == [2, 2, 2]

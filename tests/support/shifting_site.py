@@ -13,7 +13,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from dpfed.common.secagg.keys import SignedKey
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.secure_sum import SecureSumPlan
 from dpfed.site_agent.handlers import secagg
@@ -25,12 +24,12 @@ SHIFT = 2 ** 50
 class ShiftingHandler(secagg.SecureAggregationHandler):
     """The ``secagg`` handler, with its statistic shifted before it is noised and masked."""
 
-    def masked(self, statistic: np.ndarray, plan: SecureSumPlan, own_key: object,
-               signed: Mapping[str, SignedKey], context: MaskContext,
+    def masked(self, statistic: np.ndarray, plan: SecureSumPlan, state: secagg.SumState,
+               publics: Mapping[str, bytes], context: MaskContext,
                rng: np.random.Generator) -> np.ndarray:
         shifted = np.array(statistic, dtype=np.int64)
         shifted[0] += SHIFT
-        return super().masked(shifted, plan, own_key, signed, context, rng)  # type: ignore[arg-type]
+        return super().masked(shifted, plan, state, publics, context, rng)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from scipy import linalg
 from dpfed.common.data.encoding import RowPolicy, encode_table
 from dpfed.common.data.schema import ContinuousColumn, NominalColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
-from dpfed.common.linalg import mirror_upper
+from dpfed.common.linalg import mirror_upper, syrk_upper
 from dpfed.common.pca.dppca import GramAccumulator, site_release
 from dpfed.common.pca.features import UnitBallMap
 from dpfed.common.privacy.mechanisms import symmetric_gaussian_noise
@@ -117,6 +117,18 @@ def test_mirror_upper_equals_triu_formula(p: int) -> None:
     expected = np.triu(a) + np.triu(a, 1).T
     np.testing.assert_array_equal(mirror_upper(a.copy()), expected)
     np.testing.assert_array_equal(mirror_upper(np.asfortranarray(a)), expected)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_syrk_upper_in_either_memory_order_is_the_exact_upper_gram(order: str) -> None:
+    """Integer-valued rows: both layouts give exactly ``triu(x^T x)``, fresh or accumulated."""
+    x = np.asarray(np.random.default_rng(1).integers(-50, 50, (700, 9)), dtype=np.float64,
+                   order=order)
+    exact = np.triu(x.T @ x)
+    np.testing.assert_array_equal(np.triu(syrk_upper(x)), exact)
+    ones = np.triu(np.ones((9, 9)))
+    np.testing.assert_array_equal(np.triu(syrk_upper(x, into=np.asfortranarray(ones))),
+                                  exact + ones)
 
 
 def test_noise_in_place_draws_the_same_matrix_as_before() -> None:

@@ -237,6 +237,17 @@ def test_events_without_a_usable_description_fall_back_to_their_pair() -> None:
                         math.sqrt(cal.mu / 2))
     assert event_loss(share).method == "skellam"
     assert event_loss(share).mu == pytest.approx(event_loss(cal.cost()).mu)
+    # With d tolerated drops each share is mu / (n - t - d): the honest survivors of the worst
+    # case carry mu. Read as if no site could drop (n - t shares), the same share would claim
+    # 3/1 times the variance -- an accountant that ignored d would under-count.
+    dropped = PrivacyCost(1.0, 1e-6, cal.cost().rho, "secure-skellam[n=5,t=1,d=3]", 2.0,
+                          math.sqrt(cal.mu))
+    assert event_loss(dropped).method == "skellam"
+    assert event_loss(dropped).mu == pytest.approx(event_loss(cal.cost()).mu)
+    ignoring_d = replace(dropped, mechanism="secure-skellam[n=5,t=1]")
+    assert event_loss(ignoring_d).mu < event_loss(dropped).mu / 1.5
+    impossible = replace(dropped, mechanism="secure-skellam[n=5,t=1,d=4]")  # no honest survivor
+    assert event_loss(impossible).method == "approximate"
 
 
 def test_a_fallback_is_never_looser_than_basic_composition() -> None:
