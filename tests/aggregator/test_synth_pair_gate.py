@@ -76,7 +76,7 @@ def test_the_plan_says_the_gated_pairs_round_may_cost_nothing() -> None:
     gated = SynthParams.parse(kind.canonical({}, 1.0, 1e-5, AGE_WARD), AGE_WARD)
     assert gated.pair_gate
     note = gated.plan_note(1.0, 1e-5)
-    pairs = dict((n, e) for n, e, _ in gated.plan(1.0, 1e-5))["pairs"]
+    pairs = {n: e for n, e, _ in gated.plan(1.0, 1e-5)}["pairs"]
     assert f"epsilon {pairs:.4g}" in note and "skipped and charged nothing" in note
     ungated = SynthParams.parse({**gated.to_mapping(), "pair_gate": False}, AGE_WARD)
     assert ungated.plan_note(1.0, 1e-5) == ""
