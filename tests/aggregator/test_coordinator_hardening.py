@@ -257,17 +257,19 @@ async def test_a_target_that_disconnects_does_not_hold_the_round(tmp_path: Path)
 async def test_with_a_site_missing_the_round_fails_by_quorum_within_deadline_plus_1s(
         tmp_path: Path) -> None:
     async with harness(tmp_path) as h:
-        async def silent(site: HandSite, task) -> None:  # type: ignore[no-untyped-def]
-            return None  # connected, never answers
-
         spec = JobSpec("pca", 1.0, 1e-5, {"n_components": 1, **ONE_ROUND}, min_sites=3,
                        deadline_seconds=2.0)
-        site = HandSite(h)
+        site = HandSite(h)  # connected, reads its task, never answers
         await site.connect()
         await h.wait_connected("hospital-3")
-        t0 = time.monotonic()
+
+        async def task_arrives() -> float:
+            await site.next_task()
+            return time.monotonic()  # the round's deadline runs from its dispatch
+
+        arrival = asyncio.create_task(task_arrives())
         job = await h.submit(spec)
-        elapsed = time.monotonic() - t0
+        elapsed = time.monotonic() - await asyncio.wait_for(arrival, 10)
         await site.close()
     assert job.state == "failed" and "min_sites=3" in job.error
     assert statuses(job)["hospital-3"][0] == "timeout"

@@ -190,7 +190,9 @@ def test_other_callers_are_answered_while_the_heaviest_accepted_requests_are_pla
         with fed.analyst(timeout=120) as coord:
             return coord.svt(queries, epsilon=1.0, threshold=1e9, on_event=seen)
 
+    t0 = time.monotonic()
     prober.during(heavy_svt, threading.Event())
+    planning_svt = time.monotonic() - t0
     print(f"\n{prober.probes} probes while planning (the query's planning took "
           f"{planning:.1f}s); worst health {prober.worst['health'] * 1000:.0f} ms, worst "
           f"ListSites {prober.worst['sites'] * 1000:.0f} ms (idle floor: "
@@ -198,7 +200,10 @@ def test_other_callers_are_answered_while_the_heaviest_accepted_requests_are_pla
           f"{idle.probes} probes); coordinator peak RSS {status_kib(pid, 'VmHWM') / 1024:.0f} "
           "MiB")
     assert prober.probes >= 5
-    assert prober.worst["health"] < 1.0 and prober.worst["sites"] < 1.0
+    # A blocked event loop would hold a probe for about as long as the planning takes (it
+    # held them 125 s); on a loaded machine an unblocked probe may still take about a second.
+    bound = max(1.0, 0.3 * min(planning, planning_svt))
+    assert prober.worst["health"] < bound and prober.worst["sites"] < bound, bound
     assert status_kib(pid, "VmHWM") < 1024 * 1024  # below 1 GiB over the whole module
     fed.check_alive("coordinator")
 
