@@ -149,9 +149,11 @@ def test_the_bombs_are_refused_at_once_naming_the_flag_and_the_limit(
     after = status_kib(pid, "VmRSS") / 1024
     print(f"coordinator RSS {before:.0f} -> {after_first:.0f} MiB after the first, {after:.0f} "
           f"MiB after the fourth; peak {status_kib(pid, 'VmHWM') / 1024:.0f} MiB")
-    # The first request's buffers stay with the allocator and serve the next ones; a request
-    # kept alive (it was: about 145 MiB each, in a reference cycle) would add up.
-    assert after - after_first < 60, (before, after_first, after)
+    # The first request's buffers stay with the allocator and serve the next ones (up to one
+    # request's worth more where a request lands on another gRPC thread's malloc arena: seen
+    # 246 -> 294 -> 351 -> 341 -> 313 MiB on a loaded machine, falling back); a request kept
+    # alive (it was: about 145 MiB each, in a reference cycle) would add >= 435 MiB over three.
+    assert after - after_first < 150, (before, after_first, after)
 
 
 def test_other_callers_are_answered_while_the_heaviest_accepted_requests_are_planned(
