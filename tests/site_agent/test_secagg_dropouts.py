@@ -17,7 +17,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
-from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ProtocolError
 from dpfed.common.jobs.contract import Site
 from dpfed.common.jobs.registry import secure_round
@@ -39,20 +38,9 @@ from dpfed.site_agent.handlers import default_handlers
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
+from tests.support.schemas import AGE_BMI as SCHEMA
 from tests.support.secure_driver import SumDriver, runner_ask
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "bmi"
-type = "continuous"
-min = 10
-max = 60
-""")
 SITES = [f"hospital-{i}" for i in range(1, 7)]
 ROWS = 200
 

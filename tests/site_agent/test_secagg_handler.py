@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
-from dpfed.common.data.schema import Schema
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg.dropouts import RoundKeys
 from dpfed.common.secagg.messages import plan_params
@@ -25,20 +24,9 @@ from dpfed.site_agent.handlers import default_handlers
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
+from tests.support.schemas import AGE_BMI as SCHEMA
 from tests.support.secure_driver import dealt
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 100
-[[columns]]
-name = "bmi"
-type = "continuous"
-min = 10
-max = 60
-""")
 SITES = ("hospital-a", "hospital-b", "hospital-c")
 JOB = "job-9"
 SUM = "pca-sum-1"
