@@ -105,7 +105,9 @@ def test_synth_sample_refuses_a_model_with_a_two_gib_member(tmp_path: Path) -> N
     print(f"\n{bomb.stat().st_size / 2**20:.1f} MiB model file: exit {proc.returncode}, peak RSS "
           f"{usage.ru_maxrss / 1024:.0f} MiB: {err.strip()}")
     assert proc.returncode != 0 and "member 'components.npy' expands from" in err, err
-    assert usage.ru_maxrss < 800 * 1024  # the 2 GiB member inflated it to 2.2 GB
+    # the 2 GiB member inflated it to 2.2 GB; a refusal before inflating stays below the
+    # member's own size (peaks of 0.3-1.5 GB were seen, varying with the machine's load)
+    assert usage.ru_maxrss < 1900 * 1024
 
 
 def test_a_header_that_claims_more_than_its_member_holds_is_refused() -> None:
