@@ -7,8 +7,10 @@ One secure sum is five tasks of the ``secagg`` kind (docs/secure-aggregation.md)
 and collects the masked contributions; ``<round>-confirm-<attempt>`` has every survivor sign
 the participant and survivor sets, and ``<round>-unmask-<attempt>`` relays the signatures and
 collects the revealed shares, from which the survivors' self-masks and the dropped sites'
-pairwise masks are rebuilt. Up to ``d`` dealers may drop after dealing; more, or fewer than
-``T`` revealers, abandon the attempt (nothing is unmasked; its charges stay on the ledgers),
+pairwise masks are rebuilt. Sites mask with and deal to their neighbours in the sum's graph
+(:mod:`dpfed.common.secagg.graph`: complete for small federations, else sparse and derived
+from the signed keys). Up to ``d`` dealers may drop after dealing; more, or too few revealers
+in a neighbourhood, abandon the attempt (nothing is unmasked; its charges stay on the ledgers),
 which is retried without them, with fresh keys. The decoded integer sum is checked against
 the bounds the statistic and the public row counts imply before anything uses it.
 """
@@ -39,13 +41,8 @@ from dpfed.common.jobs.contract import (
 from dpfed.common.jobs.params import Params
 from dpfed.common.jobs.registry import SECURE_TASK_KIND
 from dpfed.common.jobs.results import RESULT_ENVELOPE_BYTES
-from dpfed.common.secagg.dropouts import (
-    SEALED_BYTES,
-    dropout_limit,
-    mask_public,
-    recovery_correction,
-    threshold,
-)
+from dpfed.common.secagg.dropouts import SEALED_BYTES, mask_public, recovery_correction
+from dpfed.common.secagg.graph import NeighbourGraph, choose_degree, derive_graph
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
 from dpfed.common.secagg.secure_sum import decode_survivors, plan_for, plan_within_rho
@@ -156,16 +153,19 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
         relayed: dict[str, np.ndarray] = {}
         for s in order:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
-        threshold_ = threshold(len(order), tolerated)
+        context = MaskContext(job.job_id, sum_round, sum_task_id)
+        graph = sum_graph(context, keys, tolerated, wanted_drops)
+        threshold_ = graph.share_threshold(tolerated)
         shares = await _quietly(job.dispatch(
             OutgoingTask(f"{name}-shares-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
                          {"stage": "shares", **ids, "participants": order,
-                          "tolerated": tolerated}, relayed,
-                         _shares_bytes(len(order)),
-                         functools.partial(check_shares, order=order)),
+                          "tolerated": tolerated, **graph_params(graph, wanted_drops)},
+                         relayed, _shares_bytes(graph.degree + 1),
+                         functools.partial(check_shares, order=order, graph=graph)),
             only=order, progress=(lo + span * 0.1, lo + span * 0.2), quorum=1))
         participants = sorted(shares)
-        dropouts = dropout_limit(len(participants), threshold_, tolerated, wanted_drops)
+        dropouts = min(wanted_drops,
+                       graph.capacity(tolerated) - (len(order) - len(participants)))
         if len(participants) < needed or dropouts < 0:
             excluded.update(s for s in order if s not in shares)
             _retrying(job, name, attempt, sorted(set(order) - set(shares)), lo + span * 0.5)
@@ -190,7 +190,7 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
             OutgoingTask(sum_round, SECURE_TASK_KIND, budget, params, dict(enc.arrays),
                          8 * plan.n_values + RESULT_ENVELOPE_BYTES,
                          functools.partial(_check_masked, n_values=plan.n_values),
-                         addressed_shares(shares, participants)),
+                         addressed_shares(shares, participants, graph)),
             only=participants, progress=(lo + span * 0.3, lo + span * 0.8), quorum=1))
         survivors = sorted(results)
         if len(survivors) >= max(len(participants) - dropouts, job.min_sites):
@@ -204,13 +204,14 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
             revealed = await _quietly(job.dispatch(
                 OutgoingTask(f"{name}-unmask-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
                              {"stage": "unmask", **view}, signatures,
-                             _reveal_bytes(len(participants)),
+                             _reveal_bytes(min(len(participants), graph.holders)),
                              functools.partial(check_reveal, survivors=survivors,
-                                               participants=participants)),
+                                               participants=participants, graph=graph)),
                 only=sorted(signed), progress=(lo + span * 0.85, hi), quorum=1))
-            if len(signed) >= threshold_ and len(revealed) >= threshold_:
+            if (len(signed) >= graph.view_threshold(tolerated)
+                    and len(revealed) >= threshold_):
                 recovery = Recovery(order, participants, keys, shares, revealed, threshold_,
-                                    MaskContext(job.job_id, sum_round, sum_task_id))
+                                    context, graph)
                 try:
                     return await _decoded(rnd, ask, enc, planned, budget, results, attempt,
                                           recovery)
@@ -255,44 +256,84 @@ def _reveal_bytes(n: int) -> int:
     return n * (SHARE_BYTES + 64) + RESULT_ENVELOPE_BYTES
 
 
-def check_shares(result: TaskResult, order: list[str]) -> None:
-    """Refuse a shares answer that is not one dealer's sealed shares for exactly ``order``."""
+def sum_graph(context: MaskContext, keys: Mapping[str, TaskResult], tolerated: int,
+              wanted_drops: int) -> NeighbourGraph:
+    """Return the graph of a sum over the sites that sent ``keys``.
+
+    Its degree follows from their number, ``t`` and the drops asked for; its ring from their
+    signed round keys.
+    """
+    publics = {s: signed_key_from_arrays(keys[s].arrays, s).public_key for s in keys}
+    return derive_graph(context, publics, choose_degree(len(publics), tolerated, wanted_drops))
+
+
+def graph_params(graph: NeighbourGraph, wanted_drops: int) -> dict[str, Any]:
+    """Return the graph as the shares stage shows it: nothing for a complete graph."""
+    if graph.complete:
+        return {}
+    return {"degree": graph.degree, "wanted_dropouts": wanted_drops, "ring": list(graph.ring)}
+
+
+def check_shares(result: TaskResult, order: list[str],
+                 graph: NeighbourGraph | None = None) -> None:
+    """Refuse a shares answer that is not one dealer's sealed shares for its neighbours.
+
+    ``graph``: the sum's graph over ``order`` (default complete: every other dealer).
+    """
     committed = {k.split("/", 1)[1] for k in result.arrays if k.startswith("commit_self/")}
     sealed = {k.split("/", 1)[1] for k in result.arrays if k.startswith("sealed/")}
     dealers = sorted(committed - sealed)
     if len(dealers) != 1 or dealers[0] not in order:
         raise ProtocolError("the shares lack the dealer's own commitment")
     dealer = dealers[0]
-    for peer in order:
+    peers = order if graph is None else [dealer, *graph.neighbours(dealer)]
+    for peer in peers:
         fields = ((("commit_self", 32),) if peer == dealer else
                   (("sealed", SEALED_BYTES), ("commit_self", 32), ("commit_key", 32)))
         for f, size in fields:
             arr = result.arrays.get(f"{f}/{peer}")
             if arr is None or arr.dtype != np.uint8 or arr.shape != (size,):
                 raise ProtocolError(f"the shares lack a valid {f}/{peer}")
-    if len(result.arrays) != 3 * len(order) - 2:
-        raise ProtocolError("the shares carry arrays for sites that are not participants")
+    if len(result.arrays) != 3 * len(peers) - 2:
+        raise ProtocolError("the shares carry arrays for sites that are not its neighbours")
 
 
-def check_reveal(result: TaskResult, survivors: list[str], participants: list[str]) -> None:
-    """Refuse a reveal that is not exactly the view's shares (self: survivors, key: dropped)."""
+def check_reveal(result: TaskResult, survivors: list[str], participants: list[str],
+                 graph: NeighbourGraph | None = None) -> None:
+    """Refuse a reveal that is not exactly the view's shares one survivor holds.
+
+    Self-mask shares of the survivors among it and its neighbours, key shares of the dropped
+    sites among its neighbours (``graph`` None: complete, every participant).
+    """
     dropped = [s for s in participants if s not in survivors]
-    expected = {f"self/{v}" for v in survivors} | {f"key/{u}" for u in dropped}
-    if set(result.arrays) != expected:
+
+    def expected(revealer: str | None) -> set[str]:
+        near = set(participants) if revealer is None or graph is None else (
+            {revealer, *graph.neighbours(revealer)})
+        return ({f"self/{v}" for v in survivors if v in near}
+                | {f"key/{u}" for u in dropped if u in near})
+
+    names = set(result.arrays)
+    if graph is None or graph.complete:
+        fits = names == expected(None)
+    else:
+        fits = any(names == expected(r) for r in survivors)
+    if not fits:
         raise ProtocolError("the reveal does not hold exactly the shares the view calls for")
     for arr in result.arrays.values():
         if arr.dtype != np.uint8 or arr.shape != (SHARE_BYTES,):
             raise ProtocolError(f"a revealed share must be {SHARE_BYTES} bytes")
 
 
-def addressed_shares(shares: Mapping[str, TaskResult],
-               participants: list[str]) -> dict[str, dict[str, np.ndarray]]:
-    """Per recipient: the sealed shares and commitments every other participant dealt it."""
+def addressed_shares(shares: Mapping[str, TaskResult], participants: list[str],
+                     graph: NeighbourGraph | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """Per recipient: the sealed shares and commitments its neighbours among them dealt it."""
     out: dict[str, dict[str, np.ndarray]] = {r: {} for r in participants}
     for dealer in participants:
         arrays = shares[dealer].arrays
+        near = participants if graph is None else graph.neighbours(dealer)
         for recipient in participants:
-            if recipient != dealer:
+            if recipient != dealer and recipient in near:
                 out[recipient].update({f"{f}/{dealer}": arrays[f"{f}/{recipient}"]
                                        for f in ("sealed", "commit_self", "commit_key")})
     return out
@@ -309,6 +350,8 @@ class Recovery:
     revealed: Mapping[str, TaskResult]
     threshold: int
     context: MaskContext
+    #: The sum's graph over ``order`` (None: complete).
+    graph: NeighbourGraph | None = None
 
     def correction(self, survivors: list[str], n_values: int) -> np.ndarray:
         """Rebuild the survivors' self-masks and the dropped sites' pairwise masks."""
@@ -325,10 +368,13 @@ class Recovery:
                 revealed.setdefault(revealer, {}).setdefault(kind, {})[owner] = arr.tobytes()
         publics = {s: mask_public(signed_key_from_arrays(self.keys[s].arrays, s).public_key)
                    for s in self.participants}
+        graph = self.graph if self.graph is not None else NeighbourGraph(
+            tuple(self.order), len(self.order) - 1)
         return recovery_correction(n_values=n_values, order=self.participants,
                                    survivors=survivors, mask_publics=publics,
                                    revealed=revealed, commitments=commitments,
-                                   threshold_=self.threshold, context=self.context)
+                                   threshold_=self.threshold, context=self.context,
+                                   graph=graph)
 
 
 async def _decoded(rnd: SumRound[P, I, V], ask: Ask[P, I], enc: SumEncoding,

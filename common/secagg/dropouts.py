@@ -1,10 +1,11 @@
-"""Dropout recovery for secure sums (Bonawitz et al., CCS 2017, rounds 1-4 over a full graph).
+"""Dropout recovery for secure sums (Bonawitz et al., CCS 2017, rounds 1-4; Bell et al. 2020).
 
 Every participant holds two fresh X25519 keys per sum (one for masks, one for the channel that
 carries shares), signed together. Before masking, a site Shamir-shares (threshold ``T``) its
-mask key and a fresh self-mask seed among all participants, each share encrypted to its
-recipient (AES-GCM under a key from the channel exchange) and committed to (SHA-256) in public.
-It then masks with every peer that dealt shares and with its own self-mask. After the masked
+mask key and a fresh self-mask seed among its neighbours (:mod:`dpfed.common.secagg.graph`;
+every participant on a complete graph), each share encrypted to its recipient (AES-GCM under
+a key from the channel exchange) and committed to (SHA-256) in public. It then masks with
+every neighbour that dealt shares and with its own self-mask. After the masked
 vectors are in, every survivor signs the participant and survivor sets it was shown and
 reveals, once at least ``T`` survivors signed the same sets, the self-mask share of every
 survivor and the mask-key share of every dropped site -- never both for one site
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from dpfed.common.errors import ProtocolError, ValidationError
+from dpfed.common.secagg.graph import NeighbourGraph, threshold
 from dpfed.common.secagg.masking import MaskContext, derive_pair_seed, mask_stream
 from dpfed.common.secagg.shamir import SHARE_BYTES, reconstruct, split
 
@@ -55,15 +57,6 @@ _VIEW = b"dpfed-secagg-view-v1"
 KINDS = ("self", "key")
 #: A sealed pair of shares: 12-byte nonce, two shares, 16-byte tag.
 SEALED_BYTES = 12 + 2 * SHARE_BYTES + 16
-
-
-def threshold(n: int, tolerated: int) -> int:
-    """Return the threshold ``T = floor((n + t) / 2) + 1`` of a sum of ``n`` dealers.
-
-    No two sets of ``T`` signers with ``t`` colluders among them can back different views,
-    and ``t`` colluders alone cannot rebuild a secret.
-    """
-    return (n + tolerated) // 2 + 1
 
 
 def dropout_limit(n: int, threshold_: int, tolerated: int, wanted: int) -> int:
@@ -157,22 +150,27 @@ class Dealt:
 
 
 def deal(keys: RoundKeys, self_seed: bytes, *, own_id: str, publics: Mapping[str, bytes],
-         context: MaskContext, threshold_: int) -> tuple[dict[str, Dealt], bytes, bytes]:
-    """Share the self-mask seed and the mask key among ``publics`` (every participant).
+         context: MaskContext, threshold_: int, neighbours: Iterable[str] | None = None
+         ) -> tuple[dict[str, Dealt], bytes, bytes]:
+    """Share the self-mask seed and the mask key among ``neighbours`` (default: every dealer).
 
-    Share ``x`` goes to the participant at position ``x - 1`` in sorted order. Returns the
-    sealed shares for every other participant, the dealer's own self-mask share (which it
-    reveals itself if it survives; its own mask-key share is never needed) and that share's
-    commitment.
+    ``publics``: every dealer's round key. Share ``x`` belongs to the dealer at position
+    ``x - 1`` in sorted order. Returns the sealed shares for every neighbour, the dealer's own
+    self-mask share (which it reveals itself if it survives; its own mask-key share is never
+    needed) and that share's commitment.
     """
     order = sorted(publics)
     if own_id not in order:
         raise ValidationError(f"{own_id!r} is not among the participants it deals to")
-    self_shares = split(self_seed, n_shares=len(order), threshold=threshold_)
-    key_shares = split(keys.mask_secret(), n_shares=len(order), threshold=threshold_)
+    peers = set(order if neighbours is None else neighbours) - {own_id}
+    if not peers <= set(order):
+        raise ValidationError(f"{own_id!r} deals to neighbours that are not dealers")
+    xs = [x for x, s in enumerate(order, start=1) if s in peers or s == own_id]
+    self_shares = split(self_seed, n_shares=len(order), threshold=threshold_, only=xs)
+    key_shares = split(keys.mask_secret(), n_shares=len(order), threshold=threshold_, only=xs)
     out: dict[str, Dealt] = {}
     for x, peer in enumerate(order, start=1):
-        if peer == own_id:
+        if peer not in peers:
             continue
         aead = AESGCM(_channel_key(keys.channel, publics[peer], own_id, peer, context))
         nonce = os.urandom(12)
@@ -278,15 +276,19 @@ def recovery_correction(*, n_values: int, order: Sequence[str], survivors: Seque
                         mask_publics: Mapping[str, bytes],
                         revealed: Mapping[str, Mapping[str, Mapping[str, bytes]]],
                         commitments: Mapping[tuple[str, str, str], bytes],
-                        threshold_: int, context: MaskContext) -> np.ndarray:
+                        threshold_: int, context: MaskContext,
+                        graph: NeighbourGraph | None = None) -> np.ndarray:
     """Return what to subtract from the survivors' summed vectors to remove every mask left.
 
     Parameters
     ----------
     order : sequence of str
-        Every dealer in sorted order (share ``x`` belongs to ``order[x - 1]``).
+        The participants, every site that masked, in sorted order.
     survivors : sequence of str
         The sites whose masked vectors are summed; the others in ``order`` dropped.
+    graph : NeighbourGraph, optional
+        The sum's graph over every dealer: share ``x`` belongs to the ``x``-th dealer in sorted
+        order, a dropped site masked with its neighbours. Default: complete over ``order``.
     mask_publics : mapping of str to bytes
         Every dealer's verified 32-byte mask public key.
     revealed : mapping
@@ -302,7 +304,8 @@ def recovery_correction(*, n_values: int, order: Sequence[str], survivors: Seque
     """
     survivors_set = set(survivors)
     dropped = [u for u in order if u not in survivors_set]
-    position = {s: x for x, s in enumerate(order, start=1)}
+    graph = graph if graph is not None else NeighbourGraph(tuple(order), len(order) - 1)
+    position = {s: x for x, s in enumerate(sorted(graph.ring), start=1)}
     verified: dict[tuple[str, str], dict[int, bytes]] = {}
     for revealer in sorted(revealed):
         for kind in KINDS:
@@ -321,7 +324,7 @@ def recovery_correction(*, n_values: int, order: Sequence[str], survivors: Seque
         key = X25519PrivateKey.from_private_bytes(secret)
         if _raw(key) != mask_publics[u]:
             raise ProtocolError(f"the mask key rebuilt for {u!r} does not match its public key")
-        for v in survivors:
+        for v in sorted(survivors_set.intersection(graph.neighbours(u))):
             seed = derive_pair_seed(key, mask_publics[v], own_id=u, peer_id=v, context=context)
             stream = mask_stream(seed, n_values)
             if v < u:  # v added the pair's stream, so subtract it; v > u subtracted it

@@ -11,7 +11,7 @@ is one field element (no splitting into limbs). Shares travel as 66 big-endian b
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from dpfed.common.errors import ProtocolError, ValidationError
 
@@ -22,22 +22,30 @@ SECRET_BYTES = 32
 SHARE_BYTES = 66
 
 
-def split(secret: bytes, *, n_shares: int, threshold: int) -> dict[int, bytes]:
-    """Return shares ``x -> f(x)`` for ``x = 1 .. n_shares`` of ``secret`` (32 bytes).
+def split(secret: bytes, *, n_shares: int, threshold: int,
+          only: Collection[int] | None = None) -> dict[int, bytes]:
+    """Return shares ``x -> f(x)`` for ``x = 1 .. n_shares`` (or the ``x`` in ``only``).
+
+    ``only``: the holders' points, when a secret is shared among some of ``n_shares`` sites.
 
     Raises
     ------
     ValidationError
-        The secret is not 32 bytes or ``1 <= threshold <= n_shares`` does not hold.
+        The secret is not 32 bytes, ``1 <= threshold <= n_shares`` does not hold, or ``only``
+        has fewer than ``threshold`` points or one outside ``1 .. n_shares``.
     """
     if len(secret) != SECRET_BYTES:
         raise ValidationError(f"a shared secret has {SECRET_BYTES} bytes, got {len(secret)}")
     if not 1 <= threshold <= n_shares:
         raise ValidationError(f"threshold must be in [1, n_shares={n_shares}], got {threshold}")
+    xs = sorted(set(range(1, n_shares + 1) if only is None else only))
+    if len(xs) < threshold or not 1 <= xs[0] <= xs[-1] <= n_shares:
+        raise ValidationError(f"shares go to at least threshold={threshold} distinct points "
+                              f"in [1, {n_shares}], got {xs[:8]}")
     coefficients = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME)
                                                      for _ in range(threshold - 1)]
     out = {}
-    for x in range(1, n_shares + 1):
+    for x in xs:
         y = 0
         for c in reversed(coefficients):  # Horner
             y = (y * x + c) % PRIME

@@ -6,13 +6,16 @@ named in the parameters; nothing is read or charged, and a retried task gets the
 back (held in memory only: a site restarted mid-sum refuses it, and the coordinator retries
 with fresh keys). ``shares`` verifies every participant's signed keys, that every one is a
 listed, unrevoked site (``SecureAggregationPolicy.check_round``; verified once per sum and
-cached), and deals Shamir shares of the site's mask key and a fresh self-mask seed.
+cached), checks that the neighbour graph it is shown is the one the keys give
+(:mod:`dpfed.common.secagg.graph`), and deals its neighbours Shamir shares of the site's mask
+key and a fresh self-mask seed.
 ``contribute`` checks the shares dealt to it, lets the round the task names (``source``,
 ``statistic``) recompute the plan and bind its exact statistic, and adds the Skellam share
-``mu / (n - t - d)``, its pairwise masks and its self-mask; the ledger charges the pooled
-guarantee first. ``confirm`` signs the participant and survivor sets it is shown (one view
-per sum); ``unmask`` checks that enough survivors signed that same view and reveals the
-survivors' self-mask shares and the dropped sites' mask-key shares, never both for one site.
+``mu / (n - t - d)``, its pairwise masks with its neighbours and its self-mask; the ledger
+charges the pooled guarantee first. ``confirm`` signs the participant and survivor sets it is
+shown (one view per sum); ``unmask`` checks that enough survivors signed that same view and
+reveals the survivors' self-mask shares and the dropped sites' mask-key shares it holds, never
+both for one site.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from dpfed.common.secagg.dropouts import (
     mask_public,
     open_share,
     sign_view,
-    threshold,
     verify_view,
 )
+from dpfed.common.secagg.graph import NeighbourGraph, choose_degree, derive_graph
 from dpfed.common.secagg.keys import SignedKey, sign_ephemeral
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import (
@@ -104,14 +107,18 @@ class SumState:
 
     keys: RoundKeys
     signed: SignedKey
-    #: Set by ``shares``: the participants dealt to, their verified keys, t and the threshold.
+    #: Set by ``shares``: the dealers, their verified keys, t, the graph and its thresholds.
     order: tuple[str, ...] = ()
     verified: dict[str, SignedKey] = field(default_factory=dict)
     tolerated: int = 0
+    graph: NeighbourGraph | None = None
     threshold: int = 0
+    view_threshold: int = 0
     self_seed: bytes = b""
     own_self_share: bytes = b""
     dealt: TaskResult | None = None
+    #: The degree and ring the coordinator showed at ``shares`` (None, None: complete).
+    shown: tuple[Any, Any] = (None, None)
     #: Set by ``contribute``: who it masked with, the tolerated drops and the shares it holds.
     participants: tuple[str, ...] = ()
     dropouts: int = 0
@@ -216,10 +223,11 @@ class SecureAggregationHandler(TaskHandler):
         state = self._state(context)
         order = _site_list(task.params, "participants")
         tolerated = check_int(task.params.get("tolerated"), "tolerated", minimum=0)
+        shown = (task.params.get("degree"), task.params.get("ring"))
         if state.dealt is not None:
-            if (order, tolerated) != (state.order, state.tolerated):
+            if (order, tolerated, shown) != (state.order, state.tolerated, state.shown):
                 raise ValidationError("secure round refused: shares were already dealt to "
-                                      "another participant set")
+                                      "another participant set or graph")
             return state.dealt
         me = self.identity.site_id
         if me not in order:
@@ -244,11 +252,13 @@ class SecureAggregationHandler(TaskHandler):
         if short:
             raise ValidationError(f"secure round refused: {short} sent no channel key (a site "
                                   "of an older dpfed cannot take part in dropout recovery)")
-        threshold_ = threshold(len(order), tolerated)
+        publics = {s: signed[s].public_key for s in order}
+        graph = self._graph(task.params, context, publics, tolerated)
+        threshold_ = graph.share_threshold(tolerated)
         seed = os.urandom(32)
         dealt, own_share, own_commit = deal(
-            state.keys, seed, own_id=me, publics={s: signed[s].public_key for s in order},
-            context=context, threshold_=threshold_)
+            state.keys, seed, own_id=me, publics=publics, context=context,
+            threshold_=threshold_, neighbours=graph.neighbours(me))
         arrays = {f"commit_self/{me}": as_array(own_commit)}
         for peer, d in dealt.items():
             arrays.update({f"sealed/{peer}": as_array(d.sealed),
@@ -256,9 +266,34 @@ class SecureAggregationHandler(TaskHandler):
                            f"commit_key/{peer}": as_array(d.commit_key)})
         with self._lock:
             state.order, state.verified, state.tolerated = order, signed, tolerated
-            state.threshold, state.self_seed, state.own_self_share = threshold_, seed, own_share
+            state.graph, state.shown = graph, shown
+            state.threshold, state.view_threshold = threshold_, graph.view_threshold(tolerated)
+            state.self_seed, state.own_self_share = seed, own_share
             state.dealt = self._answer(task, arrays)
         return state.dealt
+
+    @staticmethod
+    def _graph(params: Mapping[str, Any], context: MaskContext, publics: Mapping[str, bytes],
+               tolerated: int) -> NeighbourGraph:
+        """Return the graph the coordinator shows (none: complete) if the keys give exactly it.
+
+        A sparse graph's degree must be the one :func:`choose_degree` gives for the dealers,
+        ``t`` and the drops asked for, and its ring the one :func:`derive_graph` gives.
+        """
+        order = tuple(sorted(publics))
+        if params.get("degree") is None:
+            return NeighbourGraph(order, len(order) - 1)
+        wanted = check_int(params.get("wanted_dropouts"), "wanted_dropouts", minimum=0)
+        degree = check_int(params.get("degree"), "degree", minimum=2)
+        expected = derive_graph(context, publics, choose_degree(len(order), tolerated, wanted))
+        ring = params.get("ring")
+        if (degree != expected.degree or expected.complete or not isinstance(ring, list)
+                or tuple(ring) != expected.ring):
+            raise ValidationError(
+                f"secure round refused: the neighbour graph shown (degree {degree}) is not the "
+                f"one the round keys give (degree {expected.degree} for {len(order)} sites, "
+                f"t={tolerated}, d={wanted}, ring from the hash of the signed keys)")
+        return expected
 
     # ------------------------------------------------------------------ contribute
     def _contribute(self, task: Task, data: DataAccess) -> Release:
@@ -266,7 +301,8 @@ class SecureAggregationHandler(TaskHandler):
         p = task.params
         context = MaskContext(task.job_id, str(p.get("sum_round", "")), task.task_id)
         state = self._state(context)
-        if state.dealt is None:
+        graph = state.graph
+        if state.dealt is None or graph is None:
             raise ValidationError("secure round refused: this site dealt no shares for it")
         me = self.identity.site_id
         participants = _site_list(p, "participants")
@@ -277,10 +313,14 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError(f"secure round refused: {len(participants)} participants; "
                                   f"this site's policy requires at least "
                                   f"{self.policy.min_participants}")
+        neighbours = [s for s in graph.neighbours(me) if s in participants]
+        strangers = sorted({name.split("/", 1)[1] for name in task.arrays
+                            if name.startswith("sealed/")} - set(neighbours))
+        if strangers:
+            raise ValidationError(f"secure round refused: shares relayed from {strangers}, "
+                                  "which are not this site's neighbours in the sum's graph")
         received = {}
-        for dealer in participants:
-            if dealer == me:
-                continue
+        for dealer in neighbours:
             try:
                 dealt = Dealt(*(as_bytes(task.arrays, f"{f}/{dealer}")
                                 for f in ("sealed", "commit_self", "commit_key")))
@@ -303,13 +343,15 @@ class SecureAggregationHandler(TaskHandler):
                                         tolerated)
         dropouts = check_int(p.get("dropouts", 0), "dropouts", minimum=0)
         plan = dataclasses.replace(contribution.plan, dropouts=dropouts)
-        if len(participants) - dropouts < state.threshold:
+        lost = len(state.order) - len(participants)
+        if dropouts + lost > graph.capacity(tolerated):
             raise ValidationError(f"secure round refused: {dropouts} dropouts among "
-                                  f"{len(participants)} participants leave fewer survivors "
-                                  f"than the threshold {state.threshold}")
+                                  f"{len(participants)} participants ({lost} of the "
+                                  f"{len(state.order)} dealers gone already) exceed the "
+                                  f"{graph.capacity(tolerated)} its graph of degree "
+                                  f"{graph.degree} recovers securely")
         cost = plan.cost()
-        publics = {s: mask_public(state.verified[s].public_key) for s in participants
-                   if s != me}
+        publics = {s: mask_public(state.verified[s].public_key) for s in neighbours}
         with self._lock:
             state.participants, state.dropouts, state.received = participants, dropouts, received
 
@@ -345,7 +387,7 @@ class SecureAggregationHandler(TaskHandler):
         if not set(survivors) <= set(participants) or self.identity.site_id not in survivors:
             raise ValidationError("secure round refused: the survivors must be participants, "
                                   "this site among them")
-        least = max(state.threshold, len(participants) - state.dropouts)
+        least = max(state.view_threshold, len(participants) - state.dropouts)
         if len(survivors) < least:
             raise ValidationError(f"secure round refused: {len(survivors)} survivors; the sum "
                                   f"needs at least {least} (the threshold, and the drops its "
@@ -385,16 +427,18 @@ class SecureAggregationHandler(TaskHandler):
             raise ValidationError(f"secure round refused: the view signatures of {bad} do not "
                                   "sign the sets this site signed (the coordinator showed "
                                   "sites different sets)")
-        if len(signers) < state.threshold:
+        if len(signers) < state.view_threshold:
             raise ValidationError(f"secure round refused: {len(signers)} survivors signed the "
-                                  f"sets; revealing needs {state.threshold}")
+                                  f"sets; revealing needs {state.view_threshold}")
         me = self.identity.site_id
         dropped = [s for s in participants if s not in survivors]
         with self._lock:
             state.reveals.allow(survivors, dropped)
         arrays = {f"self/{v}": as_array(state.own_self_share if v == me
-                                         else state.received[v][0]) for v in survivors}
-        arrays.update({f"key/{u}": as_array(state.received[u][1]) for u in dropped})
-        log.info("task=%s revealed self-mask shares of %d survivors and key shares of %d "
-                 "dropped sites", task.task_id, len(survivors), len(dropped))
+                                         else state.received[v][0])
+                  for v in survivors if v == me or v in state.received}
+        arrays.update({f"key/{u}": as_array(state.received[u][1]) for u in dropped
+                       if u in state.received})
+        log.info("task=%s revealed %d shares (self-mask shares of survivors, key shares of "
+                 "dropped sites)", task.task_id, len(arrays))
         return self._answer(task, arrays)

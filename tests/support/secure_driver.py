@@ -21,8 +21,10 @@ from dpfed.aggregator.jobs.secure_rounds import (
     addressed_shares,
     check_reveal,
     check_shares,
+    graph_params,
+    sum_graph,
 )
-from dpfed.common.secagg.dropouts import dropout_limit, threshold
+from dpfed.common.secagg.graph import NeighbourGraph
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import plan_params
 from dpfed.common.secagg.secure_sum import SecureSumPlan, decode_survivors, plan_gram
@@ -45,6 +47,8 @@ class SumDriver:
     delta: float = 1e-5
     refusals: dict[str, dict[str, Refusal]] = field(default_factory=dict)
     answers: dict[str, dict[str, TaskResult]] = field(default_factory=dict)
+    #: The graph shown at ``shares`` (derived from the keys as the coordinator does).
+    graph: NeighbourGraph | None = None
 
     @property
     def sum_task_id(self) -> str:
@@ -93,21 +97,31 @@ class SumDriver:
 
     async def shares(self, order: list[str], tolerated: int,
                      relayed: Mapping[str, np.ndarray] | None = None,
-                     sites: list[str] | None = None) -> dict[str, TaskResult]:
-        """Relay the keys and collect every dealer's sealed shares."""
+                     sites: list[str] | None = None, wanted_drops: int = 0,
+                     shown: Mapping[str, Any] | None = None) -> dict[str, TaskResult]:
+        """Relay the keys and collect every dealer's sealed shares.
+
+        The graph is the coordinator's (:func:`sum_graph`); ``shown`` replaces the graph
+        parameters the sites see (a hostile coordinator).
+        """
+        keys = self.answers["keys"]
+        self.graph = sum_graph(self.context, {s: keys[s] for s in order}, tolerated,
+                               wanted_drops)
+        graph = self.graph
         return await self.stage(
             "shares", sites if sites is not None else order,
-            {**self._ids(), "participants": order, "tolerated": tolerated},
+            {**self._ids(), "participants": order, "tolerated": tolerated,
+             **(graph_params(graph, wanted_drops) if shown is None else shown)},
             self.relayed() if relayed is None else relayed,
-            check=lambda r: check_shares(r, order))
+            check=lambda r: check_shares(r, order, graph))
 
     def plan(self, participants: list[str], tolerated: int, wanted_drops: int) -> SecureSumPlan:
         """The coordinator's plan for these dealers, with the drops they can tolerate."""
         plan = plan_gram(dim=self.dim, total_rows=self.total_rows, epsilon=self.epsilon,
                          delta=self.delta, participants=participants, tolerated=tolerated)
-        dealt_to = len(self.answers["keys"])
-        drops = dropout_limit(len(participants), threshold(dealt_to, tolerated), tolerated,
-                              wanted_drops)
+        assert self.graph is not None
+        lost = len(self.graph.ring) - len(participants)
+        drops = min(wanted_drops, self.graph.capacity(tolerated) - lost)
         return SecureSumPlan(plan.statistic, plan.dim, plan.scale, plan.bound, plan.mu_total,
                              plan.tolerated, plan.participants, plan.calibration, drops)
 
@@ -120,7 +134,7 @@ class SumDriver:
             "contribute", sites if sites is not None else part,
             {"sum_round": self.sum_round, **plan_params(plan, row_norm=1.0),
              "participants": shown},
-            {}, addressed_shares(self.answers["shares"], part),
+            {}, addressed_shares(self.answers["shares"], part, self.graph),
             epsilon=self.epsilon, delta=self.delta)
 
     async def confirm(self, participants: list[str], survivors: list[str],
@@ -146,14 +160,15 @@ class SumDriver:
         return await self.stage(
             "unmask", sites if sites is not None else sorted(self.answers["confirm"]),
             {**self._ids(), "participants": participants, "survivors": survivors}, relayed,
-            check=lambda r: check_reveal(r, survivors, participants))
+            check=lambda r: check_reveal(r, survivors, participants, self.graph))
 
     def recovery(self, plan: SecureSumPlan) -> Recovery:
         """The coordinator's recovery state of this sum."""
         part = list(plan.participants)
-        return Recovery(sorted(self.answers["keys"]), part, self.answers["keys"],
+        assert self.graph is not None
+        return Recovery(sorted(self.graph.ring), part, self.answers["keys"],
                         self.answers["shares"], self.answers["unmask"],
-                        threshold(len(self.answers["keys"]), plan.tolerated), self.context)
+                        self.graph.share_threshold(plan.tolerated), self.context, self.graph)
 
     def decode(self, plan: SecureSumPlan) -> np.ndarray:
         """Unmask and decode the survivors' sum (int64)."""
@@ -169,7 +184,7 @@ class SumDriver:
         """The whole sum; ``vanish_after_shares`` deal shares, then never contribute."""
         await self.keys(sites)
         order = sorted(self.answers["keys"])
-        await self.shares(order, tolerated)
+        await self.shares(order, tolerated, wanted_drops=wanted_drops)
         participants = sorted(self.answers["shares"])
         plan = self.plan(participants, tolerated, wanted_drops)
         await self.contribute(plan, sites=[s for s in participants
@@ -209,7 +224,7 @@ def dealt(runners: Mapping[str, Runs], *, job_id: str, sum_round: str,
         await driver.keys(sorted(runners))
         order = sorted(driver.answers["keys"])
         await driver.shares(order, tolerated)
-        per_site = addressed_shares(driver.answers["shares"], order)
+        per_site = addressed_shares(driver.answers["shares"], order, driver.graph)
         return {s: {**driver.relayed(), **per_site[s]} for s in order}
 
     return asyncio.run(go())
@@ -233,7 +248,7 @@ def run_sum(runners: Mapping[str, Runs], task: Task, plan: SecureSumPlan, row_no
     async def go() -> tuple[dict[str, bytes | Refusal], np.ndarray | None]:
         await driver.keys(sites)
         await driver.shares(sites, plan.tolerated)
-        per_site = addressed_shares(driver.answers["shares"], sites)
+        per_site = addressed_shares(driver.answers["shares"], sites, driver.graph)
         raw: dict[str, bytes | Refusal] = {}
         for s in sites:
             own = Task(task.task_id, task.job_id, "secagg", task.epsilon, task.delta,
