@@ -11,6 +11,8 @@ floor measured the same way just before each row: one ChaCha20 stream of the sam
 least mask work any site does: its self-mask); one numpy draw of as many uint64 is printed for
 reference.
 Key verification (every peer's certificate and signature, O(n) in both graphs) is not included.
+Last, the margin beyond the policy (docs/secure-aggregation.md, "The neighbour graph"): the
+chance that a random ring puts ``T`` of ``c`` colluding sites next to some honest site.
 
 Run: ``nice -n 19 python bench/secagg_scale.py [--values 5050] [--repeats 7]``.
 """
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from scipy.stats import hypergeom
 
 from dpfed.common.secagg.dropouts import (
     SEALED_BYTES,
@@ -32,7 +35,7 @@ from dpfed.common.secagg.dropouts import (
     open_share,
     self_mask,
 )
-from dpfed.common.secagg.graph import NeighbourGraph, choose_degree, derive_graph
+from dpfed.common.secagg.graph import NeighbourGraph, choose_degree, derive_graph, threshold
 from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_seed, mask_stream
 from dpfed.common.secagg.shamir import SHARE_BYTES
 
@@ -126,6 +129,13 @@ def main() -> None:
                       f"{r['open_s'] / chacha:>7.2f} {r['mask_s'] / chacha:>7.2f} "
                       f"{work:>7.2f} {r['shares_out']:>7} {r['shares_in']:>7} "
                       f"{r['reveal']:>6} {r['masked']:>7} {work / full_work:>16.2f}")
+    print("Beyond the policy (t = 1, d = 0): n * P[Hyp(n - 1, c, k) >= T], c colluding sites")
+    for n in (16, 32, 64, 100, 1000):
+        k = choose_degree(n, 1, 0)
+        big_t = threshold(k + 1, 1)
+        risk = {c: n * float(hypergeom.sf(big_t - 1, n - 1, c, k)) for c in (n // 8, n // 4)}
+        print(f"  n={n:>4} k={k:>2} T={big_t:>2}: "
+              + ", ".join(f"c={c}: {p:.2g}" for c, p in risk.items()))
 
 
 if __name__ == "__main__":
