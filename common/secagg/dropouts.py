@@ -40,7 +40,6 @@ __all__ = [
     "RoundKeys",
     "commitment",
     "deal",
-    "dropout_limit",
     "mask_public",
     "open_share",
     "recovery_correction",
@@ -57,15 +56,6 @@ _VIEW = b"dpfed-secagg-view-v1"
 KINDS = ("self", "key")
 #: A sealed pair of shares: 12-byte nonce, two shares, 16-byte tag.
 SEALED_BYTES = 12 + 2 * SHARE_BYTES + 16
-
-
-def dropout_limit(n: int, threshold_: int, tolerated: int, wanted: int) -> int:
-    """Return the drops a sum of ``n`` dealers tolerates (negative: not even none).
-
-    ``wanted``, capped so ``threshold_`` survivors remain (the threshold the shares were dealt
-    with) and an honest survivor remains beyond the ``t`` colluders.
-    """
-    return min(wanted, n - threshold_, n - tolerated - 1)
 
 
 def _raw(key: X25519PrivateKey) -> bytes:

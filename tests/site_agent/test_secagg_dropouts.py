@@ -18,8 +18,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.errors import ProtocolError
-from dpfed.common.jobs.contract import Site
-from dpfed.common.jobs.registry import secure_round
 from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg.dropouts import (
     RevealRecord,
@@ -28,7 +26,7 @@ from dpfed.common.secagg.dropouts import (
     recovery_correction,
 )
 from dpfed.common.secagg.masking import derive_pair_seed, mask_stream
-from dpfed.common.secagg.messages import plan_params, signed_key_from_arrays
+from dpfed.common.secagg.messages import signed_key_from_arrays
 from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import SecureSumPlan
 from dpfed.common.secagg.shamir import reconstruct
@@ -79,14 +77,7 @@ def _driver(runners: dict[str, TaskRunner]) -> SumDriver:
 def _exact(runners: dict[str, TaskRunner], driver: SumDriver, plan: SecureSumPlan,
            site: str) -> np.ndarray:
     """The site's exact integer Gram (fresh randomised rounding) through the round's code."""
-    _kind, rnd = secure_round("pca", "gram")
-    t = Task(driver.sum_task_id, driver.job_id, "secagg", driver.epsilon, driver.delta,
-             {"stage": "contribute", "sum_round": driver.sum_round,
-              **plan_params(plan, row_norm=1.0)})
-    contribution = rnd.contribution(t, Site(runners[site].data, None), list(plan.participants),
-                                    plan.tolerated)
-    stat, _rows = contribution.compute(np.random.default_rng(0))
-    return np.asarray(stat, dtype=np.float64)
+    return driver.exact_gram(runners[site].data, plan)
 
 
 def test_two_sites_vanishing_after_dealing_leave_a_sum_that_decodes(

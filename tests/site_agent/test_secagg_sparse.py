@@ -17,22 +17,18 @@ import pytest
 
 from dpfed.aggregator.jobs.secure_rounds import addressed_shares, graph_params, sum_graph
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
-from dpfed.common.jobs.contract import Site
-from dpfed.common.jobs.registry import secure_round
 from dpfed.common.privacy.accounting import BudgetPolicy
-from dpfed.common.secagg import masking, secure_sum
 from dpfed.common.secagg.graph import NeighbourGraph
 from dpfed.common.secagg.messages import plan_params
 from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import SecureSumPlan
 from dpfed.common.transport.certs import init_federation
-from dpfed.common.transport.protocol import Task
 from dpfed.site_agent.handlers import default_handlers
 from dpfed.site_agent.handlers.secagg import SecureAggregationHandler, SiteIdentity
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
 from tests.support.schemas import AGE_BMI as SCHEMA
-from tests.support.secure_driver import SumDriver, runner_ask
+from tests.support.secure_driver import SumDriver, count_mask_streams, runner_ask
 
 SITES = [f"hospital-{i:02d}" for i in range(1, 17)]
 ROWS = 100
@@ -70,29 +66,9 @@ def _driver(runners: dict[str, TaskRunner], job_id: str = "job-9") -> SumDriver:
     return SumDriver(runner_ask(runners), job_id=job_id, total_rows=ROWS * len(SITES))
 
 
-def _exact(runners: dict[str, TaskRunner], driver: SumDriver, plan: SecureSumPlan,
-           site: str) -> np.ndarray:
-    _kind, rnd = secure_round("pca", "gram")
-    t = Task(driver.sum_task_id, driver.job_id, "secagg", driver.epsilon, driver.delta,
-             {"stage": "contribute", "sum_round": driver.sum_round,
-              **plan_params(plan, row_norm=1.0)})
-    contribution = rnd.contribution(t, Site(runners[site].data, None), list(plan.participants),
-                                    plan.tolerated)
-    stat, _rows = contribution.compute(np.random.default_rng(0))
-    return np.asarray(stat, dtype=np.float64)
-
-
 def test_sixteen_sites_mask_with_their_neighbours_and_decode_after_two_drops(
         runners: dict[str, TaskRunner], monkeypatch: pytest.MonkeyPatch) -> None:
-    expanded = {"n": 0}
-    stream = masking.mask_stream
-
-    def counted(seed: bytes, n_values: int) -> np.ndarray:
-        expanded["n"] += 1
-        return stream(seed, n_values)
-
-    monkeypatch.setattr(masking, "mask_stream", counted)
-    monkeypatch.setattr(secure_sum, "mask_stream", counted)
+    expanded = count_mask_streams(monkeypatch)
     driver = _driver(runners)
 
     async def go() -> tuple[SecureSumPlan, np.ndarray, list[str]]:
@@ -122,7 +98,7 @@ def test_sixteen_sites_mask_with_their_neighbours_and_decode_after_two_drops(
     assert len(survivors) == 14 and plan.dropouts == 2
     # the survivors' pooled Gram within noise and rounding (noise sd 0.6 % of the scale here;
     # a mask left in would be off by about 2^63)
-    reference = sum(_exact(runners, driver, plan, s) for s in survivors)
+    reference = np.sum([driver.exact_gram(runners[s].data, plan) for s in survivors], axis=0)
     assert np.max(np.abs(total - reference)) / (ROWS * 14 * plan.bound ** 2) < 0.05
     for s in SITES:
         events = runners[s].ledger.events()

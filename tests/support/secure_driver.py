@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import pytest
 
 from dpfed.aggregator.jobs.secure_rounds import (
     Recovery,
@@ -24,6 +25,9 @@ from dpfed.aggregator.jobs.secure_rounds import (
     graph_params,
     sum_graph,
 )
+from dpfed.common.jobs.contract import DataAccess, Site
+from dpfed.common.jobs.registry import secure_round
+from dpfed.common.secagg import dropouts, masking, secure_sum
 from dpfed.common.secagg.graph import NeighbourGraph
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.messages import plan_params
@@ -170,6 +174,17 @@ class SumDriver:
                         self.answers["shares"], self.answers["unmask"],
                         self.graph.share_threshold(plan.tolerated), self.context, self.graph)
 
+    def exact_gram(self, data: DataAccess, plan: SecureSumPlan) -> np.ndarray:
+        """A site's exact integer Gram (fresh randomised rounding) through the round's code."""
+        _kind, rnd = secure_round("pca", "gram")
+        t = Task(self.sum_task_id, self.job_id, "secagg", self.epsilon, self.delta,
+                 {"stage": "contribute", "sum_round": self.sum_round,
+                  **plan_params(plan, row_norm=1.0)})
+        contribution = rnd.contribution(t, Site(data, None), list(plan.participants),
+                                        plan.tolerated)
+        stat, _rows = contribution.compute(np.random.default_rng(0))
+        return np.asarray(stat, dtype=np.float64)
+
     def decode(self, plan: SecureSumPlan) -> np.ndarray:
         """Unmask and decode the survivors' sum (int64)."""
         results = self.answers["contribute"]
@@ -266,3 +281,17 @@ def run_sum(runners: Mapping[str, Runs], task: Task, plan: SecureSumPlan, row_no
         return raw, driver.decode(plan)
 
     return asyncio.run(go())
+
+
+def count_mask_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count every mask stream expanded from now on (``["n"]``; a test may reset it)."""
+    expanded = {"n": 0}
+    stream = masking.mask_stream
+
+    def counted(seed: bytes, n_values: int) -> np.ndarray:
+        expanded["n"] += 1
+        return stream(seed, n_values)
+
+    for module in (masking, secure_sum, dropouts):
+        monkeypatch.setattr(module, "mask_stream", counted)
+    return expanded

@@ -13,10 +13,10 @@ from dpfed.common.secagg.dropouts import (
     Dealt,
     RoundKeys,
     deal,
-    dropout_limit,
     open_share,
     threshold,
 )
+from dpfed.common.secagg.graph import drop_capacity
 from dpfed.common.secagg.masking import MaskContext
 from dpfed.common.secagg.policy import SecureAggregationPolicy
 from dpfed.common.secagg.secure_sum import SecureSumPlan, plan_gram
@@ -31,7 +31,7 @@ def test_no_two_views_can_each_gather_the_threshold_and_colluders_cannot_rebuild
             big_t = threshold(n, t)
             # two views backed by T signatures each need 2T <= h + 2t' <= n + t signers
             assert 2 * big_t > n + t and big_t > t
-            d = dropout_limit(n, big_t, t, n)
+            d = drop_capacity(n, n - 1, t)  # the complete graph
             if d >= 0:
                 assert n - d >= big_t and n - t - d >= 1
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from dpfed.common.errors import ProtocolError
-from dpfed.common.secagg import dropouts, masking
 from dpfed.common.secagg.dropouts import (
     RoundKeys,
     deal,
@@ -24,6 +23,7 @@ from dpfed.common.secagg.dropouts import (
 )
 from dpfed.common.secagg.graph import NeighbourGraph, choose_degree, derive_graph
 from dpfed.common.secagg.masking import MaskContext, apply_masks, derive_pair_seed
+from tests.support.secure_driver import count_mask_streams
 
 CTX = MaskContext("job-3", "pca-sum-1", "job-3/pca-sum-1")
 VALUES = 16
@@ -71,11 +71,11 @@ class Sum:
         survivors = [s for s in dealers if s not in dropped]
         revealed: dict[str, dict[str, dict[str, bytes]]] = {}
         for r in survivors:
-            near = {r, *self.graph.neighbours(r)}
+            holding = {r, *self.graph.neighbours(r)}
             revealed[r] = {
                 "self": {v: own[r] if v == r else held[r][v][0]
-                         for v in survivors if v in near},
-                "key": {u: held[r][u][1] for u in dealers if u in dropped and u in near}}
+                         for v in survivors if v in holding},
+                "key": {u: held[r][u][1] for u in dealers if u in dropped and u in holding}}
         correction = recovery_correction(
             n_values=VALUES, order=dealers, survivors=survivors,
             mask_publics={s: mask_public(self.publics[s]) for s in self.ids},
@@ -127,15 +127,7 @@ def test_a_complete_graph_recovers_when_a_dealer_vanished_before_dealing() -> No
 
 
 def test_per_site_work_grows_like_log_n(monkeypatch: pytest.MonkeyPatch) -> None:
-    expanded = {"n": 0}
-    stream = masking.mask_stream
-
-    def counted(seed: bytes, n_values: int) -> np.ndarray:
-        expanded["n"] += 1
-        return stream(seed, n_values)
-
-    monkeypatch.setattr(masking, "mask_stream", counted)
-    monkeypatch.setattr(dropouts, "mask_stream", counted)
+    expanded = count_mask_streams(monkeypatch)
     work = {}
     for n in (16, 32, 64):
         s = Sum(n, 1, 0, np.random.default_rng(n))
