@@ -316,8 +316,8 @@ def check_reveal(result: TaskResult, survivors: list[str], participants: list[st
     names = set(result.arrays)
     if graph is None or graph.complete:
         fits = names == expected(None)
-    else:
-        fits = any(names == expected(r) for r in survivors)
+    else:  # a revealer reveals its own self-mask share: only those named can be it
+        fits = any(names == expected(r) for r in survivors if f"self/{r}" in names)
     if not fits:
         raise ProtocolError("the reveal does not hold exactly the shares the view calls for")
     for arr in result.arrays.values():

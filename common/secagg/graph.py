@@ -12,6 +12,7 @@ neighbour graph", states what the graph guarantees and why the coordinator canno
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping
@@ -106,6 +107,10 @@ class NeighbourGraph:
         """Whether every site neighbours every other (the protocol of a full graph)."""
         return self.degree == len(self.ring) - 1
 
+    @functools.cached_property
+    def _position(self) -> dict[str, int]:
+        return {s: i for i, s in enumerate(self.ring)}
+
     @property
     def holders(self) -> int:
         """Share holders of one site's secrets: the site and its neighbours."""
@@ -116,7 +121,7 @@ class NeighbourGraph:
         n = len(self.ring)
         if self.complete:
             return tuple(sorted(s for s in self.ring if s != site))
-        i = self.ring.index(site)
+        i = self._position[site]
         half = self.degree // 2
         return tuple(sorted(self.ring[(i + j) % n] for j in range(-half, half + 1) if j))
 
