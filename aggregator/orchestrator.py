@@ -28,6 +28,10 @@ from dpfed.common.jobs.registry import job_kind
 from dpfed.common.jobs.results import check_finite_values
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, JobState
 
+# The stage of a job's last event, by its final state.
+_FINAL_STAGE = {JobState.SUCCEEDED: "done", JobState.FAILED: "failed",
+                JobState.CANCELLED: "cancelled"}
+
 log = logging.getLogger(__name__)
 
 
@@ -263,6 +267,12 @@ class JobManager:
                     return
                 yield event
             if JobState(job.state).finished:
+                # Killed between storing the final state and its event: the stored job is
+                # the truth, so the stream still ends with it.
+                job = self.store.get_job(job_id)
+                state = JobState(job.state)
+                yield JobEvent(job_id, job.updated, _FINAL_STAGE[state], job.error, 1.0,
+                               state, job)
                 return
             while True:
                 event = await queue.get()
