@@ -108,8 +108,9 @@ class JobManager:
             raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID} characters, "
                                   f"got {len(request_id)}")
         canonical = self._settled(await self.planner.plan(spec_bytes))
-        job, created = self.store.create_job(canonical, submitted_by=submitted_by,
-                                             request_id=request_id)
+        job, created = await asyncio.to_thread(  # encodes the spec and commits: off the loop
+            lambda: self.store.create_job(canonical, submitted_by=submitted_by,
+                                          request_id=request_id))
         if created:
             log.info("job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
                      canonical.kind, submitted_by, canonical.epsilon, canonical.delta)
@@ -197,8 +198,8 @@ class JobManager:
         outcomes: dict[str, Any] = {}
         try:
             kind = job_kind(job.spec.kind)
-            ctx = Job(job_id=job_id, spec=job.spec, kind=kind,
-                      params=kind.parse(job.spec.params, self.federation.schema),
+            params = await asyncio.to_thread(kind.parse, job.spec.params, self.federation.schema)
+            ctx = Job(job_id=job_id, spec=job.spec, kind=kind, params=params,
                       federation=self.federation, registry=self.registry,
                       emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p,
                                                             JobState.RUNNING),

@@ -23,8 +23,12 @@ from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, sit
 from dpfed.common.pb.v1.types_pb2 import Chunk
 from dpfed.common.privacy.accounting import BudgetStatus
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.common.transport.wire import (budget_to_proto, job_event_from_proto, job_info_from_proto,
-                                         job_spec_to_proto)
+from dpfed.common.transport.wire import (
+    budget_to_proto,
+    job_event_from_proto,
+    job_info_from_proto,
+    job_spec_to_proto,
+)
 from tests.aggregator.hardening_harness import HandSite, Harness, harness
 
 #: One-round pca tasks (the default job adds a DP mean and a norm round first).
