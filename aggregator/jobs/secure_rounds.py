@@ -154,7 +154,7 @@ async def secure_release(job: Job[P], rnd: SumRound[P, I, V], ask: Ask[P, I], *,
         for s in order:
             relayed.update({k: v for k, v in keys[s].arrays.items() if k.endswith("/" + s)})
         context = MaskContext(job.job_id, sum_round, sum_task_id)
-        graph = sum_graph(context, keys, tolerated, wanted_drops)
+        graph = sum_graph(context, relayed, order, tolerated, wanted_drops)
         threshold_ = graph.share_threshold(tolerated)
         shares = await _quietly(job.dispatch(
             OutgoingTask(f"{name}-shares-{attempt}", SECURE_TASK_KIND, Budget(0.0, 0.0),
@@ -256,14 +256,14 @@ def _reveal_bytes(n: int) -> int:
     return n * (SHARE_BYTES + 64) + RESULT_ENVELOPE_BYTES
 
 
-def sum_graph(context: MaskContext, keys: Mapping[str, TaskResult], tolerated: int,
-              wanted_drops: int) -> NeighbourGraph:
-    """Return the graph of a sum over the sites that sent ``keys``.
+def sum_graph(context: MaskContext, relayed: Mapping[str, np.ndarray], order: list[str],
+              tolerated: int, wanted_drops: int) -> NeighbourGraph:
+    """Return the graph of a sum over the dealers ``order`` whose signed keys are ``relayed``.
 
     Its degree follows from their number, ``t`` and the drops asked for; its ring from their
     signed round keys.
     """
-    publics = {s: signed_key_from_arrays(keys[s].arrays, s).public_key for s in keys}
+    publics = {s: signed_key_from_arrays(relayed, s).public_key for s in order}
     return derive_graph(context, publics, choose_degree(len(publics), tolerated, wanted_drops))
 
 

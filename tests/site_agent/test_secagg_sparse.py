@@ -137,7 +137,7 @@ def test_a_site_shown_another_graph_refuses_before_any_charge(
         for i, lie in enumerate(sorted(SHOWN)):
             driver = _driver(runners, job_id=f"job-{i}")
             await driver.keys(SITES)
-            graph = sum_graph(driver.context, driver.answers["keys"], 1, 2)
+            graph = sum_graph(driver.context, driver.relayed(), SITES, 1, 2)
             await driver.shares(SITES, 1, wanted_drops=2, shown=SHOWN[lie](graph))
             assert driver.answers["shares"] == {}, lie
             assert all("neighbour graph shown" in r.reason

@@ -108,16 +108,13 @@ class SumDriver:
         The graph is the coordinator's (:func:`sum_graph`); ``shown`` replaces the graph
         parameters the sites see (a hostile coordinator).
         """
-        keys = self.answers["keys"]
-        self.graph = sum_graph(self.context, {s: keys[s] for s in order}, tolerated,
-                               wanted_drops)
-        graph = self.graph
+        arrays = self.relayed() if relayed is None else relayed
+        self.graph = graph = sum_graph(self.context, arrays, order, tolerated, wanted_drops)
         return await self.stage(
             "shares", sites if sites is not None else order,
             {**self._ids(), "participants": order, "tolerated": tolerated,
              **(graph_params(graph, wanted_drops) if shown is None else shown)},
-            self.relayed() if relayed is None else relayed,
-            check=lambda r: check_shares(r, order, graph))
+            arrays, check=lambda r: check_shares(r, order, graph))
 
     def plan(self, participants: list[str], tolerated: int, wanted_drops: int) -> SecureSumPlan:
         """The coordinator's plan for these dealers, with the drops they can tolerate."""
