@@ -202,12 +202,6 @@ class PCAParams(Params):
 
     settles: ClassVar[bool] = True
 
-    def validate(self, schema: Schema | None) -> None:
-        """Refuse a ``split`` with secure aggregation (secure jobs keep the fixed split)."""
-        del schema
-        if self.secure and self.split is not None:
-            raise ValidationError("split applies to site-level pca jobs (aggregation 'site')")
-
     @property
     def clip_first(self) -> bool:
         """Whether the rounds run in the clip-first order (a ``split``, or secure and auto).
@@ -222,24 +216,33 @@ class PCAParams(Params):
                sites: Sequence[ConnectedSite]) -> Self:
         """Return the job with its budget split chosen from public numbers (module pca docs).
 
-        A site-level job of more than one round, submitted without ``split``, gets the shares
-        of :func:`dpfed.common.pca.centring.centred_round_split` for the schema's feature
-        count, the connected sites' public row counts and their number; composed in GDP
+        A job of more than one round, submitted without ``split``, gets the shares of
+        :func:`dpfed.common.pca.centring.centred_round_split` for the schema's feature count
+        and the connected sites' public row counts, with the pooled noise of its mode: the
+        sites' number at site level; a secure sum's ``n / (n - t - d)`` over the sites that
+        take secure sums (:func:`secure_noise_factor`). Composed in GDP
         (``composition="gdp"``) when every such site's ledger is ``pld`` (charged exactly
-        the job's (epsilon, delta)), else as shares of (epsilon, delta). Without connected
-        sites the job keeps the fixed split of jobs made before.
+        the job's (epsilon, delta)), else as shares of (epsilon, delta). Without such sites
+        the job keeps the fixed split of jobs made before.
         """
         from dpfed.common.pca.centring import centred_round_split
         from dpfed.common.pca.features import feature_names
 
         rounds = _pca_rounds({"centering": self.centering, "clip_norm": self.clip_norm})
-        if self.split is not None or self.secure or len(rounds) < 2 or not sites:
+        if self.split is not None or len(rounds) < 2:
             return self
+        pooled_noise = None
+        if self.secure:
+            sites = [s for s in sites if s.secure_tolerated is not None]
+            pooled_noise = secure_noise_factor(sites)
+            if pooled_noise is None:
+                return self
         n_total = sum(s.row_count for s in sites)
-        if n_total < 1:
+        if not sites or n_total < 1:
             return self
         split = centred_round_split(len(feature_names(schema)), n_total, epsilon, delta,
-                                    n_sites=len(sites), rounds=rounds)
+                                    n_sites=len(sites), rounds=rounds,
+                                    pooled_noise=pooled_noise)
         gdp = all(s.accountant == "pld" for s in sites)
         return dataclasses.replace(self, split=tuple(split),
                                    composition="gdp" if gdp else "basic")
@@ -251,12 +254,16 @@ class PCAParams(Params):
                                for r in self.shares(epsilon, delta))
             if len(self.shares(epsilon, delta)) < 2:
                 return ""
-            why = "secure jobs" if self.secure else "no site connected to settle it on"
+            why = ("no site taking secure sums connected to settle it on" if self.secure
+                   else "no site connected to settle it on")
             return f"budget split: fixed ({shares} of epsilon and delta; {why})"
         unit = "mu^2 (GDP)" if self.composition == "gdp" else "epsilon"
         shares = ", ".join(f"{n} {e:.3f}" for n, e, _ in self.split)
+        sites = ("the connected sites' rows and the noise of a secure sum over them "
+                 "(n / (n - t - d) for their policies' t colluders and d dropouts)"
+                 if self.secure else "the connected sites' rows and their number")
         note = (f"budget split: shares of {unit}: {shares}; chosen from the schema's "
-                "dimension, the connected sites' rows and their number, and epsilon "
+                f"dimension, {sites}, and epsilon "
                 "(rounds run clip radius first, then the mean of the clipped rows)")
         if self.composition == "gdp":
             note += (f"\na pld ledger is charged exactly epsilon {epsilon:g} at delta "
@@ -316,6 +323,29 @@ class PCAParams(Params):
         out = [RoundShare(name, epsilon * s, delta * s) for name, s in shares]
         out.append(RoundShare("pca", epsilon * rest, delta * rest))
         return out
+
+
+def secure_noise_factor(sites: Sequence[ConnectedSite]) -> float | None:
+    """Return the pooled noise of a secure sum over ``sites``, in units of its ``mu``.
+
+    The sum tolerates the strictest policy's ``t`` colluders and the most dropouts any policy
+    asks for, capped as the coordinator caps them
+    (:func:`dpfed.common.secagg.dropouts.dropout_limit`); every site then adds
+    ``mu / (n - t - d)`` (:func:`dpfed.common.jobs.modes.secure_pooled_factor`). None when no
+    secure sum can run over them (no site takes secure sums, or ``n <= t``).
+    """
+    from dpfed.common.jobs.modes import secure_pooled_factor
+    from dpfed.common.secagg.dropouts import dropout_limit, threshold
+
+    on = [s for s in sites if s.secure_tolerated is not None]
+    if not on:
+        return None
+    n = len(on)
+    t = max(int(s.secure_tolerated or 0) for s in on)
+    if n - t < 1:
+        return None
+    d = max(0, dropout_limit(n, threshold(n, t), t, max(s.secure_dropouts for s in on)))
+    return secure_pooled_factor(n, t, d)
 
 
 #: Rounds of a ``synth`` job per output mode, in order (without the pair rounds).

@@ -20,13 +20,24 @@ from dpfed.common.validation import check_int
 SKELLAM_SLACK = 1.01
 
 
+def secure_pooled_factor(n_sites: int, tolerated: int, dropouts: int = 0) -> float:
+    """Return a secure sum's pooled noise variance over the calibrated variance ``mu``.
+
+    Every one of the ``n`` sites adds ``mu / (n - t - d)``, so that the honest survivors of
+    the worst case alone carry ``mu``: the decoded sum carries ``n / (n - t - d)`` times it
+    (:attr:`dpfed.common.secagg.secure_sum.SecureSumPlan.pooled_variance`). ``inf`` when no
+    honest survivor would remain.
+    """
+    n = check_int(n_sites, "n_sites", minimum=1)
+    t = check_int(tolerated, "tolerated", minimum=0)
+    d = check_int(dropouts, "dropouts", minimum=0)
+    return n / (n - t - d) if n - t - d >= 1 else math.inf
+
+
 def secure_noise_ratio(n_sites: int, tolerated: int) -> float:
     """Return the pooled noise's standard deviation, secure over site level (module docs)."""
     n = check_int(n_sites, "n_sites", minimum=1)
-    t = check_int(tolerated, "tolerated", minimum=0)
-    if n - t < 1:
-        return math.inf
-    return SKELLAM_SLACK / math.sqrt(n - t)
+    return SKELLAM_SLACK * math.sqrt(secure_pooled_factor(n, tolerated) / n)
 
 
 def compare_modes(n_sites: int, tolerated: int) -> tuple[float, str]:

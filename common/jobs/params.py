@@ -106,10 +106,14 @@ class RoundShare:
 
 @dataclass(frozen=True)
 class ConnectedSite:
-    """What a job's plan may read of a connected site: its public row count and accountant."""
+    """What a job's plan may read of a connected site: its public row count, accountant and
+    secure-aggregation policy (``secure_tolerated`` colluders and ``secure_dropouts``
+    dropouts; None: the site takes no secure sums)."""
 
     row_count: int
     accountant: str | None
+    secure_tolerated: int | None = None
+    secure_dropouts: int = 0
 
 
 class Params:
