@@ -195,8 +195,10 @@ def tables_of(schema: Schema, sites: list[np.ndarray]) -> dict[str, EncodedTable
 def run_job(schema: Schema, tables: Mapping[str, EncodedTable], epsilon: float, delta: float,
             params: dict[str, Any], accountant: str = "pld", fed: Path | None = None,
             tolerated: int = 0, settle: bool = True) -> tuple[np.ndarray, dict[str, Any]]:
-    """Validate, settle (unless not ``settle``) and run one pca job; return its components
-    and metadata. Secure sums tolerate ``tolerated`` colluders, the sites' policy."""
+    """Validate, settle (unless not ``settle``) and run one pca job: components, metadata.
+
+    Secure sums tolerate ``tolerated`` colluders (the sites' policy).
+    """
     kind = job_kind("pca")
     settled = kind.canonical(params, epsilon, delta, schema)
     if settle:

@@ -32,14 +32,13 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pca_job_centring import D, DELTA, EPSILONS, K, make_sites, run_job, schema_of, tables_of  # noqa: E402
+from pca_job_centring import DELTA, EPSILONS, D, K, make_sites, run_job, schema_of, tables_of  # noqa: E402
 
 from dpfed.common.pca.dppca import captured_energy, top_components  # noqa: E402
 from dpfed.common.transport.certs import init_federation  # noqa: E402
@@ -75,17 +74,16 @@ def paper(runs: int, seed: int, fed_dir: Path) -> None:
             init_federation(fed, coordinator_hosts=["localhost"], sites=list(tables),
                             analysts=[])
         central_table = tables_of(schema, [pooled])
-        jobs: dict[str, Callable[[float], tuple[np.ndarray, dict[str, Any]]]] = {
-            "central": lambda e: run_job(schema, central_table, e, DELTA, DEFAULT),
-            "secure t=1": lambda e: run_job(schema, tables, e, DELTA, SECURE, fed=fed,
-                                            tolerated=1),
-            "secure t=1, fixed": lambda e: run_job(schema, tables, e, DELTA, SECURE, fed=fed,
-                                                   tolerated=1, settle=False),
-            "secure t=0": lambda e: run_job(schema, tables, e, DELTA, SECURE, fed=fed),
+        jobs: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] = {
+            "central": (central_table, DEFAULT, {}),
+            "secure t=1": (tables, SECURE, {"fed": fed, "tolerated": 1}),
+            "secure t=1, fixed": (tables, SECURE, {"fed": fed, "tolerated": 1,
+                                                   "settle": False}),
+            "secure t=0": (tables, SECURE, {"fed": fed}),
         }
         for eps in EPSILONS:
-            for name, job in jobs.items():
-                comps, meta = job(eps)
+            for name, (on, params, options) in jobs.items():
+                comps, meta = run_job(schema, on, eps, DELTA, params, **options)
                 results[name][eps].append(captured_energy(comps, cov) / best)
                 splits[f"{name} {eps:g}"] = (meta.get("split"), meta.get("clip_norm"))
     print(f"D={D}, S=10, N_s=1000, K={K}, R={2 * K}, delta={DELTA}, {runs} runs, pld ledgers; "

@@ -8,6 +8,7 @@ receives again, because a site trusts nothing that comes over the network.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -847,6 +848,28 @@ class QueryParams(Params):
     def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
         """One round; its delta is charged only if Gaussian noise is chosen."""
         return [RoundShare("query", epsilon, delta)]
+
+    def mode_errors(self, epsilon: float, delta: float, schema: Schema, n_sites: int,
+                    pooled_factor: float) -> tuple[float, float] | str | None:
+        """Return the expected per-answer RMSE of the best strategy in each mode.
+
+        Site level: ``n_sites`` draws of the noise the parameters allow (``auto``: Laplace or
+        Gaussian, whichever ranks best); secure: one Gaussian-calibrated draw times
+        ``pooled_factor`` and the Skellam slack. Laplace often wins on small workloads, where
+        a secure sum's Gaussian-like noise does not (docs/secure-aggregation.md).
+        """
+        from dpfed.common.jobs.contract import Budget
+        from dpfed.common.jobs.modes import SKELLAM_SLACK
+        from dpfed.common.jobs.query import choose
+
+        if delta <= 0.0:
+            return ("secure aggregation needs --delta > 0 (its Skellam noise is (epsilon, "
+                    "delta)-DP); compare with --aggregation secure --delta D --plan")
+        workload = self.workload_in(schema)
+        budget = Budget(epsilon, delta)
+        site = choose(self, workload, budget, draws=n_sites, secure=False).pick.rmse
+        secure = choose(self, workload, budget, draws=1, secure=True).pick.rmse
+        return site, secure * SKELLAM_SLACK * math.sqrt(pooled_factor)
 
 
 # --------------------------------------------------------------------------- svt

@@ -40,20 +40,32 @@ def secure_noise_ratio(n_sites: int, tolerated: int) -> float:
     return SKELLAM_SLACK * math.sqrt(secure_pooled_factor(n, tolerated) / n)
 
 
-def compare_modes(n_sites: int, tolerated: int) -> tuple[float, str]:
+def compare_modes(n_sites: int, tolerated: int, *, dropouts: int = 0,
+                  errors: tuple[float, float] | None = None) -> tuple[float, str]:
     """Return ``(ratio, sentence)`` comparing the two modes for ``n`` sites tolerating ``t``.
 
-    The sentence warns when secure aggregation adds at least as much noise as site level.
+    ``errors``: the job's own expected error of each mode, ``(site level, secure)`` (e.g. a
+    query's per-answer RMSE under the noise each mode would use: site-level Laplace can beat
+    any Gaussian-like noise); without, the pooled sums' noise ratio (module docs). The
+    sentence warns when secure aggregation is expected to be no more accurate than site level.
     """
-    ratio = secure_noise_ratio(n_sites, tolerated)
-    if math.isinf(ratio):
-        return ratio, (f"secure aggregation cannot run with {n_sites} site(s) tolerating "
-                       f"t={tolerated} colluders (it needs more than t + 1 sites)")
-    head = (f"expected noise of the pooled sums with {n_sites} site(s), t={tolerated}: secure "
-            f"/ site-level = {ratio:.2f}")
+    factor = secure_pooled_factor(n_sites, tolerated, dropouts)
+    if math.isinf(factor):
+        return math.inf, (f"secure aggregation cannot run with {n_sites} site(s) tolerating "
+                          f"t={tolerated} colluders (it needs more than t + 1 sites)")
+    drops = f", d={dropouts}" if dropouts else ""
+    if errors is None:
+        ratio = SKELLAM_SLACK * math.sqrt(factor / n_sites)
+        head = (f"expected noise of the pooled sums with {n_sites} site(s), t={tolerated}"
+                f"{drops}: secure / site-level = {ratio:.2f}")
+    else:
+        site, secure = errors
+        ratio = secure / site if site > 0 else math.inf
+        head = (f"expected error with {n_sites} site(s), t={tolerated}{drops}: secure "
+                f"{secure:.4g} / site-level {site:.4g} = {ratio:.2f}")
     if ratio >= 1.0:
-        return ratio, (f"{head}. WARNING: secure aggregation adds at least as much noise as "
-                       "site-level here (few sites, large t); prefer --aggregation site "
-                       "unless the coordinator must not see per-site releases")
+        return ratio, (f"{head}. WARNING: secure aggregation is expected to be no more "
+                       "accurate than site-level here; prefer --aggregation site unless the "
+                       "coordinator must not see per-site releases")
     return ratio, (f"{head}: secure aggregation is the more accurate mode here (site-level "
-                   f"noise is {1 / ratio:.2f}x larger)")
+                   f"error is {1 / ratio:.2f}x larger)")
