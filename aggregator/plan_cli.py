@@ -64,14 +64,13 @@ def mode_comparison(sites: Sequence[SiteInfo], params: Params | None = None,
     (:meth:`~dpfed.common.jobs.params.Params.mode_errors`); else the pooled noise ratio.
     """
     from dpfed.common.jobs.eligibility import secure_policy
-    from dpfed.common.jobs.modes import compare_modes, secure_pooled_factor
-    from dpfed.common.secagg.dropouts import dropout_limit, threshold
+    from dpfed.common.jobs.modes import compare_modes, secure_limits, secure_pooled_factor
 
     on = [p for p in (secure_policy(s) for s in sites) if p.mode != "off"]
     if not on:
         return "secure aggregation: off at the sites taking part (site-level only)"
-    n, t = len(sites), max(p.tolerated for p in on)
-    d = max(0, dropout_limit(n, threshold(n, t), t, max(p.tolerated_dropouts for p in on)))
+    n = len(sites)
+    t, d = secure_limits(n, [p.tolerated for p in on], [p.tolerated_dropouts for p in on])
     factor = secure_pooled_factor(n, t, d)
     errors = None
     if params is not None and schema is not None and math.isfinite(factor):

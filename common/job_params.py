@@ -335,18 +335,15 @@ def secure_noise_factor(sites: Sequence[ConnectedSite]) -> float | None:
     ``mu / (n - t - d)`` (:func:`dpfed.common.jobs.modes.secure_pooled_factor`). None when no
     secure sum can run over them (no site takes secure sums, or ``n <= t``).
     """
-    from dpfed.common.jobs.modes import secure_pooled_factor
-    from dpfed.common.secagg.dropouts import dropout_limit, threshold
+    from dpfed.common.jobs.modes import secure_limits, secure_pooled_factor
 
     on = [s for s in sites if s.secure_tolerated is not None]
     if not on:
         return None
     n = len(on)
-    t = max(int(s.secure_tolerated or 0) for s in on)
-    if n - t < 1:
-        return None
-    d = max(0, dropout_limit(n, threshold(n, t), t, max(s.secure_dropouts for s in on)))
-    return secure_pooled_factor(n, t, d)
+    t, d = secure_limits(n, [int(s.secure_tolerated or 0) for s in on],
+                         [s.secure_dropouts for s in on])
+    return None if n - t < 1 else secure_pooled_factor(n, t, d)
 
 
 #: Rounds of a ``synth`` job per output mode, in order (without the pair rounds).

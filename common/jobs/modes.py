@@ -1,18 +1,21 @@
 """Which aggregation adds less noise for the connected sites: secure or site level.
 
 A sum over ``n`` sites released at site level carries ``n`` independent draws of the noise one
-site's release needs; as a secure sum it carries one pooled draw, raised by ``n / (n - t)``
-in variance so that any ``n - t`` honest sites' shares still hold it when ``t`` may collude
-(docs/secure-aggregation.md), plus the Skellam calibration's slack (about 1 % since the
-exact calibration). The pooled noise's standard deviation, secure over site level, is
-therefore ``sqrt(n / (n - t) / n) = 1 / sqrt(n - t)`` times that slack: secure is never much
-better with few sites and a large ``t``, and no better at all once ``n - t <= 1``. The model
-covers the sums' noise only (not DPdisPCA's rank-R truncation at each site, nor rounding).
+site's release needs; as a secure sum it carries one pooled draw, raised by ``n / (n - t - d)``
+in variance so that the honest survivors still hold it when ``t`` may collude and ``d`` drop
+(docs/secure-aggregation.md), plus the Skellam calibration's slack (about 1 %). With the same
+Gaussian noise in both modes the pooled noise's standard deviation, secure over site level,
+is therefore ``1 / sqrt(n - t)`` at ``d = 0`` times that slack: never much better with few
+sites and a large ``t``, no better at all once ``n - t <= 1``. A kind whose site-level noise
+may differ (a query's Laplace) gives both modes' expected errors instead
+(:meth:`dpfed.common.jobs.params.Params.mode_errors`). The model covers the sums' noise only
+(not DPdisPCA's rank-R truncation at each site, nor rounding).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from dpfed.common.validation import check_int
 
@@ -34,10 +37,17 @@ def secure_pooled_factor(n_sites: int, tolerated: int, dropouts: int = 0) -> flo
     return n / (n - t - d) if n - t - d >= 1 else math.inf
 
 
-def secure_noise_ratio(n_sites: int, tolerated: int) -> float:
-    """Return the pooled noise's standard deviation, secure over site level (module docs)."""
-    n = check_int(n_sites, "n_sites", minimum=1)
-    return SKELLAM_SLACK * math.sqrt(secure_pooled_factor(n, tolerated) / n)
+def secure_limits(n_sites: int, tolerated: Sequence[int], dropouts: Sequence[int]
+                  ) -> tuple[int, int]:
+    """Return the ``(t, d)`` a secure sum over ``n`` sites with these policies runs with.
+
+    The strictest policy's ``t``, and the most dropouts any policy asks for, capped as the
+    coordinator caps them (:func:`dpfed.common.secagg.dropouts.dropout_limit`; never below 0).
+    """
+    from dpfed.common.secagg.dropouts import dropout_limit, threshold
+
+    t = max(tolerated)
+    return t, max(0, dropout_limit(n_sites, threshold(n_sites, t), t, max(dropouts)))
 
 
 def compare_modes(n_sites: int, tolerated: int, *, dropouts: int = 0,
