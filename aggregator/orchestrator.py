@@ -28,6 +28,10 @@ from dpfed.common.jobs.registry import job_kind
 from dpfed.common.jobs.results import check_finite_values
 from dpfed.common.transport.protocol import JobEvent, JobInfo, JobSpec, JobState
 
+# The stage of a job's last event, by its final state.
+_FINAL_STAGE = {JobState.SUCCEEDED: "done", JobState.FAILED: "failed",
+                JobState.CANCELLED: "cancelled"}
+
 log = logging.getLogger(__name__)
 
 
@@ -104,8 +108,9 @@ class JobManager:
             raise ValidationError(f"request_id must be at most {MAX_REQUEST_ID} characters, "
                                   f"got {len(request_id)}")
         canonical = self._settled(await self.planner.plan(spec_bytes))
-        job, created = self.store.create_job(canonical, submitted_by=submitted_by,
-                                             request_id=request_id)
+        job, created = await asyncio.to_thread(  # encodes the spec and commits: off the loop
+            lambda: self.store.create_job(canonical, submitted_by=submitted_by,
+                                          request_id=request_id))
         if created:
             log.info("job=%s kind=%s by=%s epsilon=%g delta=%g", job.job_id,
                      canonical.kind, submitted_by, canonical.epsilon, canonical.delta)
@@ -193,8 +198,8 @@ class JobManager:
         outcomes: dict[str, Any] = {}
         try:
             kind = job_kind(job.spec.kind)
-            ctx = Job(job_id=job_id, spec=job.spec, kind=kind,
-                      params=kind.parse(job.spec.params, self.federation.schema),
+            params = await asyncio.to_thread(kind.parse, job.spec.params, self.federation.schema)
+            ctx = Job(job_id=job_id, spec=job.spec, kind=kind, params=params,
                       federation=self.federation, registry=self.registry,
                       emit=lambda stage, msg, p: self._emit(job_id, stage, msg, p,
                                                             JobState.RUNNING),
@@ -263,6 +268,12 @@ class JobManager:
                     return
                 yield event
             if JobState(job.state).finished:
+                # Killed between storing the final state and its event: the stored job is
+                # the truth, so the stream still ends with it.
+                job = self.store.get_job(job_id)
+                state = JobState(job.state)
+                yield JobEvent(job_id, job.updated, _FINAL_STAGE[state], job.error, 1.0,
+                               state, job)
                 return
             while True:
                 event = await queue.get()

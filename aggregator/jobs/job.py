@@ -353,7 +353,7 @@ class Job(Generic[P]):
         task = Task(f"{self.job_id}/{outgoing.round_name}", self.job_id, outgoing.kind,
                     outgoing.budget.epsilon, outgoing.budget.delta, dict(outgoing.params),
                     dict(outgoing.arrays), self.analyst_id, self.spec.study)
-        payload = task_to_bytes(task)
+        payload = await asyncio.to_thread(task_to_bytes, task)  # large params: off the loop
         started, deadline = time.monotonic(), time.time() + self.deadline_s
         lo, hi = progress
         self.emit("dispatch", f"round {outgoing.round_name!r}: task sent to {len(targets)} "
@@ -377,8 +377,8 @@ class Job(Generic[P]):
 
         async def one(site_id: str) -> None:
             own = outgoing.site_arrays.get(site_id)
-            data = payload if not own else task_to_bytes(
-                dataclasses.replace(task, arrays={**task.arrays, **own}))
+            data = payload if not own else await asyncio.to_thread(
+                task_to_bytes, dataclasses.replace(task, arrays={**task.arrays, **own}))
             record(*await self._run_at_site(site_id, task, data, deadline, outgoing))
 
         running = {asyncio.ensure_future(one(s)): s for s in targets}

@@ -27,8 +27,9 @@ async def run(job: Job[QueryParams]) -> JobOutput:
     """Choose the strategy, release, reconstruct, answer with standard errors."""
     params = job.params
     schema = job.federation.schema
-    domain = params.domain_in(schema)
-    workload = params.workload_in(schema)
+    # building a workload over up to 2,048 cells is matrix work: off the event loop
+    domain, workload = await asyncio.to_thread(
+        lambda: (params.domain_in(schema), params.workload_in(schema)))
     budget = job.budget(QUERY.name)
     draws = job.pooled_draws(QUERY)
     job.emit("strategy", f"choosing a strategy for {workload.name} over {domain.n_cells} "
@@ -45,11 +46,13 @@ async def run(job: Job[QueryParams]) -> JobOutput:
              0.92)
     x_hat = await asyncio.to_thread(reconstruct, answers.y, answers.strategy,
                                     nonnegative=None if recon == "least_squares" else recon)
-    answer_se = per_query_std_error(workload, answers.strategy,
-                                    noise_variance=answers.noise_variance,
-                                    n_sites=answers.draws)
-    cell_se = per_query_std_error(identity_workload(domain.n_cells), answers.strategy,
-                                  noise_variance=answers.noise_variance, n_sites=answers.draws)
+    answer_se, cell_se = await asyncio.to_thread(
+        lambda: (per_query_std_error(workload, answers.strategy,
+                                     noise_variance=answers.noise_variance,
+                                     n_sites=answers.draws),
+                 per_query_std_error(identity_workload(domain.n_cells), answers.strategy,
+                                     noise_variance=answers.noise_variance,
+                                     n_sites=answers.draws)))
     rmse = float(np.sqrt(np.mean(answer_se ** 2)))
     # The ranking priced the expected draws and the site-level noise model; what the sum
     # actually carries differs from it by one factor for every strategy.
@@ -83,7 +86,8 @@ async def run(job: Job[QueryParams]) -> JobOutput:
                "queries": workload.n_queries, "sites": len(sites),
                "expected_rmse": round(rmse, 4),
                "identity_expected_rmse": round(pick.identity_rmse * factor, 4)}
-    out = {"x_hat": x_hat, "x_std_error": cell_se, "answers": workload.answer(x_hat),
+    answered = await asyncio.to_thread(workload.answer, x_hat)
+    out = {"x_hat": x_hat, "x_std_error": cell_se, "answers": answered,
            "answer_std_error": answer_se}
     if w["kind"] == "custom":
         out["workload_matrix"] = np.asarray(w["matrix"], dtype=np.float64)

@@ -23,7 +23,12 @@ from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, sit
 from dpfed.common.pb.v1.types_pb2 import Chunk
 from dpfed.common.privacy.accounting import BudgetStatus
 from dpfed.common.transport.protocol import JobSpec
-from dpfed.common.transport.wire import budget_to_proto, job_info_from_proto, job_spec_to_proto
+from dpfed.common.transport.wire import (
+    budget_to_proto,
+    job_event_from_proto,
+    job_info_from_proto,
+    job_spec_to_proto,
+)
 from tests.aggregator.hardening_harness import HandSite, Harness, harness
 
 #: One-round pca tasks (the default job adds a DP mean and a norm round first).
@@ -316,3 +321,19 @@ async def test_analyst_requests_get_clear_status_codes(tmp_path: Path) -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details)
         assert what in details, (what, details)
     assert jobs_after == 1
+
+
+async def test_a_finished_job_whose_last_event_was_lost_still_ends_its_watch_stream(
+        tmp_path: Path) -> None:
+    # A coordinator killed between storing a job's final state and its final event (two
+    # writes) left a job that WatchJob followed to an end without a result.
+    async with harness(tmp_path, honest=()) as h:
+        store = h.coordinator.store
+        job, _ = store.create_job(PCA, submitted_by="analyst/analyst")
+        store.update_job(job.job_id, state="succeeded")
+        async with h.analyst_channel() as ch:
+            call = analyst_pb2_grpc.AnalystStub(ch).WatchJob(
+                analyst_pb2.WatchJobRequest(job_id=job.job_id), timeout=30)
+            events = [job_event_from_proto(m) async for m in call]
+    assert events and events[-1].job is not None
+    assert events[-1].job.state == "succeeded" and events[-1].stage == "done"
