@@ -91,7 +91,7 @@ class InProcessJob(Job[Any]):
         self.tolerated = tolerated
         sessions = [SimpleNamespace(site_id=s, hello=SimpleNamespace(
             row_count=t.n_rows, allowed_kinds=("pca", "secagg"), max_epsilon_per_task=None,
-            budget=BudgetStatus("pld", 100.0, 0.5, 0.0, 0.0, 0.0, 0),
+            budget=BudgetStatus("pld", 1e6, 0.5, 0.0, 0.0, 0.0, 0),
             secure_policy=f"allowed, min 2 sites, t={tolerated}"))
             for s, t in tables.items()]
         super().__init__(job_id="bench", spec=spec, kind=kind,

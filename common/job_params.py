@@ -205,13 +205,17 @@ class PCAParams(Params):
 
     @property
     def clip_first(self) -> bool:
-        """Whether the rounds run in the clip-first order (a ``split``, or secure and auto).
+        """Whether the rounds run clip first (site level with a ``split``; secure and auto).
 
         ``norms`` of the uncentred rows, then ``mean`` of the rows clipped to the radius,
-        then ``pca``; site-level jobs made before (no ``split``) keep ``mean``, ``norms``,
-        ``pca`` with the mean of the box-bounded rows (secure jobs had no ``norms`` round).
+        then ``pca`` of the rows centred at the sites; site-level jobs made before (no
+        ``split``) keep ``mean``, ``norms``, ``pca`` with the mean of the box-bounded rows.
+        Secure jobs with a fixed ``clip_norm`` (``schema`` or a number) keep the uncentred
+        Gram, centred at the coordinator, whatever their split.
         """
-        return self.split is not None or (self.secure and self.clip_norm == "auto")
+        if self.secure:
+            return self.clip_norm == "auto"
+        return self.split is not None
 
     def settle(self, epsilon: float, delta: float, schema: Schema,
                sites: Sequence[ConnectedSite]) -> Self:
@@ -221,7 +225,8 @@ class PCAParams(Params):
         :func:`dpfed.common.pca.centring.centred_round_split` for the schema's feature count
         and the connected sites' public row counts, with the pooled noise of its mode: the
         sites' number at site level; a secure sum's ``n / (n - t - d)`` over the sites that
-        take secure sums (:func:`secure_noise_factor`). Composed in GDP
+        take secure sums (:func:`secure_noise_factor`; secure jobs with ``clip_norm`` auto,
+        the clip-first rounds the shares are derived for). Composed in GDP
         (``composition="gdp"``) when every such site's ledger is ``pld`` (charged exactly
         the job's (epsilon, delta)), else as shares of (epsilon, delta). Without such sites
         the job keeps the fixed split of jobs made before.
@@ -234,6 +239,8 @@ class PCAParams(Params):
             return self
         pooled_noise = None
         if self.secure:
+            if not self.clip_first:  # the coordinator-centred Gram: the targets do not apply
+                return self
             sites = [s for s in sites if s.secure_tolerated is not None]
             pooled_noise = secure_noise_factor(sites)
             if pooled_noise is None:
@@ -255,7 +262,8 @@ class PCAParams(Params):
                                for r in self.shares(epsilon, delta))
             if len(self.shares(epsilon, delta)) < 2:
                 return ""
-            why = ("no site taking secure sums connected to settle it on" if self.secure
+            why = ("secure jobs with a fixed clip_norm" if self.secure and not self.clip_first
+                   else "no site taking secure sums connected to settle it on" if self.secure
                    else "no site connected to settle it on")
             return f"budget split: fixed ({shares} of epsilon and delta; {why})"
         unit = "mu^2 (GDP)" if self.composition == "gdp" else "epsilon"

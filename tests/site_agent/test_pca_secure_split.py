@@ -114,6 +114,18 @@ def test_the_secure_split_is_stored_and_replayed_byte_for_byte() -> None:
     assert kind.settle(raw, 2 * EPS, DELTA, SCHEMA, facts(10, 0)) == raw
 
 
+def test_a_secure_job_with_a_fixed_clip_norm_keeps_the_fixed_split() -> None:
+    # its Gram is centred at the coordinator: the mean's error enters to first order, which
+    # the split's targets (rows centred at the sites) do not model
+    kind = job_kind("pca")
+    for clip in ("schema", 0.5):
+        raw = kind.canonical({**SECURE, "clip_norm": clip}, EPS, DELTA, SCHEMA)
+        assert kind.settle(raw, EPS, DELTA, SCHEMA, facts(3, 1)) == raw
+        params = kind.parse(raw, SCHEMA)
+        assert not params.clip_first
+        assert "secure jobs with a fixed clip_norm" in params.plan_note(EPS, DELTA)
+
+
 def test_no_secure_site_or_no_honest_one_leaves_the_fixed_split() -> None:
     kind = job_kind("pca")
     old = kind.canonical(SECURE, EPS, DELTA, SCHEMA)
