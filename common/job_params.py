@@ -8,7 +8,6 @@ receives again, because a site trusts nothing that comes over the network.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -864,17 +863,13 @@ class QueryParams(Params):
         a secure sum's Gaussian-like noise does not (docs/secure-aggregation.md).
         """
         from dpfed.common.jobs.contract import Budget
-        from dpfed.common.jobs.modes import SKELLAM_SLACK
-        from dpfed.common.jobs.query import choose
+        from dpfed.common.jobs.query import mode_rmse
 
         if delta <= 0.0:
             return ("secure aggregation needs --delta > 0 (its Skellam noise is (epsilon, "
                     "delta)-DP); compare with --aggregation secure --delta D --plan")
-        workload = self.workload_in(schema)
-        budget = Budget(epsilon, delta)
-        site = choose(self, workload, budget, draws=n_sites, secure=False).pick.rmse
-        secure = choose(self, workload, budget, draws=1, secure=True).pick.rmse
-        return site, secure * SKELLAM_SLACK * math.sqrt(pooled_factor)
+        return mode_rmse(self, self.workload_in(schema), Budget(epsilon, delta), n_sites,
+                         pooled_factor)
 
 
 # --------------------------------------------------------------------------- svt

@@ -82,6 +82,6 @@ def mode_record(job: Job[Any], pooled: Pooled[Any]) -> dict[str, Any]:
         tolerated, dropouts = secure_limits(n, [p.tolerated for p in on],
                                             [p.tolerated_dropouts for p in on])
     ratio, sentence = compare_modes(n, tolerated, dropouts=dropouts)
-    return {"n_sites": n, "tolerated": tolerated,
+    return {"n_sites": n, "tolerated": tolerated, "dropouts": dropouts,
             "secure_over_site_noise": ratio if math.isfinite(ratio) else None,
             "sentence": sentence}

@@ -76,3 +76,20 @@ def test_the_noise_ratio_counts_dropouts_and_the_policies_reach_the_facts() -> N
         budget=BudgetStatus("pld", 1.0, 1e-5, 0.0, 0.0, 0.0, 0))]
     facts = connected_facts([(v.site_id, v, 100) for v in views], "pca")
     assert facts == [ConnectedSite(100, None, 1, 1)] * 2 + [ConnectedSite(100, "pld")]
+
+
+def test_a_query_result_compares_with_the_other_modes_best() -> None:
+    from dpfed.aggregator.jobs.query import other_mode
+    from dpfed.common.jobs.contract import Budget
+
+    params = job_kind("query").parse({**MARGINAL, "aggregation": "secure"}, SCHEMA)
+    workload = params.workload_in(SCHEMA)
+    modes = {"n_sites": 3, "tolerated": 1, "dropouts": 0, "secure_over_site_noise": 0.71,
+             "sentence": "the pooled noise ratio"}
+    secure = other_mode(params, workload, Budget(EPS, DELTA), modes, 6.5, secure=True)
+    assert secure is not None
+    assert secure["expected_rmse_other_mode"] == pytest.approx(math.sqrt(3 * 8) / EPS)
+    assert secure["secure_over_site_noise"] == pytest.approx(6.5 / math.sqrt(24))
+    assert "WARNING" in secure["sentence"]
+    # a pure-epsilon (Laplace) site-level job: a secure sum would need a delta
+    assert other_mode(params, workload, Budget(EPS, 0.0), modes, 4.9, secure=False) is None
