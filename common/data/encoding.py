@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -35,6 +34,9 @@ from dpfed.common.data.schema import (
 )
 from dpfed.common.errors import DataError
 from dpfed.common.validation import check_choice
+
+if TYPE_CHECKING:  # pandas is imported where a frame is built or read (slow to import)
+    import pandas as pd
 
 _MISSING_ACTIONS = ("drop", "error")
 _OUT_OF_RANGE_ACTIONS = ("clip", "drop", "error")
@@ -168,6 +170,8 @@ class EncodedTable:
         values, int64 otherwise), date columns ``datetime64``, ordinal and nominal columns
         ordered or plain categoricals.
         """
+        import pandas as pd
+
         data: dict[str, Any] = {}
         for col in self.schema.columns:
             values = self.columns[col.name]
@@ -271,6 +275,8 @@ def _parse_floats(col: pa.Array, missing: np.ndarray) -> tuple[np.ndarray, np.nd
             values = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             # Slow path for blocks with unparsable text: element-wise, unparsable -> NaN.
+            import pandas as pd
+
             as_text = pd.Series(col.to_numpy(zero_copy_only=False), dtype="object")
             values = pd.to_numeric(as_text, errors="coerce").to_numpy(dtype=np.float64)
     elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_decimal(
@@ -322,6 +328,31 @@ def _labels_of(col: pa.Array) -> pa.Array:
     return pc.cast(col, pa.string())
 
 
+def _frame_to_arrow(schema: Schema, table: pd.DataFrame, source: str) -> pa.Table:
+    """Convert a DataFrame's schema columns to an Arrow table (text for object columns)."""
+    import pandas as pd
+
+    missing_cols = [n for n in schema.names if n not in table.columns]
+    if missing_cols:
+        raise DataError(
+            f"{source}: missing column(s) {missing_cols}; the schema needs {list(schema.names)}"
+        )
+    frame = table[list(schema.names)].copy()
+    for name in frame.columns:
+        dtype = frame[name].dtype
+        if isinstance(dtype, pd.CategoricalDtype):
+            if all(isinstance(c, str) for c in dtype.categories):
+                # Arrow keeps it as dictionary<string> (nulls for missing), decoded and
+                # matched vectorised below; the per-value map is ~10x slower.
+                continue
+            frame[name] = frame[name].astype("object")
+        if frame[name].dtype == object:
+            frame[name] = frame[name].map(lambda v: v if v is None or isinstance(v, str)
+                                          else (None if isinstance(v, float) and np.isnan(v)
+                                                else str(v)))
+    return pa.Table.from_pandas(frame, preserve_index=False)
+
+
 def encode_table(schema: Schema, table: pa.Table | pa.RecordBatch | pd.DataFrame, *,
                  policy: RowPolicy | None = None, row_offset: int = 0,
                  source: str = "data") -> tuple[EncodedTable, EncodingReport]:
@@ -351,26 +382,8 @@ def encode_table(schema: Schema, table: pa.Table | pa.RecordBatch | pd.DataFrame
         Messages name the column and the 1-based data row, never the value.
     """
     policy = policy or RowPolicy()
-    if isinstance(table, pd.DataFrame):
-        missing_cols = [n for n in schema.names if n not in table.columns]
-        if missing_cols:
-            raise DataError(
-                f"{source}: missing column(s) {missing_cols}; the schema needs {list(schema.names)}"
-            )
-        frame = table[list(schema.names)].copy()
-        for name in frame.columns:
-            dtype = frame[name].dtype
-            if isinstance(dtype, pd.CategoricalDtype):
-                if all(isinstance(c, str) for c in dtype.categories):
-                    # Arrow keeps it as dictionary<string> (nulls for missing), decoded and
-                    # matched vectorised below; the per-value map is ~10x slower.
-                    continue
-                frame[name] = frame[name].astype("object")
-            if frame[name].dtype == object:
-                frame[name] = frame[name].map(lambda v: v if v is None or isinstance(v, str)
-                                              else (None if isinstance(v, float) and np.isnan(v)
-                                                    else str(v)))
-        table = pa.Table.from_pandas(frame, preserve_index=False)
+    if not isinstance(table, (pa.Table, pa.RecordBatch)):
+        table = _frame_to_arrow(schema, table, source)
     present = set(table.schema.names)
     missing_cols = [n for n in schema.names if n not in present]
     if missing_cols:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.spatial import cKDTree
 
 from dpfed.common.data.encoding import EncodedTable
 from dpfed.common.data.schema import Schema
@@ -43,6 +42,8 @@ def synthetic_threshold(synthetic_x: np.ndarray) -> float:
     """Return the 5th percentile of the synthetic rows' distances to their closest other one."""
     if synthetic_x.shape[0] < 2:
         raise ValidationError("the synthetic sample needs at least 2 rows")
+    from scipy.spatial import cKDTree  # a slow import: on first use
+
     d, _ = cKDTree(synthetic_x).query(synthetic_x, k=2)
     return float(np.quantile(d[:, 1], NEAR_QUANTILE))
 
@@ -117,6 +118,8 @@ class SummaryAccumulator:
         self.sizes = histogram_sizes(schema, n_bins)
         syn_x = summary_features(schema, synthetic)
         self.threshold = synthetic_threshold(syn_x)
+        from scipy.spatial import cKDTree  # a slow import: on first use
+
         self.tree = cKDTree(syn_x)
         self.n_synthetic = synthetic.n_rows
         self.near_train = 0

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
-from scipy import special
 
 from dpfed.common.errors import ValidationError
 from dpfed.common.validation import check_delta, check_nonnegative, check_positive
@@ -214,6 +213,8 @@ def approximate_loss(epsilon: float, delta: float) -> LossDistribution:
 
     Loss ``+inf`` w.p. ``delta``, and randomized response scaled by ``1 - delta``.
     """
+    from scipy import special  # imported on first use: a slow import for every process
+
     eps = check_nonnegative(epsilon, "epsilon")
     dl = check_nonnegative(delta, "delta")
     if dl >= 1.0:
@@ -272,6 +273,8 @@ def gaussian_hockey_stick_upper(t: np.ndarray | float, mu: float) -> np.ndarray:
 
 
 def _hockey_stick(t: np.ndarray | float, mu: float) -> tuple[np.ndarray, np.ndarray]:
+    from scipy import special  # imported on first use: a slow import for every process
+
     tt = np.asarray(t, dtype=np.float64)
     if mu == 0.0:
         value = np.asarray(-np.expm1(np.minimum(tt, 0.0)))

@@ -177,6 +177,10 @@ def event_loss(cost: PrivacyCost) -> EventLoss:
 class Spent:
     """The composed cost of a ledger's events (immutable; :meth:`add` returns a new one).
 
+    The discretised pairs are kept as counts per kernel and composed when a figure needs them
+    (:attr:`loss`), the same way whatever order the events came in: a ledger under the basic
+    or zCDP accountant never composes them, and one under ``pld`` composes once per read.
+
     Attributes
     ----------
     events : int
@@ -187,14 +191,10 @@ class Spent:
         Sum of the squared GDP parameters of the Gaussian-type pairs.
     infinity : float
         Sum of their ``+inf`` masses.
-    loss : LossDistribution or None
-        The composed discretised pairs.
+    kernels : tuple
+        ``(kernel key, count)`` of the discretised pairs, sorted by key.
     fallbacks : int
         Events charged by their (epsilon, delta) alone (no usable mechanism description).
-    outside_epsilon, outside_delta : float
-        Summed (epsilon, delta) of the discretised pairs kept out of ``loss`` because the
-        composition would pass :data:`MAX_PAIRS_LOSS`; they join the pairs' figure by basic
-        composition (:meth:`pairs_epsilon`).
     """
 
     events: int = 0
@@ -203,61 +203,49 @@ class Spent:
     rho_sum: float = 0.0
     mu_squared: float = 0.0
     infinity: float = 0.0
-    loss: pld.LossDistribution | None = None
+    kernels: tuple[tuple[tuple[Hashable, ...], int], ...] = ()
     fallbacks: int = 0
-    outside_epsilon: float = 0.0
-    outside_delta: float = 0.0
 
     @staticmethod
     def of(costs: Iterable[PrivacyCost]) -> Spent:
-        """Compose ``costs`` (identical discretised pairs by repeated squaring)."""
-        eps = delta = rho = mu2 = inf = 0.0
-        n = fallbacks = 0
-        kernels: Counter[tuple[Hashable, ...]] = Counter()
+        """Compose ``costs``."""
+        spent = Spent()
         for cost in costs:
-            n += 1
-            eps += cost.epsilon
-            delta += cost.delta
-            rho += cost.rho
-            pair = event_loss(cost)
-            fallbacks += pair.method == "approximate"
-            mu2 += pair.mu * pair.mu
-            inf += pair.infinity
-            if pair.kernel is not None:
-                kernels[pair.kernel] += 1
-        loss: pld.LossDistribution | None = None
-        reach = out_eps = out_delta = 0.0
-        for key in sorted(kernels, key=_kernel_order):
-            count, each = kernels[key], _kernel_epsilon(key)
-            kept = count if each <= 0.0 else min(count, int((MAX_PAIRS_LOSS - reach) // each))
-            if kept > 0:
-                part = _kernel(key).power(kept)
-                loss = part if loss is None else loss.compose(part)
-                reach += kept * each
-            out_eps += (count - kept) * each
-            out_delta += (count - kept) * _kernel_delta(key)
-        return Spent(n, eps, delta, rho, mu2, inf, loss, fallbacks, out_eps, out_delta)
+            spent = spent.add(cost)
+        return spent
 
     def add(self, cost: PrivacyCost) -> Spent:
         """Return the composition of these events and ``cost``."""
         pair = event_loss(cost)
-        loss = self.loss
-        out_eps, out_delta = self.outside_epsilon, self.outside_delta
+        kernels = self.kernels
         if pair.kernel is not None:
-            each = _kernel_epsilon(pair.kernel)
-            reach = 0.0 if loss is None or not loss.masses.size else float(loss.losses[-1])
-            if reach + each <= MAX_PAIRS_LOSS:
-                part = _kernel(pair.kernel)
-                loss = part if loss is None else loss.compose(part)
-            else:
-                out_eps += each
-                out_delta += _kernel_delta(pair.kernel)
-        return replace(self, outside_epsilon=out_eps, outside_delta=out_delta,
-                       events=self.events + 1, epsilon_sum=self.epsilon_sum + cost.epsilon,
+            counts = Counter(dict(kernels))
+            counts[pair.kernel] += 1
+            kernels = tuple(sorted(counts.items(), key=lambda kv: _kernel_order(kv[0])))
+        return replace(self, events=self.events + 1,
+                       epsilon_sum=self.epsilon_sum + cost.epsilon,
                        delta_sum=self.delta_sum + cost.delta, rho_sum=self.rho_sum + cost.rho,
                        mu_squared=self.mu_squared + pair.mu * pair.mu,
-                       infinity=self.infinity + pair.infinity, loss=loss,
+                       infinity=self.infinity + pair.infinity, kernels=kernels,
                        fallbacks=self.fallbacks + (pair.method == "approximate"))
+
+    @property
+    def loss(self) -> pld.LossDistribution | None:
+        """The composed discretised pairs (smallest epsilon first, up to MAX_PAIRS_LOSS)."""
+        return _composed(self.kernels)[0]
+
+    @property
+    def outside_epsilon(self) -> float:
+        """Summed epsilon of the pairs kept out of :attr:`loss` (past MAX_PAIRS_LOSS).
+
+        They join the pairs' figure by basic composition (:meth:`pairs_epsilon`).
+        """
+        return _composed(self.kernels)[1]
+
+    @property
+    def outside_delta(self) -> float:
+        """Summed delta of the pairs kept out of :attr:`loss`."""
+        return _composed(self.kernels)[2]
 
     @property
     def basic(self) -> PrivacyCost:
@@ -314,3 +302,33 @@ class Spent:
         if self.rho_sum > 0.0 and zcdp_to_epsilon(self.rho_sum, dl) <= epsilon:
             return True
         return self.pairs_delta(epsilon) <= dl
+
+
+def _composed(kernels: tuple[tuple[tuple[Hashable, ...], int], ...],
+              ) -> tuple[pld.LossDistribution | None, float, float]:
+    """Compose kernel counts: the smallest epsilons first, identical pairs by squaring.
+
+    Pairs that would take the composed loss past :data:`MAX_PAIRS_LOSS` stay out; returns
+    ``(loss, outside epsilon, outside delta)``.
+    """
+    reach = out_eps = out_delta = 0.0
+    kept_counts = []
+    for key, count in kernels:
+        each = _kernel_epsilon(key)
+        kept = count if each <= 0.0 else min(count, int((MAX_PAIRS_LOSS - reach) // each))
+        if kept > 0:
+            kept_counts.append((key, kept))
+            reach += kept * each
+        out_eps += (count - kept) * each
+        out_delta += (count - kept) * _kernel_delta(key)
+    return _compose_kept(tuple(kept_counts)), out_eps, out_delta
+
+
+@lru_cache(maxsize=64)
+def _compose_kept(kept: tuple[tuple[tuple[Hashable, ...], int], ...],
+                  ) -> pld.LossDistribution | None:
+    loss: pld.LossDistribution | None = None
+    for key, count in kept:
+        part = _kernel(key).power(count)
+        loss = part if loss is None else loss.compose(part)
+    return loss

@@ -19,10 +19,10 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy import linalg, optimize, sparse
+from scipy import linalg
 
 from dpfed.common.errors import DpfedError, ValidationError
 from dpfed.common.privacy.accounting import PrivacyCost
@@ -43,6 +43,9 @@ from dpfed.common.validation import (
     check_int,
     check_positive,
 )
+
+if TYPE_CHECKING:
+    from scipy import optimize
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +382,8 @@ class _Deadline:
 
 def _lbfgsb(loss: Any, start: np.ndarray, *, bounds: Any, maxiter: int,
             deadline: _Deadline) -> optimize.OptimizeResult:
+    from scipy import optimize  # imported on first use: a slow import for every process
+
     return optimize.minimize(loss, start, jac=True, method="L-BFGS-B", bounds=bounds,
                              callback=deadline,
                              options={"maxiter": maxiter, "ftol": _OPTIMIZER_FTOL})
@@ -752,6 +757,8 @@ def _least_squares(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    from scipy import optimize  # imported on first use: a slow import for every process
+
     n = a.shape[1]
     try:
         return np.asarray(optimize.nnls(a, y, maxiter=10 * n)[0], dtype=np.float64)
@@ -767,6 +774,8 @@ def _l1_nonnegative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     Variables ``[x, u, v] >= 0`` with ``A x + u - v = y``; minimise ``sum(u + v)``. At the
     optimum ``u - v`` is the residual and ``u + v`` its absolute value.
     """
+    from scipy import optimize, sparse  # imported on first use (slow imports)
+
     k, n = a.shape
     eye = sparse.identity(k, format="csr")
     a_eq = sparse.hstack([sparse.csr_matrix(a), eye, -eye], format="csr")

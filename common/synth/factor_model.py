@@ -63,10 +63,9 @@ import logging
 import math
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, RowPolicy, encode_table
 from dpfed.common.data.schema import ContinuousColumn, Schema
@@ -146,6 +145,9 @@ from dpfed.common.validation import (
     check_positive,
     check_probability,
 )
+
+if TYPE_CHECKING:  # pandas only where a DataFrame is made (a slow import)
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 

@@ -54,3 +54,19 @@ def test_help_is_fast_and_version_is_the_package_version(prog: str) -> None:
     version = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True,
                              text=True, timeout=60, check=True)
     assert version.stdout.strip().endswith(__version__)
+
+
+#: What the running processes import before their first job: every federation start pays it
+#: once per site, coordinator and planning worker. The job modules load these on first use.
+RUNNING = ("dpfed.site_agent.config", "dpfed.site_agent.agent", "dpfed.aggregator.server",
+           "dpfed.aggregator.planning", "dpfed.aggregator.client")
+LAZY = ("pandas", "scipy.optimize", "scipy.sparse", "scipy.spatial", "scipy.stats",
+        "scipy.signal", "matplotlib")
+
+
+def test_running_processes_start_without_the_libraries_their_jobs_load_on_use() -> None:
+    code = (f"import sys; import {', '.join(RUNNING)}; "
+            f"print(','.join(x for x in {LAZY!r} if x in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "", f"start-up imports {out.stdout.strip()}"
