@@ -185,6 +185,20 @@ def make_sites(rng: np.random.Generator) -> list[np.ndarray]:
     return np.split(x, S)
 
 
+def covariance(x: np.ndarray) -> np.ndarray:
+    """The covariance of the rows ``x`` about their true mean."""
+    centred = x - x.mean(axis=0)
+    return np.asarray(centred.T @ centred / len(x))
+
+
+def paper_data(rng: np.random.Generator, schema: Schema
+               ) -> tuple[list[np.ndarray], dict[str, EncodedTable], np.ndarray, float]:
+    """One run's sites, their tables, the pooled covariance and its best top-K energy."""
+    sites = make_sites(rng)
+    cov = covariance(np.vstack(sites))
+    return sites, tables_of(schema, sites), cov, captured_energy(top_components(cov, K), cov)
+
+
 def tables_of(schema: Schema, sites: list[np.ndarray]) -> dict[str, EncodedTable]:
     names = [c.name for c in schema.columns]
     return {f"h{i + 1:02d}": EncodedTable(schema, {n: x[:, j] for j, n in enumerate(names)},
@@ -226,9 +240,7 @@ def demo(runs: int) -> None:
 
     schema, frames = generate_demo(3, 20_000, 20, seed=0)
     tables = {f"hospital-{i + 1}": encode_table(schema, f)[0] for i, f in enumerate(frames)}
-    u = np.vstack([UnitBallMap(schema).scaled(t) for t in tables.values()])
-    centred = u - u.mean(axis=0)
-    cov = centred.T @ centred / len(u)
+    cov = covariance(np.vstack([UnitBallMap(schema).scaled(t) for t in tables.values()]))
     k = 5
     best = captured_energy(top_components(cov, k), cov)
     import tempfile
@@ -272,12 +284,7 @@ def main() -> None:
     results: dict[tuple[str, float], list[float]] = {}
     splits: dict[float, Any] = {}
     for _ in range(a.runs):
-        sites = make_sites(rng)
-        pooled = np.vstack(sites)
-        centred = pooled - pooled.mean(axis=0)
-        cov = centred.T @ centred / len(pooled)
-        best = captured_energy(top_components(cov, K), cov)
-        tables = tables_of(schema, sites)
+        _sites, tables, cov, best = paper_data(rng, schema)
         for eps in EPSILONS:
             comps = {"none, clip 1": run_job(schema, tables, eps, DELTA, {
                 "n_components": K, "centering": "none", "clip_norm": 1.0})[0]}

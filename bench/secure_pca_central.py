@@ -38,7 +38,17 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pca_job_centring import DELTA, EPSILONS, D, K, make_sites, run_job, schema_of, tables_of  # noqa: E402
+from pca_job_centring import (  # noqa: E402
+    DELTA,
+    EPSILONS,
+    D,
+    K,
+    covariance,
+    paper_data,
+    run_job,
+    schema_of,
+    tables_of,
+)
 
 from dpfed.common.pca.dppca import captured_energy, top_components  # noqa: E402
 from dpfed.common.transport.certs import init_federation  # noqa: E402
@@ -64,16 +74,11 @@ def paper(runs: int, seed: int, fed_dir: Path) -> None:
     fed = fed_dir / "paper"
     started = time.perf_counter()
     for _ in range(runs):
-        sites = make_sites(rng)
-        pooled = np.vstack(sites)
-        centred = pooled - pooled.mean(axis=0)
-        cov = centred.T @ centred / len(pooled)
-        best = captured_energy(top_components(cov, K), cov)
-        tables = tables_of(schema, sites)
+        sites, tables, cov, best = paper_data(rng, schema)
         if not fed.exists():
             init_federation(fed, coordinator_hosts=["localhost"], sites=list(tables),
                             analysts=[])
-        central_table = tables_of(schema, [pooled])
+        central_table = tables_of(schema, [np.vstack(sites)])
         jobs: dict[str, tuple[Any, dict[str, Any], dict[str, Any]]] = {
             "central": (central_table, DEFAULT, {}),
             "secure t=1": (tables, SECURE, {"fed": fed, "tolerated": 1}),
@@ -114,9 +119,7 @@ def demo(runs: int, fed_dir: Path) -> None:
     for n_sites in (3, 4):
         schema, frames = generate_demo(n_sites, 20_000, 20, seed=n_sites)
         tables = {f"hospital-{i + 1}": encode_table(schema, f)[0] for i, f in enumerate(frames)}
-        u = np.vstack([UnitBallMap(schema).scaled(t) for t in tables.values()])
-        centred = u - u.mean(axis=0)
-        cov = centred.T @ centred / len(u)
+        cov = covariance(np.vstack([UnitBallMap(schema).scaled(t) for t in tables.values()]))
         best = captured_energy(top_components(cov, k), cov)
         fed = fed_dir / f"demo{n_sites}"
         init_federation(fed, coordinator_hosts=["localhost"], sites=list(tables), analysts=[])
