@@ -8,6 +8,7 @@ receives again, because a site trusts nothing that comes over the network.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -853,23 +854,40 @@ class QueryParams(Params):
         """One round; its delta is charged only if Gaussian noise is chosen."""
         return [RoundShare("query", epsilon, delta)]
 
+    def site_noises(self, delta: float) -> tuple[str, ...]:
+        """Return the noises a site-level release may use (auto: Gaussian only with delta)."""
+        return {"auto": ("laplace", "gaussian") if delta > 0 else ("laplace",),
+                "laplace": ("laplace",), "gaussian": ("gaussian",)}[self.noise]
+
     def mode_errors(self, epsilon: float, delta: float, schema: Schema, n_sites: int,
                     pooled_factor: float) -> tuple[float, float] | str | None:
         """Return the expected per-answer RMSE of the best strategy in each mode.
 
-        Site level: ``n_sites`` draws of the noise the parameters allow (``auto``: Laplace or
-        Gaussian, whichever ranks best); secure: one Gaussian-calibrated draw times
-        ``pooled_factor`` and the Skellam slack. Laplace often wins on small workloads, where
-        a secure sum's Gaussian-like noise does not (docs/secure-aggregation.md).
+        :meth:`mode_rmse` on the job's workload; why not, for a job without a delta.
         """
-        from dpfed.common.jobs.contract import Budget
-        from dpfed.common.jobs.query import mode_rmse
-
         if delta <= 0.0:
             return ("secure aggregation needs --delta > 0 (its Skellam noise is (epsilon, "
                     "delta)-DP); compare with --aggregation secure --delta D --plan")
-        return mode_rmse(self, self.workload_in(schema), Budget(epsilon, delta), n_sites,
-                         pooled_factor)
+        return self.mode_rmse(self.workload_in(schema), epsilon, delta, n_sites, pooled_factor)
+
+    def mode_rmse(self, workload: Any, epsilon: float, delta: float, n_sites: int,
+                  pooled_factor: float) -> tuple[float, float]:
+        """Return the expected RMSE per query ``(site level, secure)``, each mode at its best.
+
+        Site level: ``n_sites`` draws of the noise the parameters allow (:meth:`site_noises`:
+        Laplace often wins on small workloads); secure: one Gaussian-calibrated draw times
+        the secure sum's ``pooled_factor`` and the Skellam calibration's slack
+        (:data:`dpfed.common.jobs.modes.SKELLAM_SLACK`).
+        """
+        from dpfed.common.jobs.modes import SKELLAM_SLACK
+        from dpfed.common.queries.workload_spec import choose_strategy
+
+        site = choose_strategy(workload, strategy_name=self.strategy,
+                               noises=self.site_noises(delta), epsilon=epsilon, delta=delta,
+                               n_sites=n_sites).rmse
+        secure = choose_strategy(workload, strategy_name=self.strategy, noises=("gaussian",),
+                                 epsilon=epsilon, delta=delta, n_sites=1).rmse
+        return site, secure * SKELLAM_SLACK * math.sqrt(pooled_factor)
 
 
 # --------------------------------------------------------------------------- svt

@@ -18,7 +18,7 @@ from dpfed.aggregator.jobs.job import Job, JobOutput
 from dpfed.aggregator.jobs.records import mode_record, secure_record
 from dpfed.common.job_params import QueryParams
 from dpfed.common.jobs.contract import Budget
-from dpfed.common.jobs.query import QUERY, choose, mode_rmse
+from dpfed.common.jobs.query import QUERY, choose
 from dpfed.common.queries.federated_matrix import per_query_std_error
 from dpfed.common.queries.matrix_mechanism import reconstruct
 from dpfed.common.queries.workloads import identity_workload
@@ -38,7 +38,8 @@ def other_mode(params: QueryParams, workload: Any, budget: Budget, modes: dict[s
     if budget.delta <= 0.0:
         return None
     n, t, d = modes["n_sites"], modes["tolerated"], modes["dropouts"]
-    errors = mode_rmse(params, workload, budget, n, secure_pooled_factor(n, t, d))
+    errors = params.mode_rmse(workload, budget.epsilon, budget.delta, n,
+                              secure_pooled_factor(n, t, d))
     site, secure_rmse = (errors[0], rmse) if secure else (rmse, errors[1])
     ratio, sentence = compare_modes(n, t, dropouts=d, errors=(site, secure_rmse))
     return {**modes, "secure_over_site_noise": ratio, "sentence": sentence,

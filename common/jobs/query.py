@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,27 +135,11 @@ def choose(params: QueryParams, workload: Workload, budget: Budget, *, draws: in
     if secure:
         noises: Sequence[str] = ("gaussian",)
     else:
-        noises = {"auto": ("laplace", "gaussian") if budget.delta > 0 else ("laplace",),
-                  "laplace": ("laplace",), "gaussian": ("gaussian",)}[params.noise]
+        noises = params.site_noises(budget.delta)
     pick = choose_strategy(workload, strategy_name=params.strategy, noises=noises,
                            epsilon=budget.epsilon, delta=budget.delta, n_sites=draws)
     spec, arrays = strategy_transport(pick.name, pick.matrix, workload.n)
     return Chosen(pick, workload, strategy_digest(pick.matrix), spec, arrays)
-
-
-def mode_rmse(params: QueryParams, workload: Workload, budget: Budget, n_sites: int,
-              pooled_factor: float) -> tuple[float, float]:
-    """Return the expected RMSE per query ``(site level, secure)``, each mode at its best.
-
-    Site level: ``n_sites`` draws of the noise the parameters allow (:func:`choose`); secure:
-    one Gaussian-calibrated draw times the secure sum's ``pooled_factor`` and the Skellam
-    calibration's slack (:data:`dpfed.common.jobs.modes.SKELLAM_SLACK`).
-    """
-    from dpfed.common.jobs.modes import SKELLAM_SLACK
-
-    site = choose(params, workload, budget, draws=n_sites, secure=False).pick.rmse
-    secure = choose(params, workload, budget, draws=1, secure=True).pick.rmse
-    return site, secure * SKELLAM_SLACK * math.sqrt(pooled_factor)
 
 
 @dataclass(frozen=True)
