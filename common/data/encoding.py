@@ -328,7 +328,7 @@ def _labels_of(col: pa.Array) -> pa.Array:
     return pc.cast(col, pa.string())
 
 
-def _frame_to_arrow(schema: Schema, table: pd.DataFrame, source: str) -> pa.Table:
+def frame_to_arrow(schema: Schema, table: pd.DataFrame, source: str = "data") -> pa.Table:
     """Convert a DataFrame's schema columns to an Arrow table (text for object columns)."""
     import pandas as pd
 
@@ -383,7 +383,7 @@ def encode_table(schema: Schema, table: pa.Table | pa.RecordBatch | pd.DataFrame
     """
     policy = policy or RowPolicy()
     if not isinstance(table, (pa.Table, pa.RecordBatch)):
-        table = _frame_to_arrow(schema, table, source)
+        table = frame_to_arrow(schema, table, source)
     present = set(table.schema.names)
     missing_cols = [n for n in schema.names if n not in present]
     if missing_cols:

@@ -420,9 +420,11 @@ def plan_for(statistic: str, *, dim: int, total_rows: int, epsilon: float, delta
                    participants=participants, tolerated=tolerated, row_norm=row_norm)
 
 
-#: How far above the given epsilon :func:`plan_within_rho` searches, and how finely.
+#: How far above the given epsilon :func:`plan_within_rho` searches, in how many calibrations,
+#: and how close below its rho a plan's charge must come to end the search.
 _RHO_SEARCH_GROWTH = 64.0
 _RHO_SEARCH_STEPS = 40
+_RHO_SEARCH_TOLERANCE = 5e-4
 
 
 def plan_within_rho(statistic: str, *, dim: int, total_rows: int, epsilon: float,
@@ -431,36 +433,53 @@ def plan_within_rho(statistic: str, *, dim: int, total_rows: int, epsilon: float
     """Plan a sum of a zCDP-composed job: the least noise whose charge stays within ``rho``.
 
     A round of a job composed in zCDP gets its share ``rho`` as the analytic Gaussian's
-    ``(epsilon, delta)``. A Skellam sum calibrated to that pair is charged only about 85 % of
-    ``rho`` (its RDP conversion to ``(epsilon, delta)`` is the binding target, see
-    :func:`dpfed.common.privacy.skellam.skellam_calibrate`). This returns the plan at the
-    largest ``epsilon' >= epsilon`` (bisection in log space; every candidate's charge, the
-    zCDP rho of its noise, checked) whose charge is at most ``rho``; the plan at ``epsilon``
-    when no larger one qualifies. Every site recomputes it from the task's ``epsilon'`` and
-    records that ``(epsilon', delta)`` -- the round's own guarantee -- and its rho.
+    ``(epsilon, delta)``. A Skellam sum calibrated to that pair may be charged a little less
+    than ``rho`` (the exact calibration, or its rho cap). This returns a plan at an
+    ``epsilon' >= epsilon`` whose charge (the zCDP rho of its noise, checked for every
+    candidate) is at most ``rho`` and within 0.05 % of it where one up to 64 ``epsilon``
+    reaches it (the charge moves in small steps with the noise's integer scale: then the
+    highest step below ``rho``); the plan at ``epsilon`` when no larger one qualifies. The
+    search interpolates the charge in log-log space (it grows about like ``epsilon^2``)
+    inside a bracket, so a plan costs a handful of exact calibrations, not twenty. Every site
+    recomputes the plan from the task's ``epsilon'`` and records that ``(epsilon', delta)``
+    -- the round's own guarantee -- and its rho.
     """
     r = check_positive(rho, "rho")
 
-    def at(eps: float) -> SecureSumPlan:
-        return plan_for(statistic, dim=dim, total_rows=total_rows, epsilon=eps, delta=delta,
+    def at(eps: float) -> tuple[SecureSumPlan, float]:
+        plan = plan_for(statistic, dim=dim, total_rows=total_rows, epsilon=eps, delta=delta,
                         participants=participants, tolerated=tolerated, row_norm=row_norm)
+        return plan, plan.calibration.cost().rho
 
-    best = at(epsilon)
-    lo, hi = float(epsilon), float(epsilon) * 2.0
-    while hi <= epsilon * _RHO_SEARCH_GROWTH:
-        plan = at(hi)
-        if plan.calibration.cost().rho > r:
-            break
-        best, lo, hi = plan, hi, hi * 2.0
+    best, lo_rho = at(epsilon)
+    if lo_rho > r:
+        return best
+    target = r * (1.0 - _RHO_SEARCH_TOLERANCE / 2.0)
+    lo, top = float(epsilon), float(epsilon) * _RHO_SEARCH_GROWTH
+    hi: float | None = None
+    hi_rho = 0.0
+    slope = 2.0  # d log(rho) / d log(epsilon) of a Gaussian-like charge
     for _ in range(_RHO_SEARCH_STEPS):
-        if hi / lo < 1.0 + 1e-6:
+        if lo_rho >= (1.0 - _RHO_SEARCH_TOLERANCE) * r or lo >= top:
             break
-        mid = math.sqrt(lo * hi)
-        plan = at(mid)
-        if plan.calibration.cost().rho <= r:
-            best, lo = plan, mid
+        if hi is None:
+            guess = min(top, lo * math.exp(math.log(target / max(lo_rho, 1e-300)) / slope))
         else:
-            hi = mid
+            if hi / lo < 1.0 + 1e-6:  # the charge steps with the integer scale
+                break
+            span = math.log(hi_rho / max(lo_rho, 1e-300))
+            frac = math.log(target / max(lo_rho, 1e-300)) / span if span > 0 else 0.5
+            # inside the bracket, never at its ends (bisect where interpolation stalls)
+            frac = min(max(frac, 0.05), 0.95) if math.isfinite(frac) else 0.5
+            guess = math.exp(math.log(lo) + frac * math.log(hi / lo))
+        plan, charged = at(guess)
+        if charged <= r:
+            if charged > lo_rho and guess > lo:
+                slope = min(max(math.log(charged / max(lo_rho, 1e-300)) / math.log(guess / lo),
+                                0.25), 8.0)
+            best, lo, lo_rho = plan, guess, charged
+        else:
+            hi, hi_rho = guess, charged
     return best
 
 
