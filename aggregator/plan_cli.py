@@ -8,6 +8,7 @@ are listed apart, with the reason. Nothing is submitted or charged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ def who_takes_part(kind: JobKind[Any], params: Params, plan: Sequence[PlannedRou
 
 
 def print_plan(kind: JobKind[Any], params: Params, epsilon: float, delta: float,
-               sites: Sequence[SiteInfo]) -> None:
+               sites: Sequence[SiteInfo], schema: Schema | None = None) -> None:
     """Print every round's charge at every site that would take part, then the others."""
     plan = kind.plan(params, epsilon, delta)
     taking, left_out = who_takes_part(kind, params, plan, sites, epsilon, delta)
@@ -51,18 +52,33 @@ def print_plan(kind: JobKind[Any], params: Params, epsilon: float, delta: float,
     print(f"total per site: epsilon {sum(r.epsilon for r in charged):.4g}, delta "
           f"{sum(r.delta for r in charged):.3g}")
     if kind.sums and taking:
-        print(mode_comparison(taking))
+        print(mode_comparison(taking, params, epsilon, delta, schema))
 
 
-def mode_comparison(sites: Sequence[SiteInfo]) -> str:
-    """Compare secure and site-level noise for ``sites`` (t: the strictest secure policy)."""
+def mode_comparison(sites: Sequence[SiteInfo], params: Params | None = None,
+                    epsilon: float = 1.0, delta: float = 0.0,
+                    schema: Schema | None = None) -> str:
+    """Compare secure and site-level error for ``sites`` (t, d: the strictest policies).
+
+    With the schema, the job's own expected errors where its kind has them
+    (:meth:`~dpfed.common.jobs.params.Params.mode_errors`); else the pooled noise ratio.
+    """
     from dpfed.common.jobs.eligibility import secure_policy
-    from dpfed.common.jobs.modes import compare_modes
+    from dpfed.common.jobs.modes import compare_modes, secure_limits, secure_pooled_factor
 
     on = [p for p in (secure_policy(s) for s in sites) if p.mode != "off"]
     if not on:
         return "secure aggregation: off at the sites taking part (site-level only)"
-    return compare_modes(len(sites), max(p.tolerated for p in on))[1]
+    n = len(sites)
+    t, d = secure_limits(n, [p.tolerated for p in on], [p.tolerated_dropouts for p in on])
+    factor = secure_pooled_factor(n, t, d)
+    errors = None
+    if params is not None and schema is not None and math.isfinite(factor):
+        found = params.mode_errors(epsilon, delta, schema, n, factor)
+        if isinstance(found, str):
+            return found
+        errors = found
+    return compare_modes(n, t, dropouts=d, errors=errors)[1]
 
 
 def print_rounds(plan: Sequence[PlannedRound], sites: Sequence[SiteInfo]) -> None:
@@ -107,7 +123,7 @@ def print_kind_plan(kind_name: str, raw: dict[str, Any], epsilon: float, delta: 
                                 kind_name)
         params = kind.parse(kind.settle(params.to_mapping(), epsilon, delta, schema, facts),
                             schema)
-    print_plan(kind, params, epsilon, delta, sites)
+    print_plan(kind, params, epsilon, delta, sites, schema)
     note = params.plan_note(epsilon, delta)
     if note:
         print(note)

@@ -89,8 +89,9 @@ def query_report(result: QueryJobResult, truth: np.ndarray | None = None,
     modes = m.get("aggregation_comparison")
     if isinstance(modes, dict) and isinstance(modes.get("sentence"), str):
         other = "site-level" if isinstance(secure, dict) else "secure"
-        rep.paragraph(f"Aggregation modes: {modes['sentence']}. With the same strategy, "
-                      f"{other} aggregation would give an expected RMSE per query of "
+        rep.paragraph(f"Aggregation modes: {modes['sentence']}. With its best strategy "
+                      f"under its own noise, {other} aggregation would give an expected RMSE "
+                      "per query of "
                       f"{float(modes['expected_rmse_other_mode']):.4g} (this job: "
                       f"{result.expected_rmse:.4g}).")
     rep.image(strategy_plot(result), "expected error per strategy")

@@ -85,12 +85,14 @@ class InProcessJob(Job[Any]):
     """
 
     def __init__(self, spec: JobSpec, schema: Schema, tables: Mapping[str, EncodedTable],
-                 fed: Path | None = None) -> None:
+                 fed: Path | None = None, tolerated: int = 0) -> None:
         kind = job_kind(spec.kind)
         self.fed = fed
+        self.tolerated = tolerated
         sessions = [SimpleNamespace(site_id=s, hello=SimpleNamespace(
             row_count=t.n_rows, allowed_kinds=("pca", "secagg"), max_epsilon_per_task=None,
-            budget=BudgetStatus("pld", 100.0, 0.5, 0.0, 0.0, 0.0, 0), secure_policy=""))
+            budget=BudgetStatus("pld", 1e6, 0.5, 0.0, 0.0, 0.0, 0),
+            secure_policy=f"allowed, min 2 sites, t={tolerated}"))
             for s, t in tables.items()]
         super().__init__(job_id="bench", spec=spec, kind=kind,
                          params=kind.parse(spec.params, schema), federation=Federation(schema),
@@ -102,36 +104,47 @@ class InProcessJob(Job[Any]):
 
     async def release(self, rnd: Round[Any, Any, Any], inputs: Any, *,
                       among: Collection[str] | None = None) -> Pooled[Any]:
-        """A site-level round through :meth:`dispatch`; a secure one summed in-process."""
+        """A site-level round through :meth:`dispatch`; a secure one summed in-process.
+
+        The sites' pairwise masks cancel in the sum (no self-masks: no site drops here); the
+        decoded sum is checked and pooled by the round's own code, as the coordinator does.
+        """
         if not self.planned(rnd.name).secure:
             return await super().release(rnd, inputs, among=among)
         from secure_aggregation import masked_shares
 
-        from dpfed.aggregator.jobs.secure_rounds import _decoded, _plan
+        from dpfed.aggregator.jobs.secure_rounds import _plan
+        from dpfed.common.jobs.contract import SecureSum
         from dpfed.common.secagg.masking import MaskContext
         from dpfed.common.secagg.messages import plan_params
+        from dpfed.common.secagg.secure_sum import decode_integer_sum
 
         assert isinstance(rnd, SumRound) and self.fed is not None
         self._start()
         budget = self.budget(rnd.name)
         ask = Ask(self.params, self.federation.schema, inputs, budget)
         enc = rnd.encoding(ask)
-        ids = list(self.sites)
+        ids = sorted(self.sites)
         total = sum(int(s.data.table.n_rows) for s in self.sites.values())  # type: ignore[attr-defined]
-        planned = await _plan(rnd, enc, budget, ids, 0, total)
+        planned = await _plan(rnd, enc, budget, ids, self.tolerated, total)
         plan = planned.plan
         task = Task(f"bench/{rnd.name}-sum-1", "bench", "secagg", budget.epsilon, budget.delta,
                     {"stage": "contribute", "sum_round": f"{rnd.name}-sum-1", **dict(enc.params),
                      **plan_params(plan, row_norm=enc.row_norm)}, dict(enc.arrays))
         rng = production_rng()
-        given = {s: rnd.contribution(task_from_bytes(task_to_bytes(task)), site, ids, 0)
-                 for s, site in self.sites.items()}
+        given = {s: rnd.contribution(task_from_bytes(task_to_bytes(task)), self.sites[s], ids,
+                                     self.tolerated) for s in ids}
         computed = {s: g.compute(rng) for s, g in given.items()}
         ctx = MaskContext("bench", plan.statistic, f"bench/{rnd.name}/{rng.integers(1 << 30)}")
         masked = masked_shares({s: c[0] for s, c in computed.items()}, plan, self.fed, ctx, rng)
-        results = {s: TaskResult(task.task_id, plan.cost(), {"masked": masked[s]},
-                                 {"n_rows": int(computed[s][1])}) for s in ids}
-        return _decoded(rnd, ask, enc, planned, budget, results, 1)
+        rows = {s: int(computed[s][1]) for s in ids}
+        summed_int = decode_integer_sum(masked, plan)
+        rnd.check_sum(summed_int, planned, sum(rows.values()), enc)
+        summed = SecureSum(summed_int.astype(np.float64) / plan.scale ** plan.degree, plan, rows,
+                           1, planned.detail, rnd.secure_releases)
+        value = rnd.pool_secure(summed, ask)
+        return Pooled(rnd.name, value, budget, rows, dict.fromkeys(ids, plan.cost()), {},
+                      summed)
 
     async def dispatch(self, outgoing: OutgoingTask, *, only: Collection[str] | None = None,
                        progress: tuple[float, float] = (0.0, 0.9),
@@ -172,6 +185,20 @@ def make_sites(rng: np.random.Generator) -> list[np.ndarray]:
     return np.split(x, S)
 
 
+def covariance(x: np.ndarray) -> np.ndarray:
+    """The covariance of the rows ``x`` about their true mean."""
+    centred = x - x.mean(axis=0)
+    return np.asarray(centred.T @ centred / len(x))
+
+
+def paper_data(rng: np.random.Generator, schema: Schema
+               ) -> tuple[list[np.ndarray], dict[str, EncodedTable], np.ndarray, float]:
+    """One run's sites, their tables, the pooled covariance and its best top-K energy."""
+    sites = make_sites(rng)
+    cov = covariance(np.vstack(sites))
+    return sites, tables_of(schema, sites), cov, captured_energy(top_components(cov, K), cov)
+
+
 def tables_of(schema: Schema, sites: list[np.ndarray]) -> dict[str, EncodedTable]:
     names = [c.name for c in schema.columns]
     return {f"h{i + 1:02d}": EncodedTable(schema, {n: x[:, j] for j, n in enumerate(names)},
@@ -180,14 +207,18 @@ def tables_of(schema: Schema, sites: list[np.ndarray]) -> dict[str, EncodedTable
 
 
 def run_job(schema: Schema, tables: Mapping[str, EncodedTable], epsilon: float, delta: float,
-            params: dict[str, Any], accountant: str = "pld", fed: Path | None = None
-            ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Validate, settle and run one pca job; return its components and metadata."""
+            params: dict[str, Any], accountant: str = "pld", fed: Path | None = None,
+            tolerated: int = 0, settle: bool = True) -> tuple[np.ndarray, dict[str, Any]]:
+    """Validate, settle (unless not ``settle``) and run one pca job: components, metadata.
+
+    Secure sums tolerate ``tolerated`` colluders (the sites' policy).
+    """
     kind = job_kind("pca")
-    canonical = kind.canonical(params, epsilon, delta, schema)
-    facts = [ConnectedSite(t.n_rows, accountant) for t in tables.values()]
-    settled = kind.settle(canonical, epsilon, delta, schema, facts)
-    job = InProcessJob(JobSpec("pca", epsilon, delta, settled), schema, tables, fed)
+    settled = kind.canonical(params, epsilon, delta, schema)
+    if settle:
+        facts = [ConnectedSite(t.n_rows, accountant, tolerated) for t in tables.values()]
+        settled = kind.settle(settled, epsilon, delta, schema, facts)
+    job = InProcessJob(JobSpec("pca", epsilon, delta, settled), schema, tables, fed, tolerated)
     out = asyncio.run(pca_job.run(job))
     return np.asarray(out.arrays["components"]), dict(out.metadata)
 
@@ -209,9 +240,7 @@ def demo(runs: int) -> None:
 
     schema, frames = generate_demo(3, 20_000, 20, seed=0)
     tables = {f"hospital-{i + 1}": encode_table(schema, f)[0] for i, f in enumerate(frames)}
-    u = np.vstack([UnitBallMap(schema).scaled(t) for t in tables.values()])
-    centred = u - u.mean(axis=0)
-    cov = centred.T @ centred / len(u)
+    cov = covariance(np.vstack([UnitBallMap(schema).scaled(t) for t in tables.values()]))
     k = 5
     best = captured_energy(top_components(cov, k), cov)
     import tempfile
@@ -255,12 +284,7 @@ def main() -> None:
     results: dict[tuple[str, float], list[float]] = {}
     splits: dict[float, Any] = {}
     for _ in range(a.runs):
-        sites = make_sites(rng)
-        pooled = np.vstack(sites)
-        centred = pooled - pooled.mean(axis=0)
-        cov = centred.T @ centred / len(pooled)
-        best = captured_energy(top_components(cov, K), cov)
-        tables = tables_of(schema, sites)
+        _sites, tables, cov, best = paper_data(rng, schema)
         for eps in EPSILONS:
             comps = {"none, clip 1": run_job(schema, tables, eps, DELTA, {
                 "n_components": K, "centering": "none", "clip_norm": 1.0})[0]}

@@ -19,7 +19,8 @@ tolerated colluders might know are added on top) times the Skellam accountant's 
 analytic Gaussian; site-level / secure ~ sqrt(S) / that.
 
 Run: ``python bench/secure_query.py [--quick] [--sites S] [--rows N] [--repeats R]
-[--tolerated T]``.
+[--tolerated T] [--site-noise auto]`` (``auto``: the site level's Laplace or Gaussian, whichever
+ranks best -- what ``dpfed simulate --job query`` runs; Laplace wins on the 20-cell marginal).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tolerated", type=int, default=1,
                     help="the sites' secure_tolerated_colluders t (their default is 1)")
+    ap.add_argument("--site-noise", choices=("gaussian", "auto"), default="gaussian",
+                    help="the site-level jobs' noise: gaussian (default), or auto -- Laplace "
+                         "or Gaussian, whichever ranks best, as `dpfed query` picks")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.repeats = 5_000, 1
@@ -136,8 +140,9 @@ def main() -> None:
                         last: QueryJobResult | None = None
                         for _ in range(args.repeats):
                             for mode in ("site", "secure"):
+                                noise = args.site_noise if mode == "site" else "gaussian"
                                 res: QueryJobResult = coord.query(
-                                    cols, epsilon=eps, delta=DELTA, noise="gaussian",
+                                    cols, epsilon=eps, delta=DELTA, noise=noise,
                                     aggregation=mode, **kw)
                                 obs[mode].append(observed(res, truth))
                                 exp[mode] = res.expected_rmse
@@ -152,7 +157,8 @@ def main() -> None:
         finally:
             fed.stop_all()
     print(f"\n{args.sites} sites x {args.rows} rows, delta {DELTA:g}, t = {args.tolerated}, "
-          f"{args.repeats} repeat(s); RMSE per workload answer (observed / closed-form expected)")
+          f"{args.repeats} repeat(s), site-level noise {args.site_noise}; RMSE per workload "
+          "answer (observed / closed-form expected)")
     head = (f"{'workload':32s} {'eps':>4s} {'strategy':>9s} {'site-level':>17s} "
             f"{'secure':>17s} {'central':>17s} {'secure/central':>15s} {'site/secure':>12s}")
     print(head)

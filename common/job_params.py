@@ -8,6 +8,7 @@ receives again, because a site trusts nothing that comes over the network.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -202,44 +203,54 @@ class PCAParams(Params):
 
     settles: ClassVar[bool] = True
 
-    def validate(self, schema: Schema | None) -> None:
-        """Refuse a ``split`` with secure aggregation (secure jobs keep the fixed split)."""
-        del schema
-        if self.secure and self.split is not None:
-            raise ValidationError("split applies to site-level pca jobs (aggregation 'site')")
-
     @property
     def clip_first(self) -> bool:
-        """Whether the rounds run in the clip-first order (a ``split``, or secure and auto).
+        """Whether the rounds run clip first (site level with a ``split``; secure and auto).
 
         ``norms`` of the uncentred rows, then ``mean`` of the rows clipped to the radius,
-        then ``pca``; site-level jobs made before (no ``split``) keep ``mean``, ``norms``,
-        ``pca`` with the mean of the box-bounded rows (secure jobs had no ``norms`` round).
+        then ``pca`` of the rows centred at the sites; site-level jobs made before (no
+        ``split``) keep ``mean``, ``norms``, ``pca`` with the mean of the box-bounded rows.
+        Secure jobs with a fixed ``clip_norm`` (``schema`` or a number) keep the uncentred
+        Gram, centred at the coordinator, whatever their split.
         """
-        return self.split is not None or (self.secure and self.clip_norm == "auto")
+        if self.secure:
+            return self.clip_norm == "auto"
+        return self.split is not None
 
     def settle(self, epsilon: float, delta: float, schema: Schema,
                sites: Sequence[ConnectedSite]) -> Self:
         """Return the job with its budget split chosen from public numbers (module pca docs).
 
-        A site-level job of more than one round, submitted without ``split``, gets the shares
-        of :func:`dpfed.common.pca.centring.centred_round_split` for the schema's feature
-        count, the connected sites' public row counts and their number; composed in GDP
+        A job of more than one round, submitted without ``split``, gets the shares of
+        :func:`dpfed.common.pca.centring.centred_round_split` for the schema's feature count
+        and the connected sites' public row counts, with the pooled noise of its mode: the
+        sites' number at site level; a secure sum's ``n / (n - t - d)`` over the sites that
+        take secure sums (:func:`secure_noise_factor`; secure jobs with ``clip_norm`` auto,
+        the clip-first rounds the shares are derived for). Composed in GDP
         (``composition="gdp"``) when every such site's ledger is ``pld`` (charged exactly
-        the job's (epsilon, delta)), else as shares of (epsilon, delta). Without connected
-        sites the job keeps the fixed split of jobs made before.
+        the job's (epsilon, delta)), else as shares of (epsilon, delta). Without such sites
+        the job keeps the fixed split of jobs made before.
         """
         from dpfed.common.pca.centring import centred_round_split
         from dpfed.common.pca.features import feature_names
 
         rounds = _pca_rounds({"centering": self.centering, "clip_norm": self.clip_norm})
-        if self.split is not None or self.secure or len(rounds) < 2 or not sites:
+        if self.split is not None or len(rounds) < 2:
             return self
+        pooled_noise = None
+        if self.secure:
+            if not self.clip_first:  # the coordinator-centred Gram: the targets do not apply
+                return self
+            sites = [s for s in sites if s.secure_tolerated is not None]
+            pooled_noise = secure_noise_factor(sites)
+            if pooled_noise is None:
+                return self
         n_total = sum(s.row_count for s in sites)
-        if n_total < 1:
+        if not sites or n_total < 1:
             return self
         split = centred_round_split(len(feature_names(schema)), n_total, epsilon, delta,
-                                    n_sites=len(sites), rounds=rounds)
+                                    n_sites=len(sites), rounds=rounds,
+                                    pooled_noise=pooled_noise)
         gdp = all(s.accountant == "pld" for s in sites)
         return dataclasses.replace(self, split=tuple(split),
                                    composition="gdp" if gdp else "basic")
@@ -251,12 +262,17 @@ class PCAParams(Params):
                                for r in self.shares(epsilon, delta))
             if len(self.shares(epsilon, delta)) < 2:
                 return ""
-            why = "secure jobs" if self.secure else "no site connected to settle it on"
+            why = ("secure jobs with a fixed clip_norm" if self.secure and not self.clip_first
+                   else "no site taking secure sums connected to settle it on" if self.secure
+                   else "no site connected to settle it on")
             return f"budget split: fixed ({shares} of epsilon and delta; {why})"
         unit = "mu^2 (GDP)" if self.composition == "gdp" else "epsilon"
         shares = ", ".join(f"{n} {e:.3f}" for n, e, _ in self.split)
+        sites = ("the connected sites' rows and the noise of a secure sum over them "
+                 "(n / (n - t - d) for their policies' t colluders and d dropouts)"
+                 if self.secure else "the connected sites' rows and their number")
         note = (f"budget split: shares of {unit}: {shares}; chosen from the schema's "
-                "dimension, the connected sites' rows and their number, and epsilon "
+                f"dimension, {sites}, and epsilon "
                 "(rounds run clip radius first, then the mean of the clipped rows)")
         if self.composition == "gdp":
             note += (f"\na pld ledger is charged exactly epsilon {epsilon:g} at delta "
@@ -316,6 +332,26 @@ class PCAParams(Params):
         out = [RoundShare(name, epsilon * s, delta * s) for name, s in shares]
         out.append(RoundShare("pca", epsilon * rest, delta * rest))
         return out
+
+
+def secure_noise_factor(sites: Sequence[ConnectedSite]) -> float | None:
+    """Return the pooled noise of a secure sum over ``sites``, in units of its ``mu``.
+
+    The sum tolerates the strictest policy's ``t`` colluders and the most dropouts any policy
+    asks for, capped as the coordinator caps them
+    (:func:`dpfed.common.secagg.dropouts.dropout_limit`); every site then adds
+    ``mu / (n - t - d)`` (:func:`dpfed.common.jobs.modes.secure_pooled_factor`). None when no
+    secure sum can run over them (no site takes secure sums, or ``n <= t``).
+    """
+    from dpfed.common.jobs.modes import secure_limits, secure_pooled_factor
+
+    on = [s for s in sites if s.secure_tolerated is not None]
+    if not on:
+        return None
+    n = len(on)
+    t, d = secure_limits(n, [int(s.secure_tolerated or 0) for s in on],
+                         [s.secure_dropouts for s in on])
+    return None if n - t < 1 else secure_pooled_factor(n, t, d)
 
 
 #: Rounds of a ``synth`` job per output mode, in order (without the pair rounds).
@@ -817,6 +853,41 @@ class QueryParams(Params):
     def shares(self, epsilon: float, delta: float) -> list[RoundShare]:
         """One round; its delta is charged only if Gaussian noise is chosen."""
         return [RoundShare("query", epsilon, delta)]
+
+    def site_noises(self, delta: float) -> tuple[str, ...]:
+        """Return the noises a site-level release may use (auto: Gaussian only with delta)."""
+        return {"auto": ("laplace", "gaussian") if delta > 0 else ("laplace",),
+                "laplace": ("laplace",), "gaussian": ("gaussian",)}[self.noise]
+
+    def mode_errors(self, epsilon: float, delta: float, schema: Schema, n_sites: int,
+                    pooled_factor: float) -> tuple[float, float] | str | None:
+        """Return the expected per-answer RMSE of the best strategy in each mode.
+
+        :meth:`mode_rmse` on the job's workload; why not, for a job without a delta.
+        """
+        if delta <= 0.0:
+            return ("secure aggregation needs --delta > 0 (its Skellam noise is (epsilon, "
+                    "delta)-DP); compare with --aggregation secure --delta D --plan")
+        return self.mode_rmse(self.workload_in(schema), epsilon, delta, n_sites, pooled_factor)
+
+    def mode_rmse(self, workload: Any, epsilon: float, delta: float, n_sites: int,
+                  pooled_factor: float) -> tuple[float, float]:
+        """Return the expected RMSE per query ``(site level, secure)``, each mode at its best.
+
+        Site level: ``n_sites`` draws of the noise the parameters allow (:meth:`site_noises`:
+        Laplace often wins on small workloads); secure: one Gaussian-calibrated draw times
+        the secure sum's ``pooled_factor`` and the Skellam calibration's slack
+        (:data:`dpfed.common.jobs.modes.SKELLAM_SLACK`).
+        """
+        from dpfed.common.jobs.modes import SKELLAM_SLACK
+        from dpfed.common.queries.workload_spec import choose_strategy
+
+        site = choose_strategy(workload, strategy_name=self.strategy,
+                               noises=self.site_noises(delta), epsilon=epsilon, delta=delta,
+                               n_sites=n_sites).rmse
+        secure = choose_strategy(workload, strategy_name=self.strategy, noises=("gaussian",),
+                                 epsilon=epsilon, delta=delta, n_sites=1).rmse
+        return site, secure * SKELLAM_SLACK * math.sqrt(pooled_factor)
 
 
 # --------------------------------------------------------------------------- svt

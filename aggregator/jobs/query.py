@@ -17,10 +17,33 @@ from dpfed import __version__
 from dpfed.aggregator.jobs.job import Job, JobOutput
 from dpfed.aggregator.jobs.records import mode_record, secure_record
 from dpfed.common.job_params import QueryParams
+from dpfed.common.jobs.contract import Budget
 from dpfed.common.jobs.query import QUERY, choose
 from dpfed.common.queries.federated_matrix import per_query_std_error
 from dpfed.common.queries.matrix_mechanism import reconstruct
 from dpfed.common.queries.workloads import identity_workload
+
+
+def other_mode(params: QueryParams, workload: Any, budget: Budget, modes: dict[str, Any],
+               rmse: float, secure: bool) -> dict[str, Any] | None:
+    """Return ``modes`` with the other aggregation mode's expected RMSE per query.
+
+    The other mode is priced with its best strategy under its own noise
+    (:meth:`~dpfed.common.job_params.QueryParams.mode_errors`: site-level Laplace can beat a
+    secure sum); this job's own ``rmse`` stands for its mode. None for a pure-epsilon job
+    (a secure sum needs a delta).
+    """
+    from dpfed.common.jobs.modes import compare_modes, secure_pooled_factor
+
+    if budget.delta <= 0.0:
+        return None
+    n, t, d = modes["n_sites"], modes["tolerated"], modes["dropouts"]
+    errors = params.mode_rmse(workload, budget.epsilon, budget.delta, n,
+                              secure_pooled_factor(n, t, d))
+    site, secure_rmse = (errors[0], rmse) if secure else (rmse, errors[1])
+    ratio, sentence = compare_modes(n, t, dropouts=d, errors=(site, secure_rmse))
+    return {**modes, "secure_over_site_noise": ratio, "sentence": sentence,
+            "expected_rmse_other_mode": site if secure else secure_rmse}
 
 
 async def run(job: Job[QueryParams]) -> JobOutput:
@@ -76,11 +99,11 @@ async def run(job: Job[QueryParams]) -> JobOutput:
         "schema_toml": schema.to_toml(), "software_version": __version__,
         **secure_record(released)}
     modes = mode_record(job, released)
-    if modes and answers.noise != "laplace" and modes["secure_over_site_noise"] is not None:
-        # the same strategy under the other mode: its pooled noise sd scales by the ratio
-        ratio = modes["secure_over_site_noise"]
-        other = rmse / ratio if released.secure is not None else rmse * ratio
-        metadata["aggregation_comparison"] = {**modes, "expected_rmse_other_mode": other}
+    if modes and modes["secure_over_site_noise"] is not None:
+        compared = await asyncio.to_thread(other_mode, params, workload, budget, modes, rmse,
+                                           released.secure is not None)
+        if compared is not None:
+            metadata["aggregation_comparison"] = compared
     summary = {"strategy": pick.name, "noise": answers.noise,
                "aggregation": params.aggregation, "cells": domain.n_cells,
                "queries": workload.n_queries, "sites": len(sites),

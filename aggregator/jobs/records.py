@@ -68,19 +68,20 @@ def mode_record(job: Job[Any], pooled: Pooled[Any]) -> dict[str, Any]:
     (:func:`dpfed.common.jobs.modes.compare_modes`).
     """
     from dpfed.common.jobs.eligibility import secure_policy
-    from dpfed.common.jobs.modes import compare_modes
+    from dpfed.common.jobs.modes import compare_modes, secure_limits
 
+    n = len(pooled.participants)
     if pooled.secure is not None:
-        tolerated = pooled.secure.plan.tolerated
+        tolerated, dropouts = pooled.secure.plan.tolerated, pooled.secure.plan.dropouts
     else:
         sessions = [job.registry.get(s) for s in pooled.participants]
         on = [p for p in (secure_policy(s.hello) for s in sessions if s is not None)
               if p.mode != "off"]
         if not on:
             return {}
-        tolerated = max(p.tolerated for p in on)
-    n = len(pooled.participants)
-    ratio, sentence = compare_modes(n, tolerated)
-    return {"n_sites": n, "tolerated": tolerated,
+        tolerated, dropouts = secure_limits(n, [p.tolerated for p in on],
+                                            [p.tolerated_dropouts for p in on])
+    ratio, sentence = compare_modes(n, tolerated, dropouts=dropouts)
+    return {"n_sites": n, "tolerated": tolerated, "dropouts": dropouts,
             "secure_over_site_noise": ratio if math.isfinite(ratio) else None,
             "sentence": sentence}

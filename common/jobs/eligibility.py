@@ -186,10 +186,19 @@ def connected_facts(sites: Sequence[tuple[str, SiteView, int]], kind: str,
 
     ``sites`` are ``(site id, what it advertises, its public row count)``; sites that do not
     allow ``kind``, or are not among ``named`` when a job names its sites, are no candidates.
+    Each fact carries the site's accountant and secure-aggregation policy (t and d).
     """
-    return [ConnectedSite(int(rows), None if view.budget is None else view.budget.accountant)
-            for site_id, view, rows in sites
-            if kind in view.allowed_kinds and (not named or site_id in named)]
+    out = []
+    for site_id, view, rows in sites:
+        if kind not in view.allowed_kinds or (named and site_id not in named):
+            continue
+        policy = secure_policy(view)
+        on = policy.mode != "off"
+        out.append(ConnectedSite(int(rows), None if view.budget is None
+                                 else view.budget.accountant,
+                                 policy.tolerated if on else None,
+                                 policy.tolerated_dropouts if on else 0))
+    return out
 
 
 def gaussian_rounds_epsilon(rounds: Sequence[tuple[float, float]]) -> float:

@@ -106,10 +106,16 @@ class RoundShare:
 
 @dataclass(frozen=True)
 class ConnectedSite:
-    """What a job's plan may read of a connected site: its public row count and accountant."""
+    """What a job's plan may read of a connected site: rows, accountant, secure policy.
+
+    ``secure_tolerated`` colluders and ``secure_dropouts`` dropouts of its secure-aggregation
+    policy (``secure_tolerated`` None: the site takes no secure sums).
+    """
 
     row_count: int
     accountant: str | None
+    secure_tolerated: int | None = None
+    secure_dropouts: int = 0
 
 
 class Params:
@@ -187,6 +193,17 @@ class Params:
         """Return what ``--plan`` says about how the budget was divided ("" for nothing)."""
         del epsilon, delta
         return ""
+
+    def mode_errors(self, epsilon: float, delta: float, schema: Schema, n_sites: int,
+                    pooled_factor: float) -> tuple[float, float] | str | None:
+        """Return the job's expected error ``(site level, secure)`` for ``--plan``, or why not.
+
+        ``n_sites`` independent draws at site level; a secure sum's ``pooled_factor`` times
+        its calibrated variance. None (the default): the pooled sums' noise ratio says it
+        (:func:`dpfed.common.jobs.modes.compare_modes`).
+        """
+        del epsilon, delta, schema, n_sites, pooled_factor
+        return None
 
     def aggregation_mode(self) -> Aggregation:
         """How the job's sums travel (kinds without a secure mode: site level)."""

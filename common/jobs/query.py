@@ -135,8 +135,7 @@ def choose(params: QueryParams, workload: Workload, budget: Budget, *, draws: in
     if secure:
         noises: Sequence[str] = ("gaussian",)
     else:
-        noises = {"auto": ("laplace", "gaussian") if budget.delta > 0 else ("laplace",),
-                  "laplace": ("laplace",), "gaussian": ("gaussian",)}[params.noise]
+        noises = params.site_noises(budget.delta)
     pick = choose_strategy(workload, strategy_name=params.strategy, noises=noises,
                            epsilon=budget.epsilon, delta=budget.delta, n_sites=draws)
     spec, arrays = strategy_transport(pick.name, pick.matrix, workload.n)

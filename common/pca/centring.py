@@ -130,19 +130,24 @@ _SHARE_RANGE = (0.005, 0.25)
 
 def centred_round_split(n_features: int, n_total: int, epsilon: float, delta: float, *,
                         n_sites: int = 10, n_bins: int = 41,
-                        rounds: Sequence[str] = ("norms", "mean", "pca")
+                        rounds: Sequence[str] = ("norms", "mean", "pca"),
+                        pooled_noise: float | None = None
                         ) -> list[tuple[str, float, float]]:
     """Return the shares of ``mu^2`` for ``rounds`` (of norms, mean, pca), from public numbers.
 
     ``mu`` is the GDP parameter of the job's (epsilon, delta)
     (:func:`dpfed.common.privacy.composition.gdp_split` turns the shares into per-round
-    pairs). Each auxiliary round gets what its job needs and no more:
+    pairs). ``S`` is the pooled sums' noise variance in units of one release calibrated to
+    the round: ``n_sites`` independent draws at site level (the default), or a secure sum's
+    ``n / (n - t - d)`` (``pooled_noise``,
+    :func:`dpfed.common.jobs.modes.secure_pooled_factor`). Each auxiliary round gets what
+    its job needs and no more:
 
     ``norms``
-        The pooled histogram of ``n_bins`` bins carries the noise of ``n_sites`` sites
-        (sensitivity ``sqrt(2)``); its cumulative count must stay within
+        The pooled histogram of ``n_bins`` bins (sensitivity ``sqrt(2)``) carries ``S``
+        times one release's noise; its cumulative count must stay within
         :data:`QUANTILE_COUNT_ERROR` of ``N`` at three standard deviations:
-        ``mu_n = 3 sqrt(2 n_bins n_sites) / (QUANTILE_COUNT_ERROR N)``.
+        ``mu_n = 3 sqrt(2 n_bins S) / (QUANTILE_COUNT_ERROR N)``.
     ``mean``
         The mean of rows clipped to ``c`` is off by ``||e||^2 ~ 4 c^2 p S / (mu_m N)^2``; it
         enters the centred second moment as a rank-one term, set to :data:`MEAN_ERROR_RATIO`
@@ -153,11 +158,13 @@ def centred_round_split(n_features: int, n_total: int, epsilon: float, delta: fl
 
     Both auxiliary shares are kept within [0.005, 0.25]; delta shares are 0.1 for each
     auxiliary round and the rest for ``pca``. Nothing here reads data: a split is a public
-    function of the job's parameters, its connected sites' row counts and their number.
+    function of the job's parameters, its connected sites' row counts, their number and
+    (secure) their policies' ``t`` and ``d``.
     """
     p = check_int(n_features, "n_features", minimum=1)
     n = check_int(n_total, "n_total", minimum=1)
-    sites = check_int(n_sites, "n_sites", minimum=1)
+    sites = (float(check_int(n_sites, "n_sites", minimum=1)) if pooled_noise is None
+             else check_positive(pooled_noise, "pooled_noise"))
     bins = check_int(n_bins, "n_bins", minimum=1)
     names = [r for r in ("norms", "mean", "pca") if r in rounds]
     if set(names) != set(rounds) or "pca" not in names:

@@ -179,9 +179,11 @@ def test_split_rules_between_fields() -> None:
     kind = job_kind("pca")
     with pytest.raises(ValidationError, match="composition applies to a pca job with a split"):
         kind.canonical({"n_components": 2, "composition": "gdp"}, 1.0, 1e-3, SCHEMA)
-    with pytest.raises(ValidationError, match="split applies to site-level"):
-        kind.canonical({"n_components": 2, "aggregation": "secure", "clip_norm": 1.0,
-                        "split": {"mean": [0.2, 0.2], "pca": [0.8, 0.8]}}, 1.0, 1e-3, SCHEMA)
+    secure = kind.canonical({"n_components": 2, "aggregation": "secure", "clip_norm": 1.0,
+                             "split": {"mean": [0.2, 0.2], "pca": [0.8, 0.8]}}, 1.0, 1e-3,
+                            SCHEMA)  # secure jobs settle (and take) a split too
+    assert [r.epsilon for r in kind.plan(kind.parse(secure, SCHEMA), 1.0, 1e-3)] == \
+        pytest.approx([0.2, 0.8])
     with pytest.raises(ValidationError, match="norms round"):
         kind.canonical({"n_components": 2, "clip_norm": 1.0, "split": SPLIT}, 1.0, 1e-3, SCHEMA)
 
@@ -243,7 +245,7 @@ def test_plan_notes_state_the_split_and_why() -> None:
     assert "fixed (mean 10%, norms 10%, pca 80%" in fixed.plan_note(1.0, 1e-3)
     secure = kind.parse(kind.canonical({"n_components": 2, "aggregation": "secure"}, 1.0,
                                        1e-3, SCHEMA), SCHEMA)
-    assert "norms 10%, mean 10%, pca 80% of epsilon and delta; secure jobs" in \
+    assert "norms 10%, mean 10%, pca 80% of epsilon and delta; no site taking secure sums" in \
         secure.plan_note(1.0, 1e-3)
     settled = kind.parse(kind.settle(fixed.to_mapping(), 1.0, 1e-3, SCHEMA, FACTS), SCHEMA)
     note = settled.plan_note(1.0, 1e-3)
