@@ -339,7 +339,7 @@ def secure_noise_factor(sites: Sequence[ConnectedSite]) -> float | None:
 
     The sum tolerates the strictest policy's ``t`` colluders and the most dropouts any policy
     asks for, capped as the coordinator caps them
-    (:func:`dpfed.common.secagg.dropouts.dropout_limit`); every site then adds
+    (:func:`dpfed.common.jobs.modes.secure_limits`); every site then adds
     ``mu / (n - t - d)`` (:func:`dpfed.common.jobs.modes.secure_pooled_factor`). None when no
     secure sum can run over them (no site takes secure sums, or ``n <= t``).
     """

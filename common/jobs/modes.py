@@ -42,12 +42,14 @@ def secure_limits(n_sites: int, tolerated: Sequence[int], dropouts: Sequence[int
     """Return the ``(t, d)`` a secure sum over ``n`` sites with these policies runs with.
 
     The strictest policy's ``t``, and the most dropouts any policy asks for, capped as the
-    coordinator caps them (:func:`dpfed.common.secagg.dropouts.dropout_limit`; never below 0).
+    coordinator caps them: by what the neighbour graph it would choose survives
+    (:func:`dpfed.common.secagg.graph.drop_capacity`; never below 0).
     """
-    from dpfed.common.secagg.dropouts import dropout_limit, threshold
+    from dpfed.common.secagg.graph import choose_degree, drop_capacity
 
-    t = max(tolerated)
-    return t, max(0, dropout_limit(n_sites, threshold(n_sites, t), t, max(dropouts)))
+    t, wanted = max(tolerated), max(dropouts)
+    capacity = drop_capacity(n_sites, choose_degree(n_sites, t, wanted), t)
+    return t, max(0, min(wanted, capacity))
 
 
 def compare_modes(n_sites: int, tolerated: int, *, dropouts: int = 0,

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from dpfed.common.jobs.modes import secure_limits
 from dpfed.common.jobs.params import ConnectedSite
 from dpfed.common.jobs.registry import job_kind
 from dpfed.common.pca.centring import MEAN_ERROR_RATIO, QUANTILE_COUNT_ERROR
 from dpfed.common.pca.clipping import norm_bound, norm_grid
-from dpfed.common.secagg.dropouts import dropout_limit, threshold
 from dpfed.common.secagg.secure_sum import SecureSumPlan, plan_counts, plan_gram, plan_row_sum
 from tests.site_agent.test_pca_rounds import SCHEMA, P
 
@@ -54,7 +54,7 @@ def targets(raw: dict[str, Any], n: int, tolerated: int, wanted_drops: int) -> t
     budget = {r.name: r for r in kind.plan(kind.parse(raw, SCHEMA), EPS, DELTA)}
     ids = [f"h{i}" for i in range(n)]
     total = n * ROWS
-    d = dropout_limit(n, threshold(n, tolerated), tolerated, wanted_drops)
+    _, d = secure_limits(n, [tolerated], [wanted_drops])
 
     def plan(planner: Any, name: str, dim: int) -> SecureSumPlan:
         plan: SecureSumPlan = planner(dim=dim, total_rows=total, epsilon=budget[name].epsilon,
