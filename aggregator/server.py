@@ -10,6 +10,7 @@ stay 'running' in the store and resume at the next start), streams close so site
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import signal
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from dpfed.aggregator.access_control import AccessControl, JobAccess
 from dpfed.aggregator.config import AggregatorConfig
 from dpfed.aggregator.federation import Federation
 from dpfed.aggregator.orchestrator import JobManager
+from dpfed.aggregator.planning import Planner
 from dpfed.aggregator.registry import SiteRegistry
 from dpfed.aggregator.servicers import AnalystServicer, Authenticator, SiteLinkServicer
 from dpfed.aggregator.store import JobStore
@@ -68,6 +70,23 @@ class RunningCoordinator:
         if self.metrics_server is not None:
             await self.metrics_server.close()
         self.store.close()
+
+
+#: Libraries the coordinator's jobs load on first use. They are imported in the background once
+#: the coordinator listens: its start does not wait for them, nor (unless it comes at once)
+#: the first job.
+JOB_LIBRARIES = ("pandas", "scipy.optimize", "scipy.sparse", "scipy.special")
+
+
+def _import_job_libraries() -> None:
+    for name in JOB_LIBRARIES:
+        importlib.import_module(name)
+
+
+async def _warm_up(planner: Planner) -> None:
+    """Start the planning workers and import the jobs' libraries, both off the event loop."""
+    await asyncio.gather(asyncio.to_thread(planner.warm_up),
+                         asyncio.to_thread(_import_job_libraries))
 
 
 async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
@@ -126,7 +145,7 @@ async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:
             await health_server.stop(0)
         store.close()
         raise
-    warming = asyncio.create_task(asyncio.to_thread(jobs.planner.warm_up))  # in the background
+    warming = asyncio.create_task(_warm_up(jobs.planner))  # in the background
     resumed = await jobs.resume_unfinished()
     for name in ("", *service_names[:2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
