@@ -10,7 +10,6 @@ stay 'running' in the store and resume at the next start), streams close so site
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import signal
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from dpfed.common.metrics import MetricsServer, serve_metrics
 from dpfed.common.pb.v1 import analyst_pb2, analyst_pb2_grpc, site_link_pb2, site_link_pb2_grpc
 from dpfed.common.transport.grpc_options import server_options
 from dpfed.common.transport.tls import load_server_credentials
+from dpfed.common.warm_imports import import_job_libraries
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +72,10 @@ class RunningCoordinator:
         self.store.close()
 
 
-#: Libraries the coordinator's jobs load on first use. They are imported in the background once
-#: the coordinator listens: its start does not wait for them, nor (unless it comes at once)
-#: the first job.
-JOB_LIBRARIES = ("pandas", "scipy.optimize", "scipy.sparse", "scipy.special")
-
-
-def _import_job_libraries() -> None:
-    for name in JOB_LIBRARIES:
-        importlib.import_module(name)
-
-
 async def _warm_up(planner: Planner) -> None:
     """Start the planning workers and import the jobs' libraries, both off the event loop."""
     await asyncio.gather(asyncio.to_thread(planner.warm_up),
-                         asyncio.to_thread(_import_job_libraries))
+                         asyncio.to_thread(import_job_libraries))
 
 
 async def start_coordinator(config: AggregatorConfig) -> RunningCoordinator:

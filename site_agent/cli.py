@@ -43,6 +43,7 @@ from dpfed.common.errors import (
     DpfedError,
     SiteRejectedError,
 )
+from dpfed.common.warm_imports import import_in_background
 from dpfed.site_agent.agent_status import DEFAULT_MAX_AGE_S
 from dpfed.site_agent.approval_cli import COMMANDS as APPROVAL_COMMANDS
 from dpfed.site_agent.approval_cli import add_approval_commands, approval_command
@@ -215,6 +216,7 @@ def _run(config: SiteConfig, status_file: StatusWriter) -> int:
         credentials = load_channel_credentials(config.tls.ca, config.tls.cert, config.tls.key,
                                                role="site")
     prepared = _prepare(config)
+    import_in_background()  # what the first task would otherwise import (warm_imports)
     ledger = Ledger(config.ledger_path, config.budget, analyst_budgets=config.analyst_budgets,
                     studies=config.studies)
     handlers, allowed_kinds = _handlers(config)
