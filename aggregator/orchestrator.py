@@ -270,7 +270,6 @@ class JobManager:
             if JobState(job.state).finished:
                 # Killed between storing the final state and its event: the stored job is
                 # the truth, so the stream still ends with it.
-                job = self.store.get_job(job_id)
                 state = JobState(job.state)
                 yield JobEvent(job_id, job.updated, _FINAL_STAGE[state], job.error, 1.0,
                                state, job)
