@@ -9,7 +9,14 @@ did, on a loaded machine).
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
+import time
+
+log = logging.getLogger(__name__)
+
+#: What :func:`import_job_libraries` logs when done (tests that measure a process wait for it).
+IMPORTED_MESSAGE = "job libraries imported"
 
 #: What the job kinds import on first use (the coordinator's results and planning, the
 #: sites' accountant, matrix strategies and evaluation).
@@ -17,9 +24,11 @@ JOB_LIBRARIES = ("pandas", "scipy.special", "scipy.optimize", "scipy.sparse", "s
 
 
 def import_job_libraries() -> None:
-    """Import :data:`JOB_LIBRARIES` (blocking)."""
+    """Import :data:`JOB_LIBRARIES` (blocking); log :data:`IMPORTED_MESSAGE` when done."""
+    started = time.monotonic()
     for name in JOB_LIBRARIES:
         importlib.import_module(name)
+    log.info("%s in %.2f s", IMPORTED_MESSAGE, time.monotonic() - started)
 
 
 def import_in_background() -> threading.Thread:

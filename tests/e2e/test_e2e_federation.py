@@ -36,6 +36,7 @@ from tests.e2e.federations import (
     roomy_settings,
     running,
     wait_until,
+    with_keepalive,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -64,6 +65,18 @@ def seeded_fed(tmp_path: Path) -> Iterator[LocalFederation]:
         settings=roomy_settings(noise_seed=5))
     yield from running(federation)
 
+
+@pytest.fixture
+def deadline_only_fed(tmp_path: Path) -> Iterator[LocalFederation]:
+    """``fed`` whose keepalive (120 s) cannot notice a hung site during a test: only a round's
+    deadline can (with the default 10 s, a loaded machine let the keepalive mark a stopped
+    site ``disconnected`` before its round's 3 s deadline had passed)."""
+    federation = LocalFederation.create(
+        tmp_path / "fed", n_sites=3, rows=1500, features=6, seed=11, min_sites=2,
+        task_deadline_s=60, resume_wait_s=45,
+        settings=roomy_settings())
+    with_keepalive(federation, 120)
+    yield from running(federation)
 
 
 def test_three_sites_pca_matches_nonprivate_at_large_epsilon(fed: LocalFederation,
@@ -152,7 +165,8 @@ def test_killed_site_and_quorum(fed: LocalFederation) -> None:
     assert ledger_events(fed, "hospital-1") == 3  # norms, mean, pca
 
 
-def test_unresponsive_site_times_out_and_job_proceeds(fed: LocalFederation) -> None:
+def test_unresponsive_site_times_out_and_job_proceeds(deadline_only_fed: LocalFederation) -> None:
+    fed = deadline_only_fed
     fed.signal("hospital-2", signal.SIGSTOP)
     try:
         with fed.analyst() as coord:

@@ -24,7 +24,8 @@ from dpfed.common.transport.grpc_options import channel_options
 from dpfed.common.transport.protocol import PROTOCOL_VERSION, JobInfo, JobSpec, SiteHello
 from dpfed.common.transport.tls import load_channel_credentials
 from dpfed.common.transport.wire import hello_to_proto
-from tests.e2e.federations import roomy_settings, running, with_keepalive
+from dpfed.common.warm_imports import IMPORTED_MESSAGE
+from tests.e2e.federations import roomy_settings, running, wait_until, with_keepalive
 
 #: One-round pca tasks (the default job adds a DP mean and a norm round first).
 ONE_ROUND = {"centering": "none", "clip_norm": "schema"}
@@ -150,7 +151,10 @@ def test_unfinished_transfers_do_not_grow_the_coordinator(tmp_path: Path) -> Non
     federation.start_coordinator()
     try:
         pid = federation.procs["coordinator"][0].pid
-        time.sleep(1.0)
+        # The coordinator imports the jobs' libraries in the background once it listens
+        # (~100 MiB): measure from after that, so only the transfers can grow it.
+        wait_until(lambda: IMPORTED_MESSAGE in (federation.logs / "coordinator.log").read_text(),
+                   60, "the coordinator's background imports")
         before = rss_mib(pid)
         after = asyncio.run(flood(federation, transfers=48, mib_each=4, pid=pid))
         federation.check_alive("coordinator")
