@@ -85,8 +85,8 @@ def print_real_comparison(figures: dict[str, Any], n_real: int) -> None:
             if absent:
                 print(f"    {name}: {absent}TVD {col['tvd']:.3f}")
             continue
-        print(f"    {name}: {absent}p99 real {real[2]:.4g} / synthetic {syn[2]:.4g} (released "
-              f"{col['p99_band']}), sd {real[3]:.4g} / {syn[3]:.4g}, TVD {col['tvd']:.3f}")
+        print(f"    {name}: {absent}p99 real / synthetic {col['p99_text']} (released "
+              f"{col['p99_band']}), sd {col['sd_text']}, TVD {col['tvd']:.3f}")
 
 
 def run_synth_simulation(opts: SimulationOptions) -> int:

@@ -31,8 +31,9 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dpfed.aggregator.result_file import decode_result, encode_result
-from dpfed.common.data.encoding import EncodedTable, output_values
-from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
+from dpfed.common.data.dates import iso_text
+from dpfed.common.data.encoding import EncodedTable, decode_dates, output_values
+from dpfed.common.data.schema import ContinuousColumn, DateColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.rng import resolve_rng
 from dpfed.common.synth.column_cells import check_resolution
@@ -100,23 +101,35 @@ def arrow_dictionaries(schema: Schema) -> dict[str, pa.Array]:
 
 def arrow_table(table: EncodedTable,
                 dictionaries: Mapping[str, pa.Array] | None = None) -> pa.Table:
-    """Typed Arrow table: floats (int64 for integer columns), dictionary-encoded labels.
+    """Typed Arrow table: floats (int64 for integer columns), dictionary-encoded labels, dates.
 
     The arrays wrap the decoded numpy buffers without a copy; ``dictionaries`` (from
-    :func:`arrow_dictionaries`) saves rebuilding the labels for every chunk.
+    :func:`arrow_dictionaries`) saves rebuilding the labels for every chunk. Date columns
+    are date32, datetime columns timestamp[s] (UTC, no time zone), decoded by
+    :func:`dpfed.common.data.encoding.decode_dates` (within the bounds, NaT as null).
     """
     labels = arrow_dictionaries(table.schema) if dictionaries is None else dictionaries
     arrays = []
     for col in table.schema.columns:
         values = table.columns[col.name]
         mask = table.missing.get(col.name)  # missing values: nulls
-        if isinstance(col, ContinuousColumn):
+        if isinstance(col, DateColumn):
+            arrays.append(pa.array(decode_dates(col, values, mask)))  # NaT: null
+        elif isinstance(col, ContinuousColumn):
             arrays.append(_with_nulls(pa.array(output_values(col, values)), mask))
         else:
             arrays.append(pa.DictionaryArray.from_arrays(
                 _with_nulls(pa.array(np.asarray(values, dtype=np.int32)), mask),
                 labels[col.name], ordered=isinstance(col, OrdinalColumn)))
     return pa.Table.from_arrays(arrays, names=list(table.schema.names))
+
+
+def csv_table(table: pa.Table) -> pa.Table:
+    """``table`` as CSV files hold it: datetimes as ISO 8601 text (:func:`iso_text`)."""
+    for i, column in enumerate(table.schema):
+        if pa.types.is_timestamp(column.type):
+            table = table.set_column(i, column.name, iso_text(table.column(i)))
+    return table
 
 
 def _with_nulls(array: pa.Array, mask: np.ndarray | None) -> pa.Array:
@@ -352,6 +365,8 @@ class SynthModel:
             for chunk in self.iter_encoded(rows, rng=rng, chunk_rows=chunk_rows,
                                            workers=workers):
                 table = arrow_table(chunk, labels)
+                if kind == "csv":
+                    table = csv_table(table)
                 if writer is None:
                     writer = (pq.ParquetWriter(tmp, table.schema, use_dictionary=list(labels),
                                                **PARQUET_OPTIONS)

@@ -38,7 +38,11 @@ from dpfed.common.pca.features import UnitBallMap, feature_names  # noqa: E402
 from dpfed.common.privacy.composition import round_rho  # noqa: E402
 from dpfed.common.privacy.rng import production_rng  # noqa: E402
 from dpfed.common.privacy.skellam import skellam_rho  # noqa: E402
-from dpfed.common.synth.fidelity import column_fidelity, released_quantile_band  # noqa: E402
+from dpfed.common.synth.fidelity import (  # noqa: E402
+    column_fidelity,
+    released_quantile_band,
+    value_text,
+)
 from dpfed.common.synth.link_release import (  # noqa: E402
     histogram_sizes,
     link_histogram_mechanism,
@@ -310,26 +314,22 @@ def add_real_rows_section(report: Report, model: SynthModel, real: EncodedTable,
     n = float(model.metadata.get("n_rows_total") or real.n_rows)
     rows = []
     figures: dict[str, Any] = {"columns": {}}
-    for j, f in enumerate(syn):
+    for j, (col, f) in enumerate(zip(model.schema.columns, syn, strict=True)):
         band = "-"
         link = links.links[j]
         if f.real_tail is not None and sd is not None and isinstance(link, QuantileLink):
             cells = link.layout
             coarse_sd = sd[starts[j]:starts[j] + cells.n_coarse]
             low, mid, high = released_quantile_band(cells, blocks[f.column], coarse_sd, n, 0.99)
-            band = f"{mid:.4g} [{low:.4g}, {high:.4g}]"
-        tails = ("-", "-", "-", "-") if f.real_tail is None or f.synthetic_tail is None else (
-            f"{f.real_tail[0]:.4g} / {f.synthetic_tail[0]:.4g}",
-            f"{f.real_tail[1]:.4g} / {f.synthetic_tail[1]:.4g}",
-            f"{f.real_tail[2]:.4g} / {f.synthetic_tail[2]:.4g}",
-            f"{f.real_tail[3]:.4g} / {f.synthetic_tail[3]:.4g}")
-        mode = "-" if f.mode is None else f"{f.mode[0]:.4g}: {f.mode[1]:.3f} / {f.mode[2]:.3f}"
-        absent = "-" if f.missing is None else f"{f.missing[0]:.3f} / {f.missing[1]:.3f}"
-        rows.append((f.column, f.kind, f.tvd, rel[f.column].tvd, absent, mode, *tails, band))
+            band = (f"{value_text(col, mid)} [{value_text(col, low)}, "
+                    f"{value_text(col, high)}]")
+        texts = f.texts(col)
+        rows.append((f.column, f.kind, f.tvd, rel[f.column].tvd, *texts, band))
         figures["columns"][f.column] = {"tvd": f.tvd, "tvd_released": rel[f.column].tvd,
                                         "real_tail": f.real_tail,
                                         "synthetic_tail": f.synthetic_tail, "p99_band": band,
-                                        "missing": f.missing}
+                                        "missing": f.missing, "p99_text": texts[4],
+                                        "sd_text": texts[5]}
     report.heading("Simulation only: the synthetic table against the real rows")
     report.paragraph(
         f"dpfed simulate made every site's rows, so it can compare the synthetic table with "

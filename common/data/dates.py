@@ -5,8 +5,9 @@ the epoch -- days for a date; seconds, minutes, hours or days for a datetime (th
 public ``resolution``) -- so every consumer treats it as a continuous integer column with
 public bounds. This module converts in both directions: schema bounds and data values to
 units (:func:`to_units`, :func:`arrow_to_units`), and units back to dates for outputs
-(:func:`decode_dates`). Naive datetimes are taken as UTC; aware ones are converted to UTC.
-Values are floored to the resolution (10:59 at an hourly resolution is 10:00).
+(:func:`decode_dates`, :func:`from_units`; :func:`iso_text` for text files). Naive datetimes
+are taken as UTC; aware ones are converted to UTC. Values are floored to the resolution
+(10:59 at an hourly resolution is 10:00).
 """
 
 from __future__ import annotations
@@ -131,3 +132,16 @@ def decode_dates(values: np.ndarray, kind: str, resolution: str) -> np.ndarray:
     if kind == "date":
         return out.astype("datetime64[D]")
     return out.astype("datetime64[s]")
+
+
+#: ISO 8601 form of a datetime in text outputs (``2020-01-31T08:00:00``).
+ISO_DATETIME = "%Y-%m-%dT%H:%M:%S"
+
+
+def iso_text(col: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """Return an Arrow timestamp column as ISO 8601 text (nulls kept), for CSV outputs.
+
+    Arrow's CSV writer puts a space between the date and the time; this writes the ``T``
+    that ISO 8601 (and :func:`from_units`) uses. Dates (date32) need no conversion.
+    """
+    return pc.strftime(col, format=ISO_DATETIME)

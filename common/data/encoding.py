@@ -177,10 +177,7 @@ class EncodedTable:
             values = self.columns[col.name]
             mask = self.missing.get(col.name)
             if isinstance(col, DateColumn):
-                out = decode_dates(col, values)
-                if mask is not None:
-                    out[mask] = np.datetime64("NaT")
-                data[col.name] = out
+                data[col.name] = decode_dates(col, values, mask)
             elif isinstance(col, ContinuousColumn):
                 decoded = output_values(col, values)
                 if mask is not None and mask.any():
@@ -217,14 +214,21 @@ def output_values(column: ContinuousColumn, values: np.ndarray) -> np.ndarray:
                                      copy=False)
 
 
-def decode_dates(column: DateColumn, values: np.ndarray) -> np.ndarray:
+def decode_dates(column: DateColumn, values: np.ndarray,
+                 missing: np.ndarray | None = None) -> np.ndarray:
     """Return a date column's unit counts as ``datetime64`` values, for outputs.
 
     The synthesizer's (or anyone's) values are rounded to whole units and clipped to the
-    column's public bounds first, so every output date lies within them; NaN becomes NaT.
+    column's public bounds first, so every output date lies within them; NaN and the rows
+    ``missing`` marks become NaT. Dates are ``datetime64[D]``, datetimes ``datetime64[s]``
+    (UTC, without a time zone). Every output of dates -- DataFrames, Parquet, CSV -- comes
+    from here.
     """
     v = np.clip(np.asarray(values, dtype=np.float64), column.min, column.max)
-    return dates.decode_dates(v, column.type, column.resolution)
+    out = dates.decode_dates(v, column.type, column.resolution)
+    if missing is not None:
+        out[missing] = np.datetime64("NaT")
+    return out
 
 
 def codes_with_missing(table: EncodedTable, column: Column) -> tuple[np.ndarray, int]:

@@ -6,11 +6,11 @@ correlation error, DCR against a local holdout, NNDR and seed 003's disclosure m
 ``M_best`` (:func:`dpfed.common.evaluation.metrics.evaluate_synthetic`), and what real
 columns look like against the synthetic ones (:func:`dpfed.common.synth.fidelity.
 column_fidelity`): each column's TVD on cells cut at quantiles of the site's rows, its most
-common value's share (zero visits, a floor) and its tails (p1, p50, p99, sd). The caller
-gives the two parts of the site's rows: the training rows of the job and its holdout, which
-the job's rounds never read (:mod:`dpfed.common.evaluation.site_holdout`), so "distance to
-the training rows" against "distance to the holdout" measures what the model learnt from
-individual rows.
+common value's share (zero visits, a floor) and its tails (p1, p50, p99, sd; dates as
+dates). The caller gives the two parts of the site's rows: the training rows of the job and
+its holdout, which the job's rounds never read (:mod:`dpfed.common.evaluation.site_holdout`),
+so "distance to the training rows" against "distance to the holdout" measures what the model
+learnt from individual rows.
 
 **Nothing computed here leaves the site**: it is an exact evaluation of real rows for the
 site operator's eyes, not a DP release, and it is never sent to the coordinator.
@@ -73,7 +73,7 @@ def evaluate_at_site(schema: Schema, train: EncodedTable, holdout: EncodedTable,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_NAME
-    path.write_text(_html(site_id, report, fidelity), encoding="utf-8")
+    path.write_text(_html(site_id, report, _fidelity_rows(schema, fidelity)), encoding="utf-8")
     log.info("site=%s wrote %s (local only)", site_id, path)
     return path, report
 
@@ -86,20 +86,12 @@ def _row(cells: list[Any]) -> str:
     return "<tr>" + "".join(out) + "</tr>"
 
 
-def _fidelity_rows(fidelity: list[ColumnFidelity]) -> str:
-    rows = []
-    for f in fidelity:
-        mode = "-" if f.mode is None else f"{f.mode[0]:.4g}: {f.mode[1]:.3f} / {f.mode[2]:.3f}"
-        tails: list[Any] = ["-"] * 4
-        if f.real_tail is not None and f.synthetic_tail is not None:
-            tails = [f"{a:.4g} / {b:.4g}" for a, b in zip(f.real_tail, f.synthetic_tail,
-                                                          strict=True)]
-        absent = "-" if f.missing is None else f"{f.missing[0]:.3f} / {f.missing[1]:.3f}"
-        rows.append(_row([f.column, f.kind, f.tvd, absent, mode, *tails]))
-    return "".join(rows)
+def _fidelity_rows(schema: Schema, fidelity: list[ColumnFidelity]) -> str:
+    return "".join(_row([f.column, f.kind, f.tvd, *f.texts(col)])
+                   for col, f in zip(schema.columns, fidelity, strict=True))
 
 
-def _html(site_id: str, r: SyntheticReport, fidelity: list[ColumnFidelity]) -> str:
+def _html(site_id: str, r: SyntheticReport, fidelity_rows: str) -> str:
     d = r.to_dict()
     dcr, nndr, disc = d["dcr"], d["nndr"], d["disclosure"]
     marg = "".join(_row([m.column, m.column_type, m.statistic, m.value]) for m in r.marginals)
@@ -136,4 +128,4 @@ def _html(site_id: str, r: SyntheticReport, fidelity: list[ColumnFidelity]) -> s
             "the tails of the values.</p><table><tr><th>column</th><th>type</th><th>TVD</th>"
             "<th>missing rate real / synthetic</th>"
             "<th>most common value: share real / synthetic</th><th>p1</th><th>p50</th>"
-            f"<th>p99</th><th>sd</th></tr>{_fidelity_rows(fidelity)}</table></body></html>")
+            f"<th>p99</th><th>sd</th></tr>{fidelity_rows}</table></body></html>")

@@ -12,9 +12,10 @@ the same cells), the share of the most common real value in both tables, and the
 and 99th percentiles and the standard deviation of both. Per categorical column: the TVD on
 its categories. A ``missing = "category"`` column's missing values are one more cell of its
 TVD, its tails and point masses are those of its values, and both tables' missing rates are
-reported. :func:`released_quantile_band` is the range in which a quantile of the real
-rows is expected given the DP release a model was fitted to (its public noise level): the
-accuracy the budget allows.
+reported. Date columns are compared in their units (both tables encoded alike) and shown
+as dates (:meth:`ColumnFidelity.texts`). :func:`released_quantile_band` is the range in
+which a quantile of the real rows is expected given the DP release a model was fitted to
+(its public noise level): the accuracy the budget allows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfed.common.data.encoding import EncodedTable
-from dpfed.common.data.schema import ContinuousColumn, OrdinalColumn, Schema
+from dpfed.common.data.schema import Column, ContinuousColumn, DateColumn, OrdinalColumn, Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.synth.column_cells import ColumnCells
 
@@ -67,6 +68,37 @@ class ColumnFidelity:
     synthetic_tail: tuple[float, float, float, float] | None = None
     mode: tuple[float, float, float] | None = None
     missing: tuple[float, float] | None = None
+
+    def texts(self, column: Column) -> tuple[str, ...]:
+        """Return (missing rate, most common value: shares, p1, p50, p99, sd) as text.
+
+        Each "real / synthetic"; "-" where the column has none. ``column`` is this
+        column's schema entry: dates show as dates and their sd in their units.
+        """
+        absent = "-" if self.missing is None else f"{self.missing[0]:.3f} / {self.missing[1]:.3f}"
+        mode = "-" if self.mode is None else (
+            f"{value_text(column, self.mode[0])}: {self.mode[1]:.3f} / {self.mode[2]:.3f}")
+        real, syn = self.real_tail, self.synthetic_tail
+        if real is None or syn is None:
+            return absent, mode, "-", "-", "-", "-"
+        return (absent, mode,
+                *(f"{value_text(column, a)} / {value_text(column, b)}"
+                  for a, b in zip(real[:3], syn[:3], strict=True)),
+                f"{spread_text(column, real[3])} / {spread_text(column, syn[3])}")
+
+
+def value_text(column: Column, value: float) -> str:
+    """Return a value of ``column`` as reports show it: ISO 8601 for dates, else 4 digits."""
+    if isinstance(column, DateColumn):
+        return column.iso(round(value))
+    return f"{value:.4g}"
+
+
+def spread_text(column: Column, value: float) -> str:
+    """Return a standard deviation as reports show it: ``12.5 days`` for a date column."""
+    if isinstance(column, DateColumn):
+        return f"{value:.4g} {column.resolution}s"
+    return f"{value:.4g}"
 
 
 def _tail(v: np.ndarray) -> tuple[float, float, float, float]:

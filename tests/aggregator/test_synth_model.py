@@ -25,18 +25,25 @@ from dpfed.common.synth.link_release import (
     proportions_from_histograms,
 )
 from dpfed.common.synth.links import clip_to_unit_ball, default_clip_norm
+from dpfed.common.synth.missing_cells import cells_schema, to_cells_table
 from tests.common.synth.test_link_release import SCHEMA, skewed_frame
 
 BINS = 16
 
 
-def build(mode: str = "generative", seed: int = 0) -> SynthModel:
-    frame = skewed_frame(5000, seed)
-    table, _ = encode_table(SCHEMA, frame)
-    acc = LinkHistogramAccumulator(SCHEMA, BINS)
+def build(mode: str = "generative", seed: int = 0, schema: Schema = SCHEMA,
+          frame: pd.DataFrame | None = None) -> SynthModel:
+    """A model fitted to ``frame`` (default: 5000 skewed rows of the fixture ``SCHEMA``).
+
+    One noisy PCA release, exact link histograms: enough to exercise sampling and outputs.
+    """
+    rows, _ = encode_table(schema, skewed_frame(5000, seed) if frame is None else frame)
+    cells = cells_schema(schema)  # a missing cell per missing = "category" column
+    table = to_cells_table(rows, cells)
+    acc = LinkHistogramAccumulator(cells, BINS)
     acc.add(table)
-    props = proportions_from_histograms(acc.counts.astype(float), SCHEMA, BINS)
-    links = links_from_proportions(SCHEMA, props, BINS)
+    props = proportions_from_histograms(acc.counts.astype(float), cells, BINS)
+    links = links_from_proportions(cells, props, BINS)
     rng = np.random.default_rng(seed)
     clip = default_clip_norm(links.dim)
     unit, _ = clip_to_unit_ball(links.to_latent(table, rng), clip)
@@ -50,11 +57,12 @@ def build(mode: str = "generative", seed: int = 0) -> SynthModel:
     factors = None
     if mode == "row_aligned":
         factors = unit @ fm.loadings + rng.laplace(0, 0.1, (table.n_rows, fm.rank))
-    return SynthModel.build(SCHEMA, mode=mode, continuous_link="quantile", n_bins=BINS,
+    return SynthModel.build(schema, mode=mode, continuous_link="quantile", n_bins=BINS,
                             proportions=props, factor_model=fm, dp_correlation=np.eye(links.dim),
                             rng=rng, latent_correlation=corr, factors=factors,
                             metadata={"job_id": "test", "plan": [
-                                {"round": "links", "epsilon": 0.4, "delta": 5e-7}]})
+                                {"round": "links", "epsilon": 0.4, "delta": 5e-7}]},
+                            missing_cells=cells is not schema)
 
 
 def test_sample_is_typed_and_within_bounds() -> None:

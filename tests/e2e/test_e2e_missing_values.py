@@ -2,17 +2,20 @@
 
 Real processes over gRPC + mTLS: every site keeps every row (``missing = "category"``), the
 DP-PCA result has the missing indicators as features, and the synthesis job on the same
-tables generates missing values at the real rates.
+tables generates missing values at the real rates and real dates in the date column.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from dpfed.aggregator.pca_result import PCAResult
@@ -117,6 +120,14 @@ def test_synth_generates_missing_values_at_the_real_rates(tmp_path: Path) -> Non
     for name in ("creatinine", "stage", "ward", "admitted"):
         assert abs(synthetic[name].isna().mean() - real[name].isna().mean()) <= 0.03, name
     assert synthetic["age"].isna().sum() == 0
+    # The date column holds dates (date32), within the schema's bounds, nulls where missing.
+    assert pq.read_schema(tmp_path / "synth" / "synth.parquet").field("admitted").type == (
+        pa.date32())
+    admitted = pd.to_datetime(synthetic["admitted"]).dropna()
+    assert admitted.between("2015-01-01", "2024-12-31").all() and admitted.nunique() > 100
+    assert re.search(r"admitted: missing real 0\.0\d+ / synthetic 0\.0\d+, p99 real / "
+                     r"synthetic 202\d-\d\d-\d\d / 202\d-\d\d-\d\d \(released 202\d-",
+                     run.stdout), run.stdout
     # Where the simulation and the sites compare with real rows, the missing rates show.
     assert "creatinine: missing real 0.2" in run.stdout
     assert "missing rate real / synthetic" in (tmp_path / "synth" / "report.html").read_text()

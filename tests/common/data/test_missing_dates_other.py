@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dpfed.common.data.data_sources import open_data_source, read_all, spec_from_path
+from dpfed.common.data.dates import iso_text
 from dpfed.common.data.encoding import (
     EncodedTable,
     RowPolicy,
@@ -249,6 +250,41 @@ resolution = "hour"
     _, report = encode_table(day, pa.table({"d": pa.array([12.0, 3.0])}),
                              policy=RowPolicy())
     assert report.dropped_invalid == 2  # a number is not a date
+
+
+def test_decoded_dates_are_rounded_clipped_and_nat_where_missing() -> None:
+    schema = Schema.from_toml("""
+[[columns]]
+name = "seen"
+type = "datetime"
+min = 2020-01-01T00:00:00
+max = 2020-03-01T00:00:00
+resolution = "minute"
+[[columns]]
+name = "day"
+type = "date"
+min = 2015-01-01
+max = 2024-12-31
+""")
+    seen, day = schema.column("seen"), schema.column("day")
+    assert isinstance(seen, DateColumn) and isinstance(day, DateColumn)
+    # Units: a value below the bounds, a fraction under half a unit, one over, NaN, above.
+    units = np.array([seen.min - 1e6, seen.min + 10.4, seen.min + 10.6, np.nan, seen.max + 5])
+    missing = np.array([False, False, False, False, True])
+    out = decode_dates(seen, units, missing)
+    assert out.dtype == np.dtype("datetime64[s]")
+    assert out[:3].tolist() == [dt.datetime(2020, 1, 1), dt.datetime(2020, 1, 1, 0, 10),
+                                dt.datetime(2020, 1, 1, 0, 11)]
+    assert np.isnat(out[3:]).all()  # NaN and the rows marked missing
+    assert decode_dates(seen, units[4:])[0] == np.datetime64("2020-03-01T00:00:00")  # clipped
+    days = decode_dates(day, np.array([day.max + 400.0, day.min - 3.0, day.min + 0.5, np.nan]))
+    assert days.dtype == np.dtype("datetime64[D]")
+    assert days[:3].tolist() == [dt.date(2024, 12, 31), dt.date(2015, 1, 1),
+                                 dt.date(2015, 1, 1)]  # half a day rounds to even
+    assert np.isnat(days[3])
+    # Text outputs: ISO 8601 with the T, nulls kept.
+    text = iso_text(pa.array(np.append(out[:2], np.datetime64("NaT"))))
+    assert text.to_pylist() == ["2020-01-01T00:00:00", "2020-01-01T00:10:00", None]
 
 
 def test_files_and_databases_agree_on_missing_dates_and_other(tmp_path: Path) -> None:
