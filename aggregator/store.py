@@ -1,9 +1,17 @@
 """The coordinator's durable job store: jobs, their progress events, known sites, result files.
 
-SQLite (WAL, synchronous=FULL) for metadata and one ``.npz`` file per finished job, written
-atomically (temporary file, fsync, rename). Everything survives a coordinator restart: jobs
-left ``pending`` or ``running`` are resumed with the same job id, so their task ids are the
-same and sites replay the releases they already charged instead of spending again.
+SQLite (WAL) for metadata and one ``.npz`` file per finished job, written atomically
+(temporary file, fsync, rename). Everything survives a coordinator restart: jobs left
+``pending`` or ``running`` are resumed with the same job id, so their task ids are the same and
+sites replay the releases they already charged instead of spending again.
+
+Durable and lazy writes: a job's creation, state changes and result are committed with
+``synchronous=FULL`` (the WAL is fsynced before the call returns). Progress events, per-site
+outcomes and site records -- most of the writes, one per site per round at the least -- are
+committed with ``synchronous=NORMAL``: appended to the WAL without an fsync, so the next durable
+commit's fsync makes them durable too (the WAL is one append-only file). A killed coordinator
+loses none of them (the OS holds what was written); a power loss can lose only lazy writes made
+after the last durable one, i.e. progress a resumed job recomputes -- never a job or its state.
 """
 
 from __future__ import annotations
@@ -195,15 +203,22 @@ class JobStore:
                        (str(SCHEMA_VERSION),))
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction; ``durable=False`` commits without an fsync (module docstring)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")  # per connection, between txs
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
 
     def close(self) -> None:
         """Close the database."""
@@ -289,7 +304,11 @@ class JobStore:
     def update_job(self, job_id: str, *, state: str | None = None, error: str | None = None,
                    sites: tuple[SiteOutcome, ...] | None = None,
                    summary: dict[str, Any] | None = None) -> JobInfo:
-        """Update a job's fields and its ``updated`` time."""
+        """Update a job's fields and its ``updated`` time.
+
+        Durable, except an update of the per-site outcomes alone (lazy: progress).
+        """
+        lazy = state is None and error is None and summary is None and sites is not None
         sets, args = ["updated=?"], [utc_now()]
         if state is not None:
             sets.append("state=?")
@@ -303,15 +322,15 @@ class JobStore:
         if summary is not None:
             sets.append("summary_json=?")
             args.append(json.dumps(summary, allow_nan=False))  # never store NaN/Infinity
-        with self._tx() as db:
+        with self._tx(durable=not lazy) as db:
             cur = db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE job_id=?", (*args, job_id))
             if cur.rowcount == 0:
                 raise NotFoundError(f"no job with id {job_id!r}")
         return self.get_job(job_id)
 
     def add_event(self, event: JobEvent) -> None:
-        """Append a progress event."""
-        with self._tx() as db:
+        """Append a progress event (lazy: committed without an fsync)."""
+        with self._tx(durable=False) as db:
             db.execute("INSERT INTO job_events (job_id, time, stage, message, progress, state) "
                        "VALUES (?, ?, ?, ?, ?, ?)", (event.job_id, event.time, event.stage,
                                                     event.message, event.progress, event.state))
@@ -356,11 +375,14 @@ class JobStore:
 
     # ------------------------------------------------------------------ sites
     def record_site(self, site_id: str, hello: SiteHello) -> None:
-        """Remember a site's latest Hello (so budgets stay visible while it is offline)."""
+        """Remember a site's latest Hello (so budgets stay visible while it is offline).
+
+        Lazy (no fsync): the site says it again when it next connects.
+        """
         now = utc_now()
         budget = None if hello.budget is None else asdict(hello.budget)
         data = json.dumps({**asdict(hello), "budget": budget})
-        with self._tx() as db:
+        with self._tx(durable=False) as db:
             db.execute("INSERT INTO sites VALUES (?, ?, ?, ?) ON CONFLICT(site_id) DO UPDATE SET "
                        "last_seen=excluded.last_seen, hello_json=excluded.hello_json",
                        (site_id, now, now, data))
