@@ -21,7 +21,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography import x509
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -31,6 +30,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from dpfed.common.errors import ProtocolError, ValidationError
 from dpfed.common.secagg.graph import NeighbourGraph, threshold
+from dpfed.common.secagg.keys import certificate
 from dpfed.common.secagg.masking import MaskContext, derive_pair_seed, mask_stream
 from dpfed.common.secagg.shamir import SHARE_BYTES, reconstruct, split
 
@@ -220,7 +220,7 @@ def verify_view(certificate_pem: bytes, signature: bytes, context: MaskContext,
 
     The certificate was verified against the CA with the site's round keys beforehand.
     """
-    public = x509.load_pem_x509_certificate(certificate_pem).public_key()
+    public = certificate(certificate_pem).public_key()
     if not isinstance(public, ec.EllipticCurvePublicKey):
         return False
     try:

@@ -166,6 +166,22 @@ def test_certificates_must_chain_and_name_the_site(pki: dict[str, Path]) -> None
         verify_signed_key(claim_a, context=CTX, ca=_ca(pki["fed"]))
 
 
+def test_a_cached_chain_check_holds_only_for_its_own_ca(pki: dict[str, Path]) -> None:
+    # Certificates are checked against the CA once per process (keys._issued_by): a check
+    # passed under one CA must not let the same certificate through under another, and a
+    # foreign certificate for the same site is refused after the genuine one was cached.
+    _, pub = generate_ephemeral()
+    genuine = _signed(pki["fed"], "hospital-a", pub)
+    foreign = _signed(pki["foreign"], "hospital-a", pub)
+    for _ in range(2):  # the second pass meets every check in the cache
+        assert verify_signed_key(genuine, context=CTX, ca=_ca(pki["fed"])) == pub
+        assert verify_signed_key(foreign, context=CTX, ca=_ca(pki["foreign"])) == pub
+        with pytest.raises(AuthenticationError, match="not issued by the federation CA"):
+            verify_signed_key(genuine, context=CTX, ca=_ca(pki["foreign"]))
+        with pytest.raises(AuthenticationError, match="not issued by the federation CA"):
+            verify_signed_key(foreign, context=CTX, ca=_ca(pki["fed"]))
+
+
 def test_x25519_exchange_is_symmetric_sanity() -> None:
     a, b = X25519PrivateKey.generate(), X25519PrivateKey.generate()
     assert a.exchange(b.public_key()) == b.exchange(a.public_key())
