@@ -120,13 +120,16 @@ def rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-async def flood(fed: LocalFederation, transfers: int, mib_each: int, pid: int) -> float:
-    """Open ``transfers`` result transfers of 15 MiB declared, send ``mib_each`` MiB of each.
+async def flood(fed: LocalFederation, transfers: int, mib_each: int, pid: int,
+                phases: int = 2) -> list[float]:
+    """Open ``transfers`` result transfers of 15 MiB declared; send ``mib_each`` MiB of each,
+    ``phases`` times over, on one stream.
 
-    Returns the coordinator's RSS (MiB) measured while the flooding stream is still open.
+    Returns the coordinator's RSS (MiB) after each phase, measured while the stream is open.
     """
     kit = fed.certs / "sites" / "hospital-3"
     creds = load_channel_credentials(kit / "ca.pem", kit / "site.pem", kit / "site.key")
+    rss = []
     async with grpc.aio.secure_channel(fed.address, creds, options=channel_options()) as ch:
         call = site_link_pb2_grpc.SiteLinkStub(ch).Connect()
         digest = Schema.load(fed.schema_path).digest()
@@ -134,13 +137,14 @@ async def flood(fed: LocalFederation, transfers: int, mib_each: int, pid: int) -
             "x", PROTOCOL_VERSION, digest, 600, ("pca",), None, None))))
         assert (await call.read()).WhichOneof("body") == "welcome"
         block = b"\x01" * (1 << 20)
-        for i in range(mib_each):
+        for i in range(mib_each * phases):
             for t in range(transfers):
                 await call.write(site_link_pb2.SiteMessage(result_chunk=Chunk(
                     transfer_id=f"flood-{t}", index=i, last=False, data=block,
                     total_size=15 << 20)))
-        await asyncio.sleep(1.0)  # let the coordinator read everything that was sent
-        rss = rss_mib(pid)
+            if (i + 1) % mib_each == 0:
+                await asyncio.sleep(1.0)  # let the coordinator read everything that was sent
+                rss.append(rss_mib(pid))
         call.cancel()
     return rss
 
@@ -156,11 +160,15 @@ def test_unfinished_transfers_do_not_grow_the_coordinator(tmp_path: Path) -> Non
         wait_until(lambda: IMPORTED_MESSAGE in (federation.logs / "coordinator.log").read_text(),
                    60, "the coordinator's background imports")
         before = rss_mib(pid)
-        after = asyncio.run(flood(federation, transfers=48, mib_each=4, pid=pid))
+        first, second = asyncio.run(flood(federation, transfers=48, mib_each=4, pid=pid))
         federation.check_alive("coordinator")
     finally:
         federation.stop_all()
-    print(f"\ncoordinator RSS {before:.0f} MiB -> {after:.0f} MiB after 48 unfinished "
-          "transfers x 4 MiB sent")
-    # 192 MiB were sent; the landed code kept all of it (48 x 15 MiB: 169 -> 926 MiB).
-    assert after - before < 96, (before, after)
+    print(f"\ncoordinator RSS {before:.0f} MiB -> {first:.0f} -> {second:.0f} MiB with 48 "
+          "unfinished transfers, after 4 and 8 MiB sent on each")
+    # The landed code kept every unfinished transfer (48 x 15 MiB: 169 -> 926 MiB). What is
+    # read and dropped still leaves the allocator's high-water mark in RSS -- 16 to 116 MiB
+    # after the first 192 MiB, more on a loaded machine, where more chunks wait to be read at
+    # once -- which the second 192 MiB reuse; kept data would add all of them again.
+    assert first - before < 360, (before, first)  # half of the declared 48 x 15 MiB
+    assert second - first < 96, (before, first, second)
