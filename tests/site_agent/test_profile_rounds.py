@@ -208,3 +208,19 @@ def test_coordinator_checks_hostile_releases_and_pools_what_a_user_reads() -> No
     means, sds = means_with_sd(SCHEMA, sums)
     assert means[0] == pytest.approx(2.5) and sds[0] > 0
     assert suggested_impute(SCHEMA, "d", float(means[1])) == "2020-12-31"
+
+
+def test_the_printed_tables_and_the_report_read_a_result_file() -> None:
+    from dpfed.aggregator.profile_report import profile_report, profile_text
+    from dpfed.aggregator.result_file import encode_result
+
+    meta = {"job_id": "j", "epsilon": 1.0, "delta": 1e-5, "count_names": ["dropped: missing"],
+            "columns": ["a"], "policy_sigma": 2.5, "policy_epsilon": 0.5, "policy_delta": 5e-6,
+            "sites": [{"site_id": "s1", "n_rows": 9}], "mean_columns": ["d"],
+            "means_epsilon": 0.5, "means_delta": 5e-6, "impute": {"d": "2020-12-31"}}
+    data = encode_result({"policy_counts": np.array([[3.25]]), "missing_rate": np.array([0.5]),
+                          "means": np.array([18627.0]), "mean_sd": np.array([1.5])}, meta)
+    text = profile_text(data)
+    assert "noise sd 2.5" in text and "3.2" in text and "50.00%" in text
+    assert "2020-12-31" in text and "impute" in text
+    assert "2020-12-31" in profile_report(data).render()
