@@ -4,7 +4,8 @@ Every field of the kind's params class is a flag (``--column``, ``--aggregation`
 value is read as JSON where it parses, as text otherwise); ``--plan`` shows what every site
 taking part would be charged per round and which sites would not take part; the result file
 goes to ``--out`` and its report to ``--report``. The kinds with commands of their own
-(``dpfed pca``, ``svt``, ``query``, ``synth``) run here too.
+(``dpfed pca``, ``svt``, ``query``, ``synth``) run here too; ``dpfed profile`` is this
+command for the ``profile`` kind, printing the result's tables.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
     from dpfed.common.cli_support import LazyArgumentParser
     from dpfed.common.jobs.registry import JOB_KINDS, names
 
+    profile = sub.add_parser("profile", help="what each site's row policy did (DP counts per "
+                             "site) and DP means of continuous/date columns to impute with",
+                             populate=_populate("profile", connection_args))
+    profile.set_defaults(func=lambda args: cmd_run(args, connect, on_event), kind="profile",
+                         print_tables="dpfed.aggregator.profile_report:profile_text")
     run = sub.add_parser("run", help="run any job kind, its options from its parameters "
                          "(`dpfed run KIND --help`)")
     kinds = run.add_subparsers(dest="kind", required=True, metavar="KIND",
@@ -100,6 +106,10 @@ def cmd_run(args: argparse.Namespace, connect: Callable[[argparse.Namespace], Co
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
     print(f"wrote {out} (job {job.job_id}, {len(job.sites)} site(s))")
+    if getattr(args, "print_tables", None):
+        from dpfed.common.jobs.contract import resolve
+
+        print(resolve(args.print_tables)(data))
     if args.report:
         from dpfed.aggregator.result_reports import report_for_result
 

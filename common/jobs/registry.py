@@ -35,6 +35,8 @@ JOB_KINDS: dict[str, Entry] = {
     "svt": Entry("dpfed.common.jobs.svt", "sparse vector technique over a query stream"),
     "query": Entry("dpfed.common.jobs.query", "linear queries with the matrix mechanism"),
     "synth": Entry("dpfed.common.jobs.synth", "DP synthetic data from a latent factor model"),
+    "profile": Entry("dpfed.common.jobs.profile",
+                     "what each site's row policy did, and DP means to impute with"),
 }
 
 #: Kinds registered at run time (a test's toy kind): name -> descriptor.
