@@ -90,9 +90,9 @@ JOB_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "centering": ("--centering", ("pca",)),
     "site_weighting": ("--site-weighting", ("pca",)),
     "aggregation": ("--aggregation", ("pca", "synth", "query")),
-    "delta": ("--delta", ("pca", "synth", "query")),
-    "data": ("--data", ("pca", "synth")),
-    "schema": ("--schema", ("pca", "synth")),
+    "delta": ("--delta", ("pca", "synth", "query", "profile")),
+    "data": ("--data", ("pca", "synth", "profile")),
+    "schema": ("--schema", ("pca", "synth", "profile")),
     "synth_rows": ("--synth-rows", ("synth",)),
     "synth_mode": ("--synth-mode", ("synth",)),
     "composition": ("--composition", ("synth",)),
@@ -136,8 +136,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="make data AND noise reproducible (demo/tests "
                    "only: the noise is then not private)")
     p.add_argument("--data", type=Path, action="append", default=[],
-                   help="--job pca or synth: a site's data file (repeat once per site; CSV "
-                   "or Parquet)")
+                   help="--job pca, synth or profile: a site's data file (repeat once per "
+                   "site; CSV or Parquet)")
     p.add_argument("--schema", type=Path, help="schema.toml for --data")
     p.add_argument("--format", dest="data_format", choices=["csv", "parquet"],
                    help="format of the generated demo data (default csv)")
@@ -146,10 +146,12 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-delta", type=float, help="each site's total delta budget "
                    "(default 10 x --delta)")
     p.add_argument("--deadline", type=float, default=600.0, help="per-site task deadline, s")
-    p.add_argument("--job", choices=["pca", "synth", "svt", "query"], default="pca",
+    p.add_argument("--job", choices=["pca", "synth", "svt", "query", "profile"], default="pca",
                    help="which job to simulate: pca (default); synth (federated DP synthesis on "
                    "mixed demo data; docs/synthesis.md); svt or query (demo data with nominal "
-                   "and ordinal columns; docs/queries.md)")
+                   "and ordinal columns; docs/queries.md); profile (what each site's row "
+                   "policy did and DP means to impute with, against the true figures; "
+                   "docs/data-sources.md)")
     p.add_argument("--synth-rows", type=int,
                    help="--job synth: synthetic rows to write (generative mode; default 20000)")
     p.add_argument("--synth-mode", choices=["generative", "row-aligned"],
@@ -336,6 +338,14 @@ def run_simulation(opts: SimulationOptions) -> int:
         from dpfed.aggregator.simulate_queries import run_query_simulation
 
         return run_query_simulation(opts)
+    if opts.job == "profile":
+        from dpfed.aggregator.simulate_profile import check_profile_options, run_profile_simulation
+        from dpfed.common.data.demo_data import demo_model
+
+        check_profile_options(opts, check_data_files(opts) if opts.data else
+                              demo_model(opts.features, seed=0, mixed=True).schema)
+        prepare_output(opts.out.resolve())
+        return run_profile_simulation(opts)
     if opts.job == "synth":
         from dpfed.aggregator.simulate_synth import run_synth_simulation
 
