@@ -139,8 +139,8 @@ def run_profile_simulation(opts: SimulationOptions) -> int:
     (out / "report.html").write_text(report.render(), encoding="utf-8")
     print()
     print(f"dpfed simulate --job profile: {len(sites)} sites, epsilon {opts.epsilon:g}, "
-          f"delta {opts.delta:g} per site (DP figures, then the truth only a simulation sees)")
-    print(profile_text(data, truth))
+          f"delta {opts.delta:g} per site (DP figures, then the truth only a simulation sees)\n")
+    print(profile_text(data, truth) + "\n")
     for site_id, _connected, b in budgets:
         if b is not None:
             print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "

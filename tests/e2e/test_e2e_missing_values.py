@@ -133,3 +133,64 @@ def test_synth_generates_missing_values_at_the_real_rates(tmp_path: Path) -> Non
     assert "missing rate real / synthetic" in (tmp_path / "synth" / "report.html").read_text()
     site_reports = list((tmp_path / "synth" / "sites").glob("*/evaluations/*/*.html"))
     assert site_reports and "missing rate real / synthetic" in site_reports[0].read_text()
+
+
+def printed_table(stdout: str, title_start: str) -> tuple[str, list[list[str]]]:
+    """Return a table ``dpfed simulate --job profile`` printed: its title and its rows."""
+    block = next(b for b in stdout.split("\n\n") if b.strip().startswith(title_start))
+    title, *lines = block.strip().splitlines()
+    return title, [re.split(r"\s{2,}", line.strip()) for line in lines]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_profile_sets_every_dp_figure_beside_the_truth(tmp_path: Path) -> None:
+    paths = write_sites(tmp_path, rows=1500)
+    run = simulate(tmp_path, paths, "profile", "--job", "profile", "--epsilon", "8",
+                   "--delta", "1e-5")
+    assert run.returncode == 0, run.stdout + run.stderr
+    real = [pd.read_csv(p, keep_default_na=False, dtype=str) for p in paths]
+    pooled = pd.concat(real)
+    # Per site, the true policy counts are the exact ones of the real rows.
+    title, rows = printed_table(run.stdout, "What each site's row policy did")
+    sd = float(re.search(r"noise sd ([0-9.e+-]+) each", title).group(1))  # type: ignore[union-attr]
+    assert rows[0] == ["count", "hospital-1 DP", "hospital-1 true", "hospital-2 DP",
+                       "hospital-2 true", "hospital-3 DP", "hospital-3 true"]
+    counts = {r[0]: [float(v) for v in r[1:]] for r in rows[1:]}
+    for s, frame in enumerate(real):
+        true_counts = {"dropped: missing": 0, "dropped: invalid": 0,
+                       "dropped: out of range": 0, "age: missing": 0,
+                       **{f"{c}: missing": int((frame[c] == "").sum())
+                          for c in ("creatinine", "stage", "ward", "admitted")},
+                       "ward: other": int((frame["ward"] == "cafeteria").sum())}
+        assert {k: v[2 * s + 1] for k, v in counts.items()} == true_counts
+        for name, value in true_counts.items():  # the DP count: the truth plus N(0, sd^2)
+            assert abs(counts[name][2 * s] - value) <= 5 * sd, (name, s)
+    # The pooled missing rates: 3 sites' noise over the 4500 rows read (no row dropped), so
+    # the DP rate's sd is sqrt(3) sd / 4500 (~0.001); 5 of those, plus the print's rounding.
+    _title, rows = printed_table(run.stdout, "Missing rate per column")
+    assert rows[0] == ["column", "missing rate", "true"]
+    for name, dp, true in rows[1:]:
+        assert float(true.rstrip("%")) / 100 == pytest.approx((pooled[name] == "").mean(),
+                                                              abs=5e-5), name
+        assert abs(float(dp.rstrip("%")) - float(true.rstrip("%"))) / 100 <= (
+            5 * np.sqrt(3) * sd / 4500 + 1e-4), name
+    # The means of the observed values, dates as dates: within 5 printed sd of the truth
+    # (plus 1 for the integer columns, whose DP and true means are both rounded).
+    _title, rows = printed_table(run.stdout, "DP mean of the observed values")
+    assert rows[0] == ["column", "impute", "mean", "noise sd", "true impute", "true mean"]
+    means = {r[0]: r[1:] for r in rows[1:]}
+    assert list(means) == ["age", "creatinine", "admitted"]
+    for name, (_impute, dp, mean_sd, _true_impute, true) in means.items():
+        slack = 0.0 if name == "creatinine" else 1.0
+        assert abs(float(dp) - float(true)) <= 5 * float(mean_sd) + slack, name
+    observed = pd.to_numeric(pooled["creatinine"].replace("", np.nan)).dropna()
+    assert float(means["creatinine"][4]) == pytest.approx(observed.mean(), rel=1e-5)
+    assert float(means["age"][4]) == round(pd.to_numeric(pooled["age"]).mean())
+    days = pd.to_datetime(pooled["admitted"].replace("", None)).dropna()
+    true_day = pd.Timestamp(means["admitted"][3])
+    assert abs(true_day - days.mean()) <= pd.Timedelta(days=1)
+    assert re.fullmatch(r"20[12]\d-\d\d-\d\d", means["admitted"][0])  # the DP impute: a date
+    report = (tmp_path / "profile" / "report.html").read_text()
+    assert "hospital-1 true" in report and "true impute" in report and "Budgets" in report
+    assert (tmp_path / "profile" / "profile.npz").exists()
