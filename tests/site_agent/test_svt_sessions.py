@@ -281,5 +281,7 @@ def test_federated_svt_audit_passes_and_flags_a_session_lost_on_restart(tmp_path
                      n_samples=N_AUDIT, rng=np.random.default_rng(0))
         bad = audit(site_sampler(root / "bad", broken=True), (0, 1), events,
                     n_samples=N_AUDIT, rng=np.random.default_rng(0))
+    print(f"\nSVT restart audit: epsilon lower bound {good.epsilon_lcb:.3f} (correct site), "
+          f"{bad.epsilon_lcb:.3f} (forgetful store); claimed {EPS}")
     assert good.epsilon_lcb <= EPS * 1.05, good.epsilon_lcb
     assert bad.epsilon_lcb >= 1.3 * EPS, bad.epsilon_lcb
