@@ -28,7 +28,7 @@ from dpfed.aggregator.cli_files import check_output_dir
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.pca_report import PooledReference, captured_fraction, pca_report
 from dpfed.aggregator.pca_result import PCAResult
-from dpfed.aggregator.simulation_output import prepare_output, say
+from dpfed.aggregator.simulation_output import prepare_output, print_budgets, say
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, scan, spec_from_path
 from dpfed.common.data.schema import Schema
@@ -417,10 +417,7 @@ def run_simulation(opts: SimulationOptions) -> int:
           f"{result.n_features_in_} features, K={result.n_components_}, centering "
           f"{result.centering}, clip radius {result.clip_radius:.3g} "
           f"({result.metadata.get('clip_norm_requested')})")
-    for site_id, _connected, b in budgets:
-        if b is not None:
-            print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "
-                  f"delta {b.delta_spent:.3g} of {b.delta_cap:g} ({b.events} release(s))")
+    print_budgets(budgets)
     print(f"  captured energy of the DP subspace relative to non-private PCA of the real pooled "
           f"rows: {energy:.3f} (K={result.n_components_}, epsilon={opts.epsilon:g}, "
           f"delta={opts.delta:g}, {opts.calibration})")

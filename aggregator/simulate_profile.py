@@ -24,7 +24,7 @@ from dpfed.aggregator.jobs.profile import missing_rates, suggested_impute
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.aggregator.profile_report import ProfileTruth, profile_report, profile_text
 from dpfed.aggregator.result_file import decode_result
-from dpfed.aggregator.simulation_output import say
+from dpfed.aggregator.simulation_output import print_budgets, say
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
@@ -141,10 +141,7 @@ def run_profile_simulation(opts: SimulationOptions) -> int:
     print(f"dpfed simulate --job profile: {len(sites)} sites, epsilon {opts.epsilon:g}, "
           f"delta {opts.delta:g} per site (DP figures, then the truth only a simulation sees)\n")
     print(profile_text(data, truth) + "\n")
-    for site_id, _connected, b in budgets:
-        if b is not None:
-            print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "
-                  f"delta {b.delta_spent:.3g} of {b.delta_cap:g} ({b.events} release(s))")
+    print_budgets(budgets)
     print(f"  total {time.monotonic() - t0:.1f}s; results in {out}: profile.npz, report.html, "
           "sites/*/ledger.sqlite, logs/")
     return exit_codes.OK

@@ -59,7 +59,7 @@ def site_counts(fed: LocalFederation, raw: Any) -> dict[str, np.ndarray]:
 
 def run_query_simulation(opts: Any) -> int:
     """Run ``--job svt`` or ``--job query`` (``opts`` is a SimulationOptions)."""
-    from dpfed.aggregator.simulation_output import prepare_output, say
+    from dpfed.aggregator.simulation_output import prepare_output, print_budgets, say
 
     out = Path(opts.out).resolve()
     prepare_output(out)
@@ -107,10 +107,7 @@ def run_query_simulation(opts: Any) -> int:
     print()
     for line in lines:
         print(line)
-    for site_id, _connected, b in budgets:
-        if b is not None:
-            print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g} "
-                  f"({b.events} release(s))")
+    print_budgets(budgets)
     print(f"  total {time.monotonic() - t0:.1f}s; results in {out}: report.html, *.npz, *.csv")
     return exit_codes.OK
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
-from dpfed.aggregator.simulation_output import say
+from dpfed.aggregator.simulation_output import print_budgets, say
 from dpfed.aggregator.synth_report import write_synth_report
 from dpfed.common import exit_codes
 from dpfed.common.data.data_sources import open_data_source, spec_from_path
@@ -162,10 +162,7 @@ def run_synth_simulation(opts: SimulationOptions) -> int:
           f"latent dimension {model.links.dim}, "
           f"rank {model.factor_model.rank}, column pairs "
           f"{0 if model.pair_correction is None else len(model.pair_correction.edges)}")
-    for site_id, _connected, b in budgets:
-        if b is not None:
-            print(f"  {site_id}: spent epsilon {b.epsilon_spent:.4g} of {b.epsilon_cap:g}, "
-                  f"delta {b.delta_spent:.3g} of {b.delta_cap:g} ({b.events} release(s))")
+    print_budgets(budgets)
     print(f"  wrote {written} synthetic rows in {write_seconds:.1f}s; job {job_seconds:.1f}s, "
           f"total {time.monotonic() - t0:.1f}s")
     print_real_comparison(figures, real.n_rows)
