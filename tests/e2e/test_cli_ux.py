@@ -412,9 +412,13 @@ def test_site_check_fails_when_the_coordinator_would_refuse_the_schema(
     schema = tmp_path / "schema.toml"
     text = fed.schema_path.read_text()
     schema.write_text(text.replace("max = ", "max = 9", 1))  # one bound differs
+    # A ledger of its own: the refused agent below writes its "stopped" status beside its
+    # ledger, which must not be the status file of hospital-1's running agent.
     config = _site_config_copy(fed, tmp_path, **{
         '"127.0.0.1:1"': f'"{fed.address}"',
-        json.dumps(str(fed.schema_path.resolve())): json.dumps(str(schema))})
+        json.dumps(str(fed.schema_path.resolve())): json.dumps(str(schema)),
+        json.dumps(str(fed.ledger_path("hospital-1").resolve())):
+            json.dumps(str(tmp_path / "ledger.sqlite"))})
     run = _check(config)
     assert run.returncode == exit_codes.REJECTED_BY_COORDINATOR, run.stdout + run.stderr
     assert "ok      coordinator:" in run.stdout and "ok      data:" in run.stdout
