@@ -35,36 +35,10 @@ from dpfed.common.transport.protocol import Refusal, Task, TaskResult
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.ledger import Ledger
 from dpfed.site_agent.runner import TaskRunner
+from tests.support.schemas import row_policy_schema
 from tests.support.tables import ZeroNoise, cost_of, produced
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "a"
-type = "continuous"
-min = -5
-max = 5
-
-[[columns]]
-name = "b"
-type = "continuous"
-min = 0
-max = 1
-missing = "category"
-
-[[columns]]
-name = "w"
-type = "nominal"
-categories = ["x", "y"]
-missing = "category"
-other = true
-
-[[columns]]
-name = "d"
-type = "date"
-min = 2020-01-01
-max = 2020-12-31
-missing = "category"
-""")
+SCHEMA = row_policy_schema("category")
 POLICY_RULES = RowPolicy(missing="drop", out_of_range="drop")
 #: Every value each column can take that the encoding treats differently.
 VALUES = {"a": ["-5", "5", "9", "", "abc"], "b": ["0", "1", ""],

@@ -39,3 +39,14 @@ SYNTH = columns(AGE, 'name = "lab"\ntype = "continuous"\nmin = -5\nmax = 5',
 def continuous(n: int) -> Schema:
     """``n`` continuous columns ``c0 .. c{n-1}`` in [0, 1]."""
     return columns(*(f'name = "c{i}"\ntype = "continuous"\nmin = 0\nmax = 1' for i in range(n)))
+
+
+def row_policy_schema(date_missing: str) -> Schema:
+    """A schema each row-policy outcome can reach: a bounded column, a column with missing
+    values kept, a nominal with ``other``, and a date whose ``missing`` mode the caller picks."""
+    return columns('name = "a"\ntype = "continuous"\nmin = -5\nmax = 5',
+                   'name = "b"\ntype = "continuous"\nmin = 0\nmax = 1\nmissing = "category"',
+                   'name = "w"\ntype = "nominal"\ncategories = ["x", "y"]\n'
+                   'missing = "category"\nother = true',
+                   'name = "d"\ntype = "date"\nmin = 2020-01-01\nmax = 2020-12-31\n'
+                   f'missing = "{date_missing}"')

@@ -25,35 +25,9 @@ from dpfed.common.data.policy_counts import (
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ValidationError
 from dpfed.common.privacy.mechanisms import GaussianMechanism, gaussian_sigma
+from tests.support.schemas import row_policy_schema
 
-SCHEMA = Schema.from_toml("""
-[[columns]]
-name = "a"
-type = "continuous"
-min = -5
-max = 5
-
-[[columns]]
-name = "b"
-type = "continuous"
-min = 0
-max = 1
-missing = "category"
-
-[[columns]]
-name = "w"
-type = "nominal"
-categories = ["x", "y"]
-missing = "category"
-other = true
-
-[[columns]]
-name = "d"
-type = "date"
-min = 2020-01-01
-max = 2020-12-31
-missing = "drop-row"
-""")
+SCHEMA = row_policy_schema("drop-row")
 POLICY = RowPolicy(missing="drop", out_of_range="drop")
 #: Every value each column can take that the encoding treats differently.
 VALUES = {"a": ["-5", "5", "9", "", "abc"], "b": ["0", "1", ""],
