@@ -16,7 +16,7 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.jobs.job import Job, JobOutput
 from dpfed.aggregator.jobs.records import mode_record, secure_record
-from dpfed.common.job_params import QueryParams
+from dpfed.common.job_params import SECURE_NOISE_FAMILY, QueryParams
 from dpfed.common.jobs.contract import Budget
 from dpfed.common.jobs.query import QUERY, choose
 from dpfed.common.queries.federated_matrix import per_query_std_error
@@ -30,12 +30,12 @@ def other_mode(params: QueryParams, workload: Any, budget: Budget, modes: dict[s
 
     The other mode is priced with its best strategy under its own noise
     (:meth:`~dpfed.common.job_params.QueryParams.mode_errors`: site-level Laplace can beat a
-    secure sum); this job's own ``rmse`` stands for its mode. None for a pure-epsilon job
-    (a secure sum needs a delta).
+    secure Skellam sum, rarely a secure discrete Laplace); this job's own ``rmse`` stands for
+    its mode. None when the secure noise cannot run (Skellam in a pure-epsilon job).
     """
     from dpfed.common.jobs.modes import compare_modes, secure_pooled_factor
 
-    if budget.delta <= 0.0:
+    if not params.secure_noises(budget.delta):
         return None
     n, t, d = modes["n_sites"], modes["tolerated"], modes["dropouts"]
     errors = params.mode_rmse(workload, budget.epsilon, budget.delta, n,
@@ -80,6 +80,7 @@ async def run(job: Job[QueryParams]) -> JobOutput:
     # The ranking priced the expected draws and the site-level noise model; what the sum
     # actually carries differs from it by one factor for every strategy.
     factor = rmse / pick.rmse if pick.rmse > 0 else 1.0
+    secure_names = {family: noise for noise, family in SECURE_NOISE_FAMILY.items()}
     b = released.budget
     sites = [{"site_id": s, "n_rows": released.rows[s], "epsilon": released.spend[s].epsilon,
               "delta": released.spend[s].delta, "sensitivity": answers.sensitivity[s],
@@ -92,8 +93,8 @@ async def run(job: Job[QueryParams]) -> JobOutput:
         "aggregation": params.aggregation, "strategy_digest": chosen.digest,
         "reconstruction": recon, "expected_rmse": rmse,
         "identity_expected_rmse": pick.identity_rmse * factor,
-        "ranking": [[nm, nz if answers.noise == pick.noise else answers.noise, r * factor]
-                    for nm, nz, r in pick.ranking],
+        "ranking": [[nm, secure_names.get(nz, nz) if released.secure is not None else nz,
+                     r * factor] for nm, nz, r in pick.ranking],
         "sensitivity_exact": answers.sensitivity_exact, "sites": sites,
         "n_sites": len(sites), "n_rows_total": released.n_rows_total,
         "schema_toml": schema.to_toml(), "software_version": __version__,
