@@ -32,9 +32,28 @@ def test_secure_is_recorded_in_the_canonical_parameters_and_site_level_unchanged
     assert "aggregation" not in site and site == _validate(BASE, 0.0)
 
 
+def test_new_secure_jobs_choose_their_noise_and_stored_ones_keep_skellam() -> None:
+    """A new job stores ``secure_noise = "auto"`` (and may run pure epsilon); a job stored
+    before the discrete Laplace existed has no key, parses as Skellam and re-serialises to the
+    same mapping (its tasks replay byte-identically)."""
+    new = _validate({**BASE, "aggregation": "secure"}, 0.0)
+    assert new["secure_noise"] == "auto"
+    kind = job_kind("query")
+    stored = {**BASE, "aggregation": "secure", "noise": "auto", "strategy": "auto",
+              "workload": {"kind": "identity"}, "reconstruction": "least_squares"}
+    old = kind.parse(stored, FED.schema)
+    assert old.secure_noise == "skellam" and old.secure_noises(1e-6) == ("gaussian",)
+    assert kind.parse(stored, FED.schema).to_mapping() == old.to_mapping()
+    assert "secure_noise" not in old.to_mapping()
+    assert kind.parse(new, FED.schema).secure_noises(1e-6) == ("laplace", "gaussian")
+    assert kind.parse(new, FED.schema).secure_noises(0.0) == ("laplace",)
+
+
 @pytest.mark.parametrize(("params", "delta", "match"), [
-    ({**BASE, "aggregation": "secure"}, 0.0, "needs delta"),
-    ({**BASE, "aggregation": "secure", "noise": "laplace"}, 1e-6, "not 'laplace'"),
+    ({**BASE, "aggregation": "secure", "secure_noise": "skellam"}, 0.0, "needs delta"),
+    ({**BASE, "aggregation": "secure", "secure_noise": "dlaplace"}, 1e-6, "delta must be 0"),
+    ({**BASE, "aggregation": "secure", "secure_noise": "gaussian"}, 1e-6, "secure_noise must"),
+    ({**BASE, "aggregation": "secure", "noise": "laplace"}, 1e-6, "site-level noise"),
     ({**BASE, "aggregation": "pooled"}, 1e-6, "aggregation must be one of"),
 ])
 def test_secure_query_bad_input(params: dict[str, Any], delta: float, match: str) -> None:
