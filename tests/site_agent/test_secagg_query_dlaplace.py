@@ -4,10 +4,13 @@ ledger and certificates: an honest sum is charged once as ``secure-dlaplace[n=3,
 sensitivity is searched over extreme schema-valid records through the site's own counting and
 reached exactly, and the plan's alpha is ``exp(-epsilon / Δ1)`` of it; a task stating another
 alpha, another Pólya shape (r = 1/n, ignoring t), another noise, or none of them is refused
-before any charge."""
+before any charge; with two of six sites dropping, the shares are sized r = 1/(n - t - d) and
+the survivors' sum decodes."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -17,11 +20,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpfed.aggregator.jobs.secure_rounds import addressed_shares
 from dpfed.common.jobs.contract import Site
 from dpfed.common.jobs.query import QUERY
+from dpfed.common.privacy.polya import polya_shape
 from dpfed.common.queries.matrix_mechanism import strategy
-from dpfed.common.secagg.linear_sum import LinearSumPlan, plan_linear
+from dpfed.common.secagg.linear_sum import LinearSumPlan, integer_strategy, plan_linear
 from dpfed.common.secagg.messages import plan_params
+from dpfed.common.secagg.secure_sum import SecureSumPlan
+from dpfed.common.transport.certs import init_federation
 from dpfed.common.transport.protocol import Refusal, Task
 from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.runner import TaskRunner
@@ -38,7 +45,7 @@ from tests.site_agent.test_secagg_query import (
     fed,
 )
 from tests.support.schemas import AGE_WARD as SCHEMA
-from tests.support.secure_driver import run_sum
+from tests.support.secure_driver import SumDriver, run_sum, runner_ask
 from tests.support.tables import FrameData
 
 __all__ = ["fed"]  # the fixture, shared with the Skellam tests
@@ -127,3 +134,55 @@ def test_a_plan_whose_noise_the_site_does_not_compute_is_refused_before_any_char
     answer = site.run(task)
     assert isinstance(answer, Refusal) and match in answer.reason, answer
     assert site.ledger.events() == []
+
+
+def test_two_sites_dropping_leave_a_dlaplace_sum_with_shares_sized_for_the_survivors(
+        tmp_path: Path) -> None:
+    """Six sites, t = 1, two vanish after dealing: every share has Pólya shape 1/(6 - 1 - 2),
+    the survivors are charged (epsilon, 0) as ``secure-dlaplace[n=6,t=1,d=2]`` and the sum of
+    the four survivors decodes within the noise's tail bound."""
+    sites = [f"hospital-{i}" for i in range(1, 7)]
+    root = tmp_path / "fed6"
+    init_federation(root, coordinator_hosts=["localhost"], sites=sites, analysts=[])
+    runners = {s: _runner(tmp_path, s, root, ("query",)) for s in sites}
+    gone = ("hospital-2", "hospital-5")
+    a = strategy("h2", 8)
+    driver = SumDriver(runner_ask(runners), job_id=JOB, sum_round=SUM, epsilon=5.0, delta=0.0)
+
+    async def go() -> tuple[SecureSumPlan, np.ndarray]:
+        await driver.keys(sites)
+        order = sorted(driver.answers["keys"])
+        await driver.shares(order, 1, wanted_drops=2)
+        participants = sorted(driver.answers["shares"])
+        assert driver.graph is not None
+        drops = min(2, driver.graph.capacity(1) - (len(driver.graph.ring) - len(participants)))
+        linear = plan_linear(a, scale=SCALE, epsilon=5.0, delta=0.0, participants=participants,
+                             tolerated=1, noise="dlaplace")
+        plan = dataclasses.replace(linear.plan, dropouts=drops)
+        await driver.stage(
+            "contribute", [s for s in participants if s not in gone],
+            {"sum_round": SUM, "source": "query", "domain": DOMAIN,
+             "strategy": {"name": "h2", "n": 8}, "noise": "dlaplace",
+             **plan_params(plan, row_norm=1.0)}, {},
+            addressed_shares(driver.answers["shares"], participants, driver.graph),
+            epsilon=5.0, delta=0.0)
+        survivors = sorted(driver.answers["contribute"])
+        await driver.confirm(participants, survivors)
+        await driver.unmask(participants, survivors)
+        return plan, driver.decode(plan)
+
+    plan, total = asyncio.run(go())
+    assert plan.dropouts == 2 and polya_shape(6, 1, 2) == pytest.approx(1 / 3)
+    survivors = {s: r for s, r in runners.items() if s not in gone}
+    assert sorted(driver.answers["contribute"]) == sorted(survivors)
+    for s, r in runners.items():
+        events = r.ledger.events()
+        if s in gone:
+            assert events == []
+            continue
+        (event,) = events
+        assert (event.mechanism, event.epsilon, event.delta) == (
+            "secure-dlaplace[n=6,t=1,d=2]", 5.0, 0.0)
+        assert event.noise_scale == pytest.approx((plan.mu_total / 3) ** 0.5)
+    expected = integer_strategy(a, SCALE) @ _pooled_histogram(survivors).astype(np.int64)
+    assert np.max(np.abs(total - expected)) <= plan.noise_tail(plan.n_values)
