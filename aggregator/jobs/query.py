@@ -57,10 +57,13 @@ async def run(job: Job[QueryParams]) -> JobOutput:
     draws = job.pooled_draws(QUERY)
     job.emit("strategy", f"choosing a strategy for {workload.name} over {domain.n_cells} "
              f"cells (candidates: {params.strategy}; {draws} noise draw(s) pooled)", 0.02)
+    secure = job.planned(QUERY.name).secure
     chosen = await asyncio.to_thread(choose, params, workload, budget, draws=draws,
-                                     secure=job.planned(QUERY.name).secure)
+                                     secure=secure)
     pick = chosen.pick
-    job.emit("strategy", f"strategy {pick.name} with {pick.noise} noise: expected RMSE "
+    secure_names = {family: noise for noise, family in SECURE_NOISE_FAMILY.items()}
+    noise_name = secure_names[pick.noise] if secure else pick.noise
+    job.emit("strategy", f"strategy {pick.name} with {noise_name} noise: expected RMSE "
              f"{pick.rmse:.4g} per query (identity {pick.identity_rmse:.4g})", 0.04)
     released = await job.release(QUERY, chosen)
     answers = released.value
@@ -80,7 +83,6 @@ async def run(job: Job[QueryParams]) -> JobOutput:
     # The ranking priced the expected draws and the site-level noise model; what the sum
     # actually carries differs from it by one factor for every strategy.
     factor = rmse / pick.rmse if pick.rmse > 0 else 1.0
-    secure_names = {family: noise for noise, family in SECURE_NOISE_FAMILY.items()}
     b = released.budget
     sites = [{"site_id": s, "n_rows": released.rows[s], "epsilon": released.spend[s].epsilon,
               "delta": released.spend[s].delta, "sensitivity": answers.sensitivity[s],
@@ -93,8 +95,8 @@ async def run(job: Job[QueryParams]) -> JobOutput:
         "aggregation": params.aggregation, "strategy_digest": chosen.digest,
         "reconstruction": recon, "expected_rmse": rmse,
         "identity_expected_rmse": pick.identity_rmse * factor,
-        "ranking": [[nm, secure_names.get(nz, nz) if released.secure is not None else nz,
-                     r * factor] for nm, nz, r in pick.ranking],
+        "ranking": [[nm, secure_names[nz] if secure else nz, r * factor]
+                    for nm, nz, r in pick.ranking],
         "sensitivity_exact": answers.sensitivity_exact, "sites": sites,
         "n_sites": len(sites), "n_rows_total": released.n_rows_total,
         "schema_toml": schema.to_toml(), "software_version": __version__,
