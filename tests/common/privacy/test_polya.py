@@ -193,3 +193,23 @@ def test_a_planted_continuous_laplace_pricing_under_counts_and_is_caught() -> No
     honest = Spent.of([_cost(EPS, 1.0)])
     assert all(honest.pairs_delta(float(e)) >= _oracle_delta(loss, float(e)) * (1 - 1e-9)
                for e in np.linspace(0.0, EPS, 21))
+
+
+@pytest.mark.parametrize(("l1", "events"), [(1, 1), (3, 1), (1, 4), (5, 2)])
+def test_the_ledger_figure_covers_dp_accountings_discrete_laplace(l1: int, events: int) -> None:
+    """A second, independent oracle: Google's dp_accounting PLD of the discrete Laplace
+    (``P(x) ∝ exp(-(ε/Δ1)|x|)`` at sensitivity ``Δ1``), composed; it agrees with the exact
+    loss above and never exceeds the ledger's figure."""
+    from dp_accounting.pld import privacy_loss_distribution as dpa
+
+    oracle = dpa.from_discrete_laplace_mechanism(EPS / l1, sensitivity=l1)
+    exact = _dlap_loss(l1, math.exp(-EPS / l1))
+    composed = exact
+    for _ in range(events - 1):
+        oracle = oracle.compose(dpa.from_discrete_laplace_mechanism(EPS / l1, sensitivity=l1))
+        composed = _convolve(composed, exact)
+    spent = Spent.of([_cost(EPS, float(l1))] * events)
+    for e in np.linspace(0.0, EPS * events, 21):
+        theirs = float(oracle.get_delta_for_epsilon(float(e)))
+        assert theirs == pytest.approx(_oracle_delta(composed, float(e)), abs=2e-3)
+        assert spent.pairs_delta(float(e)) >= theirs - 2e-3
