@@ -20,9 +20,10 @@ itself (:func:`integer_sensitivities`, reusing
 :func:`dpfed.common.queries.federated_matrix.replace_one_sensitivity`): ``Δ₂`` exactly (the Gram
 matrix of integers with ``k M² <= 2^50``, ``M = max |ã|``, is exact in float64), ``Δ₁`` exactly
 for matrices whose entries are 0 or one value and for small matrices, else the upper bound
-``2 max_j ||ã_j||₁`` (flagged ``sensitivity_exact = False``; Δ₁ only enters the Skellam
-accountant's integer surcharge). No randomised rounding is involved: ``Ã`` and ``x_s`` are
-exact, so the sensitivity follows from the public ``Ã`` alone. The noise is one of
+``2 max_j ||ã_j||₁`` (flagged ``sensitivity_exact = False``; Δ₁ enters the Skellam
+accountant's integer surcharge, and calibrates the discrete Laplace: a bound over-noises).
+No randomised rounding is involved: ``Ã`` and ``x_s`` are exact, so the sensitivity follows
+from the public ``Ã`` alone. The noise is one of
 :data:`LINEAR_NOISES`: ``skellam``, calibrated for ``(Δ₂, Δ₁)`` by
 :func:`dpfed.common.privacy.skellam.skellam_calibrate`, each of the ``n`` participants adding
 ``Sk(μ / (n - t - d))``; or ``dlaplace`` (pure epsilon), ``α = exp(-ε/Δ₁)``, each participant
