@@ -47,7 +47,7 @@ def main() -> None:
     if args.quick:
         args.rows, args.features, args.repeats = 20_000, 50, 2
     rows = [_run(args, n) for n in args.sites]
-    if len(rows) > 1:
+    if rows:
         print("\nsites | round s: site-level / secure / ratio | per-site CPU s: site-level / "
               "secure / ratio | per-site bytes released: site-level / secure")
         for r in rows:
