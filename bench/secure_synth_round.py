@@ -64,6 +64,17 @@ def federation(directory: Path, ids: list[str]) -> Path:
     return fed
 
 
+class _EverySiteContributed:
+    """The recovery of a sum every participant contributed to: no mask is left to remove."""
+
+    @staticmethod
+    def correction(survivors: list[str], n_values: int) -> np.ndarray:
+        return np.zeros(n_values, dtype=np.uint64)
+
+
+_EVERY_SITE: Any = _EverySiteContributed()
+
+
 class InProcessJob(Job[SynthParams]):
     """The job's dispatcher with every release an in-process secure sum over ``sites``."""
 
@@ -106,7 +117,7 @@ class InProcessJob(Job[SynthParams]):
                                self.rng)
         results = {s: TaskResult(task.task_id, plan.cost(), {"masked": masked[s]},
                                  {"n_rows": int(computed[s][1])}) for s in ids}
-        return _decoded(rnd, ask, enc, planned, charged, results, 1)
+        return await _decoded(rnd, ask, enc, planned, charged, results, 1, _EVERY_SITE)
 
 
 def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: Path,
