@@ -57,10 +57,10 @@ MIN_CALIBRATION_ROWS = 50_000
 
 
 def calibration_rows(n_rows: int | None = None) -> int:
-    """Return the simulated rows of the calibration for data of ``n_rows`` public rows.
+    """Return the simulated rows of the nominal calibration and the pair correction's fit.
 
-    Ten times the data's rows (their sampling error, then, adds about 5 % to that of a
-    synthetic table of as many rows as the data), between :data:`MIN_CALIBRATION_ROWS` and
+    For data of ``n_rows`` public rows: ten times as many (their sampling error, then, adds
+    about 5 % to that of a synthetic table of as many rows as the data), between :data:`MIN_CALIBRATION_ROWS` and
     :data:`CALIBRATION_ROWS`; the most when the row count is not known.
     """
     if n_rows is None:
