@@ -60,8 +60,9 @@ def calibration_rows(n_rows: int | None = None) -> int:
     """Return the simulated rows of the nominal calibration and the pair correction's fit.
 
     For data of ``n_rows`` public rows: ten times as many (their sampling error, then, adds
-    about 5 % to that of a synthetic table of as many rows as the data), between :data:`MIN_CALIBRATION_ROWS` and
-    :data:`CALIBRATION_ROWS`; the most when the row count is not known.
+    about 5 % to that of a synthetic table of as many rows as the data), between
+    :data:`MIN_CALIBRATION_ROWS` and :data:`CALIBRATION_ROWS`; the most when the row count is
+    not known.
     """
     if n_rows is None:
         return CALIBRATION_ROWS
@@ -224,7 +225,7 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
 
 
 def _thresholds_to_proportions(q: np.ndarray) -> np.ndarray:
-    """Decoding proportions whose normal thresholds are ``q`` (increasing latent values)."""
+    """Return the decoding proportions whose normal thresholds are ``q`` (increasing)."""
     u = np.maximum.accumulate(special.ndtr(q))
     edges = np.concatenate([[0.0], u, [1.0]])
     p = np.diff(edges)
