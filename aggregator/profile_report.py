@@ -47,7 +47,8 @@ def profile_tables(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
     counts = arrays["policy_counts"]
     sd = float(meta["policy_sigma"])
     title = (f"What each site's row policy did (DP counts, noise sd {sd:.3g} each; epsilon "
-             f"{meta['policy_epsilon']:g}, delta {meta['policy_delta']:g})")
+             f"{meta['policy_epsilon']:g}, delta {meta['policy_delta']:g}; left unbiased, so a "
+             "count near 0 may show as negative)")
     if truth is None:
         header, per_count = ["count", *sites], counts.T
     else:

@@ -433,6 +433,7 @@ def _check(config: SiteConfig, timeout: float) -> int:
     import os
 
     from dpfed.common.data.data_sources import open_data_source, scan
+    from dpfed.common.data.parquet_row_groups import row_group_warning
     from dpfed.common.data.policy_counts import dropped_fraction_warning
     from dpfed.common.data.schema import Schema
     from dpfed.common.transport.access import read_access_list
@@ -465,6 +466,9 @@ def _check(config: SiteConfig, timeout: float) -> int:
         source = open_data_source(data_spec(config), state["schema"])
         report = scan(source)
         warning = dropped_fraction_warning(report, config.data.warn_dropped_fraction)
+        if warning is not None:
+            print(f"warning data: {warning}", flush=True)
+        warning = row_group_warning(source.largest_row_group())
         if warning is not None:
             print(f"warning data: {warning}", flush=True)
         if report.rows_kept == 0:

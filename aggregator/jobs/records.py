@@ -31,6 +31,7 @@ def sum_record(summed: SecureSum) -> dict[str, Any]:
     return {"statistic": plan.statistic, "participants": list(plan.participants),
             "survivors": sorted(summed.rows), "tolerated_dropouts": plan.dropouts,
             "tolerated_colluders": plan.tolerated, "attempts": summed.attempts,
+            "neighbours": summed.neighbours,
             "epsilon": cal.epsilon, "delta": cal.delta, "achieved_epsilon": cal.achieved_epsilon,
             "scale": plan.scale, "noise_variance_integer": plan.mu_total,
             "pooled_variance_integer": plan.pooled_variance,

@@ -388,8 +388,10 @@ async def _decoded(rnd: SumRound[P, I, V], ask: Ask[P, I], enc: SumEncoding,
                              correction)
     rows = {s: int(results[s].metadata["n_rows"]) for s in survivors}
     rnd.check_sum(total, planned, sum(rows.values()), enc)
+    graph = recovery.graph
     summed = SecureSum(total.astype(np.float64) / plan.scale ** plan.degree, plan, rows,
-                       attempt, planned.detail, rnd.secure_releases)
+                       attempt, planned.detail, rnd.secure_releases,
+                       len(recovery.order) - 1 if graph is None else graph.degree)
     value = rnd.pool_secure(summed, Ask(ask.params, ask.schema, ask.inputs, budget))
     return Pooled(rnd.name, value, budget, rows, dict.fromkeys(survivors, plan.cost()),
                   {}, summed)

@@ -49,6 +49,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport
+from dpfed.common.data.parquet_row_groups import RowGroupSize, largest_row_group
 from dpfed.common.data.schema import Column, ContinuousColumn, DateColumn, Schema
 from dpfed.common.data.source_base import (
     _BLOCK_BYTES,
@@ -367,6 +368,10 @@ class ParquetSource(DataSource):
     def describe(self) -> str:
         """See :meth:`DataSource.describe`."""
         return f"parquet file {self.path}"
+
+    def largest_row_group(self) -> RowGroupSize | None:
+        """See :meth:`DataSource.largest_row_group` (the file's footer only)."""
+        return largest_row_group([str(self.path)], self.schema.names)
 
     def _open(self) -> Any:
         try:

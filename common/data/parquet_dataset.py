@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from dpfed.common.data.parquet_row_groups import RowGroupSize, largest_row_group
 from dpfed.common.data.schema import Schema
 from dpfed.common.data.source_base import PARQUET_EXTENSIONS, DataSource, DataSourceSpec
 from dpfed.common.errors import DataError
@@ -59,6 +60,10 @@ class ParquetDatasetSource(DataSource):
         """See :meth:`DataSource.describe`."""
         count = len(getattr(self, "files", ()))
         return f"parquet dataset {self.path}" + (f" ({count} files)" if count else "")
+
+    def largest_row_group(self) -> RowGroupSize | None:
+        """See :meth:`DataSource.largest_row_group` (every file's footer, no data)."""
+        return largest_row_group(self.files, self.schema.names)
 
     def _dataset(self) -> Any:
         try:

@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from dpfed.common.data.encoding import EncodedTable, EncodingReport, RowPolicy, encode_table
+from dpfed.common.data.parquet_row_groups import RowGroupSize
 from dpfed.common.data.schema import Schema
 from dpfed.common.errors import ConfigError, DataError
 
@@ -320,6 +321,10 @@ class DataSource(abc.ABC):
     @abc.abstractmethod
     def describe(self) -> str:
         """Kind and location of the data (never any data), for logs and error messages."""
+
+    def largest_row_group(self) -> RowGroupSize | None:
+        """Return the largest unit the reader decodes whole (Parquet row groups; else None)."""
+        return None
 
     def check_sample(self, rows: int = 1000) -> EncodingReport:
         """Read and encode at most the first ``rows`` rows of the first chunk.

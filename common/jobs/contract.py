@@ -217,6 +217,9 @@ class SecureSum:
     attempts: int
     detail: object = None
     releases: str = ""
+    #: How many other participants each one masked with and dealt shares to (the sum's
+    #: neighbour graph; ``len(rows) - 1`` when complete; 0 when not recorded).
+    neighbours: int = 0
 
     @property
     def n_rows_total(self) -> int:

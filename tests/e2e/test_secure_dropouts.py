@@ -1,6 +1,7 @@
-"""Dropout recovery end to end with real processes over mTLS: six sites, two SIGKILLed once
-they have dealt their shares (the coordinator announced the masked sum), and the secure PCA
-still completes with the four survivors, each charged once with noise sized for the drops; the
+"""Dropout recovery end to end with real processes over mTLS: ten sites on a sparse neighbour
+graph (each masks with and deals shares to 8 of the 9 others), two SIGKILLed once they have
+dealt their shares (the coordinator announced the masked sum), and the secure PCA still
+completes with the eight survivors, each charged once with noise sized for the drops; the
 result matches the pooled data. And six real sites facing a hostile coordinator that shows
 them different survivor sets reveal nothing."""
 
@@ -24,15 +25,15 @@ from tests.support.secure_driver import SumDriver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-KILLED = ("hospital-3", "hospital-6")
+KILLED = ("hospital-3", "hospital-8")
 
 
 @pytest.fixture
 def fed(tmp_path: Path) -> Iterator[LocalFederation]:
     federation = LocalFederation.create(
-        # six sites are the fewest that tolerate two drops with t = 1 (d <= n - T, T = 4): the
-        # four survivors are exactly the threshold and the n - d floor, the tightest case
-        tmp_path / "fed", n_sites=6, rows=600, features=5, seed=11, min_sites=4,
+        # ten sites, t = 1, d = 2: the smallest federation whose sum runs on a sparse graph
+        # (degree 8 < 9; docs/secure-aggregation.md, "The neighbour graph")
+        tmp_path / "fed", n_sites=10, rows=400, features=5, seed=11, min_sites=8,
         task_deadline_s=60, resume_wait_s=10,
         settings=roomy_settings(secure_tolerated_dropouts=2))
     yield from running(federation)
@@ -52,12 +53,14 @@ def test_two_sites_killed_after_dealing_leave_a_secure_pca_that_completes(
     with fed.analyst(timeout=120.0) as coord:
         # one secure round (no automatic clip radius first): the drops happen in it
         result = coord.pca(2, epsilon=1000.0, delta=1e-5, aggregation="secure",
-                           centering="none", clip_norm="schema", min_sites=4,
+                           centering="none", clip_norm="schema", min_sites=8,
                            on_event=on_event)
     assert killed == list(KILLED)
     secure = result.metadata["secure"]
     assert secure["attempts"] == 1  # recovered, not retried
-    assert secure["participants"] == fed.site_ids and secure["tolerated_dropouts"] == 2
+    assert secure["participants"] == sorted(fed.site_ids)
+    assert secure["tolerated_dropouts"] == 2
+    assert secure["neighbours"] == 8  # sparse: every site masked with 8 of the 9 others
     survivors = secure["survivors"]
     assert set(fed.site_ids) - set(KILLED) <= set(survivors)
     for site in fed.site_ids:
@@ -65,7 +68,7 @@ def test_two_sites_killed_after_dealing_leave_a_secure_pca_that_completes(
         if site in KILLED:
             assert len(events) <= 1  # charged only if it masked before it died
         else:  # each survivor charged exactly once, noise sized for n - t - d
-            assert [e.mechanism for e in events] == ["secure-skellam[n=6,t=1,d=2]"]
+            assert [e.mechanism for e in events] == ["secure-skellam[n=10,t=1,d=2]"]
     schema = Schema.load(fed.schema_path)
     paths = [fed.data_paths[s] for s in survivors]
     reference = pooled_reference(schema, paths, centred=False).matrix
