@@ -65,14 +65,19 @@ def federation(directory: Path, ids: list[str]) -> Path:
 
 
 class _EverySiteContributed:
-    """The recovery of a sum every participant contributed to: no mask is left to remove."""
+    """The recovery of a sum every participant contributed to: no mask is left to remove.
+
+    ``order`` are the participants, masked on the complete graph (``graph`` None).
+    """
+
+    graph = None
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
 
     @staticmethod
     def correction(survivors: list[str], n_values: int) -> np.ndarray:
         return np.zeros(n_values, dtype=np.uint64)
-
-
-_EVERY_SITE: Any = _EverySiteContributed()
 
 
 class InProcessJob(Job[SynthParams]):
@@ -117,7 +122,8 @@ class InProcessJob(Job[SynthParams]):
                                self.rng)
         results = {s: TaskResult(task.task_id, plan.cost(), {"masked": masked[s]},
                                  {"n_rows": int(computed[s][1])}) for s in ids}
-        return await _decoded(rnd, ask, enc, planned, charged, results, 1, _EVERY_SITE)
+        recovery: Any = _EverySiteContributed(ids)
+        return await _decoded(rnd, ask, enc, planned, charged, results, 1, recovery)
 
 
 def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: Path,
