@@ -56,18 +56,20 @@ FACTOR_WEIGHTING = "size"
 def links_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *, n_rows: float,
                           continuous_link: str = "quantile",
                           min_proportion: float = 1e-4, resolution: str = "bins",
-                          noise_sd: np.ndarray | None = None
+                          noise_sd: np.ndarray | None = None, heaps: bool = False
                           ) -> tuple[np.ndarray, LatentLinks]:
     """Turn summed DP histograms into (DP proportions, links) (post-processing).
 
     ``n_rows`` is the public pooled row count: every column's block is projected onto the
     counts that sum to it (under ``resolution="fine"`` a continuous column is estimated from
     its coarse and leaf counts with their public noise ``noise_sd``) before the proportions
-    are floored (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
+    are floored (:func:`dpfed.common.synth.link_release.proportions_from_histograms`;
+    ``heaps`` as there).
     """
     proportions = proportions_from_histograms(total, schema, n_bins,
                                               min_proportion=min_proportion, n_rows=n_rows,
-                                              resolution=resolution, noise_sd=noise_sd)
+                                              resolution=resolution, noise_sd=noise_sd,
+                                              heaps=heaps)
     return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link,
                                                resolution)
 
