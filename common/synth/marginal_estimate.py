@@ -23,9 +23,10 @@ top-down on a binary tree over the cells in value order (:func:`allocate`):
   many rows share (a point mass) or a bulk squeezed into a corner of a wide bin is
   resolved to its leaf, and a smooth bin is not made rough by the leaves' noise;
 * with ``heaps`` (new jobs), a leaf far above its own noise (:func:`spike_tau` of the
-  column's leaves) is a heap -- many rows on one reading -- and keeps its noisy count before the rest
-  of the bin is split (:func:`heap_masses`): top-down, a heap only wins the splits whose
-  halves' summed noise it stands out of, so a heap in a wide bin kept a fraction of its rows.
+  column's leaves) is a heap -- many rows on one reading -- and keeps its noisy count
+  before the rest of the bin is split (:func:`heap_masses`): top-down, a heap only wins
+  the splits whose halves' summed noise it stands out of, so a heap in a wide bin kept a
+  fraction of its rows.
 
 The constants were set on the tuning tables of ``bench/real_tables.py`` and the demo data
 (docs/benchmarks.md).
