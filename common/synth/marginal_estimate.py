@@ -251,7 +251,9 @@ def fine_shape(cells: ColumnCells, bin_mass: np.ndarray, noisy: np.ndarray,
         return np.asarray(allocate(bin_mass, y, v, p, shape=True)[inner, col])
     kept = heap_masses(bin_mass, y, v, inner.shape[0])
     heap = kept > 0
-    rest = np.clip(np.asarray(bin_mass, dtype=np.float64), 0.0, None) - kept.sum(axis=1)
+    # Heaps scaled to their bin's mass may leave it a rounding error below 0.
+    rest = np.clip(np.clip(np.asarray(bin_mass, dtype=np.float64), 0.0, None)
+                   - kept.sum(axis=1), 0.0, None)
     out = allocate(rest, np.where(heap, 0.0, y), v, np.where(heap, 0.0, p), shape=True)
     return np.asarray((out + kept)[inner, col])
 

@@ -252,13 +252,14 @@ def test_heaps_keep_their_rows_and_smooth_bins_are_left_as_they_were() -> None:
     assert smooth_err <= 1.05 * old_smooth_err  # no heap invented in a smooth bin
 
 
-def test_the_estimate_is_non_negative_and_sums_to_n_for_any_noisy_block() -> None:
+@pytest.mark.parametrize("heaps", [False, True])
+def test_the_estimate_is_non_negative_and_sums_to_n_for_any_noisy_block(heaps: bool) -> None:
     cells = column_cells(LAB, BINS, 16, "fine")
     rng = np.random.default_rng(6)
     for _ in range(20):
         block = rng.normal(0, 50, cells.release_size) * rng.choice([0, 1, 1e3], cells.release_size)
         sd = np.abs(rng.normal(5, 3, cells.release_size)) + 1e-3
-        est = me.column_masses(cells, block, sd, 1234.0)
+        est = me.column_masses(cells, block, sd, 1234.0, heaps=heaps)
         assert np.all(est >= 0) and est.sum() == pytest.approx(1234.0)
 
 
