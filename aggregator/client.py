@@ -440,7 +440,7 @@ class Coordinator:
               min_sites: int = 0, deadline_seconds: float = 0.0,
               sites: tuple[str, ...] = (),
               on_event: Callable[[JobEvent], None] | None = None,
-              aggregation: str = "site") -> QueryJobResult:
+              aggregation: str = "site", secure_noise: str = "auto") -> QueryJobResult:
         """Answer a linear workload over a histogram domain with the matrix mechanism.
 
         Parameters
@@ -454,8 +454,11 @@ class Coordinator:
             Gaussian needs ``delta`` in (0, 1); Laplace needs ``delta = 0``.
         reconstruction : {"least_squares", "nnls", "l1"}
         aggregation : {"site", "secure"}
-            ``secure``: one secure sum with distributed Skellam noise (one pooled noise draw;
-            needs ``delta`` in (0, 1) and noise ``auto`` or ``gaussian``); docs/queries.md.
+            ``secure``: one secure sum with distributed noise (one pooled noise draw; noise
+            ``auto`` or ``gaussian``); docs/queries.md.
+        secure_noise : {"auto", "skellam", "dlaplace"}
+            A secure sum's noise: Skellam (needs ``delta`` in (0, 1)), the distributed discrete
+            Laplace (pure epsilon, ``delta = 0``), or whichever ranks best (``auto``).
         """
         domain: dict[str, Any] = {"columns": [columns] if isinstance(columns, str)
                                   else list(columns)}
@@ -474,6 +477,8 @@ class Coordinator:
                   "reconstruction": reconstruction}
         if aggregation != "site":
             params["aggregation"] = aggregation
+        if secure_noise != "auto":
+            params["secure_noise"] = secure_noise
         job = self.submit(JobSpec("query", epsilon, delta, params, min_sites, deadline_seconds,
                                   tuple(sites)), on_event=on_event)
         if job.state != "succeeded":

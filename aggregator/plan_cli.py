@@ -116,7 +116,7 @@ def print_kind_plan(kind_name: str, raw: dict[str, Any], epsilon: float, delta: 
     from dpfed.common.jobs.registry import job_kind
 
     kind = job_kind(kind_name)
-    params = kind.parse(raw, schema)
+    params = kind.parse(kind.params.submitted(raw), schema)  # as a new job would run
     params.check_privacy(epsilon, delta)
     if schema is not None and kind.params.settles:
         facts = connected_facts([(s.site_id, s, s.row_count) for s in sites if s.connected],

@@ -9,6 +9,7 @@ dpfed query --columns ward,severity | --columns age --bins age=0,18,65,110
 [--workload-file W.npy|W.csv] [--strategy auto|identity|h2|wavelet|prefix|optimized]
 [--noise auto|laplace|gaussian] --epsilon E [--delta D]
 [--reconstruction least_squares|nnls|l1] [--aggregation site|secure]
+[--secure-noise auto|skellam|dlaplace]
 [--out query.npz|query.csv] [--json]
 dpfed report RESULT.npz [--out report.html]
 """
@@ -134,7 +135,7 @@ def cmd_query(args: argparse.Namespace, connect: Callable[[argparse.Namespace], 
                              noise=args.noise, reconstruction=args.reconstruction,
                              min_sites=args.min_sites, deadline_seconds=args.deadline,
                              on_event=None if args.json else on_event,
-                             aggregation=args.aggregation)
+                             aggregation=args.aggregation, secure_noise=args.secure_noise)
     secure = result.metadata.get("secure")
     if args.out:
         write_result(lambda: result.save(args.out), args.out, result.metadata)
@@ -209,7 +210,11 @@ def register(sub: Any, connection_args: Callable[[argparse.ArgumentParser], None
                    choices=["least_squares", "nnls", "l1"])
     p.add_argument("--aggregation", default="site", choices=["site", "secure"],
                    help="site = each site noises its own answers (default); secure = one secure "
-                   "sum with distributed Skellam noise (pooled-data error; needs --delta)")
+                   "sum with distributed noise (pooled-data error; see --secure-noise)")
+    p.add_argument("--secure-noise", default="auto", choices=["auto", "skellam", "dlaplace"],
+                   help="a secure sum's noise: skellam ((epsilon, delta), needs --delta), "
+                   "dlaplace (distributed discrete Laplace, pure epsilon) or auto (default: "
+                   "the lower expected error)")
     p.add_argument("--min-sites", type=int, default=0, help="quorum (default: coordinator's)")
     p.add_argument("--deadline", type=float, default=0.0, help="per-site deadline, seconds")
     p.add_argument("--out", help="write the result (.npz) or the answers (.csv)")

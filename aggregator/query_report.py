@@ -79,11 +79,14 @@ def query_report(result: QueryJobResult, truth: np.ndarray | None = None,
     secure = m.get("secure")
     if isinstance(secure, dict):
         rep.key_values({
-            "aggregation": "secure (distributed Skellam noise, one pooled draw)",
+            "aggregation": ("secure (distributed discrete Laplace noise from Pólya shares, one "
+                            "pooled draw)" if result.noise == "dlaplace" else
+                            "secure (distributed Skellam noise, one pooled draw)"),
             "participants": ", ".join(secure.get("participants", [])),
             "tolerated colluders t": secure.get("tolerated_colluders"),
             "fixed-point scale s": secure.get("scale"),
             "sensitivity of Ã (L2, integer)": secure.get("l2_sensitivity_integer"),
+            "sensitivity of Ã (L1, integer)": secure.get("l1_sensitivity_integer"),
             "pooled noise sigma per answer": secure.get("pooled_noise_sigma"),
             "guarantee": secure.get("guarantee")})
     modes = m.get("aggregation_comparison")

@@ -174,7 +174,7 @@ class QueryJobResult(_ResultFile):
 
     @property
     def noise(self) -> str:
-        """``laplace`` or ``gaussian`` (site level), ``skellam`` (secure aggregation)."""
+        """``laplace`` or ``gaussian`` (site level), ``skellam`` or ``dlaplace`` (secure)."""
         return str(self.metadata["noise"])
 
     @property

@@ -147,7 +147,7 @@ def _run_query(fed: LocalFederation, coord: Any, opts: Any, rep: Report, progres
          [{"cross": ["ward", "severity"]}]),
     )
     for tag, cols, kw, raw in jobs:
-        if opts.aggregation == "secure":  # Skellam noise: an (epsilon, delta) mechanism
+        if opts.aggregation == "secure":  # Skellam (with the delta) or the discrete Laplace
             kw = {**kw, "aggregation": "secure", "delta": opts.delta}
         res: QueryJobResult = coord.query(cols, epsilon=opts.epsilon, on_event=progress, **kw)
         res.save(out / f"query-{tag}.npz")

@@ -6,17 +6,22 @@ and the 2-way marginal ``ward x severity`` — at epsilon 0.5, 1 and 5 (delta 1e
 
 * **site-level**: ``dpfed query --noise gaussian`` — every site adds Gaussian noise calibrated
   to its own rows and the coordinator sums S noisy vectors;
-* **secure**: ``--aggregation secure`` — one secure sum of ``Ã x_s``, distributed Skellam
-  noise sized for the sites' policy (``--tolerated t`` colluders, default 1 as in site.toml);
+* **secure (Skellam)**: ``--aggregation secure --secure-noise skellam`` — one secure sum of
+  ``Ã x_s``, distributed Skellam noise sized for the sites' policy (``--tolerated t``
+  colluders, default 1 as in site.toml);
+* **secure (discrete Laplace)**: ``--aggregation secure --secure-noise dlaplace --delta 0`` —
+  the same sum with Pólya shares of a discrete Laplace (pure epsilon); ``auto`` (what a new
+  secure job runs) takes whichever of the two has the lower expected RMSE (column ``auto``);
 * **central** (the floor, measured in the same run): a trusted curator's single analytic
   Gaussian release of the pooled histogram through the same strategy (the one the secure job
   chose), reconstructed by least squares — computed here from the true pooled histogram.
 
 Printed per workload and epsilon: observed RMSE over the workload's answers (mean over the
-repeats) and the closed-form expected RMSE of each mode, and the ratios secure / central and
-site-level / secure. Expected: secure / central ~ sqrt(n / (n - t)) (the shares the t
-tolerated colluders might know are added on top) times the Skellam accountant's slack over the
-analytic Gaussian; site-level / secure ~ sqrt(S) / that.
+repeats) and the closed-form expected RMSE of each mode, and the ratios Skellam / central and
+secure / site-level for both noises. Expected: Skellam / central ~ sqrt(n / (n - t)) (the
+shares the t tolerated colluders might know are added on top) times the Skellam accountant's
+slack over the analytic Gaussian; discrete Laplace / site-level Laplace ~ sqrt(1 / (n - t))
+where both use the same strategy (small marginals).
 
 Run: ``python bench/secure_query.py [--quick] [--sites S] [--rows N] [--repeats R]
 [--tolerated T] [--site-noise auto]`` (``auto``: the site level's Laplace or Gaussian, whichever
@@ -50,6 +55,10 @@ from dpfed.common.queries.workload_spec import build_workload, choose_strategy  
 
 EPSILONS = (0.5, 1.0, 5.0)
 DELTA = 1e-5
+#: (column, aggregation, secure noise, delta) of the modes compared.
+MODES: tuple[tuple[str, str, str, float], ...] = (
+    ("site", "site", "auto", DELTA), ("skellam", "secure", "skellam", DELTA),
+    ("dlaplace", "secure", "dlaplace", 0.0))
 WORKLOADS: tuple[tuple[str, list[str], dict[str, Any], list[Any]], ...] = (
     ("all ranges, age in 32 bins", ["age"], {"bins": {"age": 32}, "workload": "all_range"},
      [{"per": "age", "bins": 32}]),
@@ -114,7 +123,7 @@ def main() -> None:
     if args.quick:
         args.rows, args.repeats = 5_000, 1
     rng = np.random.default_rng(2026)
-    budget = 4 * sum(EPSILONS) * len(WORKLOADS) * args.repeats
+    budget = 2 * len(MODES) * sum(EPSILONS) * len(WORKLOADS) * args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         fed = LocalFederation.create(Path(tmp) / "fed", n_sites=args.sites, rows=args.rows,
                                      features=8, seed=3, mixed=True, task_deadline_s=600,
@@ -135,22 +144,21 @@ def main() -> None:
                 for label, cols, kw, raw in WORKLOADS:
                     truth = pooled_truth(fed, raw)
                     for eps in EPSILONS:
-                        obs: dict[str, list[float]] = {"site": [], "secure": []}
+                        obs: dict[str, list[float]] = {m: [] for m, *_ in MODES}
                         exp: dict[str, float] = {}
-                        last: QueryJobResult | None = None
+                        results: dict[str, QueryJobResult] = {}
                         for _ in range(args.repeats):
-                            for mode in ("site", "secure"):
-                                noise = args.site_noise if mode == "site" else "gaussian"
+                            for mode, aggregation, secure_noise, delta in MODES:
+                                noise = args.site_noise if mode == "site" else "auto"
                                 res: QueryJobResult = coord.query(
-                                    cols, epsilon=eps, delta=DELTA, noise=noise,
-                                    aggregation=mode, **kw)
+                                    cols, epsilon=eps, delta=delta, noise=noise,
+                                    aggregation=aggregation, secure_noise=secure_noise, **kw)
                                 obs[mode].append(observed(res, truth))
                                 exp[mode] = res.expected_rmse
-                                last = res
-                        assert last is not None
-                        c_obs, c_exp = central(last, truth, eps, 20, rng)
-                        rows.append((label, eps, last.strategy, np.mean(obs["site"]),
-                                     exp["site"], np.mean(obs["secure"]), exp["secure"],
+                                results[mode] = res
+                        c_obs, c_exp = central(results["skellam"], truth, eps, 20, rng)
+                        rows.append((label, eps, {m: r.strategy for m, r in results.items()},
+                                     {m: float(np.mean(v)) for m, v in obs.items()}, exp,
                                      c_obs, c_exp))
                         print(f"  done: {label}, epsilon {eps:g} "
                               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -159,16 +167,24 @@ def main() -> None:
     print(f"\n{args.sites} sites x {args.rows} rows, delta {DELTA:g}, t = {args.tolerated}, "
           f"{args.repeats} repeat(s), site-level noise {args.site_noise}; RMSE per workload "
           "answer (observed / closed-form expected)")
-    head = (f"{'workload':32s} {'eps':>4s} {'strategy':>9s} {'site-level':>17s} "
-            f"{'secure':>17s} {'central':>17s} {'secure/central':>15s} {'site/secure':>12s}")
+    head = (f"{'workload':32s} {'eps':>4s} {'site-level':>17s} {'secure Skellam':>17s} "
+            f"{'secure DLap':>17s} {'central':>17s} {'Sk/central':>11s} {'Sk/site':>11s} "
+            f"{'DLap/site':>11s} {'auto':>8s} {'auto/site':>9s}")
     print(head)
-    for label, eps, strat, so, se, qo, qe, co, ce in rows:
-        print(f"{label:32s} {eps:4g} {strat:>9s} {so:8.2f}/{se:8.2f} {qo:8.2f}/{qe:8.2f} "
-              f"{co:8.2f}/{ce:8.2f} {qo / co:6.2f}/{qe / ce:6.2f}   {so / qo:5.2f}/{se / qe:5.2f}")
+    for label, eps, strat, o, e, co, ce in rows:
+        auto = "skellam" if e["skellam"] < e["dlaplace"] else "dlaplace"
+        print(f"{label:32s} {eps:4g} {o['site']:8.2f}/{e['site']:8.2f} "
+              f"{o['skellam']:8.2f}/{e['skellam']:8.2f} {o['dlaplace']:8.2f}/{e['dlaplace']:8.2f} "
+              f"{co:8.2f}/{ce:8.2f} {o['skellam'] / co:5.2f}/{e['skellam'] / ce:5.2f} "
+              f"{o['skellam'] / o['site']:5.2f}/{e['skellam'] / e['site']:5.2f} "
+              f"{o['dlaplace'] / o['site']:5.2f}/{e['dlaplace'] / e['site']:5.2f} {auto:>8s} "
+              f"{e[auto] / e['site']:9.2f}")
+        print(f"{'':32s}      strategies: " + ", ".join(f"{m} {s}" for m, s in strat.items()))
     n, t = args.sites, args.tolerated
-    print(f"(ratios observed/expected; theory for the expected ratios: secure/central ~ "
-          f"sqrt(n/(n-t)) = {np.sqrt(n / (n - t)):.2f} x the Skellam accountant's slack, "
-          f"site/secure ~ sqrt(S) = {np.sqrt(n):.2f} / that)")
+    print(f"(ratios observed/expected; theory for the expected ratios: Skellam/central ~ "
+          f"sqrt(n/(n-t)) = {np.sqrt(n / (n - t)):.2f} x the Skellam accountant's slack; "
+          f"DLap/site-level Laplace ~ sqrt(1/(n-t)) = {np.sqrt(1 / (n - t)):.2f} on the same "
+          "strategy)")
 
 
 if __name__ == "__main__":

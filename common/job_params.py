@@ -752,6 +752,10 @@ def _pairs(raw: Any, mode: str) -> int | None:
 # --------------------------------------------------------------------------- query
 
 QUERY_NOISES: tuple[str, ...] = ("auto", "laplace", "gaussian")
+#: A secure query's noise: ``auto`` ranks both, or one of the secure linear sum's noises.
+SECURE_QUERY_NOISES: tuple[str, ...] = ("auto", "skellam", "dlaplace")
+#: secure noise -> the site-level noise family its expected error is ranked with.
+SECURE_NOISE_FAMILY: Mapping[str, str] = {"skellam": "gaussian", "dlaplace": "laplace"}
 RECONSTRUCTIONS: tuple[str, ...] = ("least_squares", "nnls", "l1")
 
 
@@ -808,10 +812,15 @@ class QueryParams(Params):
     reconstruction : {"least_squares", "nnls", "l1"}
         How the coordinator reconstructs the histogram.
     aggregation : {"site", "secure"}
-        ``secure``: one secure sum of ``Ã x_s`` with distributed Skellam noise.
+        ``secure``: one secure sum of ``Ã x_s`` with distributed noise (``secure_noise``).
+    secure_noise : {"auto", "skellam", "dlaplace"}
+        The secure sum's noise: distributed Skellam ((epsilon, delta)), distributed discrete
+        Laplace from Pólya shares (pure epsilon), or ``auto`` (new jobs): whichever ranks
+        best (Skellam only with a delta). Jobs stored before it existed mean ``skellam``.
     """
 
     kind: ClassVar[str] = "query"
+    new_job_defaults: ClassVar[Mapping[str, Any]] = {"secure_noise": "auto"}
 
     domain: dict[str, Any] = param(parse=_domain, required="query needs a domain: "
                                    "{columns = [...], bins = {...}}")
@@ -822,6 +831,8 @@ class QueryParams(Params):
                                                                RECONSTRUCTIONS))
     aggregation: str = param("site", parse=_listed("aggregation", AGGREGATIONS),
                              omit=lambda p: p.aggregation == "site")  # older jobs unchanged
+    secure_noise: str = param("skellam", parse=_listed("secure_noise", SECURE_QUERY_NOISES),
+                              omit=lambda p: p.secure_noise == "skellam")  # likewise
 
     def validate(self, schema: Schema | None) -> None:
         """Build the workload and check the strategy against the domain (with a schema)."""
@@ -831,9 +842,9 @@ class QueryParams(Params):
             self.workload_in(schema)  # sizes checked from the shape before any matrix
             check_domain_for(self.strategy, self.domain_in(schema).n_cells)
         if self.secure and self.noise == "laplace":
-            raise ValidationError("aggregation 'secure' sums the answers with distributed "
-                                  "Skellam noise, an (epsilon, delta) mechanism: use noise "
-                                  "'auto' or 'gaussian', not 'laplace'")
+            raise ValidationError("noise 'laplace' is a site-level noise; aggregation 'secure' "
+                                  "chooses its noise with secure_noise ('auto', 'skellam' or "
+                                  "'dlaplace', the distributed discrete Laplace)")
 
     def domain_in(self, schema: Schema) -> Any:
         """Return the :class:`~dpfed.common.queries.query_language.Domain` over ``schema``."""
@@ -852,11 +863,19 @@ class QueryParams(Params):
         return Aggregation(self.aggregation)
 
     def check_privacy(self, epsilon: float, delta: float) -> None:
-        """Laplace is pure epsilon-DP; Gaussian and secure sums need delta in (0, 1)."""
-        if self.secure and delta == 0.0:
-            raise ValidationError("aggregation 'secure' needs delta in (0, 1) (--delta): its "
-                                  "Skellam noise is an (epsilon, delta) mechanism")
+        """Laplace is pure epsilon-DP; Gaussian and Skellam need delta in (0, 1)."""
+        if self.secure and self.secure_noise == "skellam" and delta == 0.0:
+            raise ValidationError("aggregation 'secure' with secure_noise 'skellam' needs delta "
+                                  "in (0, 1) (--delta): Skellam noise is an (epsilon, delta) "
+                                  "mechanism; secure_noise 'dlaplace' is pure epsilon")
+        if self.secure and self.secure_noise == "dlaplace" and delta != 0.0:
+            raise ValidationError(f"secure_noise 'dlaplace' is pure epsilon-DP: delta must be "
+                                  f"0, got {delta!r}")
         check_epsilon(epsilon)
+        if self.secure:
+            if delta != 0.0:
+                check_delta(delta)
+            return
         if self.noise == "laplace" and delta != 0.0:
             raise ValidationError(f"Laplace noise is pure epsilon-DP: delta must be 0, got "
                                   f"{delta!r}")
@@ -872,15 +891,27 @@ class QueryParams(Params):
         return {"auto": ("laplace", "gaussian") if delta > 0 else ("laplace",),
                 "laplace": ("laplace",), "gaussian": ("gaussian",)}[self.noise]
 
+    def secure_noises(self, delta: float) -> tuple[str, ...]:
+        """Return the noise families a secure sum may use (ranked like :meth:`site_noises`).
+
+        ``laplace`` stands for the distributed discrete Laplace, ``gaussian`` for Skellam
+        (:data:`SECURE_NOISE_FAMILY`); empty when none can run (Skellam without a delta).
+        """
+        if self.secure_noise == "auto":
+            return ("laplace", "gaussian") if delta > 0 else ("laplace",)
+        family = SECURE_NOISE_FAMILY[self.secure_noise]
+        return () if family == "gaussian" and delta <= 0 else (family,)
+
     def mode_errors(self, epsilon: float, delta: float, schema: Schema, n_sites: int,
                     pooled_factor: float) -> tuple[float, float] | str | None:
         """Return the expected per-answer RMSE of the best strategy in each mode.
 
-        :meth:`mode_rmse` on the job's workload; why not, for a job without a delta.
+        :meth:`mode_rmse` on the job's workload; why not, for a job whose secure noise needs
+        a delta it does not have.
         """
-        if delta <= 0.0:
-            return ("secure aggregation needs --delta > 0 (its Skellam noise is (epsilon, "
-                    "delta)-DP); compare with --aggregation secure --delta D --plan")
+        if not self.secure_noises(delta):
+            return ("secure aggregation with secure_noise 'skellam' needs --delta > 0 (Skellam "
+                    "noise is (epsilon, delta)-DP); compare with --delta D --plan")
         return self.mode_rmse(self.workload_in(schema), epsilon, delta, n_sites, pooled_factor)
 
     def mode_rmse(self, workload: Any, epsilon: float, delta: float, n_sites: int,
@@ -888,19 +919,32 @@ class QueryParams(Params):
         """Return the expected RMSE per query ``(site level, secure)``, each mode at its best.
 
         Site level: ``n_sites`` draws of the noise the parameters allow (:meth:`site_noises`:
-        Laplace often wins on small workloads); secure: one Gaussian-calibrated draw times
-        the secure sum's ``pooled_factor`` and the Skellam calibration's slack
-        (:data:`dpfed.common.jobs.modes.SKELLAM_SLACK`).
+        Laplace often wins on small workloads); secure: one draw of the noise it would use
+        (:meth:`secure_noises`, :func:`secure_variance_factors`) times the secure sum's
+        ``pooled_factor``.
         """
-        from dpfed.common.jobs.modes import SKELLAM_SLACK
         from dpfed.common.queries.workload_spec import choose_strategy
 
         site = choose_strategy(workload, strategy_name=self.strategy,
                                noises=self.site_noises(delta), epsilon=epsilon, delta=delta,
                                n_sites=n_sites).rmse
-        secure = choose_strategy(workload, strategy_name=self.strategy, noises=("gaussian",),
-                                 epsilon=epsilon, delta=delta, n_sites=1).rmse
-        return site, secure * SKELLAM_SLACK * math.sqrt(pooled_factor)
+        secure = choose_strategy(workload, strategy_name=self.strategy,
+                                 noises=self.secure_noises(delta), epsilon=epsilon,
+                                 delta=delta, n_sites=1,
+                                 variance_factors=secure_variance_factors()).rmse
+        return site, secure * math.sqrt(pooled_factor)
+
+
+def secure_variance_factors() -> dict[str, float]:
+    """Return a secure sum's noise variance over its family's site-level noise, per family.
+
+    Skellam: the calibration's slack squared (:data:`dpfed.common.jobs.modes.SKELLAM_SLACK`);
+    the discrete Laplace ``2α/(1-α)²`` is never above the Laplace's ``2 (Δ₁/ε)²``
+    (``1 / (2 sinh²(ε/2Δ₁)) <= 2 (Δ₁/ε)²``): factor 1, at most the slight overstatement.
+    """
+    from dpfed.common.jobs.modes import SKELLAM_SLACK
+
+    return {"gaussian": SKELLAM_SLACK ** 2, "laplace": 1.0}
 
 
 # --------------------------------------------------------------------------- svt

@@ -16,7 +16,7 @@ import numpy as np
 from dpfed import __version__
 from dpfed.aggregator.jobs.job import Job, JobOutput
 from dpfed.aggregator.jobs.records import mode_record, secure_record
-from dpfed.common.job_params import QueryParams
+from dpfed.common.job_params import SECURE_NOISE_FAMILY, QueryParams
 from dpfed.common.jobs.contract import Budget
 from dpfed.common.jobs.query import QUERY, choose
 from dpfed.common.queries.federated_matrix import per_query_std_error
@@ -30,12 +30,12 @@ def other_mode(params: QueryParams, workload: Any, budget: Budget, modes: dict[s
 
     The other mode is priced with its best strategy under its own noise
     (:meth:`~dpfed.common.job_params.QueryParams.mode_errors`: site-level Laplace can beat a
-    secure sum); this job's own ``rmse`` stands for its mode. None for a pure-epsilon job
-    (a secure sum needs a delta).
+    secure Skellam sum, rarely a secure discrete Laplace); this job's own ``rmse`` stands for
+    its mode. None when the secure noise cannot run (Skellam in a pure-epsilon job).
     """
     from dpfed.common.jobs.modes import compare_modes, secure_pooled_factor
 
-    if budget.delta <= 0.0:
+    if not params.secure_noises(budget.delta):
         return None
     n, t, d = modes["n_sites"], modes["tolerated"], modes["dropouts"]
     errors = params.mode_rmse(workload, budget.epsilon, budget.delta, n,
@@ -57,10 +57,13 @@ async def run(job: Job[QueryParams]) -> JobOutput:
     draws = job.pooled_draws(QUERY)
     job.emit("strategy", f"choosing a strategy for {workload.name} over {domain.n_cells} "
              f"cells (candidates: {params.strategy}; {draws} noise draw(s) pooled)", 0.02)
+    secure = job.planned(QUERY.name).secure
     chosen = await asyncio.to_thread(choose, params, workload, budget, draws=draws,
-                                     secure=job.planned(QUERY.name).secure)
+                                     secure=secure)
     pick = chosen.pick
-    job.emit("strategy", f"strategy {pick.name} with {pick.noise} noise: expected RMSE "
+    secure_names = {family: noise for noise, family in SECURE_NOISE_FAMILY.items()}
+    noise_name = secure_names[pick.noise] if secure else pick.noise
+    job.emit("strategy", f"strategy {pick.name} with {noise_name} noise: expected RMSE "
              f"{pick.rmse:.4g} per query (identity {pick.identity_rmse:.4g})", 0.04)
     released = await job.release(QUERY, chosen)
     answers = released.value
@@ -92,7 +95,7 @@ async def run(job: Job[QueryParams]) -> JobOutput:
         "aggregation": params.aggregation, "strategy_digest": chosen.digest,
         "reconstruction": recon, "expected_rmse": rmse,
         "identity_expected_rmse": pick.identity_rmse * factor,
-        "ranking": [[nm, nz if answers.noise == pick.noise else answers.noise, r * factor]
+        "ranking": [[nm, secure_names[nz] if secure else nz, r * factor]
                     for nm, nz, r in pick.ranking],
         "sensitivity_exact": answers.sensitivity_exact, "sites": sites,
         "n_sites": len(sites), "n_rows_total": released.n_rows_total,

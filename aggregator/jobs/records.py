@@ -53,10 +53,12 @@ def secure_record(*released: Pooled[Any]) -> dict[str, Any]:
     records = {name: sum_record(s) for name, s in sums.items()}
     last = records[list(records)[-1]]
     tolerated = max(r["tolerated_colluders"] for r in records.values())
+    noise = list(sums.values())[-1].plan.noise
+    pair = "epsilon" if noise == "dlaplace" else "epsilon, delta"
     return {"secure": {
-        **last, "mechanism": "skellam", "rounds": records, "tolerated_colluders": tolerated,
+        **last, "mechanism": noise, "rounds": records, "tolerated_colluders": tolerated,
         "guarantee": (
-            "every row at every participating site has the (epsilon, delta)-DP guarantee each "
+            f"every row at every participating site has the ({pair})-DP guarantee each "
             "round charged (replace-one) against the coordinator, which saw only the noisy "
             f"pooled sums, and against up to {tolerated} colluding part(ies) (the coordinator "
             "included); the noise is calibrated to one row of the pooled data")}}

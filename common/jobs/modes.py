@@ -6,10 +6,10 @@ in variance so that the honest survivors still hold it when ``t`` may collude an
 (docs/secure-aggregation.md), plus the Skellam calibration's slack (about 1 %). With the same
 Gaussian noise in both modes the pooled noise's standard deviation, secure over site level,
 is therefore ``1 / sqrt(n - t)`` at ``d = 0`` times that slack: never much better with few
-sites and a large ``t``, no better at all once ``n - t <= 1``. A kind whose site-level noise
-may differ (a query's Laplace) gives both modes' expected errors instead
-(:meth:`dpfed.common.jobs.params.Params.mode_errors`). The model covers the sums' noise only
-(not DPdisPCA's rank-R truncation at each site, nor rounding).
+sites and a large ``t``, no better at all once ``n - t <= 1``. A kind whose noise may differ
+between the modes (a query's site-level Laplace, its secure discrete Laplace) gives both modes'
+expected errors instead (:meth:`dpfed.common.jobs.params.Params.mode_errors`). The model
+covers the sums' noise only (not DPdisPCA's rank-R truncation at each site, nor rounding).
 """
 
 from __future__ import annotations

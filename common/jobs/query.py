@@ -4,7 +4,8 @@ The coordinator chooses the strategy ``A`` (public information only) and sends i
 verifiably: a named strategy as ``(name, n)``, any other as its matrix with its SHA-256
 digest (every site recomputes it and refuses on mismatch). Each site counts its exact
 histogram ``x_s`` over the domain; at site level it releases ``A x_s + noise``, as a secure
-sum ``Ã x_s`` for ``Ã = rint(s A)`` (docs/secure-aggregation.md, "Secure linear queries").
+sum ``Ã x_s`` for ``Ã = rint(s A)`` (docs/secure-aggregation.md, "Secure linear queries")
+with Skellam or, named ``noise = "dlaplace"`` in its task, distributed discrete Laplace noise.
 Task parameters: ``domain``, ``noise``, ``strategy`` (and the secure sum's plan). Privacy:
 :class:`dpfed.common.queries.federated_matrix.SiteMatrixRelease` and
 :mod:`dpfed.common.secagg.linear_sum`.
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from dpfed.common.errors import DataError, ImpossibleSumError, ProtocolError, ValidationError
-from dpfed.common.job_params import QueryParams
+from dpfed.common.job_params import QueryParams, secure_variance_factors
 from dpfed.common.jobs.contract import (
     Ask,
     Budget,
@@ -128,16 +129,22 @@ def choose(params: QueryParams, workload: Workload, budget: Budget, *, draws: in
            secure: bool) -> Chosen:
     """Rank the strategies for ``draws`` independent noise draws in the pooled answer.
 
-    A secure sum carries one draw of (near-)Gaussian noise; site-level releases carry one
-    per site, of the noise the parameters allow. Deterministic (the optimiser uses a fixed
-    seed), so a resumed job sends the same task.
+    A secure sum carries one pooled draw of the noises its parameters allow
+    (:meth:`~dpfed.common.job_params.QueryParams.secure_noises`: Skellam, ranked as the
+    Gaussian with its slack, or the discrete Laplace, ranked as the Laplace; the pooled
+    factor ``n / (n - t - d)`` is the same for both); site-level releases carry one per site,
+    of the noise the parameters allow. Deterministic (the optimiser uses a fixed seed), so a
+    resumed job sends the same task.
     """
+    factors = None
     if secure:
-        noises: Sequence[str] = ("gaussian",)
+        noises: Sequence[str] = params.secure_noises(budget.delta)
+        factors = secure_variance_factors()
     else:
         noises = params.site_noises(budget.delta)
     pick = choose_strategy(workload, strategy_name=params.strategy, noises=noises,
-                           epsilon=budget.epsilon, delta=budget.delta, n_sites=draws)
+                           epsilon=budget.epsilon, delta=budget.delta, n_sites=draws,
+                           variance_factors=factors)
     spec, arrays = strategy_transport(pick.name, pick.matrix, workload.n)
     return Chosen(pick, workload, strategy_digest(pick.matrix), spec, arrays)
 
@@ -174,10 +181,11 @@ class Query(SumRound[QueryParams, Chosen, Answers]):
     source = "query"
     statistic = "linear"
     secure_releases = ("a masked integer vector of the strategy's answers with a share of "
-                       "Skellam noise; only the pooled total is decoded -> the reconstruction")
+                       "Skellam or Pólya (discrete Laplace) noise; only the pooled total is "
+                       "decoded -> the reconstruction")
 
     def task_budget(self, budget: Budget, inputs: Chosen) -> Budget:
-        """Laplace noise charges no delta."""
+        """Laplace noise (site-level, or the secure discrete Laplace) charges no delta."""
         return Budget(budget.epsilon, budget.delta if inputs.pick.noise == "gaussian" else 0.0,
                       budget.rho)
 
@@ -205,14 +213,15 @@ class Query(SumRound[QueryParams, Chosen, Answers]):
 
     def contribution(self, task: Task, site: Site, participants: list[str],
                      tolerated: int) -> Contribution:
-        """Rebuild ``Ã``, its sensitivities and the plan; bind ``Ã x_s``."""
+        """Rebuild ``Ã``, its sensitivities and the plan (its noise named); bind ``Ã x_s``."""
         domain, a = _domain_strategy(task, site)
         linear = plan_linear(a, scale=task.params.get("scale"), epsilon=task.epsilon,
-                             delta=task.delta, participants=participants, tolerated=tolerated)
-        log.info("task=%s k=%d scale=%g l2=%g l1=%g (exact=%s) mu=%g", task.task_id,
+                             delta=task.delta, participants=participants, tolerated=tolerated,
+                             noise=str(task.params.get("noise", "skellam")))
+        log.info("task=%s k=%d scale=%g l2=%g l1=%g (exact=%s) noise=%s mu=%g", task.task_id,
                  a.shape[0], linear.plan.scale, linear.plan.calibration.l2_sensitivity,
                  linear.plan.calibration.l1_sensitivity, linear.sensitivity_exact,
-                 linear.plan.mu_total)
+                 linear.plan.noise, linear.plan.mu_total)
 
         def compute(_rng: np.random.Generator) -> tuple[np.ndarray, int]:
             x, n_rows = _histogram(site, domain)
@@ -257,24 +266,34 @@ class Query(SumRound[QueryParams, Chosen, Answers]):
                        mech.sensitivity_exact)
 
     def encoding(self, ask: Ask[QueryParams, Chosen]) -> SumEncoding:
-        """``Ã x_s`` at the largest power-of-two scale that cannot wrap."""
+        """``Ã x_s`` at the largest power-of-two scale that cannot wrap, with the noise chosen.
+
+        A discrete Laplace sum names its noise in the task (``noise = "dlaplace"``); a Skellam
+        sum's task is the one sent before the discrete Laplace existed.
+        """
         a = ask.inputs.pick.matrix
         b = ask.budget
+        noise = "dlaplace" if ask.inputs.pick.noise == "laplace" else "skellam"
 
         async def planner(participants: list[str], tolerated: int,
                           total_rows: int) -> PlannedSum:
             def plan() -> PlannedSum:
                 scale = choose_linear_scale(a, total_rows=total_rows, epsilon=b.epsilon,
-                                            delta=b.delta, n_participants=len(participants))
+                                            delta=b.delta, n_participants=len(participants),
+                                            noise=noise)
                 linear = plan_linear(a, scale=scale, epsilon=b.epsilon, delta=b.delta,
-                                     participants=participants, tolerated=tolerated)
+                                     participants=participants, tolerated=tolerated,
+                                     noise=noise)
                 return PlannedSum(linear.plan, linear)
 
             return await asyncio.to_thread(plan)  # O(k n^2) sensitivities: off the loop
 
-        return SumEncoding(dim=int(a.shape[0]), params={
-            "source": self.source, "domain": ask.params.domain, "strategy": ask.inputs.spec},
-            arrays=ask.inputs.arrays, planner=planner)
+        params: dict[str, Any] = {"source": self.source, "domain": ask.params.domain,
+                                  "strategy": ask.inputs.spec}
+        if noise == "dlaplace":
+            params["noise"] = noise
+        return SumEncoding(dim=int(a.shape[0]), params=params, arrays=ask.inputs.arrays,
+                           planner=planner)
 
     def check_sum(self, total: np.ndarray, summed: PlannedSum, n_rows_total: int,
                   encoding: SumEncoding) -> None:
@@ -286,14 +305,19 @@ class Query(SumRound[QueryParams, Chosen, Answers]):
         check_linear_decoded(total, linear, n_rows_total)
 
     def pool_secure(self, summed: SecureSum, ask: Ask[QueryParams, Chosen]) -> Answers:
-        """One pooled draw; reconstruct with ``Ã / s``, the strategy actually used."""
+        """One pooled draw; reconstruct with ``Ã / s``, the strategy actually used.
+
+        The sensitivity reported is the one the noise was calibrated to (Skellam: ``Δ₂``;
+        discrete Laplace: ``Δ₁``), in the units of ``A x``.
+        """
         linear = summed.detail
         assert isinstance(linear, LinearSumPlan)
         plan = linear.plan
         cal = plan.calibration
         share_sigma = float(np.sqrt(plan.share)) / plan.scale
-        return Answers(summed.value, linear.strategy, "skellam", linear.answer_variance, 1,
-                       dict.fromkeys(summed.rows, cal.l2_sensitivity / plan.scale),
+        sens = cal.l1_sensitivity if plan.noise == "dlaplace" else cal.l2_sensitivity
+        return Answers(summed.value, linear.strategy, plan.noise, linear.answer_variance, 1,
+                       dict.fromkeys(summed.rows, sens / plan.scale),
                        dict.fromkeys(summed.rows, share_sigma), linear.sensitivity_exact)
 
 

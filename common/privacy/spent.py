@@ -15,8 +15,10 @@ discrete Gaussian                  likewise, with the discrete Gaussian's unit
 Laplace (real-valued, matrix)      the 1-D Laplace pair at ``Delta_1/b``: exact, and it
                                    dominates every multivariate Laplace of L1 sensitivity
                                    ``Delta_1``
-SVT, discrete Laplace, any pure    randomized response at epsilon (Kairouz, Oh & Viswanath 2015)
-epsilon release
+SVT, discrete Laplace (incl. a      randomized response at epsilon (Kairouz, Oh & Viswanath 2015):
+secure ``secure-dlaplace[...]``    exact for a discrete Laplace at ``Delta_1 = 1``, which *is*
+round), any pure epsilon release   randomized response; the continuous Laplace pair would
+                                   under-count it
 anything else                      the generic (epsilon, delta) pair (KOV 2015): never looser than
                                    basic composition
 =================================  ============================================================
@@ -51,6 +53,7 @@ from dpfed.common.validation import check_delta
 GAUSSIAN_MECHANISMS = frozenset({"gaussian", "symmetric-gaussian", "matrix-gaussian"})
 LAPLACE_MECHANISMS = frozenset({"laplace", "matrix-laplace"})
 _SECURE_SKELLAM = re.compile(r"secure-skellam\[n=(\d{1,6}),t=(\d{1,6})(?:,d=(\d{1,6}))?\]")
+_SECURE_DLAPLACE = re.compile(r"secure-dlaplace\[n=(\d{1,6}),t=(\d{1,6})(?:,d=(\d{1,6}))?\]")
 #: Relative tolerance of the consistency check between a pair and the event's (epsilon, delta).
 _CONSISTENCY = 1e-6
 #: Largest privacy loss the composed discretised pairs may reach. Pairs past it (events of a
@@ -170,6 +173,9 @@ def event_loss(cost: PrivacyCost) -> EventLoss:
         ratio = sens / scale
         if ratio <= cost.epsilon * (1 + 1e-12):
             return EventLoss("laplace", kernel=("laplace", ratio))
+    if _SECURE_DLAPLACE.fullmatch(name) is not None and cost.delta == 0.0:
+        # a discrete Laplace: never the continuous Laplace pair (module docstring)
+        return EventLoss("pure", kernel=("pure", cost.epsilon))
     return _fallback(cost)
 
 

@@ -214,12 +214,14 @@ def check_domain_for(name: str, n: int) -> None:
 
 
 def choose_strategy(workload: Workload, *, strategy_name: str, noises: Sequence[str],
-                    epsilon: float, delta: float, n_sites: int) -> StrategyPick:
+                    epsilon: float, delta: float, n_sites: int,
+                    variance_factors: Mapping[str, float] | None = None) -> StrategyPick:
     """Rank candidates by expected per-query RMSE under replace-one; pick the best.
 
     ``strategy_name="auto"`` tries every strategy the domain size allows (``prefix`` and
     ``h2`` only make sense on ordered domains but are valid anywhere); otherwise only the
-    named one (plus identity, for the comparison).
+    named one (plus identity, for the comparison). ``variance_factors``: a noise's variance
+    over its site-level release's (default 1; a secure sum's Skellam slack).
     """
     n = workload.n
     if strategy_name == "auto":
@@ -232,8 +234,9 @@ def choose_strategy(workload: Workload, *, strategy_name: str, noises: Sequence[
     eye = np.eye(n)
     for noise in noises:
         d = delta if noise == "gaussian" else 0.0
+        factor = n_sites * (variance_factors or {}).get(noise, 1.0)
         id_var = SiteMatrixRelease(eye, epsilon, d, noise).noise_variance
-        id_rmse = math.sqrt(n_sites * id_var * squared_error(workload, eye) / workload.n_queries)
+        id_rmse = math.sqrt(factor * id_var * squared_error(workload, eye) / workload.n_queries)
         identity_rmse = min(identity_rmse, id_rmse)
         for name in names:
             a = eye if name == "identity" else _candidate_matrix(name, workload, noise)
@@ -242,7 +245,7 @@ def choose_strategy(workload: Workload, *, strategy_name: str, noises: Sequence[
                 se = squared_error(workload, a)
             except ValidationError:
                 continue  # the strategy cannot answer this workload without bias
-            scored.append((math.sqrt(n_sites * var * se / workload.n_queries), name, noise, a))
+            scored.append((math.sqrt(factor * var * se / workload.n_queries), name, noise, a))
     if not scored:
         raise ValidationError(f"strategy {strategy_name!r} cannot answer this workload")
     scored.sort(key=lambda t: t[0])

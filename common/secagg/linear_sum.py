@@ -20,12 +20,16 @@ itself (:func:`integer_sensitivities`, reusing
 :func:`dpfed.common.queries.federated_matrix.replace_one_sensitivity`): ``Δ₂`` exactly (the Gram
 matrix of integers with ``k M² <= 2^50``, ``M = max |ã|``, is exact in float64), ``Δ₁`` exactly
 for matrices whose entries are 0 or one value and for small matrices, else the upper bound
-``2 max_j ||ã_j||₁`` (flagged ``sensitivity_exact = False``; Δ₁ only enters the Skellam
-accountant's integer surcharge). No randomised rounding is involved: ``Ã`` and ``x_s`` are
-exact, so the sensitivity follows from the public ``Ã`` alone. The Skellam variance is
-calibrated for ``(Δ₂, Δ₁)`` by :func:`dpfed.common.privacy.skellam.skellam_calibrate`; each of
-the ``n`` participants adds ``Sk(μ / (n - t))``. Every site recomputes ``Ã``, the sensitivities
-and ``μ`` from the verified strategy and the public scale — never from a number it is sent.
+``2 max_j ||ã_j||₁`` (flagged ``sensitivity_exact = False``; Δ₁ enters the Skellam
+accountant's integer surcharge, and calibrates the discrete Laplace: a bound over-noises).
+No randomised rounding is involved: ``Ã`` and ``x_s`` are exact, so the sensitivity follows
+from the public ``Ã`` alone. The noise is one of
+:data:`LINEAR_NOISES`: ``skellam``, calibrated for ``(Δ₂, Δ₁)`` by
+:func:`dpfed.common.privacy.skellam.skellam_calibrate`, each of the ``n`` participants adding
+``Sk(μ / (n - t - d))``; or ``dlaplace`` (pure epsilon), ``α = exp(-ε/Δ₁)``, each participant
+adding Pólya shares of shape ``1 / (n - t - d)`` (:mod:`dpfed.common.privacy.polya`). Every
+site recomputes ``Ã``, the sensitivities and the noise from the verified strategy, the public
+scale and the named noise — never from a number it is sent.
 """
 
 from __future__ import annotations
@@ -38,13 +42,19 @@ from typing import Any
 import numpy as np
 
 from dpfed.common.errors import DataError, ImpossibleSumError, ProtocolError, ValidationError
-from dpfed.common.privacy.skellam import skellam_calibrate
+from dpfed.common.privacy.polya import (
+    DLaplaceCalibration,
+    dlaplace_calibrate,
+    polya_tail,
+)
+from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate
 from dpfed.common.queries.federated_matrix import replace_one_sensitivity
 from dpfed.common.secagg.fixed_point import SAFE_ABS, skellam_tail
 from dpfed.common.secagg.secure_sum import MU_MAX, SecureSumPlan, check_participants
 from dpfed.common.validation import check_finite_array, check_int
 
 __all__ = [
+    "LINEAR_NOISES",
     "SCALE_MAX",
     "LinearSumPlan",
     "check_linear_decoded",
@@ -53,6 +63,7 @@ __all__ = [
     "integer_sensitivities",
     "integer_strategy",
     "linear_answers",
+    "linear_calibration",
     "plan_linear",
     "sum_fits_ring",
 ]
@@ -60,6 +71,9 @@ __all__ = [
 #: Largest fixed-point scale: at 2^16 the strategy's rounding (relative 2^-17 of an entry) and
 #: the Skellam accountant's integer surcharge (relative ~1/μ) are both negligible.
 SCALE_MAX = 2 ** 16
+#: The noises a secure linear sum may carry: distributed Skellam ((epsilon, delta)) or
+#: distributed discrete Laplace from Pólya shares (pure epsilon).
+LINEAR_NOISES: tuple[str, ...] = ("skellam", "dlaplace")
 #: ``k M^2`` stays below this, so the Gram matrix of ``Ã`` (and ``G_ii + G_jj - 2 G_ij``) is
 #: exact in float64 (every partial sum an integer below 2^53).
 _GRAM_EXACT = 2.0 ** 50
@@ -139,18 +153,36 @@ class LinearSumPlan:
 
     @property
     def answer_variance(self) -> float:
-        """Variance of each decoded answer (units of ``A x``): ``n`` shares, divided by ``s²``."""
+        """Variance of each decoded answer (units of ``A x``): ``n`` shares, divided by ``s²``.
+
+        ``n μ / (n - t - d)``: for Pólya shares ``n · 2rα/(1-α)²`` with ``r = 1/(n - t - d)``.
+        """
         p = self.plan
         return len(p.participants) * p.share / p.scale ** 2
 
 
+def linear_calibration(noise: str, epsilon: float, delta: float, l2: float,
+                       l1: float) -> SkellamCalibration | DLaplaceCalibration:
+    """Calibrate the named noise (:data:`LINEAR_NOISES`) for integer sensitivities."""
+    if noise == "skellam":
+        return skellam_calibrate(epsilon, delta, l2, l1)
+    if noise == "dlaplace":
+        return dlaplace_calibrate(epsilon, l2, l1)
+    raise ValidationError(f"secure linear noise must be one of {list(LINEAR_NOISES)}, got "
+                          f"{noise!r}")
+
+
 def plan_linear(matrix: Any, *, scale: Any, epsilon: float, delta: float,
-                participants: Sequence[str], tolerated: int) -> LinearSumPlan:
-    """Plan the secure sum of ``Ã x_s`` from public inputs only (sites call this themselves)."""
+                participants: Sequence[str], tolerated: int,
+                noise: str = "skellam") -> LinearSumPlan:
+    """Plan the secure sum of ``Ã x_s`` from public inputs only (sites call this themselves).
+
+    ``noise`` (:data:`LINEAR_NOISES`): ``dlaplace`` ignores ``delta`` (pure epsilon).
+    """
     ids, t = check_participants(participants, tolerated)
     a_int = integer_strategy(matrix, scale)
     l2, l1, exact = integer_sensitivities(a_int)
-    cal = skellam_calibrate(epsilon, delta, l2, l1)
+    cal = linear_calibration(noise, epsilon, delta, l2, l1)
     if cal.mu > MU_MAX * 1.01:
         raise ValidationError(f"the scale {scale!r} needs noise variance {cal.mu:.3g}, above "
                               f"the sampler's limit {MU_MAX:.3g}")
@@ -160,9 +192,9 @@ def plan_linear(matrix: Any, *, scale: Any, epsilon: float, delta: float,
     return LinearSumPlan(plan, a_int, exact)
 
 
-def _fits_ring(total_rows: int, max_entry: float, noise_variance: float, k: int) -> bool:
+def _fits_ring(total_rows: int, max_entry: float, tail: float) -> bool:
     """Whether ``total_rows * max_entry`` plus the noise's tail bound stays below ``2^62``."""
-    return total_rows * max_entry + skellam_tail(noise_variance, k) <= SAFE_ABS
+    return total_rows * max_entry + tail <= SAFE_ABS
 
 
 def sum_fits_ring(plan: LinearSumPlan, total_rows: int) -> bool:
@@ -173,16 +205,16 @@ def sum_fits_ring(plan: LinearSumPlan, total_rows: int) -> bool:
     """
     p = plan.plan
     return _fits_ring(check_int(total_rows, "total_rows", minimum=0),
-                      float(np.abs(plan.matrix).max()),
-                      len(p.participants) * p.share, p.dim)
+                      float(np.abs(plan.matrix).max()), p.noise_tail(p.dim))
 
 
 def check_linear_decoded(total: np.ndarray, plan: LinearSumPlan, n_rows: int) -> None:
     """Refuse a decoded ``Ã x + noise`` that no honest run over ``n_rows`` rows gives.
 
     Every row lies in one cell, so ``x >= 0`` sums to ``n_rows`` and answer ``r`` lies in
-    ``[n_rows min_j ã_rj, n_rows max_j ã_rj]``; the noise adds at most the Skellam tail but
-    with probability ``2^-60``.
+    ``[n_rows min_j ã_rj, n_rows max_j ã_rj]``; the noise adds at most its tail bound
+    (:meth:`~dpfed.common.secagg.secure_sum.SecureSumPlan.noise_tail`) but with probability
+    ``2^-60``.
 
     Raises
     ------
@@ -197,7 +229,7 @@ def check_linear_decoded(total: np.ndarray, plan: LinearSumPlan, n_rows: int) ->
                             f"{p.scale:g} was chosen for: the secure sum may have wrapped; "
                             "rerun the job (the sites' row counts are now known)")
     t = np.asarray(total, dtype=np.float64)
-    tail = skellam_tail(p.pooled_variance, max(p.n_values, 1))
+    tail = p.noise_tail(max(p.n_values, 1))
     a = plan.matrix.astype(np.float64)
     lo, hi = n_rows * a.min(axis=1) - tail, n_rows * a.max(axis=1) + tail
     outside = np.flatnonzero((t < lo) | (t > hi))
@@ -211,14 +243,15 @@ def check_linear_decoded(total: np.ndarray, plan: LinearSumPlan, n_rows: int) ->
 
 
 def choose_linear_scale(matrix: Any, *, total_rows: int, epsilon: float, delta: float,
-                        n_participants: int) -> int:
+                        n_participants: int, noise: str = "skellam") -> int:
     """Return the largest power-of-two scale (at most :data:`SCALE_MAX`) that fits the ring.
 
     For each candidate ``s`` (from the largest down) the sensitivities of ``Ã`` are bounded
     from those of ``A`` (``Δ(Ã) <= s Δ(A) + sqrt(k)`` in L2, ``+ k`` in L1: each entry moves by
     at most 1/2), which bounds ``μ`` from above; ``s`` is accepted when ``k M² <= 2^50``,
     ``μ <= MU_MAX`` and ``total_rows · M`` (the largest possible ``|Σ (Ã x)_r|``) plus the
-    tail of ``n μ`` noise stays below ``2^62``. Public inputs only.
+    tail of the pooled noise (Skellam: ``n μ``, as at ``t = d = 0``; Pólya: shape ``n``, the
+    most ``n / (n - t - d)`` can be) stays below ``2^62``. Public inputs only.
     """
     a = check_finite_array(matrix, "strategy matrix", ndim=2)
     n_total = check_int(total_rows, "total_rows", minimum=1)
@@ -232,10 +265,14 @@ def choose_linear_scale(matrix: Any, *, total_rows: int, epsilon: float, delta: 
         m = s * amax + 0.5
         if k * m * m > _GRAM_EXACT:
             continue
-        mu = skellam_calibrate(epsilon, delta, s * l2a + math.sqrt(k), s * l1a + k).mu
-        if mu > MU_MAX:
+        cal = linear_calibration(noise, epsilon, delta, s * l2a + math.sqrt(k), s * l1a + k)
+        if cal.mu > MU_MAX:
             continue
-        if not _fits_ring(n_total, m, mu * n_parties, k):
+        if isinstance(cal, DLaplaceCalibration):
+            tail = polya_tail(float(n_parties), cal.alpha, k)
+        else:
+            tail = skellam_tail(cal.mu * n_parties, k)
+        if not _fits_ring(n_total, m, tail):
             continue
         return int(s)
     raise ValidationError(f"no fixed-point scale fits this strategy ({k} x {a.shape[1]}) and "

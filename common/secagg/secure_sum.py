@@ -3,7 +3,7 @@
 A sum's public :class:`SecureSumPlan` (statistic, scale, row bound, Skellam variance,
 participants, tolerated colluders) is computed by the coordinator and recomputed by every
 site from the public scale, so a site's noise never depends on a number it cannot check.
-:func:`site_contribution` adds a site's Skellam share and pairwise masks to its exact
+:func:`site_contribution` adds a site's noise share and pairwise masks to its exact
 statistic; :func:`decode_integer_sum` adds the masked vectors (the masks cancel) and
 :func:`check_decoded` refuses a decoded sum no honest run can produce. The protocol, every
 statistic's sensitivity and the no-wrap argument are in docs/secure-aggregation.md.
@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from dpfed.common.errors import ImpossibleSumError, ProtocolError, ValidationError
 from dpfed.common.linalg import syrk_upper
 from dpfed.common.privacy.accounting import PrivacyCost
+from dpfed.common.privacy.polya import DLaplaceCalibration, polya_noise, polya_shape, polya_tail
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate, skellam_noise
 from dpfed.common.secagg.fixed_point import (
     SAFE_ABS,
@@ -95,13 +96,15 @@ class SecureSumPlan:
         Public bound B on the norm of a rounded row (for counts: the exact norm ``sqrt(C)`` of
         one row's contribution to ``C`` groups of cells; for scores: the per-entry bound ``b``).
     mu_total : float
-        Skellam variance per coordinate the honest shares must carry (integer domain).
+        Noise variance per coordinate the honest shares must carry (integer domain).
     tolerated : int
         How many colluding parties (coordinator included) the shares are sized for.
     participants : tuple of str
         The sorted site ids whose masks must cancel.
-    calibration : SkellamCalibration
-        The (epsilon, delta) and sensitivities ``mu_total`` was calibrated for.
+    calibration : SkellamCalibration or DLaplaceCalibration
+        The (epsilon, delta) and sensitivities ``mu_total`` was calibrated for; its type is the
+        noise (:attr:`noise`): Skellam shares, or Pólya shares of a discrete Laplace
+        (``linear`` sums only, :mod:`dpfed.common.privacy.polya`).
     dropouts : int
         How many participants may drop after dealing their shares with the sum still decoded
         (docs/secure-aggregation.md, "Dropouts"): every share is sized so the honest survivors
@@ -115,11 +118,14 @@ class SecureSumPlan:
     mu_total: float
     tolerated: int
     participants: tuple[str, ...]
-    calibration: SkellamCalibration
+    calibration: SkellamCalibration | DLaplaceCalibration
     dropouts: int = 0
 
     def __post_init__(self) -> None:
         check_int(self.dropouts, "dropouts", minimum=0)
+        if self.noise == "dlaplace" and self.statistic != "linear":
+            raise ValidationError(f"a secure {self.statistic} sum carries Skellam noise; the "
+                                  "discrete Laplace is for linear sums")
         if len(self.participants) - self.tolerated - self.dropouts < 1:
             raise ValidationError(
                 f"a secure sum of {len(self.participants)} participants tolerating "
@@ -146,9 +152,39 @@ class SecureSumPlan:
         """
         cal = self.calibration
         d = f",d={self.dropouts}" if self.dropouts else ""
-        return PrivacyCost(cal.epsilon, cal.delta, cal.cost().rho,
-                           f"secure-skellam[n={len(self.participants)},t={self.tolerated}{d}]",
-                           cal.l2_sensitivity, self.share ** 0.5)
+        name = f"secure-{self.noise}[n={len(self.participants)},t={self.tolerated}{d}]"
+        if isinstance(cal, DLaplaceCalibration):
+            return PrivacyCost.pure(cal.epsilon, mechanism=name,
+                                    sensitivity=cal.l1_sensitivity,
+                                    noise_scale=self.share ** 0.5)
+        return PrivacyCost(cal.epsilon, cal.delta, cal.cost().rho, name, cal.l2_sensitivity,
+                           self.share ** 0.5)
+
+    @property
+    def noise(self) -> str:
+        """``"skellam"`` or ``"dlaplace"`` (Pólya shares of a discrete Laplace)."""
+        return "dlaplace" if isinstance(self.calibration, DLaplaceCalibration) else "skellam"
+
+    def noise_share(self, rng: np.random.Generator) -> np.ndarray:
+        """Draw this participant's int64 noise share: ``Sk(share)``, or Pólya(r) - Pólya'(r)."""
+        cal = self.calibration
+        if isinstance(cal, DLaplaceCalibration):
+            r = polya_shape(len(self.participants), self.tolerated, self.dropouts)
+            return polya_noise(self.n_values, r, cal.alpha, rng)
+        return skellam_noise(self.n_values, self.share, rng)
+
+    def noise_tail(self, n_values: int) -> float:
+        """Return T: honest pooled noise exceeds it on ``n_values`` coordinates w.p. ``2^-60``.
+
+        Skellam: Bernstein's bound; Pólya shares: the Chernoff bound of
+        :func:`dpfed.common.privacy.polya.polya_tail` at the pooled shape ``n r``.
+        """
+        cal = self.calibration
+        if isinstance(cal, DLaplaceCalibration):
+            shape = len(self.participants) * polya_shape(len(self.participants),
+                                                         self.tolerated, self.dropouts)
+            return polya_tail(shape, cal.alpha, n_values)
+        return skellam_tail(self.pooled_variance, n_values)
 
     @property
     def share(self) -> float:
@@ -555,14 +591,14 @@ def masked_contribution(statistic: np.ndarray, *, plan: SecureSumPlan, own_id: s
                         mask_key: X25519PrivateKey, mask_publics: Mapping[str, bytes],
                         context: MaskContext, rng: np.random.Generator,
                         self_seed: bytes | None = None) -> np.ndarray:
-    """Add this site's Skellam share, its pairwise masks and (if given) its self-mask.
+    """Add this site's noise share, its pairwise masks and (if given) its self-mask.
 
     ``mask_publics``: every other participant's verified 32-byte mask public key.
     """
     seeds = {peer: derive_pair_seed(mask_key, public, own_id=own_id, peer_id=peer,
                                     context=context)
              for peer, public in mask_publics.items()}
-    noisy = np.asarray(statistic, dtype=np.int64) + skellam_noise(plan.n_values, plan.share, rng)
+    noisy = np.asarray(statistic, dtype=np.int64) + plan.noise_share(rng)
     masked = apply_masks(to_ring(noisy), own_id=own_id, seeds=seeds)
     if self_seed is not None:
         masked += mask_stream(self_seed, plan.n_values)
@@ -623,7 +659,7 @@ def check_decoded(total: np.ndarray, plan: SecureSumPlan, n_rows: int, *,
 
     Honest sites sum rows within the plan's bound, so the exact pooled statistic lies in a
     set the public row count and the statistic determine (docs/secure-aggregation.md,
-    "Decoded sums are checked"); the noise adds at most ``skellam_tail`` to an entry but with
+    "Decoded sums are checked"); the noise adds at most ``plan.noise_tail`` to an entry but with
     probability ``2^-60``. Counts: every row adds ``weights[k]`` (default 1) to one cell of
     each group of ``groups[k]`` cells, so each group sums to ``n_rows * weights[k]``; a
     ``partial[k]`` group gets a row's weight only from the rows that fall in one of its cells
@@ -637,7 +673,7 @@ def check_decoded(total: np.ndarray, plan: SecureSumPlan, n_rows: int, *,
     t = np.asarray(total, dtype=np.float64)
     n = float(n_rows)
     var = plan.pooled_variance
-    tail = skellam_tail(var, max(plan.n_values, 1))
+    tail = plan.noise_tail(max(plan.n_values, 1))
 
     def refuse(what: str) -> None:
         raise ImpossibleSumError(

@@ -57,6 +57,7 @@ from dpfed.common.secagg.messages import (
     MAX_PARTICIPANTS,
     as_array,
     as_bytes,
+    check_plan_noise,
     signed_key_arrays,
     signed_key_from_arrays,
 )
@@ -350,6 +351,7 @@ class SecureAggregationHandler(TaskHandler):
                                   f"{len(state.order)} dealers gone already) exceed the "
                                   f"{graph.capacity(tolerated)} its graph of degree "
                                   f"{graph.degree} recovers securely")
+        check_plan_noise(plan, p)  # the noise it states is the one computed from public inputs
         cost = plan.cost()
         publics = {s: mask_public(state.verified[s].public_key) for s in neighbours}
         with self._lock:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dpfed.aggregator.plan_cli import mode_comparison
+from dpfed.aggregator.plan_cli import mode_comparison, print_kind_plan
 from dpfed.common.data.demo_data import generate_demo
 from dpfed.common.job_params import QueryParams
 from dpfed.common.jobs.eligibility import connected_facts
@@ -24,6 +24,7 @@ from dpfed.common.jobs.params import ConnectedSite
 from dpfed.common.jobs.registry import job_kind
 from dpfed.common.privacy.accounting import BudgetStatus
 from dpfed.common.privacy.mechanisms import gaussian_sigma
+from dpfed.common.transport.protocol import SiteInfo
 
 SCHEMA = generate_demo(1, 50, 20, seed=0, mixed=True)[0]
 MARGINAL = {"domain": {"columns": ["ward", "severity"]},
@@ -93,3 +94,25 @@ def test_a_query_result_compares_with_the_other_modes_best() -> None:
     assert "WARNING" in secure["sentence"]
     # a pure-epsilon (Laplace) site-level job: a secure sum would need a delta
     assert other_mode(params, workload, Budget(EPS, 0.0), modes, 4.9, secure=False) is None
+
+
+def test_a_new_secure_query_is_priced_with_the_discrete_laplace_it_would_use(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new job (``secure_noise = "auto"``) ranks the distributed discrete Laplace: on the
+    marginal its pooled noise is 1.5 Laplace draws against site level's 3, so secure wins with
+    3 sites (no warning), also without a delta; a planted comparison that still prices secure
+    with Skellam only warns there, and is caught."""
+    kind = job_kind("query")
+    params = kind.parse(kind.params.submitted({**MARGINAL, "aggregation": "secure"}), SCHEMA)
+    site, secure = params.mode_errors(EPS, DELTA, SCHEMA, 3, 3 / 2)
+    assert site == pytest.approx(math.sqrt(3 * 2 * (2 / EPS) ** 2))
+    assert secure == pytest.approx(math.sqrt(3 / 2 * 2 * (2 / EPS) ** 2))  # one pooled draw
+    for delta in (DELTA, 0.0):
+        text = mode_comparison(sites(3), params, EPS, delta, SCHEMA)
+        assert "secure 3.464 / site-level 4.899 = 0.71" in text and "WARNING" not in text
+    views = [SiteInfo(f"h{i}", True, 100, "", "", ("query", "secagg"), None, None, "", "",
+                      "allowed, min 2 sites, t=1") for i in range(3)]
+    print_kind_plan("query", {**MARGINAL, "aggregation": "secure"}, EPS, 0.0, views, SCHEMA)
+    assert "= 0.71: secure aggregation is the more accurate mode" in capsys.readouterr().out
+    monkeypatch.setattr(QueryParams, "secure_noises", lambda self, delta: ("gaussian",))
+    assert "WARNING" in mode_comparison(sites(3), params, EPS, DELTA, SCHEMA)  # planted
