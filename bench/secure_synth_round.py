@@ -64,6 +64,22 @@ def federation(directory: Path, ids: list[str]) -> Path:
     return fed
 
 
+class _EverySiteContributed:
+    """The recovery of a sum every participant contributed to: no mask is left to remove.
+
+    ``order`` are the participants, masked on the complete graph (``graph`` None).
+    """
+
+    graph = None
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    @staticmethod
+    def correction(survivors: list[str], n_values: int) -> np.ndarray:
+        return np.zeros(n_values, dtype=np.uint64)
+
+
 class InProcessJob(Job[SynthParams]):
     """The job's dispatcher with every release an in-process secure sum over ``sites``."""
 
@@ -106,7 +122,8 @@ class InProcessJob(Job[SynthParams]):
                                self.rng)
         results = {s: TaskResult(task.task_id, plan.cost(), {"masked": masked[s]},
                                  {"n_rows": int(computed[s][1])}) for s in ids}
-        return _decoded(rnd, ask, enc, planned, charged, results, 1)
+        recovery: Any = _EverySiteContributed(ids)
+        return await _decoded(rnd, ask, enc, planned, charged, results, 1, recovery)
 
 
 def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: Path,
@@ -114,7 +131,7 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
                split: Mapping[str, tuple[float, float]] | tuple[float, float] | None = None,
                pairs: int | None = None, pair_groups: int = DEFAULT_GROUPS,
                composition: str = "basic", resolution: str = "fine",
-               pair_gate: bool = True) -> SynthModel:
+               pair_gate: bool = True, heaps: bool = True) -> SynthModel:
     """The job's run with its secure rounds in-process; return the model it publishes.
 
     ``split`` maps round names to (epsilon share, delta share) as the job's ``split``
@@ -122,13 +139,14 @@ def fit_secure(schema: Schema, tables: list[EncodedTable], ids: list[str], fed: 
     links round's share with the rest to the pca round (no pair rounds). ``pairs`` (None: the
     job's default, columns - 1; 0: no pair rounds) and ``pair_groups`` are the job's.
     ``composition`` is the job's (``zcdp``: every round its share of rho), and so are
-    ``resolution`` (the continuous columns' cells) and ``pair_gate``. ``rng`` draws the
-    noise and the post-processing's randomness; the job's budget check (which refuses
+    ``resolution`` (the continuous columns' cells), ``pair_gate`` and ``heaps``. ``rng``
+    draws the noise and the post-processing's randomness; the job's budget check (which refuses
     budgets whose histograms are mostly noise) is skipped, so every budget is measured.
     """
     raw: dict[str, object] = {"n_bins": n_bins, "aggregation": "secure",
                               "pair_groups": pair_groups, "composition": composition,
-                              "resolution": resolution, "pair_gate": pair_gate}
+                              "resolution": resolution, "pair_gate": pair_gate,
+                              "heaps": heaps}
     if isinstance(split, Mapping):
         raw["split"] = {k: [float(v[0]), float(v[1])] for k, v in split.items()}
     elif split is not None:

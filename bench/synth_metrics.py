@@ -73,7 +73,8 @@ class EvalCells:
         return out
 
 
-def _tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
+def tvd(a: np.ndarray, b: np.ndarray, size: int) -> float:
+    """TVD between the cell histograms of codes ``a`` and ``b`` (``size`` cells)."""
     pa = np.bincount(a, minlength=size) / max(a.size, 1)
     pb = np.bincount(b, minlength=size) / max(b.size, 1)
     return 0.5 * float(np.abs(pa - pb).sum())
@@ -109,7 +110,7 @@ class Metrics:
     def column_tvds(self, syn: EncodedTable) -> tuple[dict[str, float], float, float]:
         """Per-column 1-way TVD, mean and max 2-way TVD, against the holdout."""
         one = self.cells.codes(syn)
-        per_col = {c: _tvd(self._hold_one[c][0], one[c][0], one[c][1]) for c in one}
+        per_col = {c: tvd(self._hold_one[c][0], one[c][0], one[c][1]) for c in one}
         two = self.cells.codes(syn, two_way=True)
         names = self.schema.names
         pairs = []
@@ -117,7 +118,7 @@ class Metrics:
             for j in range(i + 1, len(names)):
                 (ra, sa), (rb, sb) = self._hold_two[names[i]], self._hold_two[names[j]]
                 ya, yb = two[names[i]][0], two[names[j]][0]
-                pairs.append(_tvd(ra * sb + rb, ya * sb + yb, sa * sb))
+                pairs.append(tvd(ra * sb + rb, ya * sb + yb, sa * sb))
         return per_col, float(np.mean(pairs)), float(np.max(pairs))
 
     def _numeric(self, table: EncodedTable) -> np.ndarray:

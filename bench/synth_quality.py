@@ -200,7 +200,8 @@ def link_release(schema: Schema, tables: list[EncodedTable], eps: float, delta: 
     sigma = link_histogram_mechanism(schema, eps, delta).sigma * np.sqrt(len(tables))
     props, links = links_from_histograms(
         sum_histograms(rels, schema, n_bins, RESOLUTION), schema, n_bins, n_rows=n_total,
-        resolution=RESOLUTION, noise_sd=release_noise_sd(schema, n_bins, sigma, RESOLUTION))
+        resolution=RESOLUTION, noise_sd=release_noise_sd(schema, n_bins, sigma, RESOLUTION),
+        heaps=True)
     return props, links, n_total
 
 

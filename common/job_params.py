@@ -455,6 +455,12 @@ def _missing_cells(value: Any, _ctx: ParseContext) -> bool:
     return value
 
 
+def _heaps(value: Any, ctx: ParseContext) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"heaps must be true or false, got {value!r}")
+    return value and ctx.parsed["resolution"] == "fine"
+
+
 def _pair_gate(value: Any, ctx: ParseContext) -> bool:
     if not isinstance(value, bool):
         raise ValidationError(f"pair_gate must be true or false, got {value!r}")
@@ -517,6 +523,12 @@ class SynthParams(Params):
         table would carry (:func:`dpfed.common.synth.pipeline.pair_forest`): True for new
         jobs (:attr:`NEW_JOB_DEFAULTS`), False (every pair of the forest) for stored jobs
         without the key.
+    heaps : bool
+        Under ``fine``, a leaf far above its noise keeps its noisy count before the rest of
+        its bin is estimated (:func:`dpfed.common.synth.marginal_estimate.heap_masses`):
+        True for new jobs (:attr:`NEW_JOB_DEFAULTS`); False for stored jobs without the key,
+        whose coordinator then estimates the proportions (and sends their digest) as
+        before.
     missing_cells : bool
         Every ``missing = "category"`` column's releases carry *missing* as a cell of its
         own and the synthetic table has missing values at the released rate
@@ -566,12 +578,13 @@ class SynthParams(Params):
         "bins", parse=choice("--resolution", RESOLUTIONS), omit=lambda p: p.resolution == "bins")
     pair_gate: bool = param(False, parse=_pair_gate, omit=lambda p: not p.pair_gate)
     missing_cells: bool = param(False, parse=_missing_cells, omit=lambda p: not p.missing_cells)
+    heaps: bool = param(False, parse=_heaps, omit=lambda p: not p.heaps)
 
-    #: A job being submitted gets the fine cells, the pair gate and the missing cells; a
-    #: stored job without the keys parses as "bins", no gate and no missing cells, so its
-    #: canonical mapping keeps its bytes.
+    #: A job being submitted gets the fine cells, the pair gate, the missing cells and the
+    #: heaps; a stored job without the keys parses as "bins", no gate, no missing cells and no
+    #: heaps, so its canonical mapping keeps its bytes.
     new_job_defaults: ClassVar[Mapping[str, Any]] = {"resolution": "fine", "pair_gate": True,
-                                                     "missing_cells": True}
+                                                     "missing_cells": True, "heaps": True}
 
     def validate(self, schema: Schema | None) -> None:
         """Refuse unless A joint model of one column is its marginal: synth needs at least two."""

@@ -349,7 +349,7 @@ def proportions(pooled: PooledCounts, schema: Schema, params: SynthParams) -> np
     """Return the DP proportions of every column's cells (post-processing of the pooled counts)."""
     return proportions_from_histograms(pooled.counts, cells_schema(schema, params), params.n_bins,
                                        n_rows=pooled.n_rows, resolution=params.resolution,
-                                       noise_sd=pooled.noise_sd)
+                                       noise_sd=pooled.noise_sd, heaps=params.heaps)
 
 
 # --------------------------------------------------------------------------- pca

@@ -606,6 +606,9 @@ class FactorModelSynthesizer:
         job's ``--composition zcdp``, :mod:`dpfed.common.privacy.composition`): much less
         noise per release; every release must then be Gaussian (generative mode,
         ``continuous_scaling="dp"``, analytic calibration).
+    resolution, pair_gate, missing_cells, heaps
+        The ``synth`` job parameters of the same names (:class:`dpfed.common.job_params.
+        SynthParams`); the defaults are a new job's.
 
     Attributes (after fit)
     ----------------------
@@ -684,7 +687,7 @@ class FactorModelSynthesizer:
                  links: LatentLinks | None = None, pairs: int | None = None,
                  pair_groups: int = DEFAULT_GROUPS, composition: str = "basic",
                  resolution: str = "fine", pair_gate: bool = True,
-                 missing_cells: bool = True) -> None:
+                 missing_cells: bool = True, heaps: bool = True) -> None:
         if not isinstance(schema, Schema):
             raise ValidationError(f"schema must be a Schema, got {type(schema).__name__}")
         #: The table's schema (what fit() reads and sample() returns); ``schema`` is the one
@@ -703,6 +706,7 @@ class FactorModelSynthesizer:
         self.n_bins = check_int(n_bins, "n_bins", minimum=2, maximum=SYNTH_MAX_BINS)
         self.resolution = check_resolution(resolution)
         self.pair_gate = bool(pair_gate)
+        self.heaps = bool(heaps)
         dim = latent_dim(schema)
         self.rank = None if rank is None else check_int(rank, "rank", minimum=1, maximum=dim)
         self.info_threshold = check_probability(info_threshold, "info_threshold")
@@ -866,7 +870,7 @@ class FactorModelSynthesizer:
             proportions, links = links_from_histograms(
                 noisy, self.schema, self.n_bins, n_rows=table.n_rows,
                 continuous_link=self.continuous_link, min_proportion=self.min_proportion,
-                resolution=self.resolution,
+                resolution=self.resolution, heaps=self.heaps,
                 noise_sd=release_noise_sd(self.schema, self.n_bins, sigma, self.resolution))
             self.proportions_ = proportions
             return links

@@ -10,8 +10,9 @@ proportions); no function touches real rows.
     (:func:`dpfed.common.synth.factor_model.latent_rescaling`).
 :func:`calibrate_proportions`
     the final per-column calibration: proportions for the *decoding* links such that the
-    model's latent decodes to exactly the released DP marginals (width-1 columns: exact
-    quantile matching on a simulated latent; nominal columns: a few multiplicative steps).
+    model's latent decodes to exactly the released DP marginals (width-1 columns: their
+    thresholds at the exact normal quantiles of the model's latent variance, or at the
+    empirical quantiles of given latent rows; nominal columns: a few multiplicative steps).
 :meth:`FactorModel.latent` / :func:`iter_samples`
     rows in chunks (memory independent of how many rows are drawn).
 """
@@ -56,11 +57,12 @@ MIN_CALIBRATION_ROWS = 50_000
 
 
 def calibration_rows(n_rows: int | None = None) -> int:
-    """Return the simulated rows of the calibration for data of ``n_rows`` public rows.
+    """Return the simulated rows of the nominal calibration and the pair correction's fit.
 
-    Ten times the data's rows (their sampling error, then, adds about 5 % to that of a
-    synthetic table of as many rows as the data), between :data:`MIN_CALIBRATION_ROWS` and
-    :data:`CALIBRATION_ROWS`; the most when the row count is not known.
+    For data of ``n_rows`` public rows: ten times as many (their sampling error, then, adds
+    about 5 % to that of a synthetic table of as many rows as the data), between
+    :data:`MIN_CALIBRATION_ROWS` and :data:`CALIBRATION_ROWS`; the most when the row count is
+    not known.
     """
     if n_rows is None:
         return CALIBRATION_ROWS
@@ -222,6 +224,16 @@ def fit_factor_model(estimate: PCAEstimate, links: LatentLinks, *, clip_norm: fl
     return model, corr
 
 
+def _thresholds_to_proportions(q: np.ndarray) -> np.ndarray:
+    """Return the decoding proportions whose normal thresholds are ``q`` (increasing)."""
+    u = np.maximum.accumulate(special.ndtr(q))
+    edges = np.concatenate([[0.0], u, [1.0]])
+    p = np.diff(edges)
+    floor = min(1e-9, 0.1 / p.shape[0])
+    p = np.clip(p, floor, None)
+    return np.asarray(p / p.sum())
+
+
 def _width_one_calibration(z: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Proportions whose normal thresholds sit at the empirical quantiles of ``z``."""
     cum = np.cumsum(target)[:-1]
@@ -231,35 +243,60 @@ def _width_one_calibration(z: np.ndarray, target: np.ndarray) -> np.ndarray:
     at = np.clip(cum, 0.0, 1.0) * (ordered.shape[0] - 1)
     low = np.floor(at).astype(np.intp)
     high = np.minimum(low + 1, ordered.shape[0] - 1)
-    q = ordered[low] + (at - low) * (ordered[high] - ordered[low])
-    u = special.ndtr(q)
-    u = np.maximum.accumulate(u)
-    edges = np.concatenate([[0.0], u, [1.0]])
-    p = np.diff(edges)
-    floor = min(1e-9, 0.1 / p.shape[0])
-    p = np.clip(p, floor, None)
-    return np.asarray(p / p.sum())
+    return _thresholds_to_proportions(ordered[low] + (at - low) * (ordered[high] - ordered[low]))
 
 
-def calibrate_proportions(latent: np.ndarray, links: LatentLinks) -> list[np.ndarray | None]:
-    """Per column, decoding proportions that make ``latent`` decode to the links' marginals.
+def _width_one_exact(sd: float, target: np.ndarray) -> np.ndarray:
+    """Proportions whose normal thresholds sit at the exact quantiles of ``N(0, sd^2)``.
 
-    For ordinal and quantile-linked columns the latent coordinate is thresholded at the
-    empirical quantiles of ``latent`` matching the DP cumulative proportions (exact on
-    ``latent``); for nominal columns the proportions are scaled by ``target / decoded`` a
-    few times. Identity-linked continuous columns are left as they are (None).
-    Post-processing.
+    A latent coordinate that is exactly ``N(0, sd^2)`` (the generative model's) then decodes
+    to ``target`` exactly in distribution: no simulated rows, so no sampling error. With
+    ``sd = 1`` (the rescaled model's) these are ``target`` itself.
     """
-    x = np.asarray(latent, dtype=np.float64)
-    if x.ndim != 2 or x.shape[1] != links.dim:
+    t = np.asarray(target, dtype=np.float64)
+    if abs(sd - 1.0) <= 1e-9 or not sd > 0.0:  # a constant coordinate decodes to its median
+        return np.asarray(t / t.sum())
+    cum = np.clip(np.cumsum(t)[:-1], 0.0, 1.0)
+    return _thresholds_to_proportions(sd * special.ndtri(cum))
+
+
+def calibrate_proportions(latent: np.ndarray | None, links: LatentLinks, *,
+                          variances: np.ndarray | None = None) -> list[np.ndarray | None]:
+    """Per column, decoding proportions that make the model's latent decode to the links' marginals.
+
+    ``variances`` (the generative model's latent variances, the diagonal of
+    :meth:`FactorModel.covariance`): ordinal and quantile-linked columns get their thresholds
+    at the exact normal quantiles of their coordinate's variance matching the DP cumulative
+    proportions (:func:`_width_one_exact`). Without them (row-aligned models: reconstructed
+    rows, not Gaussian) those thresholds sit at the empirical quantiles of ``latent`` (exact
+    on ``latent``). Nominal columns' proportions are scaled by ``target / decoded`` on
+    ``latent`` a few times (``latent`` may be None when there are none). Identity-linked
+    continuous columns are left as they are (None). Post-processing.
+    """
+    x = None if latent is None else np.asarray(latent, dtype=np.float64)
+    if x is not None and (x.ndim != 2 or x.shape[1] != links.dim):
         raise ValidationError(f"latent must have shape (n, {links.dim}), got {x.shape}")
+    var = None if variances is None else check_finite_array(variances, "variances", ndim=1)
+    if var is not None and var.shape != (links.dim,):
+        raise ValidationError(f"variances must have shape ({links.dim},), got {var.shape}")
     out: list[np.ndarray | None] = []
     for link, start, stop in zip(links.links, links.offsets[:-1], links.offsets[1:],
                                  strict=True):
+        if isinstance(link, QuantileLink | OrdinalLink) and var is not None:
+            out.append(_width_one_exact(float(np.sqrt(max(var[start], 0.0))),
+                                        link.proportions))
+            continue
+        if isinstance(link, ContinuousLink) and not isinstance(link, QuantileLink):
+            out.append(None)
+            continue
+        if x is None:
+            raise ValidationError("calibrate_proportions needs latent rows for column "
+                                  f"{link.column.name!r}")
         block = x[:, start:stop]
         if isinstance(link, QuantileLink | OrdinalLink):
             out.append(_width_one_calibration(block[:, 0], link.proportions))
-        elif isinstance(link, NominalLink):
+        else:
+            assert isinstance(link, NominalLink)
             target = link.proportions
             current = target.copy()
             for _ in range(_NOMINAL_STEPS):
@@ -271,9 +308,6 @@ def calibrate_proportions(latent: np.ndarray, links: LatentLinks) -> list[np.nda
                 current = np.clip(current / current.sum(), 1e-6, None)
                 current /= current.sum()
             out.append(current)
-        else:
-            assert isinstance(link, ContinuousLink)
-            out.append(None)
     return out
 
 

@@ -369,7 +369,8 @@ def project_counts(counts: np.ndarray, n_rows: float) -> np.ndarray:
 def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *,
                                 min_proportion: float = 1e-4,
                                 n_rows: float | None = None, resolution: str = "bins",
-                                noise_sd: np.ndarray | None = None) -> np.ndarray:
+                                noise_sd: np.ndarray | None = None,
+                                heaps: bool = False) -> np.ndarray:
     """Floored DP proportions, one block per column (its link cells), concatenated.
 
     With ``n_rows`` (the public pooled row count) every categorical block -- and under
@@ -377,7 +378,8 @@ def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, 
     (:func:`project_counts`); under "fine" a continuous column's leaves are estimated from
     its coarse and leaf counts and ``noise_sd`` (required then: the public noise standard
     deviation of every release cell, :func:`release_noise_sd`) by
-    :func:`dpfed.common.synth.marginal_estimate.column_masses`. Each block then goes through
+    :func:`dpfed.common.synth.marginal_estimate.column_masses` (``heaps``: its heaps placed
+    first, the job parameter of the same name). Each block then goes through
     :func:`dpfed.common.synth.dp_marginals.proportions_from_counts` (negative counts to 0,
     mixed with the uniform distribution up to the floor). The floor is ``min_proportion`` for
     categorical columns and :data:`CONTINUOUS_BIN_FLOOR` for continuous cells, capped at a
@@ -400,7 +402,7 @@ def proportions_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, 
         if isinstance(col, ContinuousColumn) and sd is not None:
             assert n_rows is not None
             c = cells[col.name]
-            block = column_masses(c, block, sd[start:start + size], n_rows)
+            block = column_masses(c, block, sd[start:start + size], n_rows, heaps=heaps)
             floor = min(CONTINUOUS_BIN_FLOOR, 0.1 / c.n_leaves)
         else:
             # Continuous bins only need a strictly increasing CDF: a much smaller floor keeps

@@ -21,7 +21,12 @@ top-down on a binary tree over the cells in value order (:func:`allocate`):
 * inside a bin (its leaves, :func:`fine_shape`) the prior is a density interpolated
   between the bins (:func:`interpolated_prior`), and only the first rule applies: a value
   many rows share (a point mass) or a bulk squeezed into a corner of a wide bin is
-  resolved to its leaf, and a smooth bin is not made rough by the leaves' noise.
+  resolved to its leaf, and a smooth bin is not made rough by the leaves' noise;
+* with ``heaps`` (new jobs), a leaf far above its own noise (:func:`spike_tau` of the
+  column's leaves) is a heap -- many rows on one reading -- and keeps its noisy count
+  before the rest of the bin is split (:func:`heap_masses`): top-down, a heap only wins
+  the splits whose halves' summed noise it stands out of, so a heap in a wide bin kept a
+  fraction of its rows.
 
 The constants were set on the tuning tables of ``bench/real_tables.py`` and the demo data
 (docs/benchmarks.md).
@@ -203,14 +208,34 @@ def interpolated_prior(cells: ColumnCells, bin_mass: np.ndarray) -> np.ndarray:
     return np.asarray(np.where(total[bins] > 0, shaped, base))
 
 
+def heap_masses(bin_mass: np.ndarray, noisy: np.ndarray, variance: np.ndarray,
+                n_leaves: int) -> np.ndarray:
+    """Rows of the heaps of every bin (one row per bin, its leaves), 0 for other leaves.
+
+    A leaf whose noisy count is above :func:`spike_tau` of the column's ``n_leaves`` noise
+    standard deviations (pure noise reaches that in well under 1 % of columns) keeps its
+    noisy count; a bin whose heaps add up to more than its mass has them scaled down to it.
+    Post-processing of the noisy counts and their public noise.
+    """
+    y = np.asarray(noisy, dtype=np.float64)
+    v = np.asarray(variance, dtype=np.float64)
+    mass = np.clip(np.asarray(bin_mass, dtype=np.float64), 0.0, None)
+    heap = (v > 0) & (y > spike_tau(n_leaves) * np.sqrt(v))
+    kept = np.where(heap, y, 0.0)
+    total = kept.sum(axis=1)
+    scale = np.divide(mass, total, out=np.ones_like(total), where=total > mass)
+    return np.asarray(kept * scale[:, None])
+
+
 def fine_shape(cells: ColumnCells, bin_mass: np.ndarray, noisy: np.ndarray,
-               variance: np.ndarray) -> np.ndarray:
+               variance: np.ndarray, *, heaps: bool = False) -> np.ndarray:
     """Leaf masses inside every bin of a column with leaves, given each bin's mass.
 
     ``bin_mass`` has one entry per bin (coarse cells ``1..n_bins``); ``noisy`` and
     ``variance`` one per leaf inside the bins (:attr:`ColumnCells.fine_leaves`). The even
-    shape a split is shrunk to is :func:`interpolated_prior`'s. Returns the masses of those
-    leaves.
+    shape a split is shrunk to is :func:`interpolated_prior`'s. With ``heaps`` the bins'
+    heaps (:func:`heap_masses`) are placed first and the rest of each bin is split over its
+    other leaves. Returns the masses of those leaves.
     """
     inner = cells.coarse[cells.fine_leaves] - 1
     counts = np.bincount(inner, minlength=cells.n_bins)
@@ -222,8 +247,15 @@ def fine_shape(cells: ColumnCells, bin_mass: np.ndarray, noisy: np.ndarray,
     y[inner, col] = noisy
     v[inner, col] = variance
     p[inner, col] = interpolated_prior(cells, bin_mass)
-    out = allocate(bin_mass, y, v, p, shape=True)
-    return np.asarray(out[inner, col])
+    if not heaps:
+        return np.asarray(allocate(bin_mass, y, v, p, shape=True)[inner, col])
+    kept = heap_masses(bin_mass, y, v, inner.shape[0])
+    heap = kept > 0
+    # Heaps scaled to their bin's mass may leave it a rounding error below 0.
+    rest = np.clip(np.clip(np.asarray(bin_mass, dtype=np.float64), 0.0, None)
+                   - kept.sum(axis=1), 0.0, None)
+    out = allocate(rest, np.where(heap, 0.0, y), v, np.where(heap, 0.0, p), shape=True)
+    return np.asarray((out + kept)[inner, col])
 
 
 #: A missing cell's noisy count must exceed this many of its noise standard deviations to be
@@ -244,13 +276,13 @@ def missing_mass(count: float, sd: float, n_rows: float) -> float:
 
 
 def column_masses(cells: ColumnCells, block: np.ndarray, sd: np.ndarray,
-                  n_rows: float) -> np.ndarray:
+                  n_rows: float, *, heaps: bool = False) -> np.ndarray:
     """Leaf masses (summing to ``n_rows``) of one continuous column from its release block.
 
     ``block`` is the column's noisy release (coarse cells, then fine leaves) and ``sd`` the
     public noise standard deviation of each of its cells. A missing cell (last coarse cell
     and leaf) is estimated on its own (:func:`missing_mass`); the rest of ``n_rows`` is placed
-    on the value cells.
+    on the value cells. ``heaps``: see :func:`fine_shape`.
     """
     y = np.asarray(block, dtype=np.float64)
     s = np.asarray(sd, dtype=np.float64)
@@ -270,5 +302,6 @@ def column_masses(cells: ColumnCells, block: np.ndarray, sd: np.ndarray,
     first, last = 0, cells.n_value_leaves - 1
     out[first], out[last] = coarse[0], coarse[c - 1]
     start = cells.n_coarse
-    out[cells.fine_leaves] = fine_shape(cells, coarse[1:c - 1], y[start:], s[start:] ** 2)
+    out[cells.fine_leaves] = fine_shape(cells, coarse[1:c - 1], y[start:], s[start:] ** 2,
+                                         heaps=heaps)
     return out

@@ -577,6 +577,7 @@ class PairCorrection:
         if len(tables) != len(checked):
             raise ValidationError(f"{len(checked)} edges but {len(tables)} tables")
         sizes = grid.sizes
+        marg = grid.group_proportions(proportions)
         fine = grid.fine_codes(calibration)
         groups = {c: np.asarray(grid.groups[c][f], dtype=np.int32) for c, f in
                   enumerate(fine)}
@@ -589,6 +590,12 @@ class PairCorrection:
             ga, gb = groups[a], groups[b]
             model = np.bincount(ga * sizes[b] + gb, minlength=sizes[a] * sizes[b]).reshape(
                 sizes[a], sizes[b]) / max(calibration.n_rows, 1)
+            # The rows decode to the DP 1-way marginals (exactly in distribution) and every
+            # step keeps them, so only the rows' dependence is estimated from them: their
+            # table raked to those marginals has no sampling error in its margins, which
+            # the moves (and the shrinkage towards it) would otherwise copy into every
+            # generated table.
+            model = rake_table(model, marg[a], marg[b])
             target = shrunk_target(target, model, noise_sd)
             move = np.divide(target, model, out=np.ones_like(model), where=model > 0)
             move = np.clip(1.0 - move, 0.0, 1.0)

@@ -11,7 +11,8 @@ statistics:
 3. :func:`dpfed.common.synth.generative.fit_factor_model` (generative, with the correlation
    correction) or :func:`row_aligned_model` (row-aligned) -- the factor model;
 4. :func:`calibrated_links` -- the final per-column calibration: decoding links under which
-   the model's latent reproduces every released DP marginal;
+   the model's latent reproduces every released DP marginal (exactly in distribution for
+   ordinal and quantile-linked columns of a generative model);
 5. generative mode with DP pair tables (:mod:`dpfed.common.synth.pair_marginals`):
    :func:`pair_forest` -- the summed noisy dependence scores -> the pairs to measure;
    :func:`fit_pairs` -- the summed noisy pair tables -> the correction of generated rows
@@ -38,7 +39,7 @@ from dpfed.common.synth.generative import (
     decoding_links,
 )
 from dpfed.common.synth.link_release import links_from_proportions, proportions_from_histograms
-from dpfed.common.synth.links import LatentLinks
+from dpfed.common.synth.links import LatentLinks, NominalLink
 from dpfed.common.synth.pair_marginals import (
     Pair,
     PairCorrection,
@@ -55,18 +56,20 @@ FACTOR_WEIGHTING = "size"
 def links_from_histograms(total: np.ndarray, schema: Schema, n_bins: int, *, n_rows: float,
                           continuous_link: str = "quantile",
                           min_proportion: float = 1e-4, resolution: str = "bins",
-                          noise_sd: np.ndarray | None = None
+                          noise_sd: np.ndarray | None = None, heaps: bool = False
                           ) -> tuple[np.ndarray, LatentLinks]:
     """Turn summed DP histograms into (DP proportions, links) (post-processing).
 
     ``n_rows`` is the public pooled row count: every column's block is projected onto the
     counts that sum to it (under ``resolution="fine"`` a continuous column is estimated from
     its coarse and leaf counts with their public noise ``noise_sd``) before the proportions
-    are floored (:func:`dpfed.common.synth.link_release.proportions_from_histograms`).
+    are floored (:func:`dpfed.common.synth.link_release.proportions_from_histograms`;
+    ``heaps`` as there).
     """
     proportions = proportions_from_histograms(total, schema, n_bins,
                                               min_proportion=min_proportion, n_rows=n_rows,
-                                              resolution=resolution, noise_sd=noise_sd)
+                                              resolution=resolution, noise_sd=noise_sd,
+                                              heaps=heaps)
     return proportions, links_from_proportions(schema, proportions, n_bins, continuous_link,
                                                resolution)
 
@@ -112,15 +115,21 @@ def calibrated_links(links: LatentLinks, model: FactorModel, rng: np.random.Gene
                      ) -> tuple[LatentLinks, list[np.ndarray | None]]:
     """Return the decoding links under which the model reproduces the links' DP marginals.
 
-    Generative models are calibrated on :func:`~dpfed.common.synth.generative.
-    calibration_rows` latent rows drawn from the model (``n_rows``: the public row count
-    the releases came from); row-aligned models (``factors`` given) on their own
-    reconstructed latent rows. Returns the decoding links and the calibrated proportions per
-    column (None for identity-linked continuous columns). Post-processing.
+    Generative models: the latent is exactly ``N(0, covariance)``, so every ordinal and
+    quantile-linked column is calibrated exactly from its variance; nominal columns on
+    :func:`~dpfed.common.synth.generative.calibration_rows` latent rows drawn from the model
+    (``n_rows``: the public row count the releases came from), drawn only when there are
+    any. Row-aligned models (``factors`` given) on their own reconstructed latent rows.
+    Returns the decoding links and the calibrated proportions per column (None for
+    identity-linked continuous columns). Post-processing.
     """
-    latent = (model.latent(calibration_rows(n_rows), rng) if factors is None
-              else aligned_latent(factors, model))
-    calibrated = calibrate_proportions(latent, links)
+    if factors is not None:
+        calibrated = calibrate_proportions(aligned_latent(factors, model), links)
+    else:
+        nominal = any(isinstance(link, NominalLink) for link in links.links)
+        latent = model.latent(calibration_rows(n_rows), rng) if nominal else None
+        calibrated = calibrate_proportions(latent, links,
+                                           variances=np.diag(model.covariance()))
     return decoding_links(links, calibrated), calibrated
 
 

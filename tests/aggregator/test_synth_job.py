@@ -62,15 +62,17 @@ STORED = {"mode": "generative", "continuous_link": "quantile", "n_bins": 32,
 
 def test_a_new_job_gets_the_fine_cells_and_the_pair_gate() -> None:
     out = validate(SCHEMA, 1.0, 1e-6)
-    assert out["resolution"] == "fine" and out["pair_gate"] is True
+    assert out["resolution"] == "fine" and out["pair_gate"] is True and out["heaps"] is True
     parsed = SynthParams.parse(out, SCHEMA)
-    assert (parsed.resolution, parsed.pair_gate) == ("fine", True)
+    assert (parsed.resolution, parsed.pair_gate, parsed.heaps) == ("fine", True, True)
     assert parsed.to_mapping() == out  # what the sites parse is what was stored
 
 
 def test_the_analyst_may_ask_for_the_former_layout_and_no_gate() -> None:
     out = validate(SCHEMA, 1.0, 1e-6, resolution="bins", pair_gate=False)
     assert "resolution" not in out and "pair_gate" not in out
+    assert "heaps" not in out  # "bins" has no leaves to find heaps in
+    assert "heaps" not in validate(SCHEMA, 1.0, 1e-6, heaps=False)
 
 
 def test_without_pair_rounds_there_is_no_gate() -> None:
@@ -80,13 +82,15 @@ def test_without_pair_rounds_there_is_no_gate() -> None:
 
 def test_a_stored_job_without_the_keys_parses_as_before_and_keeps_its_bytes() -> None:
     stored = SynthParams.parse(STORED, SCHEMA)
-    assert (stored.resolution, stored.pair_gate) == ("bins", False)
+    assert (stored.resolution, stored.pair_gate, stored.heaps) == ("bins", False, False)
+    fine = SynthParams.parse({**STORED, "resolution": "fine"}, SCHEMA)  # a fine job made before
+    assert not fine.heaps and "heaps" not in fine.to_mapping()
     assert json.dumps(stored.to_mapping(), sort_keys=True) == json.dumps(STORED, sort_keys=True)
 
 
 @pytest.mark.parametrize("params, match", [
     ({"resolution": "coarse"}, "--resolution"), ({"pair_gate": "yes"}, "pair_gate"),
-    ({"pair_gate": 1}, "pair_gate")])
+    ({"pair_gate": 1}, "pair_gate"), ({"heaps": "yes"}, "heaps")])
 def test_bad_resolution_or_gate_is_refused(params: dict[str, object], match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         validate(SCHEMA, 1.0, 1e-6, **params)
@@ -169,10 +173,10 @@ def test_a_two_round_split_without_pairs_is_the_job_before_the_pair_rounds() -> 
     p = SynthParams.parse(old, None)
     assert p.rounds == ("links", "pca") and not p.pair_rounds and p.max_pairs(4) == 0
     assert p.to_mapping() == old
-    # Submitted anew it gets the defaults of new jobs (the fine 1-way cells, missing cells)
-    # and nothing else.
+    # Submitted anew it gets the defaults of new jobs (the fine 1-way cells, missing cells,
+    # heaps) and nothing else.
     assert validate(SCHEMA, 2.0, 1e-5, **old) == {**old, "resolution": "fine",
-                                                  "missing_cells": True}
+                                                  "missing_cells": True, "heaps": True}
 
 
 @pytest.mark.parametrize("bad", [
