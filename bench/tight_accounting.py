@@ -12,7 +12,8 @@ prints side by side, at the job's (or the ledger's) delta:
 ``exact``   an independent composition by Google's dp_accounting: Gaussian rounds by their
             analytic composed Gaussian, Laplace by its PLD, SVT and other pure releases by
             randomized response; a Skellam round by the Gaussian of the same variance (a lower
-            bound on its exact cost, so the Skellam ratios are upper bounds)
+            bound on its exact cost, so the Skellam ratios are upper bounds); a secure discrete
+            Laplace round by dp_accounting's discrete Laplace PLD at its integer L1 sensitivity
 
 and the ratios claim / exact. Job (epsilon, delta) = (1, 1e-6) unless --epsilon/--delta.
 
@@ -25,6 +26,7 @@ import argparse
 import math
 
 import dp_accounting
+import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as oracle_pld
 
 from dpfed.common.data.demo_data import generate_demo
@@ -37,6 +39,7 @@ from dpfed.common.privacy.accounting import PrivacyCost, zcdp_to_epsilon
 from dpfed.common.privacy.mechanisms import GaussianMechanism
 from dpfed.common.privacy.spent import Spent, event_loss
 from dpfed.common.queries.svt import SVTCalibration
+from dpfed.common.secagg.linear_sum import choose_linear_scale, plan_linear
 from dpfed.common.secagg.secure_sum import plan_counts, plan_gram, plan_row_sum, plan_scores
 from dpfed.common.synth.link_release import link_round_cost
 from dpfed.common.synth.pair_marginals import pair_table_mechanism, score_mechanism
@@ -124,6 +127,17 @@ def query_secure(eps: float, delta: float) -> list[PrivacyCost]:
                                     total_rows=3 * N_ROWS, participants=SITES, tolerated=1))]
 
 
+def query_secure_dlaplace(eps: float, delta: float) -> list[PrivacyCost]:
+    """The default secure query (``secure_noise = auto``) on a 64-cell marginal: the job's
+    ranking picks the distributed discrete Laplace there (pure epsilon, ``delta`` unused)."""
+    identity = np.eye(64)
+    scale = choose_linear_scale(identity, total_rows=3 * N_ROWS, epsilon=eps, delta=delta,
+                                n_participants=len(SITES), noise="dlaplace")
+    plan = plan_linear(identity, scale=scale, epsilon=eps, delta=delta, participants=SITES,
+                       tolerated=1, noise="dlaplace").plan
+    return [plan.cost()]
+
+
 def svt(eps: float, delta: float) -> list[PrivacyCost]:
     return [SVTCalibration(eps, cutoff=3).cost()]
 
@@ -159,7 +173,12 @@ def exact_epsilon(events: list[PrivacyCost], delta: float) -> float:
                 c.sensitivity / math.sqrt(c.noise_scale ** 2 * _honest(c.mechanism)))
             mu2 += mu * mu
             continue
-        if pair.method == "laplace":
+        if c.mechanism.startswith("secure-dlaplace["):
+            # the honest total is DLap(alpha) plus independent noise, alpha = e^(-eps/D1)
+            part = oracle_pld.from_discrete_laplace_mechanism(
+                c.epsilon / c.sensitivity, sensitivity=int(round(c.sensitivity)),
+                value_discretization_interval=1e-5)
+        elif pair.method == "laplace":
             part = oracle_pld.from_laplace_mechanism(c.noise_scale, sensitivity=c.sensitivity,
                                                      value_discretization_interval=1e-5)
         else:
@@ -191,7 +210,8 @@ def main() -> None:
     eps, delta = a.epsilon, a.delta
     plans = {"pca (site-level)": pca_site, "pca (secure, t=1)": pca_secure,
              "synth (site-level)": synth_site, "synth (secure, t=1)": synth_secure,
-             "query (site-level)": query_site, "query (secure, t=1)": query_secure,
+             "query (site-level)": query_site, "query (secure, t=1, skellam)": query_secure,
+             "query (secure, t=1, dlaplace)": query_secure_dlaplace,
              "svt": svt, "mixed ledger (30 events)": mixed_ledger}
     print(f"job (epsilon, delta) = ({eps:g}, {delta:g}); claim / exact at the job's delta\n")
     print(f"{'plan':28s} {'events':>6s} {'basic':>9s} {'zcdp':>9s} {'pld':>9s} {'exact':>9s} "
