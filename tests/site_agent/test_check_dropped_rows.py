@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -15,35 +14,14 @@ from dpfed.common.errors import ConfigError
 from dpfed.site_agent.cli import main
 from dpfed.site_agent.config import load_site_config
 from dpfed.site_agent.row_count import CountedData
-
-SCHEMA = """
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 110
-
-[[columns]]
-name = "ward"
-type = "nominal"
-categories = ["a", "b"]
-"""
+from tests.support.site_files import check_site
 
 
 def site_files(tmp_path: Path, *, warn: float | None, on_missing: str = "drop") -> Path:
-    (tmp_path / "schema.toml").write_text(SCHEMA)
     rows = ["age,ward"] + [f"{40 + i % 30},a" for i in range(90)] + ["NA,b"] * 10
     (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")
     extra = "" if warn is None else f"warn_dropped_fraction = {warn}\n"
-    config = tmp_path / "site.toml"
-    config.write_text(
-        "[coordinator]\naddress = \"127.0.0.1:1\"\n\n[tls]\ninsecure = true\n\n"
-        f"[data]\npath = {json.dumps(str(tmp_path / 'data.csv'))}\n"
-        f"schema = {json.dumps(str(tmp_path / 'schema.toml'))}\n"
-        f"on_missing = \"{on_missing}\"\n{extra}\n"
-        f"[ledger]\npath = {json.dumps(str(tmp_path / 'ledger.sqlite'))}\n\n"
-        "[budget]\nepsilon = 1.0\ndelta = 1e-5\n")
-    return config
+    return check_site(tmp_path, tmp_path / "data.csv", f"on_missing = \"{on_missing}\"\n{extra}")
 
 
 def test_check_warns_above_the_threshold(tmp_path: Path,

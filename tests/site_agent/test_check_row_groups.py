@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,19 +14,7 @@ from dpfed.common.data.data_sources import open_data_source, spec_from_path
 from dpfed.common.data.parquet_row_groups import row_group_warning
 from dpfed.common.data.schema import Schema
 from dpfed.site_agent.cli import main
-
-SCHEMA = """
-[[columns]]
-name = "age"
-type = "continuous"
-min = 0
-max = 110
-
-[[columns]]
-name = "ward"
-type = "nominal"
-categories = ["a", "b"]
-"""
+from tests.support.site_files import check_site
 
 
 def write_table(path: Path, row_groups: list[int]) -> None:
@@ -44,8 +31,7 @@ def write_table(path: Path, row_groups: list[int]) -> None:
 
 
 def test_the_largest_group_is_found_from_the_schemas_columns_only(tmp_path: Path) -> None:
-    (tmp_path / "schema.toml").write_text(SCHEMA)
-    schema = Schema.load(tmp_path / "schema.toml")
+    schema = Schema.load(check_site(tmp_path, tmp_path / "data.parquet").parent / "schema.toml")
     write_table(tmp_path / "data.parquet", [1000, 5000, 2000])
     group = open_data_source(spec_from_path(tmp_path / "data.parquet"), schema
                              ).largest_row_group()
@@ -70,15 +56,8 @@ def test_the_largest_group_is_found_from_the_schemas_columns_only(tmp_path: Path
 
 def test_check_prints_the_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "schema.toml").write_text(SCHEMA)
     write_table(tmp_path / "data.parquet", [4000])
-    config = tmp_path / "site.toml"
-    config.write_text(
-        "[coordinator]\naddress = \"127.0.0.1:1\"\n\n[tls]\ninsecure = true\n\n"
-        f"[data]\npath = {json.dumps(str(tmp_path / 'data.parquet'))}\n"
-        f"schema = {json.dumps(str(tmp_path / 'schema.toml'))}\n\n"
-        f"[ledger]\npath = {json.dumps(str(tmp_path / 'ledger.sqlite'))}\n\n"
-        "[budget]\nepsilon = 1.0\ndelta = 1e-5\n")
+    config = check_site(tmp_path, tmp_path / "data.parquet")
     main(["check", "--config", str(config), "--timeout", "1"])
     out = capsys.readouterr().out
     assert "ok      data:" in out and "row group" not in out  # 4000 rows: far below 256 MiB
