@@ -11,9 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+from scipy import stats
+
 from dpfed.aggregator.local_federation import LocalFederation, SiteSettings
 from dpfed.common.privacy.accounting import BudgetPolicy
-from dpfed.common.transport.protocol import JobInfo, JobSpec
+from dpfed.common.transport.protocol import JobInfo, JobSpec, TaskResult
+from dpfed.common.transport.wire import result_from_bytes
 from dpfed.site_agent.ledger import Ledger, LedgerEvent
 
 
@@ -52,6 +56,22 @@ def charged_events(fed: LocalFederation, site_id: str) -> list[LedgerEvent]:
     """Every event in a site's ledger, in the order it was charged (read-only look)."""
     with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
         return list(ledger.events())
+
+
+def released_results(fed: LocalFederation, site_id: str) -> list[TaskResult]:
+    """What a site sent for each charge, in order: its ledger keeps exactly those bytes."""
+    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
+        return [result_from_bytes(ledger.stored_result(e.task_id)) for e in ledger.events()]
+
+
+def ring_uniformity_p(masked: np.ndarray, bits: int = 2) -> float:
+    """Chi-square p-value of the top ``bits`` bits of masked uint64 ring elements.
+
+    Uniform ring elements give a large p-value; an unmasked statistic (integers well inside
+    the ring and their negatives) has its top bits all 0 or all 1.
+    """
+    top = masked.astype(np.uint64) >> np.uint64(64 - bits)
+    return float(stats.chisquare(np.bincount(top.astype(np.int64), minlength=2 ** bits)).pvalue)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -11,18 +11,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from scipy import stats
 
 from dpfed.aggregator.local_federation import LocalFederation
 from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.pca.features import max_feature_norm
-from dpfed.common.privacy.accounting import BudgetPolicy
 from dpfed.common.secagg.masking import sum_masked
-from dpfed.common.transport.wire import result_from_bytes
-from dpfed.site_agent.ledger import Ledger
-from tests.e2e.federations import roomy_settings, running
+from tests.e2e.federations import released_results, ring_uniformity_p, roomy_settings, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -34,11 +30,6 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         task_deadline_s=30, resume_wait_s=10,
         settings=roomy_settings())
     yield from running(federation)
-
-
-def _released(fed: LocalFederation, site_id: str) -> list[tuple[str, bytes]]:
-    with Ledger(fed.ledger_path(site_id), BudgetPolicy(1e6, 0.5)) as ledger:
-        return [(e.task_id, ledger.stored_result(e.task_id)) for e in ledger.events()]
 
 
 def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
@@ -66,14 +57,13 @@ def test_secure_pca_matches_the_pooled_data_and_the_coordinator_sees_only_noise(
     assert secure["participants"] == fed.site_ids and secure["tolerated_colluders"] == 1
     masked = {}
     for site in fed.site_ids:
-        released = [result_from_bytes(data) for _task, data in _released(fed, site)]
+        released = released_results(fed, site)
         # one charge per secure sum: the centred job's mean and Gram, the uncentred Gram,
         # the auto job's norm histogram, mean and Gram
         assert [r.spend.mechanism for r in released] == ["secure-skellam[n=3,t=1]"] * 6
         masked[site] = released[2].arrays["masked"]
         # What the coordinator received from this site, alone, is uniform in the ring.
-        top_bytes = (masked[site].view(np.uint8).reshape(-1, 8)[:, 7]).astype(np.int64)
-        p_value = stats.chisquare(np.bincount(top_bytes // 64, minlength=4)).pvalue
+        p_value = ring_uniformity_p(masked[site])
         assert p_value > 1e-4, (site, p_value)
     # ...and even their sum is uniform: each carries its site's self-mask, which the
     # coordinator only rebuilds from the survivors' revealed shares (the result above shows
@@ -104,5 +94,5 @@ def test_a_site_failing_after_the_key_exchange_leads_to_a_clean_retry(
     assert secure["participants"] == ["hospital-1", "hospital-2"]
     assert any("hospital-3 did not contribute; retrying" in m for m in events)
     # The surviving sites were charged for both attempts (conservatively); nothing was unmasked.
-    assert [len(_released(fed, s)) for s in ("hospital-1", "hospital-2")] == [2, 2]
-    assert _released(fed, "hospital-3") == []
+    assert [len(released_results(fed, s)) for s in ("hospital-1", "hospital-2")] == [2, 2]
+    assert released_results(fed, "hospital-3") == []

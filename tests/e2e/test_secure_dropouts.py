@@ -12,6 +12,7 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dpfed.aggregator.local_federation import LocalFederation
@@ -19,7 +20,13 @@ from dpfed.aggregator.simulate import pooled_reference
 from dpfed.common.data.schema import Schema
 from dpfed.common.pca.dppca import captured_energy, top_components
 from dpfed.common.pca.features import UnitBallMap
-from tests.e2e.federations import charged_events, roomy_settings, running
+from tests.e2e.federations import (
+    charged_events,
+    released_results,
+    ring_uniformity_p,
+    roomy_settings,
+    running,
+)
 from tests.e2e.rogue_coordinator import RogueCoordinator
 from tests.support.secure_driver import SumDriver
 
@@ -63,12 +70,18 @@ def test_two_sites_killed_after_dealing_leave_a_secure_pca_that_completes(
     assert secure["neighbours"] == 8  # sparse: every site masked with 8 of the 9 others
     survivors = secure["survivors"]
     assert set(fed.site_ids) - set(KILLED) <= set(survivors)
+    masked: list[np.ndarray] = []
     for site in fed.site_ids:
         events = charged_events(fed, site)
         if site in KILLED:
             assert len(events) <= 1  # charged only if it masked before it died
         else:  # each survivor charged exactly once, noise sized for n - t - d
             assert [e.mechanism for e in events] == ["secure-skellam[n=10,t=1,d=2]"]
+            masked.append(released_results(fed, site)[0].arrays["masked"])
+    # What the coordinator received from the survivors (each ledger keeps the bytes its site
+    # sent) is uniform in the ring: their inputs stay masked (a survivor's self-mask is removed
+    # only from the sum, with the other survivors' revealed shares). 8 x 15 values, 16 cells.
+    assert ring_uniformity_p(np.concatenate(masked), bits=4) > 1e-6
     schema = Schema.load(fed.schema_path)
     paths = [fed.data_paths[s] for s in survivors]
     reference = pooled_reference(schema, paths, centred=False).matrix
