@@ -45,12 +45,16 @@ from dpfed.common.errors import DataError, ImpossibleSumError, ProtocolError, Va
 from dpfed.common.privacy.polya import (
     DLaplaceCalibration,
     dlaplace_calibrate,
-    polya_tail,
 )
 from dpfed.common.privacy.skellam import SkellamCalibration, skellam_calibrate
 from dpfed.common.queries.federated_matrix import replace_one_sensitivity
-from dpfed.common.secagg.fixed_point import SAFE_ABS, skellam_tail
-from dpfed.common.secagg.secure_sum import MU_MAX, SecureSumPlan, check_participants
+from dpfed.common.secagg.fixed_point import SAFE_ABS
+from dpfed.common.secagg.secure_sum import (
+    MU_MAX,
+    SecureSumPlan,
+    check_participants,
+    pooled_noise_tail,
+)
 from dpfed.common.validation import check_finite_array, check_int
 
 __all__ = [
@@ -268,11 +272,7 @@ def choose_linear_scale(matrix: Any, *, total_rows: int, epsilon: float, delta: 
         cal = linear_calibration(noise, epsilon, delta, s * l2a + math.sqrt(k), s * l1a + k)
         if cal.mu > MU_MAX:
             continue
-        if isinstance(cal, DLaplaceCalibration):
-            tail = polya_tail(float(n_parties), cal.alpha, k)
-        else:
-            tail = skellam_tail(cal.mu * n_parties, k)
-        if not _fits_ring(n_total, m, tail):
+        if not _fits_ring(n_total, m, pooled_noise_tail(cal, float(n_parties), k)):
             continue
         return int(s)
     raise ValidationError(f"no fixed-point scale fits this strategy ({k} x {a.shape[1]}) and "

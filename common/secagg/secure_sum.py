@@ -65,6 +65,7 @@ __all__ = [
     "plan_row_sum",
     "plan_scores",
     "plan_within_rho",
+    "pooled_noise_tail",
     "score_bound",
     "site_contribution",
 ]
@@ -179,12 +180,9 @@ class SecureSumPlan:
         Skellam: Bernstein's bound; Pólya shares: the Chernoff bound of
         :func:`dpfed.common.privacy.polya.polya_tail` at the pooled shape ``n r``.
         """
-        cal = self.calibration
-        if isinstance(cal, DLaplaceCalibration):
-            shape = len(self.participants) * polya_shape(len(self.participants),
-                                                         self.tolerated, self.dropouts)
-            return polya_tail(shape, cal.alpha, n_values)
-        return skellam_tail(self.pooled_variance, n_values)
+        n = len(self.participants)
+        return pooled_noise_tail(self.calibration, n / (n - self.tolerated - self.dropouts),
+                                 n_values)
 
     @property
     def share(self) -> float:
@@ -200,6 +198,20 @@ class SecureSumPlan:
         errors must use.
         """
         return self.share * len(self.participants)
+
+
+def pooled_noise_tail(cal: SkellamCalibration | DLaplaceCalibration, pooled: float,
+                      n_values: int) -> float:
+    """Return T: noise of ``pooled`` times the calibrated one exceeds it w.p. ``2^-60``.
+
+    ``pooled`` multiplies the calibrated noise: ``n / (n - t - d)`` for a decoded sum; a
+    Skellam variance ``mu`` becomes ``pooled mu`` (Bernstein's bound,
+    :func:`~dpfed.common.secagg.fixed_point.skellam_tail`), the discrete Laplace's unit Pólya
+    shape becomes ``pooled`` (:func:`dpfed.common.privacy.polya.polya_tail`).
+    """
+    if isinstance(cal, DLaplaceCalibration):
+        return polya_tail(pooled, cal.alpha, n_values)
+    return skellam_tail(cal.mu * pooled, n_values)
 
 
 #: The statistics a secure sum can carry and their degree in the fixed-point scale (``linear``
