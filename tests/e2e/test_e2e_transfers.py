@@ -43,7 +43,10 @@ def rss_mib(pid: int) -> float:
 
 
 @pytest.fixture
-def fed(tmp_path: Path) -> Iterator[LocalFederation]:
+def fed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalFederation]:
+    # RSS should show what the coordinator keeps, not glibc's load-dependent arena cache (see
+    # test_e2e_hardening's transfer test): a fixed mmap threshold returns freed chunks.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     federation = LocalFederation.create(tmp_path / "fed", n_sites=3, rows=200, features=4,
                                         seed=6, min_sites=2, task_deadline_s=120,
                                         settings=roomy_settings())
